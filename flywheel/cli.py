@@ -1,0 +1,139 @@
+"""The ``flywheel`` command: one entrypoint per process role, thin by design.
+
+Each subcommand parses settings once (environment, ``flywheel.toml``, flags), logs them as one JSON
+line, and hands the object to the role's ``run`` function. Heavy imports (torch, vLLM,
+transformers) happen inside the role, so ``flywheel --help`` stays instant.
+
+    flywheel broker [--port 9092]          embedded Kafka-protocol broker (in memory)
+    flywheel model init DIR [--vocab 512]  build a small model + tokenizer, HF format
+    flywheel serve                         OpenAI-compatible API + feedback, records to Kafka
+    flywheel topics                        create the topics this deployment uses
+    flywheel ingest | reward | train       the pipeline stages
+    flywheel demo                          the whole loop on one machine, then stop
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from flywheel.settings import Settings, SettingsError, describe, load_settings
+
+log = logging.getLogger("flywheel")
+
+
+def _settings(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> Settings:
+    settings = load_settings(config_file=args.config, overrides=overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    log.info("settings %s", describe(settings))
+    return settings
+
+
+def cmd_broker(args: argparse.Namespace) -> int:
+    from flywheel.broker import EmbeddedBroker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    broker = EmbeddedBroker(port=args.port, host=args.host).start()
+    print(f"broker listening on {broker.bootstrap}; Ctrl-C stops it", flush=True)
+    try:
+        return broker.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        broker.stop()
+
+
+def cmd_model_init(args: argparse.Namespace) -> int:
+    from flywheel.modelinit import ModelSpec, init_model
+
+    spec = ModelSpec(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate or 2 * args.hidden,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads or args.heads,
+        max_position=args.max_position,
+        seed=args.seed,
+        dtype=args.dtype,
+    )
+    path = init_model(Path(args.dir), spec)
+    print(f"model written to {path}")
+    return 0
+
+
+def cmd_topics(args: argparse.Namespace) -> int:
+    from flywheel.bus import ensure_topics
+    from flywheel.contracts import Topics
+
+    settings = _settings(args)
+    topics = Topics(settings.topic_prefix)
+    ensure_topics(settings.kafka, topics.all())
+    print("\n".join(topics.all()))
+    return 0
+
+
+def _role(module: str) -> Callable[[argparse.Namespace], int]:
+    """A subcommand whose work lives in a stage package's ``main.run(settings, args)``."""
+
+    def run(args: argparse.Namespace) -> int:
+        settings = _settings(args)
+        return int(importlib.import_module(module).run(settings, args) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path, default=None, help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (in memory)")
+    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument("--port", type=int, default=9092)
+    b.set_defaults(func=cmd_broker)
+
+    m = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_cmd", required=True)
+    mi = m.add_parser("init", help="build a small Llama-style model and tokenizer locally")
+    mi.add_argument("dir")
+    mi.add_argument("--vocab", type=int, default=512)
+    mi.add_argument("--hidden", type=int, default=128)
+    mi.add_argument("--intermediate", type=int, default=0, help="MLP width (default 2 x hidden)")
+    mi.add_argument("--layers", type=int, default=2)
+    mi.add_argument("--heads", type=int, default=4)
+    mi.add_argument("--kv-heads", type=int, default=0, help="default: same as --heads")
+    mi.add_argument("--max-position", type=int, default=512)
+    mi.add_argument("--seed", type=int, default=0)
+    mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mi.set_defaults(func=cmd_model_init)
+
+    t = sub.add_parser("topics", help="create this deployment's topics if missing")
+    t.set_defaults(func=cmd_topics)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible API and feedback endpoint")
+    s.set_defaults(func=_role("serving.main"))
+
+    d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
+    d.add_argument("--seconds", type=float, default=0, help="how long to run (0: the scripted session only)")
+    d.set_defaults(func=_role("flywheel.demo"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SettingsError as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Every record that crosses a topic, typed and versioned, shared by producer and consumer.
+
+Each event is a frozen pydantic model told apart by a ``kind`` literal and carrying a
+``schema_version``. Producers call :func:`encode`; consumers call :func:`decode` at their edge,
+which raises :class:`ContractError` with a machine-readable ``reason`` that the consumer puts on
+the dead-letter topic. Records are keyed by ``generation_id`` wherever one exists, so a generation,
+its feedback, its episode and its reward land on the same partition number of their topics.
+
+Direction of each record is noted beside its class.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+#: Largest record any consumer accepts before dead-lettering it as ``oversized``.
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+
+Signal = Literal["accept", "reject", "edit", "ignore"]
+SIGNALS: tuple[str, ...] = ("accept", "reject", "edit", "ignore")
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def now() -> float:
+    """Wall-clock seconds since the epoch; a function so defaults are taken per record."""
+    return time.time()
+
+
+class _Event(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: int = 1
+
+
+class SamplingParams(BaseModel):
+    """The sampler's settings for one generation: the trainer needs them to recompute logprobs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    temperature: float = Field(ge=0.0)
+    top_p: float = Field(gt=0.0, le=1.0)
+    top_k: int = -1
+    max_tokens: int = Field(ge=1)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    #: Which distribution ``logprobs`` come from: ``processed`` = after temperature/top-p/top-k,
+    #: i.e. the distribution the token was actually drawn from (what importance sampling needs).
+    logprobs_mode: Literal["processed", "raw"] = "processed"
+
+
+# serving -> ingest
+class GenerationEvent(_Event):
+    """One sampled completion, complete enough for off-policy RL."""
+
+    kind: Literal["generation"] = "generation"
+    generation_id: str = Field(min_length=1, max_length=128)
+    #: The API response id; choices of one request (``n > 1``) share it (a GRPO group).
+    group_id: str = Field(min_length=1, max_length=128)
+    choice_index: int = Field(default=0, ge=0)
+    model_name: str
+    model_version: int = Field(ge=0)
+    user_id: str = Field(min_length=1, max_length=128)
+    endpoint: Literal["completions", "chat"]
+    created_at: float
+    completed_at: float
+    latency_ms: float = Field(ge=0.0)
+    prompt_text: str
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    completion_text: str
+    completion_token_ids: tuple[int, ...]
+    #: The sampler's log-probability of each sampled completion token, one per token.
+    logprobs: tuple[float, ...]
+    sampling: SamplingParams
+    finish_reason: FinishReason
+
+    @model_validator(mode="after")
+    def _one_logprob_per_token(self) -> "GenerationEvent":
+        if len(self.logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"logprobs has {len(self.logprobs)} entries for "
+                f"{len(self.completion_token_ids)} completion tokens"
+            )
+        if self.completed_at < self.created_at:
+            raise ValueError("completed_at is before created_at")
+        return self
+
+
+# serving -> ingest
+class FeedbackEvent(_Event):
+    """A user's signal on one generation. ``feedback_id`` is the idempotency key."""
+
+    kind: Literal["feedback"] = "feedback"
+    feedback_id: str = Field(min_length=1, max_length=128)
+    generation_id: str = Field(min_length=1, max_length=128)
+    signal: Signal
+    edited_text: str | None = None
+    #: Milliseconds the user took to decide, when the product measured it.
+    decision_ms: float | None = Field(default=None, ge=0.0)
+    user_id: str | None = Field(default=None, max_length=128)
+    created_at: float
+    received_at: float
+
+    @model_validator(mode="after")
+    def _edit_has_text(self) -> "FeedbackEvent":
+        if self.signal == "edit" and self.edited_text is None:
+            raise ValueError("signal 'edit' needs edited_text")
+        return self
+
+
+# ingest -> reward
+class EpisodeEvent(_Event):
+    """A generation joined with its resolved user signal (``ignore`` when none came in time)."""
+
+    kind: Literal["episode"] = "episode"
+    generation: GenerationEvent
+    signal: Signal
+    edited_text: str | None = None
+    decision_ms: float | None = None
+    #: Every distinct feedback id that was folded into ``signal``.
+    feedback_ids: tuple[str, ...] = ()
+    #: True when the window closed with no feedback (``signal`` is then ``ignore``).
+    timed_out: bool = False
+    #: True when feedback for this generation disagreed and the resolution rule picked one.
+    conflicted: bool = False
+    resolved_at: float
+
+    @property
+    def generation_id(self) -> str:
+        return self.generation.generation_id
+
+
+# reward -> trainer
+class RewardEvent(_Event):
+    """A labeled sample: tokens, behaviour logprobs, the scalar reward and how it was made."""
+
+    kind: Literal["reward"] = "reward"
+    generation_id: str = Field(min_length=1, max_length=128)
+    group_id: str
+    user_id: str
+    model_version: int = Field(ge=0)
+    signal: Signal
+    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    completion_token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    sampling: SamplingParams
+    reward: float
+    #: Named parts of ``reward`` (e.g. ``signal``, ``edit``, ``length_penalty``).
+    components: dict[str, float] = Field(default_factory=dict)
+    #: Sample weight in [0, 1] after abuse guards (down-weighted users get < 1).
+    weight: float = Field(default=1.0, ge=0.0, le=1.0)
+    #: Guard flags such as ``constant_user``, ``rate_anomaly``, ``repetition``.
+    flags: tuple[str, ...] = ()
+    generated_at: float
+    labeled_at: float
+
+
+# trainer -> serving, release
+class CheckpointEvent(_Event):
+    """A published policy version in the checkpoint store."""
+
+    kind: Literal["checkpoint"] = "checkpoint"
+    version: int = Field(ge=0)
+    parent: int | None = None
+    step: int = Field(ge=0)
+    #: Where the version lives in the checkpoint store (a local path or an fsspec URL).
+    uri: str
+    #: sha256 of the version's manifest file; serving refuses weights that do not match.
+    manifest_sha256: str = Field(min_length=64, max_length=64)
+    dtype: str
+    full_snapshot: bool
+    samples: int = Field(ge=0)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    created_at: float
+
+
+# release -> serving
+class ReleaseEvent(_Event):
+    """Desired routing: which version is stable, which is canary, and the canary's share."""
+
+    kind: Literal["release"] = "release"
+    revision: int = Field(ge=0)
+    stable_version: int = Field(ge=0)
+    canary_version: int | None = None
+    canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    reason: str = ""
+    updated_at: float
+
+
+# any stage -> deadletter
+class DeadLetterEvent(_Event):
+    """A record a stage could not use, with the original bytes and where they came from."""
+
+    kind: Literal["deadletter"] = "deadletter"
+    stage: str
+    reason: str
+    detail: str = ""
+    source_topic: str
+    source_partition: int | None = None
+    source_offset: int | None = None
+    #: Original key and value, base64 so arbitrary bytes survive JSON.
+    key_b64: str | None = None
+    value_b64: str = ""
+    failed_at: float
+
+
+Event = Annotated[
+    GenerationEvent
+    | FeedbackEvent
+    | EpisodeEvent
+    | RewardEvent
+    | CheckpointEvent
+    | ReleaseEvent
+    | DeadLetterEvent,
+    Field(discriminator="kind"),
+]
+
+E = TypeVar("E", bound=_Event)
+
+#: Schema versions each kind's consumers understand.
+SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {
+    "generation": frozenset({1}),
+    "feedback": frozenset({1}),
+    "episode": frozenset({1}),
+    "reward": frozenset({1}),
+    "checkpoint": frozenset({1}),
+    "release": frozenset({1}),
+    "deadletter": frozenset({1}),
+}
+
+
+class ContractError(ValueError):
+    """A record that does not satisfy its contract. ``reason`` is a short stable code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def encode(event: _Event) -> bytes:
+    """Serialise an event to its wire form (UTF-8 JSON)."""
+    return event.model_dump_json().encode("utf-8")
+
+
+def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES) -> E:
+    """Decode and validate one record as ``cls``; raise :class:`ContractError` on any failure.
+
+    Reasons: ``empty``, ``oversized``, ``undecodable`` (not UTF-8 JSON), ``wrong_kind``,
+    ``unknown_version``, ``invalid`` (fails the schema; ``detail`` names the fields).
+    """
+    if not raw:
+        raise ContractError("empty", "record has no value")
+    if len(raw) > max_bytes:
+        raise ContractError("oversized", f"{len(raw)} bytes > limit {max_bytes}")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ContractError("undecodable", f"not UTF-8 JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ContractError("undecodable", f"expected a JSON object, got {type(obj).__name__}")
+    want = cls.model_fields["kind"].default
+    if obj.get("kind", want) != want:
+        raise ContractError("wrong_kind", f"expected kind {want!r}, got {obj.get('kind')!r}")
+    version = obj.get("schema_version", 1)
+    if version not in SUPPORTED_VERSIONS[want]:
+        raise ContractError("unknown_version", f"{want} schema_version {version!r} not supported")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        raise ContractError("invalid", _summarise(exc)) from None
+
+
+def _summarise(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "record"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Topics:
+    """Topic names under one prefix (``FLYWHEEL_TOPIC_PREFIX``, default ``flywheel.``)."""
+
+    prefix: str = "flywheel."
+
+    @property
+    def generations(self) -> str:
+        return f"{self.prefix}generations"
+
+    @property
+    def feedback(self) -> str:
+        return f"{self.prefix}feedback"
+
+    @property
+    def episodes(self) -> str:
+        return f"{self.prefix}episodes"
+
+    @property
+    def rewards(self) -> str:
+        return f"{self.prefix}rewards"
+
+    @property
+    def checkpoints(self) -> str:
+        return f"{self.prefix}checkpoints"
+
+    @property
+    def releases(self) -> str:
+        return f"{self.prefix}releases"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}deadletter"
+
+    def all(self) -> tuple[str, ...]:
+        return (
+            self.generations,
+            self.feedback,
+            self.episodes,
+            self.rewards,
+            self.checkpoints,
+            self.releases,
+            self.deadletter,
+        )
+
+

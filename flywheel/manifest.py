@@ -1,0 +1,138 @@
+"""Model-directory manifests: what a published version contains and the hashes that prove it.
+
+A served model directory is a Hugging Face directory (``config.json``, tokenizer files,
+``*.safetensors``) plus ``flywheel-manifest.json``. The manifest lists the sha256 of every file and
+of every tensor's raw bytes. Serving calls :func:`verify_dir` before it loads weights and refuses a
+directory whose bytes do not match; the trainer writes manifests when it publishes a version and the
+delta codec checks tensor hashes after reconstructing a version from its chain.
+
+Tensor hashes are computed from the safetensors byte layout directly (8-byte header length, JSON
+header, raw data), so they need neither torch nor a dtype numpy understands (bf16).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST_NAME = "flywheel-manifest.json"
+FORMAT = "flywheel-manifest/1"
+
+
+class ManifestError(ValueError):
+    """A directory that is not exactly what its manifest says."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the byte offset where tensor data starts."""
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, list[int], bytes]]:
+    """Yield ``(name, dtype, shape, raw bytes)`` for each tensor in a safetensors file."""
+    header, base = safetensors_header(path)
+    with path.open("rb") as f:
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            f.seek(base + start)
+            yield name, meta["dtype"], meta["shape"], f.read(end - start)
+
+
+def tensor_hashes(directory: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        for name, _dtype, _shape, raw in iter_tensor_bytes(path):
+            out[name] = hashlib.sha256(raw).hexdigest()
+    return out
+
+
+def build(directory: Path, *, version: int, parent: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Describe ``directory`` as it is now (every file except the manifest itself)."""
+    files = {
+        p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    if not any(name.endswith(".safetensors") for name in files):
+        raise ManifestError(f"{directory} holds no .safetensors weights")
+    dtypes = {
+        meta["dtype"]
+        for p in directory.glob("*.safetensors")
+        for name, meta in safetensors_header(p)[0].items()
+        if name != "__metadata__"
+    }
+    return {
+        "format": FORMAT,
+        "version": version,
+        "parent": parent,
+        "dtype": ",".join(sorted(dtypes)),
+        "created_at": time.time(),
+        "files": files,
+        "tensors": tensor_hashes(directory),
+        **(extra or {}),
+    }
+
+
+def write(directory: Path, manifest: dict[str, Any]) -> str:
+    """Write the manifest atomically; return its sha256 (what announcements carry)."""
+    path = directory / MANIFEST_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    tmp.replace(path)
+    return sha256_file(path)
+
+
+def read(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ManifestError(f"{directory} has no {MANIFEST_NAME}; refusing unverified weights") from None
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{path} is not valid JSON: {exc}") from None
+    if manifest.get("format") != FORMAT:
+        raise ManifestError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def verify_dir(directory: Path, expect_manifest_sha256: str | None = None) -> dict[str, Any]:
+    """Check every file against the manifest (and the manifest against an announced hash).
+
+    Returns the manifest. Raises :class:`ManifestError` naming the first mismatch.
+    """
+    directory = Path(directory)
+    manifest = read(directory)
+    if expect_manifest_sha256 is not None:
+        actual = sha256_file(directory / MANIFEST_NAME)
+        if actual != expect_manifest_sha256:
+            raise ManifestError(
+                f"manifest of {directory} hashes to {actual[:12]}…, announced {expect_manifest_sha256[:12]}…"
+            )
+    for name, meta in manifest["files"].items():
+        path = directory / name
+        if not path.is_file():
+            raise ManifestError(f"{directory}: file {name} listed in the manifest is missing")
+        actual = sha256_file(path)
+        if actual != meta["sha256"]:
+            raise ManifestError(f"{directory}: {name} hash mismatch (got {actual[:12]}…, manifest {meta['sha256'][:12]}…)")
+    extra = {p.name for p in directory.glob("*.safetensors")} - set(manifest["files"])
+    if extra:
+        raise ManifestError(f"{directory}: weights not in the manifest: {sorted(extra)}")
+    return manifest

@@ -1,0 +1,214 @@
+"""Settings, parsed once at each entrypoint and passed down as one validated object.
+
+Sources, later wins: built-in defaults < ``flywheel.toml`` (path from ``FLYWHEEL_CONFIG``, else
+``./flywheel.toml`` when present) < environment variables. An environment variable names a field
+as ``FLYWHEEL_<SECTION>_<FIELD>`` (``FLYWHEEL_SERVE_PORT`` -> ``serve.port``) or, for top-level
+fields, ``FLYWHEEL_<FIELD>`` (``FLYWHEEL_DATA_DIR``). A few historical names are aliases (see
+``_ALIASES``). Unknown ``FLYWHEEL_*`` variables are an error, so a typo never silently does nothing.
+
+This module must stay free of torch and of stage code: every process imports it first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class KafkaSettings(_Section):
+    bootstrap: str = "127.0.0.1:9092"
+    """Comma-separated ``host:port`` list of the Kafka cluster (or the embedded broker)."""
+    client_id: str = "flywheel"
+    """Prefix of every client id; the process role is appended."""
+    session_timeout_ms: int = Field(default=10_000, ge=1_000)
+    """Consumer-group session timeout. The embedded broker holds a join for half of it, so tests
+    and the demo use ~2000 for fast rebalances; production clusters keep 10-45 s."""
+    heartbeat_interval_ms: int = Field(default=3_000, ge=100)
+    """Consumer heartbeat; must be well under ``session_timeout_ms``."""
+    partitions: int = Field(default=4, ge=1)
+    """Partitions for topics Flywheel creates itself (existing topics are left as they are)."""
+    replication_factor: int = Field(default=1, ge=1)
+    """Replication for topics Flywheel creates; 3 on a production cluster."""
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Largest produce request; records hold token ids and logprobs, so allow a few MB."""
+    linger_ms: int = Field(default=5, ge=0)
+    """Producer batching delay: trades a few ms of latency for far fewer requests."""
+
+    @field_validator("heartbeat_interval_ms")
+    @classmethod
+    def _heartbeat_below_session(cls, v: int, info: Any) -> int:
+        session = info.data.get("session_timeout_ms", 10_000)
+        if v * 3 > session:
+            raise ValueError(
+                f"heartbeat_interval_ms={v} must be at most a third of session_timeout_ms={session}"
+            )
+        return v
+
+
+class ServeSettings(_Section):
+    host: str = "127.0.0.1"
+    """Interface the API binds to; 0.0.0.0 behind a load balancer."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """API port (``FLYWHEEL_SERVE_PORT``); 0 picks a free one."""
+    api_keys: tuple[str, ...] = ()
+    """Product API keys (``FLYWHEEL_API_KEYS``, comma-separated). Empty means no auth, allowed
+    only with ``allow_anonymous`` so an unauthenticated deployment is always a deliberate act."""
+    allow_anonymous: bool = False
+    """Accept requests without an API key when ``api_keys`` is empty (local demo only)."""
+    model_name: str = "flywheel"
+    """Deployment name listed by ``GET /v1/models``; responses name ``<model_name>@v<version>``."""
+    rate_limit_per_minute: float = Field(default=600.0, gt=0)
+    """Sustained requests per minute allowed to one user (token bucket)."""
+    rate_limit_burst: int = Field(default=60, ge=1)
+    """Requests one user may make at once before the sustained rate applies."""
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    """Larger request bodies get 413."""
+    max_tokens_limit: int = Field(default=1024, ge=1)
+    """Upper bound on ``max_tokens`` a client may ask for."""
+    max_n: int = Field(default=8, ge=1)
+    """Upper bound on ``n`` (samples per prompt; choices of one request form a GRPO group)."""
+    user_id_salt: str = "flywheel-dev-salt"
+    """Secret mixed into user pseudonyms (HMAC-SHA256); set a real secret in production."""
+    ack_timeout_s: float = Field(default=2.0, gt=0)
+    """How long to wait for a broker ack before an event goes to the local journal instead."""
+    journal_max_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
+    """Bound on the local journal; when full, feedback answers 503 rather than lose data."""
+    vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
+    """KV-cache size on the CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Share of GPU memory vLLM may use on a GPU machine."""
+    max_model_len: int | None = None
+    """Context length served; defaults to the model's ``max_position_embeddings``."""
+    max_num_seqs: int = Field(default=64, ge=1)
+    """Sequences the engine batches at once (continuous batching)."""
+    enforce_eager: bool = True
+    """Skip graph capture: starts much faster on the CPU and small models."""
+    dtype: str = "auto"
+    """Engine dtype (``auto`` follows the checkpoint; ``bfloat16`` on most GPUs)."""
+
+
+class Settings(_Section):
+    """Everything a Flywheel process may be configured with."""
+
+    model_dir: Path = Path("data/model")
+    """Hugging Face model directory served at start (``FLYWHEEL_MODEL_DIR``)."""
+    data_dir: Path = Path("data")
+    """Journals, checkpoints, archives and databases live under here (``FLYWHEEL_DATA_DIR``)."""
+    topic_prefix: str = "flywheel."
+    """Prefix of every topic name (``FLYWHEEL_TOPIC_PREFIX``)."""
+    log_level: str = "INFO"
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings)
+    serve: ServeSettings = Field(default_factory=ServeSettings)
+
+
+#: Environment names kept short because operators type them most.
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "FLYWHEEL_API_KEYS": ("serve", "api_keys"),
+    "FLYWHEEL_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
+}
+_NOT_SETTINGS = {"FLYWHEEL_CONFIG"}
+
+
+class SettingsError(ValueError):
+    """Configuration that cannot be used; the message says which setting and why."""
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None,
+    config_file: Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build :class:`Settings` from defaults, the TOML file, the environment and ``overrides``.
+
+    ``overrides`` is a nested dict (what command-line flags set) applied last.
+    """
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {}
+    path = config_file or (Path(env["FLYWHEEL_CONFIG"]) if "FLYWHEEL_CONFIG" in env else None)
+    if path is None and Path("flywheel.toml").is_file():
+        path = Path("flywheel.toml")
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"cannot read config file {path}: {exc}") from None
+    _merge(data, _from_env(env))
+    _merge(data, dict(overrides or {}))
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        msgs = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise SettingsError("invalid settings: " + "; ".join(msgs)) from None
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sections = {
+        name: field.annotation
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    for key, raw in env.items():
+        if not key.startswith("FLYWHEEL_") or key in _NOT_SETTINGS:
+            continue
+        path = _ALIASES.get(key) or _env_path(key[len("FLYWHEEL_"):].lower(), sections)
+        if path is None:
+            raise SettingsError(f"unknown setting {key}; see flywheel/settings.py for the names")
+        _merge(out, _nest(path, _coerce(path, raw, sections)))
+    return out
+
+
+def _env_path(name: str, sections: dict[str, Any]) -> tuple[str, ...] | None:
+    if name in Settings.model_fields and name not in sections:
+        return (name,)
+    for section, model in sections.items():
+        prefix = section + "_"
+        if name.startswith(prefix) and name[len(prefix):] in model.model_fields:
+            return (section, name[len(prefix):])
+    return None
+
+
+def _coerce(path: tuple[str, ...], raw: str, sections: dict[str, Any]) -> Any:
+    """Strings from the environment become lists for tuple fields; pydantic does the rest."""
+    model = sections[path[0]] if len(path) == 2 else Settings
+    annotation = str(model.model_fields[path[-1]].annotation)
+    if annotation.startswith("tuple"):
+        raw = raw.strip()
+        if raw.startswith("["):
+            return json.loads(raw)
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    return raw
+
+
+def _nest(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {path[-1]: value}
+    for part in reversed(path[:-1]):
+        out = {part: out}
+    return out
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = value
+
+
+def describe(settings: Settings) -> str:
+    """Settings as one JSON line for the start-up log, with secrets masked."""
+    data = settings.model_dump(mode="json")
+    serve = data.get("serve", {})
+    if serve.get("api_keys"):
+        serve["api_keys"] = [k[:3] + "***" for k in serve["api_keys"]]
+    serve["user_id_salt"] = "***"
+    return json.dumps(data, sort_keys=True)

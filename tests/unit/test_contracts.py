@@ -1,0 +1,104 @@
+"""Wire contracts: round trips, and every way a record can be bad maps to a stable reason."""
+
+import json
+
+import pytest
+
+from flywheel.contracts import (
+    ContractError,
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    Topics,
+    decode,
+    encode,
+)
+
+
+def _generation(**kw):
+    base = dict(
+        generation_id="g1",
+        group_id="g1",
+        model_name="m",
+        model_version=0,
+        user_id="u1",
+        endpoint="completions",
+        created_at=1.0,
+        completed_at=2.0,
+        latency_ms=1000.0,
+        prompt_text="hi",
+        prompt_token_ids=(1, 2),
+        completion_text="yo",
+        completion_token_ids=(3, 4, 5),
+        logprobs=(-0.1, -0.2, -0.3),
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8),
+        finish_reason="length",
+    )
+    base.update(kw)
+    return GenerationEvent(**base)
+
+
+def test_generation_round_trip():
+    g = _generation()
+    assert decode(GenerationEvent, encode(g)) == g
+
+
+def test_logprobs_must_match_tokens():
+    with pytest.raises(ValueError, match="logprobs has 2 entries for 3"):
+        _generation(logprobs=(-0.1, -0.2))
+
+
+def test_edit_needs_text():
+    with pytest.raises(ValueError, match="edited_text"):
+        FeedbackEvent(feedback_id="f", generation_id="g", signal="edit", created_at=1, received_at=1)
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        (b"", "empty"),
+        (b"\xff\xfe", "undecodable"),
+        (b"[1, 2]", "undecodable"),
+        (b"{not json", "undecodable"),
+        (json.dumps({"kind": "generation"}).encode(), "wrong_kind"),
+        (json.dumps({"kind": "feedback", "schema_version": 99}).encode(), "unknown_version"),
+        (json.dumps({"kind": "feedback", "feedback_id": "f"}).encode(), "invalid"),
+        (
+            json.dumps(
+                {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "love",
+                 "created_at": 1, "received_at": 1}
+            ).encode(),
+            "invalid",
+        ),
+        (b"{" + b" " * 200 + b"}", "oversized"),
+    ],
+)
+def test_decode_reasons(raw, reason):
+    with pytest.raises(ContractError) as info:
+        decode(FeedbackEvent, raw, max_bytes=120 if reason != "oversized" else 64)
+    assert info.value.reason == reason
+    assert info.value.detail
+
+
+def test_invalid_detail_names_the_field():
+    raw = json.dumps(
+        {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "love",
+         "created_at": 1, "received_at": 1}
+    ).encode()
+    with pytest.raises(ContractError, match="signal"):
+        decode(FeedbackEvent, raw)
+
+
+def test_unknown_fields_are_rejected():
+    raw = json.loads(encode(_generation()))
+    raw["surprise"] = 1
+    with pytest.raises(ContractError) as info:
+        decode(GenerationEvent, json.dumps(raw).encode())
+    assert info.value.reason == "invalid"
+
+
+def test_topics_follow_prefix():
+    t = Topics("x.")
+    assert t.generations == "x.generations"
+    assert t.deadletter == "x.deadletter"
+    assert len(set(t.all())) == 7

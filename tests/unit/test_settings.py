@@ -1,0 +1,54 @@
+"""Settings: env beats file beats defaults; typos and contradictions fail with a clear message."""
+
+import pytest
+
+from flywheel.settings import SettingsError, load_settings
+
+
+def test_defaults():
+    s = load_settings(env={})
+    assert s.serve.port == 8000
+    assert s.topic_prefix == "flywheel."
+
+
+def test_required_environment_names():
+    s = load_settings(
+        env={
+            "FLYWHEEL_KAFKA_BOOTSTRAP": "k1:9092,k2:9092",
+            "FLYWHEEL_MODEL_DIR": "/models/x",
+            "FLYWHEEL_DATA_DIR": "/var/fw",
+            "FLYWHEEL_API_KEYS": "a, b ,c",
+            "FLYWHEEL_SERVE_PORT": "9001",
+            "FLYWHEEL_TOPIC_PREFIX": "prod.",
+        }
+    )
+    assert s.kafka.bootstrap == "k1:9092,k2:9092"
+    assert str(s.model_dir) == "/models/x"
+    assert str(s.data_dir) == "/var/fw"
+    assert s.serve.api_keys == ("a", "b", "c")
+    assert s.serve.port == 9001
+    assert s.topic_prefix == "prod."
+
+
+def test_file_then_env(tmp_path):
+    cfg = tmp_path / "flywheel.toml"
+    cfg.write_text('topic_prefix = "file."\n[serve]\nport = 7000\nmodel_name = "fromfile"\n')
+    s = load_settings(env={"FLYWHEEL_SERVE_PORT": "7100"}, config_file=cfg)
+    assert s.serve.port == 7100
+    assert s.serve.model_name == "fromfile"
+    assert s.topic_prefix == "file."
+
+
+def test_unknown_variable_is_an_error():
+    with pytest.raises(SettingsError, match="FLYWHEEL_SERVE_PROT"):
+        load_settings(env={"FLYWHEEL_SERVE_PROT": "1"})
+
+
+def test_bad_value_names_the_field():
+    with pytest.raises(SettingsError, match="serve.port"):
+        load_settings(env={"FLYWHEEL_SERVE_PORT": "not-a-port"})
+
+
+def test_heartbeat_must_be_below_session_timeout():
+    with pytest.raises(SettingsError, match="heartbeat_interval_ms"):
+        load_settings(env={"FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000", "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "1500"})
