@@ -96,6 +96,70 @@ class ServeSettings(_Section):
     """Engine dtype (``auto`` follows the checkpoint; ``bfloat16`` on most GPUs)."""
 
 
+class TrainerSettings(_Section):
+    group_id: str = "flywheel-trainer"
+    """Consumer group on the rewards topic. Its committed offsets are for lag monitoring only: a
+    restart resumes from the offsets stored inside the latest durable checkpoint."""
+    deepspeed_config: Path | None = None
+    """DeepSpeed JSON config (ZeRO stage, precision, optimizer). None: ZeRO-0, fp32, AdamW."""
+    lr: float = Field(default=1e-5, gt=0)
+    """AdamW learning rate, used when the DeepSpeed config names no optimizer."""
+    loss: str = "grpo"
+    """Objective from the loss registry: reinforce, ppo, grpo, gspo or dapo."""
+    batch_size: int = Field(default=16, ge=1)
+    """Samples per optimizer step (all ranks together)."""
+    group_size: int = Field(default=0, ge=0)
+    """Samples per prompt group for grouped losses; 0 trains on whatever groups arrived."""
+    active_sampling: bool = True
+    """Grouped losses: wait for full groups with non-zero reward variance (zero-advantage groups
+    are dropped as ``zero_advantage`` instead of wasting a step)."""
+    clip_low: float = Field(default=0.2, ge=0)
+    """Lower PPO clip range (ratio floor 1 - clip_low)."""
+    clip_high: float = Field(default=0.28, ge=0)
+    """Upper clip range; DAPO's asymmetric clipping raises it above ``clip_low``."""
+    tis_cap: float = Field(default=2.0, gt=0)
+    """Truncated importance sampling: per-token trainer/behaviour ratio capped here. 0 is invalid;
+    a very large value effectively turns the correction off."""
+    entropy_coef: float = Field(default=0.01, ge=0)
+    """Per-token-mean entropy bonus against collapse (0 turns it off)."""
+    kl_coef: float = Field(default=0.02, ge=0)
+    """KL penalty to the reference policy (0 turns it off and skips the reference forward)."""
+    reference_dir: Path | None = None
+    """Reference policy for the KL penalty (the current stable release); None: the initial model."""
+    max_staleness: int = Field(default=4, ge=0)
+    """Samples whose ``trainer version - model_version`` exceeds this are dropped as ``stale``."""
+    max_seq_len: int = Field(default=512, ge=8)
+    """Prompt + completion tokens above this go to the dead-letter topic as ``too_long``."""
+    publish_every_steps: int = Field(default=10, ge=1)
+    """Publish a version after this many optimizer steps ..."""
+    publish_every_s: float = Field(default=60.0, gt=0)
+    """... or after this many seconds with at least one step, whichever comes first."""
+    full_every: int = Field(default=10, ge=1)
+    """Every K-th version is a full snapshot; the others carry a delta against their parent."""
+    keep_full: int = Field(default=3, ge=1)
+    """Newest versions that keep full weights; older non-snapshot versions keep only their delta."""
+    keep_optimizer: int = Field(default=2, ge=1)
+    """Newest versions that keep the DeepSpeed checkpoint (optimizer state for resume)."""
+    served_dtype: str = "auto"
+    """Dtype of published weights: ``auto`` (the model directory's), ``bfloat16``, ``float32``..."""
+    store: str = ""
+    """Checkpoint store: a local directory or an fsspec URL; empty means ``<data_dir>/checkpoints``."""
+    seed: int = 0
+    """Seed for sampling primitives and data order."""
+    host: str = "127.0.0.1"
+    """Interface for ``/metrics`` and ``/health``."""
+    port: int = Field(default=9103, ge=0, le=65535)
+    """Ops port; 0 picks a free one."""
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        known = ("reinforce", "ppo", "grpo", "gspo", "dapo")
+        if v not in known:
+            raise ValueError(f"unknown loss {v!r}; choose one of {', '.join(known)}")
+        return v
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -108,6 +172,8 @@ class Settings(_Section):
     log_level: str = "INFO"
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+    """The continuous trainer (``flywheel train``, see docs/trainer.md)."""
 
 
 #: Environment names kept short because operators type them most.
