@@ -160,6 +160,85 @@ class TrainerSettings(_Section):
         return v
 
 
+class IngestSettings(_Section):
+    group_id: str = "flywheel-ingest"
+    """Consumer group on the generations and feedback topics (range assignment, so partition p
+    of both topics goes to the same member). Committed offsets are informational: a restart
+    resumes from the offsets in the state store (see docs/exactly-once.md)."""
+    window_s: float = Field(default=300.0, gt=0)
+    """Join window: feedback counts when the user acted within this many seconds after the
+    generation completed; feedback waits this long for a generation before it is an orphan."""
+    grace_s: float = Field(default=2.0, ge=0)
+    """Extra wait after a window's deadline for clock skew and transport delay before closing."""
+    closed_retention_s: float = Field(default=3600.0, gt=0)
+    """How long closed generations are remembered, to tell late or duplicate feedback apart."""
+    max_batch: int = Field(default=5000, ge=1)
+    """Most records processed in one state-store transaction."""
+    poll_ms: int = Field(default=200, ge=1)
+    """Longest wait for records in one poll."""
+    host: str = "127.0.0.1"
+    """Interface for ``/metrics`` and ``/health``."""
+    port: int = Field(default=9101, ge=0, le=65535)
+    """Ops port; 0 picks a free one."""
+
+
+class RewardSettings(_Section):
+    group_id: str = "flywheel-reward"
+    """Consumer group on the episodes topic; offsets live in the state store, as for ingest."""
+    labelers: tuple[str, ...] = ("signal", "edit", "latency")
+    """Labelers summed into the reward, by registry name (reward/labelers.py): signal, edit,
+    latency, verifier:<name>, reward_model:<name>."""
+    accept_value: float = 0.75
+    """Reward for ``accept``."""
+    reject_value: float = -0.25
+    """Reward for ``reject``."""
+    ignore_value: float = 0.0
+    """Reward for an explicit ``ignore`` (and for timed-out episodes when ``emit_ignored``)."""
+    emit_ignored: bool = False
+    """Emit rewards for timed-out episodes (no user signal). Off: they are counted and skipped."""
+    latency_bonus: float = Field(default=0.05, ge=0)
+    """Extra reward, in the direction of the decision, for a decision taken instantly; it fades
+    linearly to 0 at ``latency_ref_ms``. 0 turns the latency labeler off."""
+    latency_ref_ms: float = Field(default=10_000.0, gt=0)
+    """Decision time at which the latency bonus reaches 0."""
+    length_target_tokens: int = Field(default=256, ge=1)
+    """Completions longer than this pay ``length_penalty`` per target-length of excess."""
+    length_penalty: float = Field(default=0.1, ge=0)
+    """Length penalty slope (guard against reward hacking by verbosity); 0 turns it off."""
+    repetition_ngram: int = Field(default=3, ge=1)
+    """n-gram size for the repetition/degeneration detector."""
+    repetition_min_distinct: float = Field(default=0.5, gt=0, le=1)
+    """Completions whose distinct n-gram ratio is below this are flagged ``repetition``."""
+    repetition_min_tokens: int = Field(default=16, ge=1)
+    """Shorter completions are too short to judge repetition."""
+    repetition_penalty: float = Field(default=0.5, ge=0)
+    """Reward subtracted from a ``repetition``-flagged sample."""
+    guard_window_s: float = Field(default=3600.0, gt=0)
+    """Tumbling window (by generation time) for per-user share and rate guards."""
+    user_cap_share: float = Field(default=0.2, gt=0, le=1)
+    """Most of a window's samples one user may contribute; samples beyond get weight 0."""
+    user_cap_min: int = Field(default=50, ge=1)
+    """A user may always contribute this many samples per window, whatever the share."""
+    constant_min_signals: int = Field(default=20, ge=2)
+    """Signals needed before a user whose signals are all the same is flagged ``constant_user``."""
+    constant_weight: float = Field(default=0.2, ge=0, le=1)
+    """Weight multiplier for ``constant_user`` samples."""
+    rate_factor: float = Field(default=10.0, gt=1)
+    """A user with more than this times the window's mean per-user count is ``rate_anomaly``."""
+    rate_min: int = Field(default=100, ge=1)
+    """... and at least this many samples in the window."""
+    rate_weight: float = Field(default=0.5, ge=0, le=1)
+    """Weight multiplier for ``rate_anomaly`` samples."""
+    max_batch: int = Field(default=5000, ge=1)
+    """Most records processed in one state-store transaction."""
+    poll_ms: int = Field(default=200, ge=1)
+    """Longest wait for records in one poll."""
+    host: str = "127.0.0.1"
+    """Interface for ``/metrics`` and ``/health``."""
+    port: int = Field(default=9102, ge=0, le=65535)
+    """Ops port; 0 picks a free one."""
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -174,6 +253,10 @@ class Settings(_Section):
     serve: ServeSettings = Field(default_factory=ServeSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
     """The continuous trainer (``flywheel train``, see docs/trainer.md)."""
+    ingest: IngestSettings = Field(default_factory=IngestSettings)
+    """The ingest stage (``flywheel ingest``, see docs/exactly-once.md)."""
+    reward: RewardSettings = Field(default_factory=RewardSettings)
+    """The reward stage (``flywheel reward``)."""
 
 
 #: Environment names kept short because operators type them most.
