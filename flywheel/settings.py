@@ -94,6 +94,13 @@ class ServeSettings(_Section):
     """Skip graph capture: starts much faster on the CPU and small models."""
     dtype: str = "auto"
     """Engine dtype (``auto`` follows the checkpoint; ``bfloat16`` on most GPUs)."""
+    cpu_threads_bind: str = "auto"
+    """CPU build only (``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` pins OpenMP threads to cores,
+    ``nobind`` leaves placement to the OS (kinder to a machine shared with other stages), or a
+    core list such as ``0-1``."""
+    publish_queue_max: int = Field(default=100_000, ge=1)
+    """Events waiting for the background publisher; beyond it generations are counted as
+    dropped and feedback answers 503."""
 
 
 class TrainerSettings(_Section):

@@ -1,0 +1,228 @@
+"""The serving API: an app factory over an engine and a recorder.
+
+``create_app(settings, engine, recorder, registry)`` builds the FastAPI app; nothing in it
+reaches for globals, so tests and the demo construct it in-process and run it on a loopback port
+(see :mod:`serving.server`), and ``flywheel serve`` (:mod:`serving.main`) does the same in
+production.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, SSE
+streaming included), ``GET /v1/models``, ``POST /v1/feedback`` (202 once the event is durable),
+``GET /health``, ``GET /metrics``. Product routes need ``Authorization: Bearer <key>``;
+generation routes are rate limited per user (feedback is not: refusing it would bias the reward
+signal, and abuse is judged downstream by the reward guards).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flywheel.contracts import FeedbackEvent, Topics
+from flywheel.settings import Settings
+from serving import generate as gen
+from serving.engine import Engine
+from serving.identity import RateLimiter, bearer_key, key_allowed, pseudonymise, raw_user, retry_after_header
+from serving.journal import JournalFull
+from serving.protocol import ApiError, ChatRequest, CompletionRequest, FeedbackRequest, error_body, parse, validation_error
+from serving.recorder import Recorder
+
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback")
+
+
+class AppMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("serving_requests_total", "API requests by route, model version and status",
+                                ["route", "model_version", "status"], registry=registry)
+        self.latency = Histogram("serving_request_latency_seconds", "Time to the full response (or stream end)",
+                                 ["route", "model_version"], registry=registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.tokens = Counter("serving_generated_tokens_total", "Completion tokens sampled",
+                              ["model_version"], registry=registry)
+        self.feedback = Counter("serving_feedback_total", "Feedback events accepted (202), by signal",
+                                ["signal"], registry=registry)
+        self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429", registry=registry)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refusing more than ``limit`` bytes whatever Content-Length claimed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+class Gate:
+    """Authentication, user pseudonyms and the rate limit, from the serve settings."""
+
+    def __init__(self, settings: Settings, metrics: AppMetrics) -> None:
+        s = settings.serve
+        if not s.api_keys and not s.allow_anonymous:
+            raise ValueError("serve.api_keys is empty: set FLYWHEEL_API_KEYS, or serve.allow_anonymous=true "
+                             "for a deliberate unauthenticated deployment")
+        self.serve = s
+        self.limiter = RateLimiter(s.rate_limit_per_minute, s.rate_limit_burst)
+        self.metrics = metrics
+
+    def key(self, request: Request) -> str | None:
+        key = bearer_key(request.headers.get("authorization"))
+        if not key_allowed(key, self.serve.api_keys, self.serve.allow_anonymous):
+            raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+        return key
+
+    def user(self, request: Request, key: str | None, body_user: str | None) -> str:
+        raw = raw_user(body_user, request.headers.get("x-flywheel-user"), key)
+        return pseudonymise(self.serve.user_id_salt, raw)
+
+    def limit(self, user_id: str) -> None:
+        wait = self.limiter.take(user_id)
+        if wait > 0:
+            self.metrics.rate_limited.inc()
+            raise ApiError(429, f"rate limit exceeded for this user; retry in {wait:.1f}s",
+                           type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": retry_after_header(wait)})
+
+
+def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry: CollectorRegistry) -> FastAPI:
+    metrics = AppMetrics(registry)
+    gate = Gate(settings, metrics)
+    ctx = gen.Ctx(settings.serve, engine, recorder, Topics(settings.topic_prefix), metrics.tokens)
+    version = str(engine.model_version)
+    app = FastAPI(title="flywheel serving", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Observe, metrics=metrics, version=version)
+    _errors(app)
+
+    async def generation(request: Request, cls: type, prepare: Any) -> Response:
+        key = gate.key(request)
+        body = parse(cls, await read_body(request, settings.serve.max_body_bytes))
+        user_id = gate.user(request, key, body.user)
+        gate.limit(user_id)
+        prep = prepare(ctx, body, user_id)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(gen.stream_sse(ctx, prep, include_usage),
+                                     media_type="text/event-stream")
+        choices = await gen.run_all(ctx, prep)
+        return JSONResponse(gen.response_body(ctx, prep, choices))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generation(request, CompletionRequest, gen.prepare_completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await generation(request, ChatRequest, gen.prepare_chat)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        gate.key(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": settings.serve.model_name, "object": "model", "created": 0, "owned_by": "flywheel",
+            "version": engine.model_version, "root": ctx.model_id}]})
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request) -> Response:
+        key = gate.key(request)
+        body = parse(FeedbackRequest, await read_body(request, settings.serve.max_body_bytes))
+        return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = engine.healthy()
+        state = {"ok": ok, "engine": "ok" if ok else "dead", "model": ctx.model_id, **recorder.state()}
+        return JSONResponse(state, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class Observe:
+    """ASGI middleware: count ``/v1/*`` requests by status and time them to the last body byte
+    (so a streamed response is timed to its end). Plain ASGI, not ``BaseHTTPMiddleware``, which
+    would re-wrap every streamed chunk."""
+
+    def __init__(self, app: Any, metrics: AppMetrics, version: str) -> None:
+        self.app, self.metrics, self.version = app, metrics, version
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] != "http" or not path.startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        route = path if path in ROUTES else "other"  # bounded label values
+        start, status = time.perf_counter(), [500]
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                if status[0] < 400:
+                    self.metrics.latency.labels(route, self.version).observe(time.perf_counter() - start)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            self.metrics.requests.labels(route, self.version, str(status[0])).inc()
+
+
+async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, metrics: AppMetrics) -> Response:
+    received = time.time()
+    event = FeedbackEvent(
+        feedback_id=body.feedback_id, generation_id=body.generation_id, signal=body.signal,
+        edited_text=body.edited_text, decision_ms=body.decision_ms, user_id=user_id,
+        created_at=body.created_at if body.created_at is not None else received, received_at=received,
+    )
+    durable = ctx.recorder.record_feedback(ctx.topics.feedback, event)
+    # the intake thread answers within about one ack timeout plus an fsync; wait a bit beyond it
+    wait_s = ctx.recorder.ack_timeout_s * 3 + 5
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(durable), timeout=wait_s)
+    except JournalFull as exc:
+        raise ApiError(503, f"feedback not recorded: {exc}; retry later with the same feedback_id",
+                       type="server_error", code="journal_full", headers={"Retry-After": "5"}) from None
+    except asyncio.TimeoutError:
+        raise ApiError(503, "feedback not yet durable; retry with the same feedback_id (duplicates are dropped)",
+                       type="server_error", code="not_durable", headers={"Retry-After": "1"}) from None
+    metrics.feedback.labels(body.signal).inc()
+    return JSONResponse({"id": body.feedback_id, "object": "feedback", "status": "accepted",
+                         "generation_id": body.generation_id}, status_code=202)
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(_: Request, exc: Exception) -> Response:
+        # an engine or server fault, not the client's: say so without leaking internals
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"),
+                            status_code=500)

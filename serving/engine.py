@@ -1,0 +1,135 @@
+"""The generation engine behind a small interface, so the API does not depend on vLLM internals.
+
+:class:`Engine` is what the app needs: a tokenizer (chat template + encoding), the context
+length, the served model version, and ``stream`` — an async iterator of :class:`Delta` per
+sampled sequence, each carrying the new token ids, their text and the sampler's logprob of each
+token. :class:`VllmEngine` implements it over vLLM's ``AsyncLLM`` (CPU build or official GPU
+build alike: nothing here is CPU-only).
+
+Logprobs: vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request asks
+``logprobs=0`` (only the sampled token), so each recorded logprob is log p(token) under the
+distribution the token was actually drawn from, after temperature / top-p / top-k. That is the
+behaviour policy the trainer's importance-sampling correction needs; raw logprobs would be the
+model's untempered distribution instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator, Protocol
+
+from flywheel import manifest
+from flywheel.settings import ServeSettings
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    #: ``stop`` / ``length`` / ``abort`` on the last delta of a sequence, else None.
+    finish_reason: str | None
+
+
+class Engine(Protocol):
+    tokenizer: Any
+    max_model_len: int
+    model_version: int
+    #: ``processed`` or ``raw`` (see the module docstring), recorded with every generation.
+    logprobs_mode: str
+
+    def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]: ...
+
+    def healthy(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+def configure_vllm_env(serve: ServeSettings) -> None:
+    """vLLM reads its CPU placement from the environment when it starts its engine process.
+
+    Set here, from settings parsed at the entrypoint, before vLLM is imported; the variables are
+    ignored by the GPU build. ``VLLM_CPU_KVCACHE_SPACE`` takes whole GiB.
+    """
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(serve.vllm_kv_cache_gib)))
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = serve.cpu_threads_bind
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+class VllmEngine:
+    """:class:`Engine` over ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+    Create it inside the event loop that will serve requests (``AsyncLLM`` binds its output
+    handler to the running loop on first use).
+    """
+
+    def __init__(self, serve: ServeSettings, model_dir: Path) -> None:
+        configure_vllm_env(serve)
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        model_dir = Path(model_dir)
+        self.model_version = int(manifest.read(model_dir)["version"])
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        args = AsyncEngineArgs(
+            model=str(model_dir),
+            dtype=serve.dtype,
+            max_model_len=serve.max_model_len,
+            max_num_seqs=serve.max_num_seqs,
+            enforce_eager=serve.enforce_eager,
+            gpu_memory_utilization=serve.gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+        self.logprobs_mode = "processed"
+        self._llm = AsyncLLM.from_engine_args(args)
+        self.max_model_len = int(self._llm.model_config.max_model_len)
+
+    def _params(self, req: GenRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            max_tokens=req.max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k > 0 else 0,
+            seed=req.seed,
+            stop=list(req.stop) or None,
+            logprobs=0,  # the sampled token's own logprob only
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
+        async for out in self._llm.generate(prompt, self._params(req), request_id):
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            lps = [float(step[t].logprob) for t, step in zip(ids, o.logprobs or [])]
+            finish = o.finish_reason if out.finished else None
+            yield Delta(ids, o.text, lps, _finish(finish) if out.finished else None)
+
+    def healthy(self) -> bool:
+        return not self._llm.errored
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _finish(reason: str | None) -> str:
+    return reason if reason in ("stop", "length") else "abort"

@@ -1,0 +1,254 @@
+"""One API request -> n sampled choices -> OpenAI response (or SSE chunks) + one event per choice.
+
+Prompts are turned into token ids here (chat through the tokenizer's chat template with the
+generation prompt appended), checked against the context length, and sent to the engine as ids,
+so the ``prompt_token_ids`` recorded are exactly what the engine saw.
+
+Choices of one request form a group (GRPO): ``group_id`` is the response id; each choice has its
+own ``generation_id`` — the response id itself when ``n == 1`` (so a client can send feedback on
+``response.id``), ``<id>-<i>`` otherwise — returned in the choice as an extra field. Each choice is
+its own engine request with its own seed (``seed + i`` when a seed is given), so the samples of a
+group are independent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pydantic import ValidationError
+
+from flywheel.contracts import GenerationEvent, SamplingParams, Topics
+from flywheel.settings import ServeSettings
+from serving.engine import Engine, GenRequest
+from serving.protocol import ApiError, ChatRequest, CompletionRequest
+from serving.recorder import Recorder
+
+log = logging.getLogger(__name__)
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default
+
+
+@dataclass
+class Ctx:
+    """What a request needs from the app: passed down, never global."""
+
+    serve: ServeSettings
+    engine: Engine
+    recorder: Recorder
+    topics: Topics
+    tokens_counter: Any
+
+    @property
+    def model_id(self) -> str:
+        return f"{self.serve.model_name}@v{self.engine.model_version}"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    endpoint: str  # "completions" | "chat"
+    response_id: str
+    prompt_text: str
+    gen: GenRequest
+    n: int
+    user_id: str
+    created_at: float
+
+    def generation_id(self, i: int) -> str:
+        return self.response_id if self.n == 1 else f"{self.response_id}-{i}"
+
+    def request_for(self, i: int) -> GenRequest:
+        if self.gen.seed is None or i == 0:
+            return self.gen
+        return GenRequest(**{**self.gen.__dict__, "seed": self.gen.seed + i})
+
+
+@dataclass
+class Choice:
+    index: int
+    generation_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+# -- preparing ---------------------------------------------------------------------------------
+def check_model(ctx: Ctx, model: str) -> None:
+    name = ctx.serve.model_name
+    if model != name and not model.startswith(f"{name}@"):
+        raise ApiError(404, f"model {model!r} does not exist; this deployment serves {name!r}",
+                       "model", code="model_not_found")
+
+
+def _limits(ctx: Ctx, n: int, max_tokens: int, n_prompt: int) -> None:
+    s = ctx.serve
+    if n > s.max_n:
+        raise ApiError(400, f"n={n} is above this deployment's limit of {s.max_n}", "n")
+    if max_tokens > s.max_tokens_limit:
+        raise ApiError(400, f"max_tokens={max_tokens} is above the limit of {s.max_tokens_limit}",
+                       "max_tokens")
+    if n_prompt == 0:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    limit = ctx.engine.max_model_len
+    if n_prompt + max_tokens > limit:
+        raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
+                       f"{n_prompt} tokens and max_tokens asks for {max_tokens} more "
+                       f"({n_prompt + max_tokens} in all): shorten the prompt or lower max_tokens",
+                       "max_tokens" if n_prompt < limit else "prompt", code="context_length_exceeded")
+
+
+def _gen(ids: list[int], body: Any, max_tokens: int) -> GenRequest:
+    return GenRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
+                      top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops())
+
+
+def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepared:
+    check_model(ctx, body.model)
+    tok = ctx.engine.tokenizer
+    if isinstance(body.prompt, str):
+        text, ids = body.prompt, tok.encode(body.prompt, add_special_tokens=True)
+    else:
+        vocab = len(tok)
+        if any(t < 0 or t >= vocab for t in body.prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
+        text, ids = tok.decode(body.prompt), list(body.prompt)
+    max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    _limits(ctx, body.n, max_tokens, len(ids))
+    return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
+                    body.n, user_id, time.time())
+
+
+def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
+    check_model(ctx, body.model)
+    tok = ctx.engine.tokenizer
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the template writes the BOS itself, so no special tokens are added again
+    ids = tok.encode(text, add_special_tokens=False)
+    room = ctx.engine.max_model_len - len(ids)
+    requested = body.max_completion_tokens or body.max_tokens
+    max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
+    _limits(ctx, body.n, max_tokens, len(ids))
+    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
+                    body.n, user_id, time.time())
+
+
+# -- running and recording ---------------------------------------------------------------------
+async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | None = None) -> Choice:
+    """Drive one engine request to its end; record it (also when cancelled: ``abort``)."""
+    choice = Choice(i, prep.generation_id(i))
+    try:
+        async for d in ctx.engine.stream(prep.request_for(i), choice.generation_id):
+            choice.token_ids += d.token_ids
+            choice.text.append(d.text)
+            choice.logprobs += d.logprobs
+            choice.finish_reason = d.finish_reason or choice.finish_reason
+            if sink is not None:
+                await sink.put((i, d))
+    except asyncio.CancelledError:
+        choice.finish_reason = "abort"
+        raise
+    finally:
+        record(ctx, prep, choice)
+    return choice
+
+
+def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
+    done = time.time()
+    g = prep.gen
+    try:
+        event = GenerationEvent(
+            generation_id=c.generation_id, group_id=prep.response_id, choice_index=c.index,
+            model_name=ctx.serve.model_name, model_version=ctx.engine.model_version,
+            user_id=prep.user_id, endpoint=prep.endpoint, created_at=prep.created_at,
+            completed_at=max(done, prep.created_at), latency_ms=max(0.0, (done - prep.created_at) * 1e3),
+            prompt_text=prep.prompt_text, prompt_token_ids=tuple(g.prompt_token_ids),
+            completion_text="".join(c.text), completion_token_ids=tuple(c.token_ids),
+            logprobs=tuple(c.logprobs),
+            sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
+                                    max_tokens=g.max_tokens, seed=prep.request_for(c.index).seed,
+                                    stop=g.stop, logprobs_mode=ctx.engine.logprobs_mode),
+            finish_reason=c.finish_reason or "abort",
+        )
+    except ValidationError as exc:  # an engine output we cannot vouch for is not training data
+        log.error("generation %s not recorded: %s", c.generation_id, exc)
+        ctx.recorder.metrics.dropped.labels("generation", "invalid").inc()
+        return
+    ctx.tokens_counter.labels(str(ctx.engine.model_version)).inc(len(c.token_ids))
+    ctx.recorder.record_generation(ctx.topics.generations, event)
+
+
+async def run_all(ctx: Ctx, prep: Prepared) -> list[Choice]:
+    return list(await asyncio.gather(*(run_choice(ctx, prep, i) for i in range(prep.n))))
+
+
+# -- response bodies ---------------------------------------------------------------------------
+def _usage(prep: Prepared, choices: list[Choice]) -> dict[str, int]:
+    p = len(prep.gen.prompt_token_ids)
+    c = sum(len(ch.token_ids) for ch in choices)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def response_body(ctx: Ctx, prep: Prepared, choices: list[Choice]) -> dict[str, Any]:
+    chat = prep.endpoint == "chat"
+    out = []
+    for c in choices:
+        item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
+                                "logprobs": None, "generation_id": c.generation_id}
+        if chat:
+            item["message"] = {"role": "assistant", "content": "".join(c.text)}
+        else:
+            item["text"] = "".join(c.text)
+        out.append(item)
+    return {"id": prep.response_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(prep.created_at), "model": ctx.model_id, "choices": out,
+            "usage": _usage(prep, choices)}
+
+
+def _chunk(ctx: Ctx, prep: Prepared, choice: dict[str, Any], usage: Any = None) -> bytes:
+    chat = prep.endpoint == "chat"
+    body = {"id": prep.response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(prep.created_at), "model": ctx.model_id,
+            "choices": [choice] if choice else []}
+    if usage is not None:
+        body["usage"] = usage
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+async def stream_sse(ctx: Ctx, prep: Prepared, include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE chunks as the choices' deltas arrive, interleaved; ends with ``data: [DONE]``."""
+    chat = prep.endpoint == "chat"
+    sink: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.create_task(run_choice(ctx, prep, i, sink)) for i in range(prep.n)]
+    waiter = asyncio.ensure_future(asyncio.gather(*tasks))
+    started: set[int] = set()
+    try:
+        while not (waiter.done() and sink.empty()):
+            getter = asyncio.ensure_future(sink.get())
+            await asyncio.wait({getter, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                continue
+            i, d = getter.result()
+            item: dict[str, Any] = {"index": i, "finish_reason": d.finish_reason, "logprobs": None,
+                                    "generation_id": prep.generation_id(i)}
+            if chat:
+                item["delta"] = {"content": d.text} if i in started else {"role": "assistant", "content": d.text}
+            else:
+                item["text"] = d.text
+            started.add(i)
+            yield _chunk(ctx, prep, item)
+        choices = waiter.result()  # re-raises an engine error
+        if include_usage:
+            yield _chunk(ctx, prep, {}, _usage(prep, choices))
+        yield b"data: [DONE]\n\n"
+    finally:
+        for t in tasks:
+            t.cancel()
+        waiter.cancel()

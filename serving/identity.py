@@ -1,0 +1,104 @@
+"""Who is calling: API-key checks, user pseudonyms and the per-user rate limit (pure logic).
+
+The recorded ``user_id`` is a pseudonym, ``HMAC-SHA256(salt, raw)`` truncated to 32 hex chars:
+stable per user (so reward guards can count per user) yet not reversible without the salt, so
+the topics never carry the product's raw user ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+PSEUDONYM_HEX = 32
+
+
+def pseudonymise(salt: str, raw: str) -> str:
+    return hmac.new(salt.encode(), raw.encode(), hashlib.sha256).hexdigest()[:PSEUDONYM_HEX]
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    """The key from ``Authorization: Bearer <key>`` (what the openai client sends), else None."""
+    if not authorization:
+        return None
+    scheme, _, key = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        return None
+    return key.strip()
+
+
+def key_allowed(key: str | None, api_keys: tuple[str, ...], allow_anonymous: bool) -> bool:
+    if not api_keys:
+        return allow_anonymous
+    # constant-time compare against every key, so timing does not reveal a prefix match
+    return key is not None and any(hmac.compare_digest(key, k) for k in api_keys)
+
+
+def raw_user(body_user: str | None, header_user: str | None, key: str | None) -> str:
+    """The OpenAI ``user`` field wins, then ``X-Flywheel-User``, then the key, then anonymous."""
+    for candidate in (body_user, header_user, key):
+        if candidate:
+            return candidate
+    return "anonymous"
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+class RateLimiter:
+    """Token bucket per user: ``burst`` requests at once, refilled at ``per_minute / 60`` per s.
+
+    ``take`` returns 0.0 when the request may go ahead, else the seconds until a token is due
+    (the ``Retry-After`` value). Idle buckets are forgotten once full again, so memory follows
+    the number of recently active users.
+    """
+
+    def __init__(
+        self, per_minute: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.rate = per_minute / 60.0
+        self.burst = float(burst)
+        self.clock = clock
+        self._buckets: dict[str, _Bucket] = {}
+        self._lock = threading.Lock()
+        self._last_sweep = clock()
+
+    def take(self, user: str) -> float:
+        now = self.clock()
+        with self._lock:
+            b = self._buckets.get(user)
+            if b is None:
+                b = self._buckets[user] = _Bucket(self.burst, now)
+            b.tokens = min(self.burst, b.tokens + (now - b.stamp) * self.rate)
+            b.stamp = now
+            if b.tokens >= 1.0:
+                b.tokens -= 1.0
+                wait = 0.0
+            else:
+                wait = (1.0 - b.tokens) / self.rate
+            self._sweep(now)
+        return wait
+
+    def _sweep(self, now: float) -> None:
+        full_after = self.burst / self.rate
+        if now - self._last_sweep < full_after:
+            return
+        self._last_sweep = now
+        stale = [u for u, b in self._buckets.items() if now - b.stamp >= full_after]
+        for u in stale:
+            del self._buckets[u]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+def retry_after_header(wait_s: float) -> str:
+    return str(max(1, math.ceil(wait_s)))

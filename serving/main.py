@@ -1,0 +1,86 @@
+"""``flywheel serve``: verify the weights, start the engine and the API, stop cleanly on SIGTERM.
+
+    FLYWHEEL_MODEL_DIR=data/model FLYWHEEL_API_KEYS=sk-local flywheel serve
+
+Start-up order: the model directory is checked against its manifest (unverified weights are never
+served), the topics are created if missing, the recorder starts and replays any journal a previous
+process left under ``<data_dir>/serving/journal``, then the engine and uvicorn start on
+``serve.host:serve.port``. SIGTERM/SIGINT stop the server (in-flight requests finish), then the
+recorder delivers or journals everything queued, then the engine shuts down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from flywheel.bus import ensure_topics
+from flywheel.contracts import Topics
+from flywheel.manifest import ManifestError, verify_dir
+from flywheel.metrics import new_registry
+from flywheel.settings import Settings
+from serving.journal import Journal
+from serving.recorder import Recorder
+
+log = logging.getLogger("serving")
+
+
+def journal_dir(settings: Settings) -> Path:
+    return Path(settings.data_dir) / "serving" / "journal"
+
+
+def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
+    journal = Journal(journal_dir(settings), settings.serve.journal_max_bytes)
+    if journal.truncated_bytes:
+        log.warning("journal had a torn tail of %d bytes (crash mid-write); truncated", journal.truncated_bytes)
+    return Recorder(settings.kafka, journal, registry, ack_timeout_s=settings.serve.ack_timeout_s,
+                    queue_max=settings.serve.publish_queue_max).start()
+
+
+def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
+    from serving.app import create_app
+    from serving.engine import VllmEngine
+    from serving.server import AppServer, LoopThread
+
+    try:
+        manifest = verify_dir(settings.model_dir)
+    except ManifestError as exc:
+        log.error("refusing to serve: %s", exc)
+        return 2
+    log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
+    topics = Topics(settings.topic_prefix)
+    try:
+        ensure_topics(settings.kafka, [topics.generations, topics.feedback])
+    except Exception as exc:  # serving still starts: events wait in the journal for the broker
+        log.warning("could not ensure topics (%r); events will be journaled until the broker is back", exc)
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    registry = new_registry()
+    recorder = make_recorder(settings, registry)
+    loop = LoopThread()
+    engine = None
+    try:
+        engine = loop.call(lambda: _engine(VllmEngine, settings))
+        app = create_app(settings, engine, recorder, registry)
+        server = AppServer(app, loop, settings.serve.host, settings.serve.port).start()
+        log.info("serving %s@v%s on %s", settings.serve.model_name, engine.model_version, server.url)
+        stop.wait()
+        log.info("stopping: draining requests, then flushing the publisher")
+        server.stop()
+    finally:
+        recorder.stop()
+        if engine is not None:
+            engine.shutdown()
+        loop.stop()
+    return 0
+
+
+async def _engine(cls: type, settings: Settings):  # built on the loop that will serve it
+    return cls(settings.serve, settings.model_dir)

@@ -1,0 +1,302 @@
+"""Publishes serving's events to Kafka off the response path, falling back to a local journal.
+
+Request handlers never talk to the broker. They hand events to :class:`Recorder`:
+
+* ``record_generation`` enqueues and returns at once (a full in-memory queue counts the event as
+  dropped: generations are telemetry for the learner, not a promise made to a user);
+* ``record_feedback`` enqueues and returns a future that resolves once the event is *durable*:
+  acked by the broker (``acks=all``) or fsync'd in the local journal. The API answers 202 only
+  then; a full journal fails the future with :class:`~serving.journal.JournalFull` (503).
+
+Two threads own the producer:
+
+* the *intake* thread takes batches from the queue. While the journal is empty it sends them and
+  waits up to ``ack_timeout_s`` for the acks; whatever is not acked by then goes to the journal,
+  in queue order, and the producer is force-closed (its unsent batches aborted) so a stalled
+  broker does not hold memory. While the journal is non-empty every new event is appended behind
+  it, so events reach the topic in the order serving accepted them.
+* the *replay* thread sends journal entries oldest first, waits for their acks, then advances the
+  journal head past the acked prefix; on a failure it backs off and retries with a new producer.
+  On start-up it replays whatever a previous process left in the journal.
+
+Delivery is at-least-once. A send that timed out may still have reached the broker (it was on the
+wire when the stall began, and is then also journaled), and a crash between an ack and the head
+update replays a frame. Downstream stages dedupe by ``feedback_id`` / ``generation_id``. Events
+acked in a batch where an earlier one failed are not journaled again (no needless duplicates);
+order is kept among journaled events and within a partition otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from flywheel.bus import make_producer
+from flywheel.contracts import FeedbackEvent, GenerationEvent, encode
+from flywheel.settings import KafkaSettings
+from serving.journal import Journal, JournalFull
+
+log = logging.getLogger(__name__)
+
+BATCH = 500
+
+
+@dataclass
+class _Item:
+    kind: str
+    topic: str
+    key: str | None
+    value: bytes
+    done: Future | None = field(default=None)
+
+
+class RecorderMetrics:
+    def __init__(self, registry: CollectorRegistry, journal: Journal) -> None:
+        self.published = Counter(
+            "serving_events_published_total", "Events acked by the broker", ["kind", "path"],
+            registry=registry,
+        )
+        self.journaled = Counter(
+            "serving_events_journaled_total", "Events written to the local journal", ["kind"],
+            registry=registry,
+        )
+        self.failures = Counter(
+            "serving_publish_failures_total",
+            "Sends not acked within the ack timeout (or refused by the client)", ["path"],
+            registry=registry,
+        )
+        self.dropped = Counter(
+            "serving_dropped_events_total", "Events lost on purpose, by kind and reason",
+            ["kind", "reason"], registry=registry,
+        )
+        Gauge(
+            "serving_journal_depth_records", "Undelivered records in the local journal",
+            registry=registry,
+        ).set_function(lambda: journal.records)
+        Gauge(
+            "serving_journal_depth_bytes", "Bytes counted against the journal bound",
+            registry=registry,
+        ).set_function(lambda: journal.size_bytes)
+
+
+class Recorder:
+    """Owns the producer and the journal; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        kafka: KafkaSettings,
+        journal: Journal,
+        registry: CollectorRegistry,
+        *,
+        ack_timeout_s: float,
+        queue_max: int = 100_000,
+        retry_interval_s: float = 0.5,
+        producer_factory: Callable[[], Any] | None = None,
+    ) -> None:
+        self.journal = journal
+        self.ack_timeout_s = ack_timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.metrics = RecorderMetrics(registry, journal)
+        self._factory = producer_factory or (lambda: make_producer(
+            kafka, "serving", max_block_ms=int(ack_timeout_s * 1000),
+        ))
+        self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
+        self._producer: Any = None
+        self._plock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.last_error: str | None = None
+
+    # -- public API (any thread) ---------------------------------------------------------------
+    def start(self) -> "Recorder":
+        if self.journal.records:
+            log.warning("replaying %d journaled events left by a previous process", self.journal.records)
+        for name, target in (("recorder-intake", self._intake), ("recorder-replay", self._replay)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def record_generation(self, topic: str, event: GenerationEvent) -> bool:
+        try:
+            self._queue.put_nowait(_Item("generation", topic, event.generation_id, encode(event)))
+            return True
+        except queue.Full:
+            self.metrics.dropped.labels("generation", "queue_full").inc()
+            return False
+
+    def record_feedback(self, topic: str, event: FeedbackEvent) -> Future:
+        done: Future = Future()
+        try:
+            self._queue.put_nowait(
+                _Item("feedback", topic, event.generation_id, encode(event), done)
+            )
+        except queue.Full:
+            done.set_exception(JournalFull("the publish queue is full; retry shortly"))
+        return done
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Deliver or journal everything queued, then stop both threads and close the producer."""
+        self._stop.set()
+        self._wake.set()
+        for t in self._threads:
+            t.join(timeout_s)
+        with self._plock:
+            if self._producer is not None:
+                self._producer.close(timeout=min(timeout_s, self.ack_timeout_s))
+                self._producer = None
+        self.journal.close()
+
+    def state(self) -> dict[str, object]:
+        return {
+            "publisher": "degraded" if self.journal.records else "ok",
+            "queue_depth": self._queue.qsize(),
+            "journal_records": self.journal.records,
+            "journal_bytes": self.journal.size_bytes,
+            "last_error": self.last_error,
+        }
+
+    # -- producer ----------------------------------------------------------------------------
+    def _get_producer(self) -> Any:
+        with self._plock:
+            if self._producer is None:
+                try:
+                    self._producer = self._factory()
+                except Exception as exc:  # broker unreachable at connect: caller journals
+                    self.last_error = f"producer: {exc!r}"
+                    return None
+            return self._producer
+
+    def _discard_producer(self, producer: Any) -> None:
+        with self._plock:
+            if self._producer is producer:
+                self._producer = None
+        try:
+            producer.close(timeout=0)  # abort unsent batches rather than deliver them much later
+        except Exception:
+            log.debug("closing a failed producer raised", exc_info=True)
+
+    def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]]) -> list[bool]:
+        """Send and wait up to the ack timeout; ``acked[i]`` says which made it."""
+        futures: list[Any] = []
+        for topic, key, value in items:
+            try:
+                futures.append(producer.send(topic, key=key, value=value))
+            except Exception as exc:
+                self.last_error = f"send: {exc!r}"
+                futures.append(None)
+        deadline = time.monotonic() + self.ack_timeout_s
+        acked = []
+        for fut in futures:
+            ok = False
+            if fut is not None:
+                try:
+                    fut.get(timeout=max(0.0, deadline - time.monotonic()))
+                    ok = True
+                except Exception as exc:
+                    self.last_error = f"ack: {exc!r}"
+            acked.append(ok)
+        return acked
+
+    # -- intake thread -----------------------------------------------------------------------
+    def _take(self) -> list[_Item]:
+        try:
+            batch = [self._queue.get(timeout=0.2)]
+        except queue.Empty:
+            return []
+        while len(batch) < BATCH:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _intake(self) -> None:
+        while not (self._stop.is_set() and self._queue.empty()):
+            batch = self._take()
+            if batch:
+                try:
+                    self._deliver(batch)
+                except Exception as exc:  # never let the publisher die; journal what we hold
+                    log.exception("publisher batch failed")
+                    self.last_error = repr(exc)
+                    self._to_journal([b for b in batch if not (b.done and b.done.done())])
+
+    def _deliver(self, batch: list[_Item]) -> None:
+        producer = None if self.journal.records else self._get_producer()
+        if producer is None:
+            self._to_journal(batch)
+            return
+        acked = self._send_all(producer, [(b.topic, b.key, b.value) for b in batch])
+        failed = [b for b, ok in zip(batch, acked) if not ok]
+        for b, ok in zip(batch, acked):
+            if ok:
+                self.metrics.published.labels(b.kind, "direct").inc()
+                if b.done is not None:
+                    b.done.set_result(True)
+        if failed:
+            self.metrics.failures.labels("direct").inc(len(failed))
+            log.warning("%d events not acked in %.1fs; journaling them", len(failed), self.ack_timeout_s)
+            self._discard_producer(producer)
+            self._to_journal(failed)
+
+    def _to_journal(self, items: list[_Item]) -> None:
+        if not items:
+            return
+        try:
+            self.journal.append([(b.topic, b.key, b.value) for b in items])
+        except JournalFull as exc:
+            self._refuse(items, exc)
+            return
+        for b in items:
+            self.metrics.journaled.labels(b.kind).inc()
+            if b.done is not None:
+                b.done.set_result(True)
+        self._wake.set()
+
+    def _refuse(self, items: list[_Item], exc: JournalFull) -> None:
+        """Journal full: feedback is refused (the client sees 503 and retries), never dropped."""
+        for b in items:
+            if b.done is not None:
+                b.done.set_exception(exc)
+            else:
+                self.metrics.dropped.labels(b.kind, "journal_full").inc()
+
+    # -- replay thread -----------------------------------------------------------------------
+    def _replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.journal.records:
+                self._wake.wait(0.2)
+                self._wake.clear()
+                continue
+            if not self._replay_once():
+                self._stop.wait(self.retry_interval_s)
+
+    def _replay_once(self) -> bool:
+        entries = self.journal.peek(BATCH)
+        producer = self._get_producer()
+        if producer is None:
+            return False
+        acked = self._send_all(producer, [(e.topic, e.key, e.value) for e in entries])
+        prefix = 0
+        while prefix < len(acked) and acked[prefix]:
+            prefix += 1
+        self.journal.advance(entries[:prefix])
+        for e in entries[:prefix]:
+            kind = "feedback" if e.topic.endswith("feedback") else "generation"
+            self.metrics.published.labels(kind, "replay").inc()
+        if prefix < len(entries):
+            self.metrics.failures.labels("replay").inc(len(entries) - prefix)
+            self._discard_producer(producer)
+            return False
+        if not self.journal.records:
+            log.info("journal drained; publishing directly again")
+        return True

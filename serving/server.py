@@ -1,0 +1,76 @@
+"""Run the app on an event loop in a background thread (tests, benchmark, ``flywheel serve``).
+
+vLLM's ``AsyncLLM`` binds to the event loop it is first used on, so one :class:`LoopThread`
+owns the engine and every uvicorn server that uses it; tests start one loop and one engine per
+session and any number of short-lived apps on it, each on its own loopback port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Awaitable, Callable, TypeVar
+
+import uvicorn
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop running forever on a daemon thread; ``call`` runs a coroutine on it."""
+
+    def __init__(self, name: str = "serving-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], Awaitable[T]], timeout_s: float | None = None) -> T:
+        return asyncio.run_coroutine_threadsafe(_wrap(fn), self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+
+
+async def _wrap(fn: Callable[[], Awaitable[T]]) -> T:
+    return await fn()
+
+
+class AppServer:
+    """A uvicorn server for ``app`` on ``loop``; ``port`` is known once :meth:`start` returns."""
+
+    def __init__(self, app: Any, loop: LoopThread, host: str = "127.0.0.1", port: int = 0) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.loop = loop
+        self._done: Any = None
+
+    def start(self, timeout_s: float = 30.0) -> "AppServer":
+        self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if self._done.done():
+                self._done.result()  # raises the bind error
+                raise RuntimeError("server exited during start")
+            if time.monotonic() > deadline:
+                raise TimeoutError("server did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.config.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._done is not None:
+            try:
+                self._done.result(timeout_s)
+            except Exception:
+                pass  # already stopping; nothing left to serve
