@@ -120,6 +120,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible API and feedback endpoint")
     s.set_defaults(func=_role("serving.main"))
 
+    tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")
+    tr.set_defaults(func=_role("trainer.main"))
+
+    ck = sub.add_parser("checkpoint", help="checkpoint store utilities").add_subparsers(dest="ckpt_cmd", required=True)
+    cv = ck.add_parser("verify", help="rebuild a version from its delta chain and check every hash")
+    cv.add_argument("version", type=int, nargs="?", default=None, help="default: the latest")
+    cv.set_defaults(func=_role("trainer.tools"), action="verify")
+    cr = ck.add_parser("reconstruct", help="write a verified, loadable HF directory of a version")
+    cr.add_argument("version", type=int)
+    cr.add_argument("out", type=Path)
+    cr.set_defaults(func=_role("trainer.tools"), action="reconstruct")
+
     d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
     d.add_argument("--seconds", type=float, default=0, help="how long to run (0: the scripted session only)")
     d.set_defaults(func=_role("flywheel.demo"))

@@ -1,0 +1,52 @@
+"""Helpers for the trainer's integration tests: reward records and the trainer's environment."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from flywheel.contracts import RewardEvent, SamplingParams
+
+
+def reward_event(i: int, *, group: str | None = None, reward: float | None = None, version: int = 0,
+                 completion: tuple[int, ...] | None = None, logprobs: tuple[float, ...] | None = None) -> RewardEvent:
+    comp = completion if completion is not None else tuple(10 + (i * 7 + k) % 200 for k in range(6))
+    return RewardEvent(
+        generation_id=f"gen-{i}",
+        group_id=group or f"grp-{i}",
+        user_id=f"user-{i % 5}",
+        model_version=version,
+        signal="accept" if (reward if reward is not None else i % 2) else "reject",
+        prompt_token_ids=(1, 20 + i % 30, 40 + i % 17),
+        completion_token_ids=comp,
+        logprobs=logprobs if logprobs is not None else tuple(-5.0 for _ in comp),
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=16),
+        reward=float(reward if reward is not None else i % 2),
+        generated_at=0.0,
+        labeled_at=0.0,
+    )
+
+
+def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **trainer: object) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(
+        FLYWHEEL_KAFKA_BOOTSTRAP=kafka_settings.bootstrap,
+        FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS=str(kafka_settings.session_timeout_ms),
+        FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS=str(kafka_settings.heartbeat_interval_ms),
+        FLYWHEEL_TOPIC_PREFIX=prefix,
+        FLYWHEEL_MODEL_DIR=str(model_dir),
+        FLYWHEEL_DATA_DIR=str(data_dir),
+        FLYWHEEL_TRAINER_PORT="0",
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+    )
+    env.update({f"FLYWHEEL_TRAINER_{k.upper()}": str(v) for k, v in trainer.items()})
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,309 @@
+"""The continuous trainer: rewards topic -> batches -> DeepSpeed steps -> published versions.
+
+Rank 0 (the leader) owns the Kafka consumer, the dead-letter producer and the checkpoint store.
+Each loop turn it decides one command - ``train`` (with the batch), ``publish``, ``idle`` or
+``stop`` - and broadcasts it, so every rank takes the same optimizer steps on its shard of the
+batch (whole groups per rank) and joins every DeepSpeed checkpoint save.
+
+Exactly-once, in effect (docs/trainer.md has the full argument): a version's manifest stores the
+data offsets whose effect it contains (:class:`~trainer.batching.OffsetBook`), and it becomes
+durable by an atomic rename. A restart loads the newest version's DeepSpeed checkpoint and seeks
+every partition to its stored floor, skipping offsets listed as already settled above it. Work
+done after the last durable version died with the process, so training it again is its first
+effect. Group commits happen after a version is durable and serve lag monitoring only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
+from safetensors.torch import save_file
+
+from flywheel.bus import DeadLetters, EventSink, LagGauge
+from flywheel.contracts import CheckpointEvent, ContractError, RewardEvent, Topics, decode, encode, now
+from flywheel.settings import Settings
+from trainer import dist
+from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
+from trainer.losses import GROUPED
+from trainer.metrics import TrainerMetrics
+from trainer.policy import Policy
+from trainer.store import WEIGHTS, CheckpointStore, mirror
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Ledger:
+    """What the next version will contain: trained ids and declared drops (written as ledger.json)."""
+
+    trained: list[str] = field(default_factory=list)
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    steps: int = 0
+
+    def drop(self, reason: str, gid: str) -> None:
+        self.dropped.setdefault(reason, []).append(gid)
+
+    def empty(self) -> bool:
+        return not self.trained and not self.dropped
+
+    def to_json(self) -> dict[str, Any]:
+        return {"trained": self.trained, "dropped": self.dropped, "steps": self.steps}
+
+
+class _Seek(ConsumerRebalanceListener):
+    """On assignment, resume each partition at the floor stored in the latest durable version."""
+
+    def __init__(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def on_partitions_revoked(self, revoked: Any) -> None:
+        return
+
+    def on_partitions_assigned(self, assigned: Any) -> None:
+        for tp in assigned:
+            floor = self.trainer.book.floors.get((tp.topic, tp.partition))
+            if floor is not None:
+                self.trainer.consumer.seek(tp, floor)
+
+
+class Trainer:
+    def __init__(
+        self,
+        settings: Settings,
+        policy: Policy,
+        store: CheckpointStore,
+        metrics: TrainerMetrics,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        consumer: Any = None,
+        sink: EventSink | None = None,
+        deadletters: DeadLetters | None = None,
+        lag: LagGauge | None = None,
+    ) -> None:
+        self.s, self.cfg = settings, settings.trainer
+        self.policy, self.store, self.m = policy, store, metrics
+        self.rank, self.world = rank, world
+        self.consumer, self.sink, self.deadletters, self.lag = consumer, sink, deadletters, lag
+        self.topics = Topics(settings.topic_prefix)
+        grouped = self.cfg.loss in GROUPED
+        self.batcher = Batcher(self.cfg.batch_size, grouped, self.cfg.group_size, self.cfg.active_sampling)
+        self.book = OffsetBook()
+        self.ledger = Ledger()
+        self.version = -1
+        self.step = 0
+        self.samples = 0
+        self.seen_ids: set[str] = set()
+        self.last_publish = time.monotonic()
+        self.last_stats: dict[str, float] = {}
+        self.stop_event = threading.Event()
+        self.vocab = int(policy.module.config.vocab_size)
+
+    # ------------------------------------------------------------ start / resume
+    def start(self) -> None:
+        """Resume from the newest durable version, or publish version 0 (the initial model)."""
+        latest = dist.broadcast(self.store.latest() if self.rank == 0 else None, self.rank, self.world)
+        if latest is None:
+            self.publish()
+            return
+        self.policy.restore(self.store.path(latest))
+        man = self.store.manifest(latest)
+        self.version, self.step, self.samples = latest, man.get("step", 0), man.get("samples_total", 0)
+        self.book = OffsetBook.from_json(man.get("offsets", {}))
+        for v in self.store.versions()[-20:]:  # recent ids: a duplicate record is dropped, not retrained
+            self.seen_ids.update(self.store.ledger(v)["trained"])
+        self.m.version.set(self.version)
+        log.info("resumed from version %d (step %d, %d samples)", latest, self.step, self.samples)
+
+    def subscribe(self) -> None:
+        self.consumer.subscribe([self.topics.rewards], listener=_Seek(self))
+
+    # ------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Loop until :attr:`stop_event` is set (leader) or the leader says stop (other ranks)."""
+        while True:
+            cmd = self._decide() if self.rank == 0 else None
+            cmd = dist.broadcast(cmd, self.rank, self.world)
+            kind, payload = cmd
+            if kind == "stop":
+                if payload:  # a graceful stop keeps the work done since the last version
+                    self.publish()
+                break
+            if kind == "train":
+                self._train([RewardEvent.model_validate(e) for e in payload["events"]], payload["pos"])
+            elif kind == "publish":
+                self.publish()
+
+    def _decide(self) -> tuple[str, Any]:
+        if self.stop_event.is_set():
+            return ("stop", not self.ledger.empty())
+        if self._publish_due():
+            return ("publish", None)
+        batch = self.batcher.next_batch()
+        if batch is None:
+            t0 = time.monotonic()
+            self._poll()
+            self.m.wait.inc(time.monotonic() - t0)
+            batch = self.batcher.next_batch()
+        if batch is None:
+            return ("publish", None) if self._publish_due() else ("idle", None)
+        return ("train", {"events": [s.event.model_dump(mode="json") for s in batch], "pos": [s.pos for s in batch]})
+
+    def _publish_due(self) -> bool:
+        if self.ledger.steps >= self.cfg.publish_every_steps:
+            return True
+        elapsed = time.monotonic() - self.last_publish
+        return not self.ledger.empty() and elapsed >= self.cfg.publish_every_s
+
+    # ------------------------------------------------------------ intake
+    def _poll(self) -> None:
+        for records in self.consumer.poll(timeout_ms=200, max_records=4 * self.cfg.batch_size).values():
+            for rec in records:
+                self._intake(rec)
+        if self.lag is not None:
+            self.lag.update(self.consumer)
+
+    def _intake(self, rec: Any) -> None:
+        self.book.seen(rec.topic, rec.partition, rec.offset)
+        if self.book.is_settled(rec.topic, rec.partition, rec.offset):
+            return  # its effect is already in a durable version
+        try:
+            ev = decode(RewardEvent, rec.value)
+        except ContractError as exc:
+            return self._dead(rec, exc.reason, exc.detail)
+        bad = reject_reason(ev, trainer_version=self.version, max_seq_len=self.cfg.max_seq_len, vocab_size=self.vocab)
+        if bad is not None:
+            return self._dead(rec, *bad)
+        if ev.generation_id in self.seen_ids:
+            return self._drop(Sample(ev, rec.topic, rec.partition, rec.offset), "duplicate")
+        if is_stale(self.version, ev.model_version, self.cfg.max_staleness):
+            return self._drop(Sample(ev, rec.topic, rec.partition, rec.offset), "stale")
+        self.seen_ids.add(ev.generation_id)
+        self.m.staleness.observe(self.version - ev.model_version)
+        for s, reason in self.batcher.add(Sample(ev, rec.topic, rec.partition, rec.offset)):
+            self._drop(s, reason)
+
+    def _dead(self, rec: Any, reason: str, detail: str) -> None:
+        self.deadletters.send_record(rec, reason, detail)
+        self.m.dropped.labels(reason).inc()
+        self.book.settle(rec.topic, rec.partition, rec.offset)
+        self.ledger.drop(reason, _key(rec))
+
+    def _drop(self, s: Sample, reason: str) -> None:
+        self.m.dropped.labels(reason).inc()
+        self.book.settle(*s.pos)
+        self.ledger.drop(reason, s.event.generation_id)
+
+    # ------------------------------------------------------------ train
+    def _shard(self, events: list[RewardEvent]) -> tuple[list[RewardEvent], bool]:
+        """This rank's whole groups (round-robin); a rank left without any reuses one at weight 0."""
+        groups = list(dict.fromkeys(e.group_id for e in events))
+        mine = set(groups[self.rank :: self.world])
+        shard = [e for e in events if e.group_id in mine]
+        return (shard, True) if shard else (events[:1], False)
+
+    def _train(self, events: list[RewardEvent], pos: list[tuple[str, int, int]]) -> None:
+        t0 = time.monotonic()
+        shard, real = self._shard(events)
+        scale = None if real else (lambda inp, cfg: (inp.logp.sum() * 0.0, {}))
+        stats = self.policy.forward_backward(shard, loss_fn=scale)
+        self.policy.step()
+        self.step += 1
+        if self.rank != 0:
+            return
+        dt = time.monotonic() - t0
+        self.m.busy.inc(dt)
+        self.m.record_step(stats, dt, len(events))
+        self.last_stats = stats
+        self.samples += len(events)
+        self.ledger.steps += 1
+        for e, p in zip(events, pos):
+            self.ledger.trained.append(e.generation_id)
+            self.book.settle(*p)
+
+    # ------------------------------------------------------------ publish
+    def publish(self) -> None:
+        """Every rank saves its DeepSpeed state into the staging dir; rank 0 commits the version."""
+        t0 = time.monotonic()
+        version = self.version + 1
+        tmp = dist.broadcast(str(self.store.staging_dir(version)) if self.rank == 0 else None, self.rank, self.world)
+        self.policy.save(Path(tmp), client_state={"version": version, "step": self.step})
+        dist.barrier(self.world)
+        if self.rank == 0:
+            self._commit(Path(tmp), version)
+        self.version = version
+        dist.barrier(self.world)
+        for s, reason in self.batcher.evict_stale(self.version, self.cfg.max_staleness):
+            self._drop(s, reason)
+        self.last_publish = time.monotonic()
+        self.m.publish_time.observe(time.monotonic() - t0)
+        self.m.busy.inc(time.monotonic() - t0)
+
+    def _commit(self, tmp: Path, version: int) -> None:
+        dtype = served_dtype(self.cfg.served_dtype, self.s.model_dir)
+        save_file(self.policy.publish_weights(dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        _write_config(self.s.model_dir, tmp, dtype)
+        parent = self.version if self.version >= 0 else None
+        extra = {
+            "step": self.step,
+            "samples": len(self.ledger.trained),
+            "samples_total": self.samples,
+            "metrics": {k: float(v) for k, v in self.last_stats.items()},
+            "offsets": self.book.to_json(),
+        }
+        sha, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra, ledger=self.ledger.to_json())
+        uri = str(self.store.path(version).resolve())
+        if self.cfg.store and "://" in self.cfg.store:
+            uri = mirror(self.store.path(version), self.cfg.store)
+        self.m.version.set(version)
+        if "delta_bytes" in man:
+            self.m.delta_bytes.set(man["delta_bytes"])
+            self.m.delta_ratio.set(man["delta_ratio"])
+        self._announce(version, parent, sha, man, uri, str(dtype).removeprefix("torch."))
+        self.ledger = Ledger()
+        log.info("published version %d (step %d, %d samples, %s)", version, self.step, extra["samples"], "full" if man["full_snapshot"] else f"delta {man.get('delta_ratio', 0):.1f}x")
+
+    def _announce(self, version: int, parent: int | None, sha: str, man: dict, uri: str, dtype: str) -> None:
+        if self.sink is not None:
+            ev = CheckpointEvent(
+                version=version, parent=parent, step=self.step, uri=uri, manifest_sha256=sha, dtype=dtype,
+                full_snapshot=man["full_snapshot"], samples=man["samples"], metrics=man["metrics"], created_at=now(),
+            )
+            self.sink.write(self.topics.checkpoints, str(version), encode(ev))
+            self.sink.flush(10.0)
+        if self.consumer is not None:  # monitoring only: restarts resume from the manifest's offsets
+            offsets = {TopicPartition(t, p): OffsetAndMetadata(f, "", -1) for (t, p), f in self.book.floors.items()}
+            try:
+                self.consumer.commit(offsets)
+            except Exception as exc:  # a rebalance in progress; the next version commits again
+                log.warning("offset commit for monitoring failed: %s", exc)
+
+
+def _key(rec: Any) -> str:
+    return rec.key.decode("utf-8", "replace") if rec.key else f"{rec.topic}:{rec.partition}:{rec.offset}"
+
+
+def served_dtype(name: str, model_dir: Path) -> torch.dtype:
+    """``auto``: the dtype the model directory's config declares (what serving loads)."""
+    if name == "auto":
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return getattr(torch, name)
+
+
+def _write_config(model_dir: Path, dest: Path, dtype: torch.dtype) -> None:
+    """Copy config.json with its dtype set to the published weights' dtype."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    name = str(dtype).removeprefix("torch.")
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg:
+            cfg[key] = name
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -1,0 +1,106 @@
+"""``flywheel train``: the continuous trainer process (one per rank).
+
+Single process::
+
+    flywheel train
+
+Several processes or nodes, through the standard launchers (each rank runs this same entrypoint;
+rank 0 consumes Kafka and publishes, every rank trains its shard)::
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m trainer
+    deepspeed --num_gpus 8 -m trainer            # or --hostfile for multi-node
+
+Settings come from ``FLYWHEEL_TRAINER_*`` (see flywheel/settings.py, TrainerSettings); the
+DeepSpeed JSON config (ZeRO stage, precision, optimizer) from ``FLYWHEEL_TRAINER_DEEPSPEED_CONFIG``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def ds_config(settings: Settings, world: int) -> dict[str, Any]:
+    from trainer.policy import default_ds_config
+
+    cfg = settings.trainer
+    if cfg.deepspeed_config is None:
+        return default_ds_config(cfg.batch_size, world)
+    data = json.loads(Path(cfg.deepspeed_config).read_text())
+    # Batch sizes are the trainer's decision (one backward per local shard); keep DeepSpeed's
+    # bookkeeping consistent with it whatever the file says.
+    data.pop("train_batch_size", None)
+    data["train_micro_batch_size_per_gpu"] = max(1, cfg.batch_size // world)
+    data["gradient_accumulation_steps"] = 1
+    return data
+
+
+def store_for(settings: Settings):
+    from trainer.store import CheckpointStore
+
+    cfg = settings.trainer
+    local = cfg.store if cfg.store and "://" not in cfg.store else str(settings.data_dir / "checkpoints")
+    return CheckpointStore(Path(local), full_every=cfg.full_every, keep_full=cfg.keep_full, keep_optimizer=cfg.keep_optimizer)
+
+
+def build(settings: Settings):
+    """Everything but the loop: process group, policy, store, Kafka clients (rank 0), metrics."""
+    from flywheel.bus import DeadLetters, KafkaSink, LagGauge, ensure_topics, make_consumer, make_producer
+    from flywheel.contracts import Topics
+    from flywheel.metrics import new_registry
+    from trainer import dist
+    from trainer.loop import Trainer
+    from trainer.losses import LossConfig
+    from trainer.metrics import TrainerMetrics
+    from trainer.policy import Policy
+
+    rank, world = dist.init()
+    cfg = settings.trainer
+    loss_cfg = LossConfig(cfg.loss, cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.entropy_coef, cfg.kl_coef)
+    policy = Policy.load(settings.model_dir, ds_config(settings, world), loss_cfg, lr=cfg.lr, reference_dir=cfg.reference_dir)
+    registry = new_registry()
+    kw: dict[str, Any] = {}
+    if rank == 0:
+        topics = Topics(settings.topic_prefix)
+        ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
+        sink = KafkaSink(make_producer(settings.kafka, "trainer"))
+        kw = dict(
+            consumer=make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=4 * cfg.batch_size),
+            sink=sink,
+            deadletters=DeadLetters(sink, topics.deadletter, "trainer", registry),
+            lag=LagGauge("trainer", registry),
+        )
+    trainer = Trainer(settings, policy, store_for(settings), TrainerMetrics(registry), rank=rank, world=world, **kw)
+    return trainer, registry
+
+
+def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
+    from flywheel.metrics import serve_ops
+
+    trainer, registry = build(settings)
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop_event.set())
+    signal.signal(signal.SIGINT, lambda *_: trainer.stop_event.set())
+    trainer.start()
+    if trainer.rank == 0:
+        server = serve_ops(registry, lambda: _health(trainer), settings.trainer.host, settings.trainer.port)
+        log.info("trainer ops on %s:%d, version %d", settings.trainer.host, server.server_port, trainer.version)
+        trainer.subscribe()
+    try:
+        trainer.run()
+    finally:
+        if trainer.rank == 0:
+            trainer.consumer.close()
+            trainer.sink.close()
+    return 0
+
+
+def _health(trainer) -> tuple[bool, dict[str, object]]:
+    return True, {"version": trainer.version, "step": trainer.step, "samples": trainer.samples}

@@ -1,0 +1,224 @@
+"""Training primitives around one DeepSpeed engine: forward/backward with a loss, step, sample, save.
+
+An algorithm engineer drives a :class:`Policy` directly::
+
+    policy = Policy.load(model_dir, ds_config, loss_cfg, lr=1e-5)
+    out = policy.sample(prompts, max_new_tokens=16, temperature=1.0)   # torch sampling
+    stats = policy.forward_backward(samples)          # loss from the registry (or loss_fn=...)
+    policy.step()                                      # optimizer step (ZeRO, clipping: DeepSpeed)
+    policy.publish_weights(dtype)                      # served-precision state dict
+
+The service loop (trainer/loop.py) uses exactly these calls. Logprobs are recomputed at each
+sample's sampling temperature so they are comparable with the behaviour logprobs the sampler
+recorded in "processed" mode; top-p/top-k truncation is not replayed, and what remains of the gap
+is reported as ``trainer_logprob_gap_nats``. ZeRO stages 0-2 keep full parameters on every rank,
+which :meth:`publish_weights` relies on; stage 3 would need a gather and is rejected up front.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from flywheel.contracts import RewardEvent
+from trainer.losses import LossConfig, LossFn, LossInputs, total_loss
+
+log = logging.getLogger(__name__)
+
+
+def default_ds_config(batch_size: int, world_size: int) -> dict[str, Any]:
+    """ZeRO-0, fp32, gradient clipping 1.0; the optimizer is a torch AdamW passed in."""
+    micro = max(1, batch_size // world_size)
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 0},
+        "bf16": {"enabled": False},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    targets: torch.Tensor  # [B, L-1] the token each position predicts
+    mask: torch.Tensor  # [B, L-1] 1 where the target is a completion token
+    old_logp: torch.Tensor  # [B, L-1] behaviour logprobs, aligned with targets
+    temperature: torch.Tensor  # [B]
+    rewards: torch.Tensor  # [B]
+    weights: torch.Tensor  # [B]
+    group_ids: list[str]
+
+
+def collate(events: Sequence[RewardEvent], pad_id: int) -> Batch:
+    """Right-padded prompt+completion rows with the completion tokens' positions masked in."""
+    B = len(events)
+    L = max(len(e.prompt_token_ids) + len(e.completion_token_ids) for e in events)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    att = torch.zeros((B, L), dtype=torch.long)
+    mask = torch.zeros((B, L - 1))
+    old = torch.zeros((B, L - 1))
+    for i, e in enumerate(events):
+        p, c = len(e.prompt_token_ids), len(e.completion_token_ids)
+        ids[i, : p + c] = torch.tensor([*e.prompt_token_ids, *e.completion_token_ids])
+        att[i, : p + c] = 1
+        mask[i, p - 1 : p - 1 + c] = 1.0  # logits at position p-1 predict the first completion token
+        old[i, p - 1 : p - 1 + c] = torch.tensor(e.logprobs, dtype=torch.float32)
+    temps = torch.tensor([e.sampling.temperature if e.sampling.temperature > 0 else 1.0 for e in events])
+    return Batch(
+        input_ids=ids,
+        attention_mask=att,
+        targets=ids[:, 1:],
+        mask=mask,
+        old_logp=old,
+        temperature=temps,
+        rewards=torch.tensor([e.reward for e in events], dtype=torch.float32),
+        weights=torch.tensor([e.weight for e in events], dtype=torch.float32),
+        group_ids=[e.group_id for e in events],
+    )
+
+
+def token_logprobs(model: torch.nn.Module, b: Batch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probability of each target token (and the per-position entropy) at the sample's temperature."""
+    logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+    logits = logits / b.temperature[:, None, None]
+    logsm = torch.log_softmax(logits, dim=-1)
+    logp = logsm.gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logsm.exp() * logsm).sum(-1) if with_entropy else None
+    return logp, entropy
+
+
+class Policy:
+    """The trainable policy on a DeepSpeed engine plus an optional frozen reference for the KL term."""
+
+    def __init__(self, engine: Any, tokenizer_pad: int, loss_cfg: LossConfig, reference: torch.nn.Module | None) -> None:
+        self.engine = engine
+        self.pad_id = tokenizer_pad
+        self.loss_cfg = loss_cfg
+        self.reference = reference
+        self.steps = 0
+
+    @classmethod
+    def load(
+        cls,
+        model_dir: Path,
+        ds_config: dict[str, Any],
+        loss_cfg: LossConfig,
+        *,
+        lr: float,
+        reference_dir: Path | None = None,
+    ) -> "Policy":
+        import deepspeed
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
+            raise ValueError("ZeRO stage 3 is not supported for publishing; use stage 0, 1 or 2")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        reference = None
+        if loss_cfg.kl_coef > 0:
+            reference = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
+            reference.eval().requires_grad_(False)
+        pad = AutoConfig.from_pretrained(model_dir).pad_token_id
+        return cls(engine, 0 if pad is None else int(pad), loss_cfg, reference)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    # ------------------------------------------------------------ primitives
+    def forward_backward(self, events: Sequence[RewardEvent], loss_fn: LossFn | None = None) -> dict[str, float]:
+        """One forward and backward pass; gradients accumulate until :meth:`step`."""
+        self.engine.train()
+        b = collate(events, self.pad_id)
+        logp, entropy = token_logprobs(self.engine, b, with_entropy=True)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _ = token_logprobs(self.reference, b, with_entropy=False)
+        inputs = LossInputs(
+            logp=logp, old_logp=b.old_logp, mask=b.mask, rewards=b.rewards, group_ids=b.group_ids,
+            weights=b.weights, entropy=entropy, ref_logp=ref,
+        )
+        loss, stats = total_loss(inputs, self.loss_cfg, loss_fn)
+        self.engine.backward(loss)
+        stats["tokens"] = float(b.mask.sum())
+        stats["reward_mean"] = float(b.rewards.mean())
+        stats["distinct_frac"] = len({tuple(e.completion_token_ids) for e in events}) / len(events)
+        return stats
+
+    def step(self) -> None:
+        self.engine.step()
+        self.steps += 1
+
+    @torch.no_grad()
+    def logprobs(self, events: Sequence[RewardEvent]) -> torch.Tensor:
+        """Trainer logprobs of each completion token, ``[B, L-1]`` masked to zero off-completion."""
+        self.engine.eval()
+        b = collate(events, self.pad_id)
+        logp, _ = token_logprobs(self.engine, b, with_entropy=False)
+        return logp * b.mask
+
+    @torch.no_grad()
+    def sample(
+        self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float = 1.0, eos_id: int | None = None
+    ) -> list[tuple[list[int], list[float]]]:
+        """Sample completions with torch (no engine): ``[(token ids, logprobs)]`` per prompt.
+
+        Logprobs are of the distribution each token was drawn from (after temperature), the same
+        "processed" convention serving records, so samples from here train like served ones.
+        """
+        self.engine.eval()
+        model = self.module
+        L = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), L), self.pad_id, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding keeps every row's next token at the end
+            ids[i, L - len(p) :] = torch.tensor(list(p))
+            att[i, L - len(p) :] = 1
+        toks, lps = [], []
+        done = torch.zeros(len(prompts), dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            pos = (att.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, -1].float()
+            logsm = torch.log_softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(logsm.exp(), 1).squeeze(-1)
+            toks.append(nxt)
+            lps.append(logsm.gather(-1, nxt[:, None]).squeeze(-1))
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            att = torch.cat([att, (~done).long()[:, None]], dim=1)
+            if eos_id is not None:
+                done |= nxt == eos_id
+                if bool(done.all()):
+                    break
+        out = []
+        T, LP = torch.stack(toks, 1), torch.stack(lps, 1)
+        for i in range(len(prompts)):
+            t, lp = T[i].tolist(), LP[i].tolist()
+            if eos_id is not None and eos_id in t:
+                k = t.index(eos_id) + 1
+                t, lp = t[:k], lp[:k]
+            out.append((t, lp))
+        return out
+
+    def publish_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The policy's parameters in the served dtype, contiguous on the CPU (safetensors-ready)."""
+        return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in self.module.state_dict().items()}
+
+    def save(self, directory: Path, client_state: dict[str, Any] | None = None) -> None:
+        """DeepSpeed checkpoint (weights + optimizer state) under ``directory/ds``; all ranks call it."""
+        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state or {}, save_latest=False)
+
+    def restore(self, directory: Path) -> dict[str, Any]:
+        """Load weights and optimizer state saved by :meth:`save`; returns the client state."""
+        _, client = self.engine.load_checkpoint(str(directory), tag="ds")
+        return client or {}

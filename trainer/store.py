@@ -1,0 +1,246 @@
+"""The checkpoint store: published versions, their deltas and ledgers, and chain reconstruction.
+
+Layout under the store root (``<data_dir>/checkpoints`` by default)::
+
+    v00000003/
+      config.json, tokenizer files   copied from the model directory (HF layout: vLLM loads it)
+      model.safetensors              weights in the served dtype (pruned on old non-snapshot versions)
+      delta.fwd                      lossless delta from the parent's model.safetensors (trainer/delta.py)
+      ledger.json                    generation ids trained in this version, drops by reason
+      flywheel-manifest.json         version, parent, step, samples, hashes, metrics, data offsets
+      ds/                            DeepSpeed checkpoint (optimizer state), newest few versions only
+
+A version becomes visible in one atomic step: everything is written into ``.tmp-*`` beside it,
+fsynced, then renamed to ``vNNNNNNNN`` and the root directory fsynced. A directory without that
+name does not exist as far as readers and restarts are concerned, so a kill -9 at any moment leaves
+either the old latest version or the new one, never half of one.
+
+``flywheel checkpoint verify|reconstruct`` and serving use :func:`CheckpointStore.materialize`:
+walk the parent chain back to the nearest version that still holds full weights, apply deltas
+forward, and check every delta file, every tensor and the final file against the manifests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from flywheel import manifest
+from flywheel.manifest import ManifestError
+
+from trainer import delta as deltas
+
+log = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+DELTA = "delta.fwd"
+LEDGER = "ledger.json"
+DS_DIR = "ds"
+_SKIP_COPY = {WEIGHTS, manifest.MANIFEST_NAME, "model.safetensors.index.json"}
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync every file under ``path`` and every directory, so a rename publishes durable bytes."""
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def vname(version: int) -> str:
+    return f"v{version:08d}"
+
+
+class CheckpointStore:
+    """Versions under one local root. Writers: the trainer's rank 0. Readers: anyone."""
+
+    def __init__(self, root: Path, *, full_every: int = 10, keep_full: int = 3, keep_optimizer: int = 2) -> None:
+        self.root = Path(root)
+        self.full_every = full_every
+        self.keep_full = keep_full
+        self.keep_optimizer = keep_optimizer
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------ reading
+    def versions(self) -> list[int]:
+        out = []
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("v") and p.name[1:].isdigit():
+                out.append(int(p.name[1:]))
+        return sorted(out)
+
+    def latest(self) -> int | None:
+        v = self.versions()
+        return v[-1] if v else None
+
+    def path(self, version: int) -> Path:
+        return self.root / vname(version)
+
+    def manifest(self, version: int) -> dict[str, Any]:
+        return manifest.read(self.path(version))
+
+    def ledger(self, version: int) -> dict[str, Any]:
+        return json.loads((self.path(version) / LEDGER).read_text())
+
+    # ------------------------------------------------------------ writing
+    def staging_dir(self, version: int) -> Path:
+        """A fresh temp dir for ``version``; invisible to readers until :meth:`commit`."""
+        tmp = self.root / f".tmp-{vname(version)}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        return tmp
+
+    def is_snapshot(self, version: int, parent: int | None) -> bool:
+        return parent is None or version % self.full_every == 0
+
+    def commit(
+        self,
+        tmp: Path,
+        *,
+        version: int,
+        parent: int | None,
+        source_dir: Path,
+        extra: dict[str, Any],
+        ledger: dict[str, Any],
+    ) -> tuple[str, dict[str, Any]]:
+        """Finish a staged version (``tmp`` already holds model.safetensors) and publish it.
+
+        Returns ``(manifest sha256, manifest)``.
+        """
+        _copy_model_files(source_dir, tmp)
+        full = self.is_snapshot(version, parent)
+        info: dict[str, Any] = {"full_snapshot": full}
+        if not full:
+            parent_bytes = self.materialize_bytes(parent)
+            child = (tmp / WEIGHTS).read_bytes()
+            blob = deltas.make_delta(parent_bytes, child, parent_version=parent)
+            (tmp / DELTA).write_bytes(blob)
+            info.update(delta_bytes=len(blob), weight_bytes=len(child), delta_ratio=len(child) / max(1, len(blob)))
+        (tmp / LEDGER).write_text(json.dumps(ledger, sort_keys=True))
+        man = manifest.build(tmp, version=version, parent=parent, extra={**extra, **info})
+        sha = manifest.write(tmp, man)
+        fsync_tree(tmp)
+        final = self.path(version)
+        if final.exists():
+            raise ManifestError(f"version {version} already exists in {self.root}")
+        os.rename(tmp, final)
+        fsync_dir(self.root)
+        self.prune()
+        return sha, man
+
+    def prune(self) -> None:
+        """Drop full weights of old non-snapshot versions and old optimizer states (never the chain)."""
+        versions = self.versions()
+        for v in versions[: -self.keep_full]:
+            p = self.path(v)
+            if (p / DELTA).exists() and (p / WEIGHTS).exists():
+                (p / WEIGHTS).unlink()
+        for v in versions[: -self.keep_optimizer]:
+            shutil.rmtree(self.path(v) / DS_DIR, ignore_errors=True)
+        for p in self.root.glob(".tmp-*"):
+            if p.is_dir():  # left by a crashed publish: never visible, safe to delete
+                shutil.rmtree(p, ignore_errors=True)
+
+    # ------------------------------------------------------------ reconstruction
+    def materialize_bytes(self, version: int) -> bytes:
+        """The verified weights file of ``version``, rebuilt from its chain when pruned."""
+        chain = [version]
+        while not (self.path(chain[-1]) / WEIGHTS).exists():
+            man = self.manifest(chain[-1])
+            if man.get("parent") is None:
+                raise ManifestError(f"version {chain[-1]} has neither weights nor a parent to rebuild from")
+            chain.append(man["parent"])
+        base = chain.pop()
+        data = (self.path(base) / WEIGHTS).read_bytes()
+        _check_file(self.manifest(base), WEIGHTS, data, base)
+        for v in reversed(chain):
+            man = self.manifest(v)
+            blob = (self.path(v) / DELTA).read_bytes()
+            _check_file(man, DELTA, blob, v)
+            try:
+                data = deltas.apply_delta(data, blob)
+            except deltas.DeltaError as exc:
+                raise ManifestError(f"version {v}: delta does not apply: {exc}") from None
+            _check_file(man, WEIGHTS, data, v)
+        return data
+
+    def materialize(self, version: int) -> Path:
+        """Restore ``version``'s model.safetensors in place if pruned; verify every file; return the dir."""
+        d = self.path(version)
+        if not (d / WEIGHTS).exists():
+            data = self.materialize_bytes(version)
+            tmp = d / f".{WEIGHTS}.{uuid.uuid4().hex[:6]}"
+            tmp.write_bytes(data)
+            os.replace(tmp, d / WEIGHTS)
+        man = manifest.verify_dir(d)
+        verify_tensors(d, man)
+        return d
+
+    def export(self, version: int, out: Path) -> Path:
+        """Copy a verified, loadable HF directory of ``version`` to ``out`` (no optimizer state)."""
+        src = self.materialize(version)
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        for p in src.iterdir():
+            if p.is_file():
+                shutil.copy2(p, out / p.name)
+        manifest.verify_dir(out)
+        return out
+
+
+def _check_file(man: dict[str, Any], name: str, data: bytes, version: int) -> None:
+    import hashlib
+
+    want = man["files"].get(name, {}).get("sha256")
+    got = hashlib.sha256(data).hexdigest()
+    if want != got:
+        raise ManifestError(
+            f"version {version}: {name} fails hash verification (got {got[:12]}…, manifest {str(want)[:12]}…)"
+        )
+
+
+def verify_tensors(directory: Path, man: dict[str, Any]) -> None:
+    """Every tensor's sha256 against the manifest (catches a rewritten file with a fixed-up hash)."""
+    got = manifest.tensor_hashes(directory)
+    if got != man["tensors"]:
+        bad = sorted(k for k in set(got) | set(man["tensors"]) if got.get(k) != man["tensors"].get(k))
+        raise ManifestError(f"{directory}: tensor hash mismatch for {bad[:5]}")
+
+
+def _copy_model_files(source: Path, dest: Path) -> None:
+    """Config, generation config and tokenizer files: everything serving needs besides weights."""
+    for p in Path(source).iterdir():
+        if p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(".safetensors"):
+            if not (dest / p.name).exists():
+                shutil.copy2(p, dest / p.name)
+
+
+def mirror(local_version_dir: Path, url: str) -> str:
+    """Upload a committed version to an fsspec URL; the manifest goes last, so a reader that finds
+    a manifest finds every file it lists (object stores have no atomic directory rename)."""
+    import fsspec
+
+    fs, base = fsspec.core.url_to_fs(url)
+    dest = f"{base.rstrip('/')}/{local_version_dir.name}"
+    fs.makedirs(dest, exist_ok=True)
+    for p in sorted(local_version_dir.iterdir()):
+        if p.is_file() and p.name != manifest.MANIFEST_NAME:
+            fs.put_file(str(p), f"{dest}/{p.name}")
+    fs.put_file(str(local_version_dir / manifest.MANIFEST_NAME), f"{dest}/{manifest.MANIFEST_NAME}")
+    return f"{url.rstrip('/')}/{local_version_dir.name}"
