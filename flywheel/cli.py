@@ -120,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible API and feedback endpoint")
     s.set_defaults(func=_role("serving.main"))
 
+    ig = sub.add_parser("ingest", help="join generations with feedback into episodes (exactly once)")
+    ig.set_defaults(func=_role("ingest.main"))
+
+    rw = sub.add_parser("reward", help="label episodes with rewards; `reward report` summarises the archive")
+    rw.add_argument("action", nargs="?", choices=["run", "report"], default="run")
+    rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <data_dir>/archive/rewards)")
+    rw.add_argument("--top", type=int, default=10, help="report: how many flagged users to list")
+    rw.set_defaults(func=_role("reward.main"))
+
     tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")
     tr.set_defaults(func=_role("trainer.main"))
 

@@ -1,0 +1,1 @@
+"""Ingest stage: join generations with user feedback into episodes, exactly once (``flywheel ingest``)."""

@@ -1,0 +1,115 @@
+"""Parquet archive of a stage's output, partitioned by hour, written atomically.
+
+Layout: ``<root>/hour=YYYY-MM-DDTHH/part-<epoch>-<first seq>-<last seq>.parquet`` with an explicit
+pyarrow schema, so pandas (``pd.read_parquet(root)``), DuckDB, Spark or any Parquet reader sees the
+same columns and the ``hour`` partition column. Each file is written to a temporary name in the
+same directory and renamed into place: a reader (or a crash) sees a whole file or none.
+
+The file name carries the outbox sequence range of its rows and every row carries its
+``outbox_seq``, so the exactly-once recovery (ingest/exactly_once.py) can tell which outbox rows a
+crashed run had already archived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ingest.exactly_once import OutRow
+
+RowFn = Callable[[bytes], tuple[float, dict[str, Any]]]
+_NAME = re.compile(r"part-(?P<epoch>[0-9a-f]+)-(?P<lo>\d+)-(?P<hi>\d+)\.parquet$")
+
+
+def hour_of(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H", time.gmtime(ts))
+
+
+class ParquetArchive:
+    """Archive outbox rows: ``row_fn(value) -> (timestamp, columns)`` maps a record to a row."""
+
+    def __init__(self, root: Path, schema: pa.Schema, row_fn: RowFn) -> None:
+        self.root = root
+        self.schema = schema.append(pa.field("outbox_seq", pa.int64(), nullable=False))
+        self.row_fn = row_fn
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, epoch: str, rows: list[OutRow]) -> None:
+        by_hour: dict[str, list[dict[str, Any]]] = {}
+        for row in rows:
+            ts, cols = self.row_fn(row.value)
+            cols["outbox_seq"] = row.seq
+            by_hour.setdefault(hour_of(ts), []).append(cols)
+        for hour, items in by_hour.items():
+            seqs = [c["outbox_seq"] for c in items]
+            folder = self.root / f"hour={hour}"
+            folder.mkdir(parents=True, exist_ok=True)
+            final = folder / f"part-{epoch}-{min(seqs):012d}-{max(seqs):012d}.parquet"
+            tmp = folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
+            table = pa.Table.from_pylist(items, schema=self.schema)
+            pq.write_table(table, tmp, compression="zstd")
+            with open(tmp, "rb") as fh:  # the bytes must be on disk before the name is
+                os.fsync(fh.fileno())
+            os.replace(tmp, final)
+
+    def archived_seqs(self, epoch: str, lo: int, hi: int) -> set[int]:
+        """Outbox sequence numbers in ``[lo, hi]`` that some archive file of ``epoch`` holds."""
+        found: set[int] = set()
+        for path in self.root.glob("hour=*/part-*.parquet"):
+            m = _NAME.search(path.name)
+            if not m or m["epoch"] != epoch or int(m["hi"]) < lo or int(m["lo"]) > hi:
+                continue
+            col = pq.read_table(path, columns=["outbox_seq"]).column("outbox_seq").to_pylist()
+            found.update(s for s in col if lo <= s <= hi)
+        return found
+
+    def files(self) -> list[Path]:
+        return sorted(self.root.glob("hour=*/part-*.parquet"))
+
+
+EPISODE_SCHEMA = pa.schema([
+    pa.field("generation_id", pa.string(), nullable=False),
+    pa.field("group_id", pa.string()),
+    pa.field("choice_index", pa.int32()),
+    pa.field("user_id", pa.string()),
+    pa.field("model_name", pa.string()),
+    pa.field("model_version", pa.int64()),
+    pa.field("endpoint", pa.string()),
+    pa.field("signal", pa.string(), nullable=False),
+    pa.field("edited_text", pa.string()),
+    pa.field("decision_ms", pa.float64()),
+    pa.field("feedback_ids", pa.list_(pa.string())),
+    pa.field("timed_out", pa.bool_()),
+    pa.field("conflicted", pa.bool_()),
+    pa.field("created_at", pa.float64()),
+    pa.field("completed_at", pa.float64()),
+    pa.field("resolved_at", pa.float64()),
+    pa.field("latency_ms", pa.float64()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_text", pa.string()),
+    pa.field("completion_text", pa.string()),
+    pa.field("prompt_token_ids", pa.list_(pa.int32())),
+    pa.field("completion_token_ids", pa.list_(pa.int32())),
+    pa.field("logprobs", pa.list_(pa.float32())),
+])
+
+
+def episode_row(value: bytes) -> tuple[float, dict[str, Any]]:
+    """An episode record as an archive row, filed under the hour it was resolved."""
+    ep = json.loads(value)
+    g = ep["generation"]
+    row = {k: g.get(k) for k in (
+        "generation_id", "group_id", "choice_index", "user_id", "model_name", "model_version",
+        "endpoint", "created_at", "completed_at", "latency_ms", "finish_reason", "prompt_text",
+        "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")}
+    row.update({k: ep.get(k) for k in (
+        "signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted", "resolved_at")})
+    return ep["resolved_at"], row

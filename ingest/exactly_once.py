@@ -1,0 +1,323 @@
+"""Exactly-once stream processing without Kafka transactions: state store + outbox + recovery scan.
+
+Both stream stages (``ingest`` and ``reward``) use this module; it is stage logic, not a wire
+contract, so it lives here and ``reward`` imports it. The full write-up is docs/exactly-once.md.
+
+The protocol, per consumed batch (one *shard* = one input partition number; records keyed by
+``generation_id`` put a generation, its feedback, episode and reward on the same number):
+
+1. **Process** - in ONE SQLite transaction (WAL, ``synchronous=FULL``): apply the batch to the
+   stage's state tables, append every record the batch produces (outputs and dead letters) to the
+   ``outbox`` with a fresh sequence number, and store the input offsets (``next offset`` per input
+   topic-partition). Either all of it is durable or none of it.
+2. **Archive** - outbox rows bound for a Parquet archive are written to a file named after the
+   store's epoch and the rows' sequence range, atomically (temp file + rename), then marked
+   ``archived``.
+3. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
+   explicitly computed partition (the default key partitioner for keyed records, so shard ``p``'s
+   outputs land in partition ``p`` when partition counts match), flush, wait for every ack, then in
+   one transaction delete the delivered rows and remember each output partition's ``next offset``
+   (the *confirmed point*).
+4. Commit the input offsets to the consumer group too. That commit is informational (lag tools);
+   the store's offsets are the truth.
+
+**Where a restart resumes.** When a partition is (re)assigned, the consumer seeks to the offsets in
+the store (the end of the last committed transaction), never to the group's committed offsets
+(used only when the store has none, i.e. a fresh store). Before delivering anything new for that
+shard, :meth:`Outbox.recover` settles the undelivered outbox rows: it reads every output partition
+they could have gone to from its confirmed point to the high watermark, collects the outbox
+headers found there, and deletes the rows already delivered; it reads the archive files whose
+sequence range overlaps unarchived rows and marks the ones found. The rest is delivered normally.
+
+Why ``kill -9`` at any moment loses and duplicates nothing:
+
+- before step 1 commits: nothing happened; the batch is re-read from the stored offsets.
+- between 1 and 3: the rows are in the outbox; recovery finds which (if any) reached the topic
+  and the archive, and sends only the others.
+- after 3: the rows are gone from the outbox; the input offsets already point past the batch.
+
+Inputs are deduplicated by id in the stage's state, so an upstream duplicate is folded too.
+
+**On a real Kafka cluster** the same code is correct (it relies only on acks, headers and reading a
+partition), with two caveats: a request still in flight from the dead process could land after the
+recovery scan (bounded by ``request.timeout.ms``; waiting that long before the scan closes it), and
+scale-out across machines needs the state tables in a shared database (the SQL is portable to
+PostgreSQL). There, Kafka transactions (``send_offsets_to_transaction`` + ``read_committed``
+consumers) can replace steps 3-4 and the recovery scan; the embedded broker cannot filter aborted
+records, which is why this design is the default here.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Protocol
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.partitioner.default import murmur2
+
+log = logging.getLogger(__name__)
+
+OUTBOX_HEADER = "flywheel-outbox"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS offsets (
+    topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL, PRIMARY KEY (topic, part));
+CREATE TABLE IF NOT EXISTS outbox (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, shard INTEGER NOT NULL, topic TEXT NOT NULL,
+    key TEXT, value BLOB NOT NULL, archive TEXT, archived INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard);
+CREATE TABLE IF NOT EXISTS out_marks (
+    topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL, PRIMARY KEY (topic, part));
+"""
+
+
+@dataclass(frozen=True)
+class OutRow:
+    """One outbox entry: a record the stage owes to a topic (and maybe to an archive)."""
+
+    seq: int
+    shard: int
+    topic: str
+    key: str | None
+    value: bytes
+    archive: str | None
+    archived: bool
+
+
+class StateStore:
+    """A stage's durable state: SQLite in WAL mode holding offsets, outbox and the stage's tables."""
+
+    def __init__(self, path: Path, stage_schema: str = "") -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
+        self.db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed transaction survives power loss too, not just a process crash; an
+        # input batch re-read after a lost commit would get new outbox ids and be sent twice.
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(_SCHEMA + stage_schema)
+        with self.txn():
+            row = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()
+            if row is None:
+                self.db.execute("INSERT INTO meta VALUES ('epoch', ?)", (uuid.uuid4().hex[:12],))
+        self.epoch: str = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()[0]
+        self._in_txn = False
+
+    @contextmanager
+    def txn(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        self._in_txn = True
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        else:
+            self.db.execute("COMMIT")
+        finally:
+            self._in_txn = False
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- inside a transaction -------------------------------------------------------------
+    def set_offsets(self, offsets: dict[tuple[str, int], int]) -> None:
+        self.db.executemany(
+            "INSERT INTO offsets VALUES (?, ?, ?) ON CONFLICT (topic, part) DO UPDATE SET next=excluded.next",
+            [(t, p, n) for (t, p), n in offsets.items()],
+        )
+
+    def append(self, shard: int, topic: str, key: str | None, value: bytes, archive: str | None = None) -> None:
+        """Owe ``value`` to ``topic`` (and to ``archive`` when named). Call inside :meth:`txn`."""
+        assert self._in_txn, "outbox rows must be appended inside the processing transaction"
+        self.db.execute(
+            "INSERT INTO outbox (shard, topic, key, value, archive) VALUES (?, ?, ?, ?, ?)",
+            (shard, topic, key, value, archive),
+        )
+
+    # -- reads and bookkeeping ------------------------------------------------------------
+    def offsets(self) -> dict[tuple[str, int], int]:
+        return {(t, p): n for t, p, n in self.db.execute("SELECT topic, part, next FROM offsets")}
+
+    def pending(self, shards: Iterable[int], limit: int = 20_000) -> list[OutRow]:
+        shards = sorted(set(shards))
+        if not shards:
+            return []
+        marks = ",".join("?" * len(shards))
+        rows = self.db.execute(
+            f"SELECT seq, shard, topic, key, value, archive, archived FROM outbox "
+            f"WHERE shard IN ({marks}) ORDER BY seq LIMIT ?",
+            (*shards, limit),
+        ).fetchall()
+        return [OutRow(s, sh, t, k, bytes(v), a, bool(ad)) for s, sh, t, k, v, a, ad in rows]
+
+    def mark_archived(self, seqs: Iterable[int]) -> None:
+        with self.txn():
+            self.db.executemany("UPDATE outbox SET archived=1 WHERE seq=?", [(s,) for s in seqs])
+
+    def mark_delivered(self, seqs: Iterable[int], marks: dict[tuple[str, int], int]) -> None:
+        with self.txn():
+            self.db.executemany("DELETE FROM outbox WHERE seq=?", [(s,) for s in seqs])
+            self.db.executemany(
+                "INSERT INTO out_marks VALUES (?, ?, ?) ON CONFLICT (topic, part) "
+                "DO UPDATE SET next=max(next, excluded.next)",
+                [(t, p, n) for (t, p), n in marks.items()],
+            )
+
+    def out_mark(self, topic: str, part: int) -> int:
+        row = self.db.execute("SELECT next FROM out_marks WHERE topic=? AND part=?", (topic, part)).fetchone()
+        return row[0] if row else 0
+
+    def outbox_id(self, seq: int) -> str:
+        return f"{self.epoch}:{seq}"
+
+
+class Archive(Protocol):
+    """Where outbox rows with ``archive`` set are also written (see ingest/archive.py)."""
+
+    def write(self, epoch: str, rows: list[OutRow]) -> None: ...
+
+    def archived_seqs(self, epoch: str, lo: int, hi: int) -> set[int]: ...
+
+
+def out_partition(key: str | None, outbox_id: str, partitions: int) -> int:
+    """The partition a record goes to: the default key partitioner, or a stable hash of its id.
+
+    Computed, not left to the producer, so recovery knows exactly which partition to read back.
+    """
+    data = (key if key is not None else outbox_id).encode("utf-8")
+    return (murmur2(data) & 0x7FFFFFFF) % partitions
+
+
+class Outbox:
+    """Delivers outbox rows (archive, then Kafka) and settles them after a crash."""
+
+    def __init__(
+        self,
+        store: StateStore,
+        producer: KafkaProducer,
+        bootstrap: str,
+        archives: dict[str, Archive] | None = None,
+        flush_timeout_s: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.producer = producer
+        self.bootstrap = bootstrap
+        self.archives = archives or {}
+        self.flush_timeout_s = flush_timeout_s
+        self._parts: dict[str, int] = {}
+
+    def partitions(self, topic: str) -> int:
+        if topic not in self._parts:
+            deadline = time.monotonic() + 30
+            while not (parts := self.producer.partitions_for(topic)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no partitions for topic {topic}")
+                time.sleep(0.1)
+            self._parts[topic] = len(parts)
+        return self._parts[topic]
+
+    def deliver(self, shards: Iterable[int]) -> int:
+        """Archive and send every pending row of ``shards``; returns how many were delivered."""
+        shards = list(shards)
+        total = 0
+        while rows := self.store.pending(shards):
+            self._archive(rows)
+            futures = []
+            for row in rows:
+                oid = self.store.outbox_id(row.seq)
+                part = out_partition(row.key, oid, self.partitions(row.topic))
+                fut = self.producer.send(
+                    row.topic, key=row.key, value=row.value, partition=part,
+                    headers=[(OUTBOX_HEADER, oid.encode())],
+                )
+                futures.append(fut)
+            self.producer.flush(timeout=self.flush_timeout_s)
+            marks: dict[tuple[str, int], int] = {}
+            for fut in futures:
+                md = fut.get(timeout=self.flush_timeout_s)  # raises if any send failed: retry later
+                key = (md.topic, md.partition)
+                marks[key] = max(marks.get(key, 0), md.offset + 1)
+            self.store.mark_delivered([r.seq for r in rows], marks)
+            total += len(rows)
+        return total
+
+    def _archive(self, rows: list[OutRow]) -> None:
+        by_archive: dict[str, list[OutRow]] = {}
+        for row in rows:
+            if row.archive and not row.archived:
+                by_archive.setdefault(row.archive, []).append(row)
+        for name, batch in by_archive.items():
+            self.archives[name].write(self.store.epoch, batch)
+            self.store.mark_archived(r.seq for r in batch)
+
+    def recover(self, shards: Iterable[int]) -> tuple[int, int]:
+        """Settle rows a crashed run may have delivered; returns (found in Kafka, found archived)."""
+        rows = self.store.pending(shards, limit=10**9)
+        if not rows:
+            return 0, 0
+        archived = self._recover_archive(rows)
+        wanted: dict[tuple[str, int], set[str]] = {}
+        by_id: dict[str, int] = {}
+        for row in rows:
+            oid = self.store.outbox_id(row.seq)
+            tp = (row.topic, out_partition(row.key, oid, self.partitions(row.topic)))
+            wanted.setdefault(tp, set()).add(oid)
+            by_id[oid] = row.seq
+        found = self._scan(wanted)
+        # The confirmed points do not move here: the next delivery advances them.
+        self.store.mark_delivered([by_id[o] for o in found], {})
+        log.info("recovery: %d of %d outbox rows were already delivered, %d archived",
+                 len(found), len(rows), archived)
+        return len(found), archived
+
+    def _recover_archive(self, rows: list[OutRow]) -> int:
+        todo: dict[str, list[int]] = {}
+        for row in rows:
+            if row.archive and not row.archived:
+                todo.setdefault(row.archive, []).append(row.seq)
+        count = 0
+        for name, seqs in todo.items():
+            done = self.archives[name].archived_seqs(self.store.epoch, min(seqs), max(seqs))
+            hit = [s for s in seqs if s in done]
+            if hit:
+                self.store.mark_archived(hit)
+                count += len(hit)
+        return count
+
+    def _scan(self, wanted: dict[tuple[str, int], set[str]], timeout_s: float = 60.0) -> set[str]:
+        """Read each output partition from its confirmed point to the high watermark."""
+        tps = [TopicPartition(t, p) for t, p in wanted]
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.bootstrap.split(","), group_id=None,
+            enable_auto_commit=False, max_partition_fetch_bytes=8 * 1024 * 1024,
+        )
+        found: set[str] = set()
+        try:
+            consumer.assign(tps)
+            for tp in tps:
+                consumer.seek(tp, self.store.out_mark(tp.topic, tp.partition))
+            remaining = set(tps)
+            deadline = time.monotonic() + timeout_s
+            while remaining and time.monotonic() < deadline:
+                for tp, recs in consumer.poll(timeout_ms=200).items():
+                    for rec in recs:
+                        for name, val in rec.headers or ():
+                            if name == OUTBOX_HEADER and val.decode() in wanted[(tp.topic, tp.partition)]:
+                                found.add(val.decode())
+                for tp in list(remaining):
+                    high = consumer.highwater(tp)
+                    if high is not None and consumer.position(tp) >= high:
+                        remaining.discard(tp)
+            if remaining:
+                raise RuntimeError(f"recovery scan did not reach the end of {sorted(remaining)}")
+        finally:
+            consumer.close()
+        return found

@@ -1,0 +1,88 @@
+"""Pure rules of the generation/feedback join: what a window is, and how signals are resolved.
+
+These functions hold no state and do no I/O, so every rule is table-tested on its own
+(tests/unit/test_ingest_join.py); ingest/stage.py applies them to the stream.
+
+**Window.** A generation's window closes ``window_s`` after its ``completed_at`` (serving's
+clock). Feedback counts for it when the user acted (``created_at``) no later than that deadline;
+feedback created later is ``late_feedback`` (dead-lettered: it is a real signal, kept for audit,
+never silently dropped). Feedback that arrives before its generation waits ``window_s`` after its
+own ``created_at``; if the generation has not come by then it is ``orphan_feedback``.
+
+**Emission.** An episode is emitted once, when the window closes (plus ``grace_s`` for clock skew
+and transport delay), not on the first feedback: waiting lets late duplicates and conflicting
+signals fold into the one episode instead of producing a second, contradictory one. The cost is
+``window_s`` of latency per episode.
+
+**Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once. Decisive signals
+(accept, reject, edit) beat an explicit ``ignore``. Among decisive signals the latest by
+``created_at`` wins (ties: the larger ``feedback_id``, so the result never depends on arrival
+order); an ``edit`` winner carries its text. ``conflicted`` is True when the decisive signals
+disagree (different signals, or edits with different texts). With no feedback at all the
+episode is ``ignore`` with ``timed_out=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flywheel.contracts import FeedbackEvent
+
+DECISIVE = frozenset({"accept", "reject", "edit"})
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The one signal an episode carries, and how it was reached."""
+
+    signal: str
+    edited_text: str | None
+    decision_ms: float | None
+    feedback_ids: tuple[str, ...]
+    timed_out: bool
+    conflicted: bool
+
+
+def generation_deadline(completed_at: float, window_s: float) -> float:
+    """Latest user-action time (``created_at``) that still counts for a generation."""
+    return completed_at + window_s
+
+
+def orphan_deadline(feedback_created_at: float, window_s: float) -> float:
+    """When feedback without its generation gives up waiting and becomes an orphan."""
+    return feedback_created_at + window_s
+
+
+def is_late(feedback_created_at: float, deadline: float) -> bool:
+    return feedback_created_at > deadline
+
+
+def is_due(deadline: float, now: float, grace_s: float) -> bool:
+    """A window is closed once ``now`` passed its deadline plus the grace period."""
+    return now > deadline + grace_s
+
+
+def _order(fb: FeedbackEvent) -> tuple[float, str]:
+    return (fb.created_at, fb.feedback_id)
+
+
+def resolve(feedback: list[FeedbackEvent]) -> Resolution:
+    """Fold a generation's feedback into one signal (rule in the module docstring)."""
+    unique: dict[str, FeedbackEvent] = {}
+    for fb in feedback:
+        unique.setdefault(fb.feedback_id, fb)
+    if not unique:
+        return Resolution("ignore", None, None, (), timed_out=True, conflicted=False)
+    ids = tuple(sorted(unique))
+    decisive = [fb for fb in unique.values() if fb.signal in DECISIVE]
+    pool = decisive or list(unique.values())
+    winner = max(pool, key=_order)
+    opinions = {(fb.signal, fb.edited_text if fb.signal == "edit" else None) for fb in decisive}
+    return Resolution(
+        signal=winner.signal,
+        edited_text=winner.edited_text if winner.signal == "edit" else None,
+        decision_ms=winner.decision_ms,
+        feedback_ids=ids,
+        timed_out=False,
+        conflicted=len(opinions) > 1,
+    )

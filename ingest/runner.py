@@ -1,0 +1,219 @@
+"""The consume -> process -> deliver loop shared by the ingest and reward stages.
+
+A :class:`Stage` holds the stage's logic; :class:`StreamRunner` drives it through the exactly-once
+protocol of ingest/exactly_once.py: on partition assignment it seeks to the stored offsets and
+settles the outbox (recovery), then per poll it runs ``stage.process`` and ``stage.tick`` inside
+one state-store transaction together with the input offsets, delivers the outbox, and commits the
+offsets to the consumer group for lag tools.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.structs import OffsetAndMetadata
+
+from flywheel.bus import LagGauge
+from ingest.exactly_once import Archive, Outbox, StateStore
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Stage(Protocol):
+    def process(self, records: list[ConsumerRecord], now: float) -> None:
+        """Apply records to state and append outputs to the outbox (inside the transaction)."""
+
+    def tick(self, shards: set[int], now: float) -> None:
+        """Time-driven work for shards whose inputs are caught up (inside the transaction)."""
+
+
+class OutboxSink:
+    """An ``EventSink`` that appends to the outbox, so dead letters ride the same transaction."""
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.shard = 0  # set by the stage to the partition of the record being handled
+
+    def write(self, topic: str, key: str | None, value: bytes) -> None:
+        self.store.append(self.shard, topic, key, value)
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class StreamRunner(ConsumerRebalanceListener):
+    """Runs a stage on a consumer group with exactly-once output."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        store: StateStore,
+        outbox: Outbox,
+        consumer: KafkaConsumer,
+        topics: list[str],
+        lag: LagGauge,
+        max_batch: int,
+        poll_ms: int,
+    ) -> None:
+        self.stage, self.store, self.outbox, self.consumer = stage, store, outbox, consumer
+        self.topics, self.lag, self.max_batch, self.poll_ms = topics, lag, max_batch, poll_ms
+        self.owned: set[int] = set()
+        self._lock = threading.Lock()
+        self._assigned: set[TopicPartition] = set()
+        self._revoked: set[int] = set()
+        self.last_loop = time.monotonic()
+        self.records_in = 0
+        consumer.subscribe(topics, listener=self)
+
+    # -- rebalance ------------------------------------------------------------------------
+    # kafka-python calls these on its network thread, which must not touch the store (SQLite is
+    # per thread) or block. New partitions are paused here and set up by the loop thread before
+    # any of their records is processed: seek to the stored offsets, settle the outbox, resume.
+    def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        with self._lock:
+            self._revoked |= {tp.partition for tp in revoked}
+
+    def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        self.consumer.pause(*assigned)
+        with self._lock:
+            self._assigned |= set(assigned)
+
+    def _settle_rebalance(self) -> None:
+        with self._lock:
+            revoked, self._revoked = self._revoked, set()
+            assigned, self._assigned = self._assigned, set()
+        self.owned -= revoked
+        assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
+        if not assigned:
+            return
+        stored = self.store.offsets()
+        for tp in assigned:
+            if (tp.topic, tp.partition) in stored:
+                self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
+        shards = {tp.partition for tp in assigned}
+        self.outbox.recover(shards)
+        self.outbox.deliver(shards)
+        self.owned |= shards
+        self.consumer.resume(*assigned)
+        log.info("assigned shards %s; resuming at %s", sorted(shards),
+                 {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
+
+    # -- loop -----------------------------------------------------------------------------
+    def caught_up(self) -> set[int]:
+        """Shards whose every input partition is read up to its last fetched high watermark."""
+        behind: set[int] = set()
+        shards: set[int] = set()
+        for tp in self.consumer.assignment():
+            shards.add(tp.partition)
+            high = self.consumer.highwater(tp)
+            try:
+                pos = self.consumer.position(tp, timeout_ms=100)
+            except Exception:
+                pos = None
+            if high is None or pos is None or pos < high:
+                behind.add(tp.partition)
+        return (shards - behind) & self.owned
+
+    def step(self) -> int:
+        self._settle_rebalance()
+        batches = self.consumer.poll(timeout_ms=self.poll_ms, max_records=self.max_batch)
+        if self._assigned or self._revoked:
+            # a rebalance happened inside poll: its partitions may have been re-seeked, so drop
+            # this batch (nothing was stored) and read again from settled positions
+            self._settle_rebalance()
+            current = self.consumer.assignment()
+            for tp, recs in batches.items():
+                if tp in current and recs:
+                    self.consumer.seek(tp, recs[0].offset)
+            return 0
+        batches = {tp: recs for tp, recs in batches.items() if tp.partition in self.owned}
+        records = [r for recs in batches.values() for r in recs]
+        offsets = {(tp.topic, tp.partition): recs[-1].offset + 1 for tp, recs in batches.items() if recs}
+        now = time.time()
+        ready = self.caught_up()
+        with self.store.txn():
+            if records:
+                self.stage.process(records, now)
+                self.store.set_offsets(offsets)
+            self.stage.tick(ready, now)
+        self.outbox.deliver(self.owned)
+        if offsets:
+            self.consumer.commit_async(
+                {TopicPartition(t, p): OffsetAndMetadata(n, "", -1) for (t, p), n in offsets.items()}
+            )
+        self.lag.update(self.consumer)
+        self.last_loop = time.monotonic()
+        self.records_in += len(records)
+        return len(records)
+
+    def run(self, stop: "StopFlag") -> None:
+        while not stop.is_set():
+            self.step()
+
+    def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
+        age = time.monotonic() - self.last_loop
+        return age < stale_s, {"loop_age_s": round(age, 3), "shards": sorted(self.owned),
+                               "records_in": self.records_in}
+
+
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+def serve_stage(
+    *,
+    settings: "Settings",
+    name: str,
+    group_id: str,
+    inputs: list[str],
+    schema: str,
+    make_stage: "Callable[[StateStore, CollectorRegistry], Stage]",
+    archives: "Callable[[], dict[str, Archive]]",
+    host: str,
+    port: int,
+    max_batch: int,
+    poll_ms: int,
+    stop: "StopFlag",
+) -> None:
+    """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``."""
+    from flywheel.bus import ensure_topics, make_consumer, make_producer
+    from flywheel.contracts import Topics
+    from flywheel.metrics import new_registry, serve_ops
+    from kafka.coordinator.assignors.range import RangePartitionAssignor
+
+    registry = new_registry()
+    ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())
+    store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
+    stage = make_stage(store, registry)
+    producer = make_producer(settings.kafka, name)
+    outbox = Outbox(store, producer, settings.kafka.bootstrap, archives())
+    # Range assignment gives one member the same partition number of every input topic, which
+    # the join needs (a generation and its feedback share a partition number).
+    consumer = make_consumer(settings.kafka, name, group_id,
+                             partition_assignment_strategy=[RangePartitionAssignor])
+    runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
+                          max_batch, poll_ms)
+    ops = serve_ops(registry, runner.healthy, host, port)
+    log.info("%s running: inputs %s, ops on %s:%d, state %s", name, inputs, host,
+             ops.server_port, settings.data_dir / name)
+    try:
+        runner.run(stop)
+    finally:
+        ops.shutdown()
+        consumer.close(autocommit=False)
+        producer.close()
+        store.close()
