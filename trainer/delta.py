@@ -84,7 +84,7 @@ def encode_data(parent: bytes, child: bytes, width: int, level: int = 3) -> tupl
     gaps = gaps.astype(np.uint32) if len(a) < 2**32 else gaps
     signed = diff[idx].view(s)
     zig = ((signed.astype(np.int64) << 1) ^ (signed.astype(np.int64) >> 63)).astype(u)
-    cctx = zstandard.ZstdCompressor(level=level)
+    cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
     blobs = [cctx.compress(p) for p in _planes(gaps) + _planes(zig)]
     meta = {"width": width, "elements": len(a), "changed": len(idx), "gap_width": gaps.itemsize}
     return meta, blobs
