@@ -31,7 +31,8 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
+def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
+    """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     cfg, topics = settings.ingest, Topics(settings.topic_prefix)
     archive_root = settings.data_dir / "archive" / "episodes"
     serve_stage(
@@ -46,7 +47,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         port=cfg.port,
         max_batch=cfg.max_batch,
         poll_ms=cfg.poll_ms,
-        stop=stop_on_signals(),
+        stop=stop or stop_on_signals(),
     )
     return 0
 

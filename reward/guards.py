@@ -1,0 +1,95 @@
+"""Guards against abuse and reward hacking: pure judging functions, table-tested.
+
+Abuse (who sent the signal), judged per user over a tumbling window of generation time
+(``guard_window_s``) from counts the reward stage keeps in its state store:
+
+- ``user_cap``      a user's samples beyond ``max(user_cap_min, user_cap_share x window total)``
+                    get weight 0: one user cannot own more than their share of a window.
+- ``constant_user`` a user with at least ``constant_min_signals`` signals in the window, all the
+                    same (accept on everything), is down-weighted by ``constant_weight``.
+- ``rate_anomaly``  a user with more than ``rate_factor`` x the window's mean per-user count (and
+                    at least ``rate_min``) is down-weighted by ``rate_weight``.
+
+Reward hacking (what the model produced), judged per sample:
+
+- ``length_penalty`` component: ``-length_penalty`` per target length of excess tokens, so a
+  policy cannot buy reward with verbosity; flag ``long``.
+- ``repetition``: a completion whose distinct n-gram ratio is below ``repetition_min_distinct``
+  is degenerate; it is flagged and pays ``repetition_penalty``.
+
+Flagged samples are still emitted (weight may be 0): the flags are visible downstream, in the
+metrics and in the archive, and the stream keeps one reward per episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flywheel.settings import RewardSettings
+
+
+@dataclass(frozen=True)
+class UserWindow:
+    """Counts for one user in one guard window, including the sample being judged."""
+
+    user_count: int
+    window_total: int
+    window_users: int
+    signal_counts: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    weight: float
+    flags: tuple[str, ...]
+
+
+def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
+    """Weight and flags for a sample given its user's counts in the window."""
+    flags: list[str] = []
+    weight = 1.0
+    allowed = max(cfg.user_cap_min, int(cfg.user_cap_share * stats.window_total))
+    if stats.user_count > allowed:
+        flags.append("user_cap")
+        weight = 0.0
+    n_signals = sum(stats.signal_counts.values())
+    distinct = sum(1 for c in stats.signal_counts.values() if c > 0)
+    if n_signals >= cfg.constant_min_signals and distinct == 1:
+        flags.append("constant_user")
+        weight *= cfg.constant_weight
+    mean = stats.window_total / max(1, stats.window_users)
+    if stats.user_count >= cfg.rate_min and stats.user_count > cfg.rate_factor * mean:
+        flags.append("rate_anomaly")
+        weight *= cfg.rate_weight
+    return Verdict(weight, tuple(flags))
+
+
+def length_penalty(n_tokens: int, cfg: RewardSettings) -> float:
+    excess = max(0, n_tokens - cfg.length_target_tokens)
+    return -cfg.length_penalty * excess / cfg.length_target_tokens
+
+
+def distinct_ngram_ratio(tokens: tuple[int, ...], n: int) -> float:
+    """Distinct n-grams / n-grams; 1.0 when there are none (too short to judge)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
+
+
+def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings) -> tuple[dict[str, float], tuple[str, ...]]:
+    """Reward-hacking guards for one completion: (extra components, flags)."""
+    components: dict[str, float] = {}
+    flags: list[str] = []
+    penalty = length_penalty(len(tokens), cfg)
+    if penalty < 0:
+        components["length_penalty"] = penalty
+        flags.append("long")
+    if (len(tokens) >= cfg.repetition_min_tokens
+            and distinct_ngram_ratio(tokens, cfg.repetition_ngram) < cfg.repetition_min_distinct):
+        flags.append("repetition")
+        if cfg.repetition_penalty:
+            components["repetition_penalty"] = -cfg.repetition_penalty
+    return components, tuple(flags)
+
+
+def window_of(generated_at: float, cfg: RewardSettings) -> int:
+    return int(generated_at // cfg.guard_window_s)

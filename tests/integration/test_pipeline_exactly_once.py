@@ -1,0 +1,329 @@
+"""End to end: generations + feedback -> ingest -> reward on the real broker, exactly once.
+
+The dataset is messy on purpose: shuffled order (feedback before its generation), duplicate
+feedback and generations, conflicting signals, late feedback, orphans and malformed records. The
+expected outcome is computed here from the documented rules (ingest/join.py, reward/labelers.py)
+with an independent edit-distance implementation, then compared with the rewards topic, the
+dead-letter topic and both Parquet archives. The second test runs each stage as a subprocess and
+SIGKILLs them mid-stream several times: the outcome must be the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import read_all
+
+from flywheel.bus import make_producer
+from flywheel.contracts import (
+    DeadLetterEvent,
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    RewardEvent,
+    SamplingParams,
+    decode,
+    encode,
+)
+
+pytestmark = pytest.mark.integration
+
+WINDOW_S, GRACE_S = 2.0, 0.5
+ACCEPT, REJECT, BONUS, REF_MS = 0.75, -0.25, 0.1, 10_000.0
+REPEAT_PENALTY = 0.5
+CONSTANT_USER, CONSTANT_MIN = "u-constant", 20
+
+
+def levenshtein(a: str, b: str) -> int:
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def expected_reward(signal: str, completion: str, edited: str | None, decision_ms: float, repetitive: bool) -> float:
+    fade = BONUS * max(0.0, 1 - decision_ms / REF_MS)
+    value = {"accept": ACCEPT + fade, "reject": REJECT - fade, "ignore": 0.0}.get(signal)
+    if signal == "edit":
+        sim = 1 - levenshtein(completion, edited) / max(len(completion), len(edited), 1)
+        value = REJECT + (ACCEPT - REJECT) * sim
+    return value - (REPEAT_PENALTY if repetitive else 0.0)
+
+
+@dataclass
+class Dataset:
+    chunks: list[list[tuple[str, str | None, bytes]]] = field(default_factory=list)
+    generations: set[str] = field(default_factory=set)
+    rewards: dict[str, tuple[str, float, bool]] = field(default_factory=dict)  # gid -> signal, value, conflicted
+    dead: Counter = field(default_factory=Counter)  # reason -> count
+    dead_values: set[bytes] = field(default_factory=set)
+    constant_samples: int = 0
+
+
+def _generation(gid: str, user: str, t: float, rng: random.Random, repetitive: bool) -> GenerationEvent:
+    tokens = tuple([7] * 24) if repetitive else tuple(rng.randrange(3, 500) for _ in range(rng.randint(4, 12)))
+    text = "".join(chr(97 + t % 26) for t in tokens)
+    return GenerationEvent(
+        generation_id=gid, group_id=f"grp-{gid}", model_name="tiny", model_version=rng.randint(0, 2),
+        user_id=user, endpoint="chat", created_at=t - 0.05, completed_at=t, latency_ms=50.0,
+        prompt_text="say something", prompt_token_ids=(1, 2, 3), completion_text=text,
+        completion_token_ids=tokens, logprobs=tuple(-0.5 for _ in tokens),
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=32), finish_reason="stop",
+    )
+
+
+def _feedback(fid: str, gid: str, signal: str, t: float, text: str | None = None) -> FeedbackEvent:
+    return FeedbackEvent(feedback_id=fid, generation_id=gid, signal=signal, edited_text=text,
+                         decision_ms=1000.0, created_at=t, received_at=t + 0.01)
+
+
+def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Random) -> None:
+    out: list[tuple[str, str | None, bytes]] = []
+    for i in range(per_chunk):
+        gid = f"g{c:03d}-{i:04d}"
+        user = CONSTANT_USER if i % 25 == 0 else f"u{rng.randrange(40)}"
+        repetitive = i % 40 == 7
+        g = _generation(gid, user, t, rng, repetitive)
+        ds.generations.add(gid)
+        out.append((topics.generations, gid, encode(g)))
+        if rng.random() < 0.03:  # the producer retried: the same generation twice
+            out.append((topics.generations, gid, encode(g)))
+        roll = rng.random()
+        signal = "accept" if user == CONSTANT_USER else (
+            "accept" if roll < 0.4 else "reject" if roll < 0.6 else "edit" if roll < 0.75
+            else "ignore" if roll < 0.8 else None)
+        fbs: list[FeedbackEvent] = []
+        if signal is not None:
+            text = g.completion_text[: len(g.completion_text) // 2] + "xy" if signal == "edit" else None
+            fbs.append(_feedback(f"f-{gid}", gid, signal, t + rng.uniform(0.01, 0.5), text))
+            if signal in ("accept", "reject") and user != CONSTANT_USER and rng.random() < 0.08:
+                other = "reject" if signal == "accept" else "accept"  # a later change of mind
+                fbs.append(_feedback(f"f2-{gid}", gid, other, t + 0.9))
+        winner = fbs[-1] if fbs else None
+        if winner is not None:
+            ds.rewards[gid] = (winner.signal, expected_reward(
+                winner.signal, g.completion_text, winner.edited_text, 1000.0, repetitive), len(fbs) > 1)
+            if user == CONSTANT_USER:
+                ds.constant_samples += 1
+        for fb in fbs:
+            out.append((topics.feedback, gid, encode(fb)))
+            if rng.random() < 0.1:  # a duplicate delivery of the same feedback_id
+                out.append((topics.feedback, gid, encode(fb)))
+        if rng.random() < 0.03:  # feedback the user sent after the window closed
+            late = encode(_feedback(f"late-{gid}", gid, "reject", t + WINDOW_S + 1.0))
+            out.append((topics.feedback, gid, late))
+            ds.dead["late_feedback"] += 1
+            ds.dead_values.add(late)
+    for i in range(per_chunk // 40):  # feedback whose generation never arrives
+        orphan = encode(_feedback(f"orphan-{c}-{i}", f"missing-{c}-{i}", "accept", t))
+        out.append((topics.feedback, f"missing-{c}-{i}", orphan))
+        ds.dead["orphan_feedback"] += 1
+        ds.dead_values.add(orphan)
+    bad = _malformed(topics, c, t)
+    if c == 0:  # one record over the 4 MiB limit (only once: it is slow to move around)
+        bad.append(("oversized", topics.feedback, "big", b'{"kind": "feedback", "pad": "' + b"a" * (4 << 20) + b'"}'))
+    for reason, topic, key, raw in bad:
+        out.append((topic, key, raw))
+        ds.dead[reason] += 1
+        ds.dead_values.add(raw)
+    rng.shuffle(out)
+    ds.chunks.append(out)
+
+
+def _malformed(topics, c: int, t: float) -> list[tuple[str, str, str | None, bytes]]:
+    good = json.loads(encode(_feedback(f"bad-{c}", f"g{c:03d}-0000", "accept", t)))
+    return [
+        ("undecodable", topics.feedback, "x", b"\xff\xfe not json"),
+        ("undecodable", topics.generations, None, b"[1, 2, 3]"),
+        ("unknown_version", topics.feedback, f"g{c:03d}-0000", json.dumps({**good, "schema_version": 99}).encode()),
+        ("invalid", topics.feedback, f"g{c:03d}-0000",
+         json.dumps({**good, "signal": "edit", "feedback_id": f"bad2-{c}"}).encode()),
+        ("wrong_kind", topics.generations, "k", json.dumps({"kind": "reward"}).encode()),
+        ("wrong_key", topics.feedback, "not-the-gid", json.dumps({**good, "feedback_id": f"bad3-{c}"}).encode()),
+    ]
+
+
+def build_dataset(topics, chunks: int, per_chunk: int, t0: float, seed: int = 7) -> Dataset:
+    ds, rng = Dataset(), random.Random(seed)
+    for c in range(chunks):
+        _chunk(ds, topics, c, per_chunk, t0 + c * 1.0, rng)
+    return ds
+
+
+def produce(kafka_settings, ds: Dataset, t0: float, during=None) -> None:
+    """Send chunk c at t0 + c seconds (its event times), calling ``during(c)`` between chunks."""
+    producer = make_producer(kafka_settings, "test-feed")
+    try:
+        for c, chunk in enumerate(ds.chunks):
+            time.sleep(max(0.0, t0 + c * 1.0 - time.time()))
+            for topic, key, value in chunk:
+                producer.send(topic, key=key, value=value)
+            producer.flush()
+            if during:
+                during(c)
+    finally:
+        producer.close()
+
+
+def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
+    return {
+        "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap,
+        "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": str(kafka_settings.session_timeout_ms),
+        "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),
+        "FLYWHEEL_KAFKA_PARTITIONS": str(kafka_settings.partitions),
+        "FLYWHEEL_TOPIC_PREFIX": topics.prefix,
+        "FLYWHEEL_DATA_DIR": str(data_dir),
+        "FLYWHEEL_INGEST_WINDOW_S": str(WINDOW_S),
+        "FLYWHEEL_INGEST_GRACE_S": str(GRACE_S),
+        "FLYWHEEL_INGEST_PORT": "0",
+        "FLYWHEEL_REWARD_PORT": "0",
+        "FLYWHEEL_REWARD_LATENCY_BONUS": str(BONUS),
+        "FLYWHEEL_REWARD_LATENCY_REF_MS": str(REF_MS),
+        "FLYWHEEL_REWARD_REPETITION_PENALTY": str(REPEAT_PENALTY),
+        "FLYWHEEL_REWARD_CONSTANT_MIN_SIGNALS": str(CONSTANT_MIN),
+        "FLYWHEEL_REWARD_GUARD_WINDOW_S": "1e9",  # one guard window for the whole run
+        "FLYWHEEL_LOG_LEVEL": "WARNING",
+    }
+
+
+def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path) -> None:
+    rewards = read_all(kafka_settings.bootstrap, topics.rewards, expect=len(ds.rewards), timeout_s=60)
+    episodes = read_all(kafka_settings.bootstrap, topics.episodes, expect=len(ds.generations), timeout_s=30)
+    dead = read_all(kafka_settings.bootstrap, topics.deadletter, expect=sum(ds.dead.values()), timeout_s=30)
+
+    # one episode per generation, one reward per generation with (in-window) feedback
+    ep_ids = Counter(decode(EpisodeEvent, r.value).generation_id for r in episodes)
+    assert set(ep_ids) == ds.generations and max(ep_ids.values()) == 1
+    got = [decode(RewardEvent, r.value) for r in rewards]
+    assert all(rec.key == ev.generation_id.encode() for rec, ev in zip(rewards, got))
+    assert Counter(r.generation_id for r in got).most_common(1)[0][1] == 1, "a reward was emitted twice"
+    assert {r.generation_id for r in got} == set(ds.rewards)
+    for r in got:
+        signal, value, _ = ds.rewards[r.generation_id]
+        assert r.signal == signal, r.generation_id
+        assert r.reward == pytest.approx(value, abs=1e-9), (r.generation_id, r.components)
+    conflicted = {decode(EpisodeEvent, r.value).generation_id for r in episodes
+                  if decode(EpisodeEvent, r.value).conflicted}
+    assert conflicted == {g for g, (_, _, c) in ds.rewards.items() if c}
+    constant = [r for r in got if r.user_id == CONSTANT_USER]
+    flagged = [r for r in constant if "constant_user" in r.flags]
+    assert len(flagged) == ds.constant_samples - (CONSTANT_MIN - 1)
+    assert all(r.weight < 1.0 for r in flagged)
+
+    # dead letters: exactly the bad records, each with its reason and original bytes
+    letters = [decode(DeadLetterEvent, r.value, max_bytes=16 << 20) for r in dead]
+    assert Counter(d.reason for d in letters) == ds.dead
+    assert {base64.b64decode(d.value_b64) for d in letters} == ds.dead_values
+    assert all(d.source_offset is not None and d.source_topic for d in letters)
+
+    # the archives read back the same rows
+    ep_archive = pd.read_parquet(data_dir / "archive" / "episodes")
+    assert len(ep_archive) == len(ds.generations) and set(ep_archive["generation_id"]) == ds.generations
+    rw_archive = pd.read_parquet(data_dir / "archive" / "rewards")
+    assert len(rw_archive) == len(got)
+    by_id = {r.generation_id: r.reward for r in got}
+    assert all(by_id[g] == pytest.approx(v) for g, v in zip(rw_archive["generation_id"], rw_archive["reward"]))
+
+
+def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):
+    """Both stages in this process (threads); messy input; exact outputs and archives."""
+    from flywheel.settings import load_settings
+    from ingest.main import run as run_ingest
+    from reward.main import run as run_reward
+
+    settings = load_settings(env=stage_env(kafka_settings, topics, tmp_path))
+    t0 = time.time() + 1.0
+    ds = build_dataset(topics, chunks=6, per_chunk=250, t0=t0)
+    stop = threading.Event()
+    threads = [threading.Thread(target=fn, args=(settings, None, stop), daemon=True)
+               for fn in (run_ingest, run_reward)]
+    for th in threads:
+        th.start()
+    try:
+        produce(kafka_settings, ds, t0)
+        check_outcome(kafka_settings, topics, ds, tmp_path)
+    finally:
+        stop.set()
+        for th in threads:
+            th.join(timeout=30)
+
+
+class Stages:
+    """The two stages as subprocesses (``python -m ingest.main`` / ``reward.main``)."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path) -> None:
+        self.env = {**os.environ, **env}
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.kills = Counter()
+
+    def start(self, name: str) -> None:
+        log = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"{name}.main"], env=self.env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+
+    def kill9(self, name: str) -> None:
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait()
+        self.kills[name] += 1
+        self.start(name)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run_with_kills(kafka_settings, topics, tmp_path, chunks: int, per_chunk: int, kill_every: int) -> None:
+    env = stage_env(kafka_settings, topics, tmp_path)
+    t0 = time.time() + 3.0
+    ds = build_dataset(topics, chunks=chunks, per_chunk=per_chunk, t0=t0)
+    stages = Stages(env, tmp_path)
+    stages.start("ingest")
+    stages.start("reward")
+    rng = random.Random(3)
+
+    def chaos(c: int) -> None:
+        if c % kill_every == kill_every - 1:
+            time.sleep(rng.uniform(0.0, 0.8))  # land the kill anywhere in the processing
+            stages.kill9("ingest" if (c // kill_every) % 2 == 0 else "reward")
+
+    try:
+        produce(kafka_settings, ds, t0, during=chaos)
+        time.sleep(1.0)
+        stages.kill9("reward")  # once more while it works through the last windows
+        check_outcome(kafka_settings, topics, ds, tmp_path)
+    finally:
+        stages.stop()
+    assert stages.kills["ingest"] >= 2 and stages.kills["reward"] >= 2
+
+
+def test_pipeline_survives_sigkill(kafka_settings, topics, tmp_path):
+    """Each stage SIGKILLed and restarted mid-stream, repeatedly: still exactly once."""
+    run_with_kills(kafka_settings, topics, tmp_path, chunks=10, per_chunk=200, kill_every=2)
+
+
+@pytest.mark.slow
+def test_pipeline_survives_sigkill_soak(kafka_settings, topics, tmp_path):
+    """The same with more data and a kill every chunk."""
+    run_with_kills(kafka_settings, topics, tmp_path, chunks=30, per_chunk=300, kill_every=1)
