@@ -3,8 +3,9 @@
 Abuse (who sent the signal), judged per user over a tumbling window of generation time
 (``guard_window_s``) from counts the reward stage keeps in its state store:
 
-- ``user_cap``      a user's samples beyond ``max(user_cap_min, user_cap_share x window total)``
-                    get weight 0: one user cannot own more than their share of a window.
+- ``user_cap``      a sample that would take the user's kept samples beyond
+                    ``max(user_cap_min, user_cap_share x window total)`` gets weight 0: one user
+                    cannot own more than their share of a window's kept samples.
 - ``constant_user`` a user with at least ``constant_min_signals`` signals in the window, all the
                     same (accept on everything), is down-weighted by ``constant_weight``.
 - ``rate_anomaly``  a user with more than ``rate_factor`` x the window's mean per-user count (and
@@ -30,9 +31,11 @@ from flywheel.settings import RewardSettings
 
 @dataclass(frozen=True)
 class UserWindow:
-    """Counts for one user in one guard window, including the sample being judged."""
+    """Counts for one user in one guard window, including the sample being judged, except
+    ``user_kept``: the user's samples kept (not capped) before this one."""
 
     user_count: int
+    user_kept: int
     window_total: int
     window_users: int
     signal_counts: dict[str, int]
@@ -49,7 +52,7 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     flags: list[str] = []
     weight = 1.0
     allowed = max(cfg.user_cap_min, int(cfg.user_cap_share * stats.window_total))
-    if stats.user_count > allowed:
+    if stats.user_kept + 1 > allowed:
         flags.append("user_cap")
         weight = 0.0
     n_signals = sum(stats.signal_counts.values())

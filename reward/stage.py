@@ -32,7 +32,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS seen (gid TEXT PRIMARY KEY, at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS seen_age ON seen (at);
 CREATE TABLE IF NOT EXISTS user_win (win INTEGER NOT NULL, user TEXT NOT NULL, n INTEGER NOT NULL,
-    accept INTEGER NOT NULL, reject INTEGER NOT NULL, edit INTEGER NOT NULL, ignore INTEGER NOT NULL,
+    kept INTEGER NOT NULL, accept INTEGER NOT NULL, reject INTEGER NOT NULL, edit INTEGER NOT NULL, ignore INTEGER NOT NULL,
     PRIMARY KEY (win, user));
 CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL, users INTEGER NOT NULL);
 """
@@ -100,7 +100,10 @@ class RewardStage:
         components = self.label(ep)
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
         components.update(extra)
-        verdict = judge_user(self._count_user(g.user_id, window_of(g.created_at, self.cfg), ep.signal), self.cfg)
+        win = window_of(g.created_at, self.cfg)
+        verdict = judge_user(self._count_user(g.user_id, win, ep.signal), self.cfg)
+        if "user_cap" not in verdict.flags:
+            self.db.execute("UPDATE user_win SET kept=kept+1 WHERE win=? AND user=?", (win, g.user_id))
         flags = sample_flags + verdict.flags
         reward = sum(components.values())
         for flag in flags:
@@ -120,16 +123,17 @@ class RewardStage:
         col = signal if signal in ("accept", "reject", "edit", "ignore") else "ignore"
         new_user = self.db.execute("SELECT 1 FROM user_win WHERE win=? AND user=?", (win, user)).fetchone() is None
         self.db.execute(
-            f"INSERT INTO user_win VALUES (?, ?, 1, 0, 0, 0, 0) ON CONFLICT (win, user) DO UPDATE SET n=n+1",
+            "INSERT INTO user_win VALUES (?, ?, 1, 0, 0, 0, 0, 0) ON CONFLICT (win, user) DO UPDATE SET n=n+1",
             (win, user))
         self.db.execute(f"UPDATE user_win SET {col}={col}+1 WHERE win=? AND user=?", (win, user))
         self.db.execute(
             "INSERT INTO win_tot VALUES (?, 1, 1) ON CONFLICT (win) DO UPDATE SET n=n+1, users=users+?",
             (win, int(new_user)))
-        n, a, r, e, i = self.db.execute(
-            "SELECT n, accept, reject, edit, ignore FROM user_win WHERE win=? AND user=?", (win, user)).fetchone()
+        n, kept, a, r, e, i = self.db.execute(
+            "SELECT n, kept, accept, reject, edit, ignore FROM user_win WHERE win=? AND user=?",
+            (win, user)).fetchone()
         total, users = self.db.execute("SELECT n, users FROM win_tot WHERE win=?", (win,)).fetchone()
-        return UserWindow(n, total, users, {"accept": a, "reject": r, "edit": e, "ignore": i})
+        return UserWindow(n, kept, total, users, {"accept": a, "reject": r, "edit": e, "ignore": i})
 
     def tick(self, shards: set[int], now: float) -> None:
         if now - self._last_prune < 60:

@@ -1,0 +1,130 @@
+"""Table tests for the join rules (ingest/join.py) and the stage's handling of messy input."""
+
+from __future__ import annotations
+
+import pytest
+from kafka.consumer.fetcher import ConsumerRecord
+from prometheus_client import CollectorRegistry
+
+from flywheel.contracts import (
+    DeadLetterEvent, EpisodeEvent, FeedbackEvent, GenerationEvent, SamplingParams, Topics, decode, encode,
+)
+from flywheel.settings import IngestSettings
+from ingest.exactly_once import StateStore
+from ingest.join import generation_deadline, is_due, is_late, resolve
+from ingest.stage import SCHEMA, IngestStage
+
+
+def fb(fid: str, signal: str, t: float, text: str | None = None, ms: float | None = None) -> FeedbackEvent:
+    return FeedbackEvent(feedback_id=fid, generation_id="g", signal=signal, edited_text=text,
+                         decision_ms=ms, created_at=t, received_at=t)
+
+
+@pytest.mark.parametrize("feedback, signal, text, ids, timed_out, conflicted", [
+    ([], "ignore", None, (), True, False),
+    ([fb("a", "accept", 1)], "accept", None, ("a",), False, False),
+    ([fb("a", "accept", 1), fb("a", "accept", 1)], "accept", None, ("a",), False, False),  # duplicate id
+    ([fb("a", "accept", 1), fb("b", "reject", 2)], "reject", None, ("a", "b"), False, True),  # latest wins
+    ([fb("b", "reject", 2), fb("a", "accept", 1)], "reject", None, ("a", "b"), False, True),  # order-free
+    ([fb("a", "accept", 1), fb("b", "edit", 2, "new")], "edit", "new", ("a", "b"), False, True),
+    ([fb("a", "edit", 1, "x"), fb("b", "edit", 2, "y")], "edit", "y", ("a", "b"), False, True),
+    ([fb("a", "edit", 1, "x"), fb("b", "edit", 2, "x")], "edit", "x", ("a", "b"), False, False),
+    ([fb("a", "accept", 1), fb("b", "ignore", 5)], "accept", None, ("a", "b"), False, False),  # decisive beats ignore
+    ([fb("a", "ignore", 1)], "ignore", None, ("a",), False, False),
+    ([fb("b", "accept", 1), fb("a", "reject", 1)], "accept", None, ("a", "b"), False, True),  # tie: larger id
+])
+def test_resolve(feedback, signal, text, ids, timed_out, conflicted):
+    r = resolve(feedback)
+    assert (r.signal, r.edited_text, r.feedback_ids, r.timed_out, r.conflicted) == (
+        signal, text, ids, timed_out, conflicted)
+
+
+def test_resolve_carries_winner_decision_time():
+    assert resolve([fb("a", "accept", 1, ms=10), fb("b", "reject", 2, ms=99)]).decision_ms == 99
+
+
+@pytest.mark.parametrize("created, deadline, late", [(10.0, 10.0, False), (10.001, 10.0, True), (3.0, 10.0, False)])
+def test_is_late(created, deadline, late):
+    assert is_late(created, deadline) is late
+
+
+@pytest.mark.parametrize("deadline, now, grace, due", [(10, 10.5, 1, False), (10, 11.01, 1, True), (10, 10.01, 0, True)])
+def test_is_due(deadline, now, grace, due):
+    assert is_due(deadline, now, grace) is due
+
+
+def test_generation_deadline():
+    assert generation_deadline(100.0, 5.0) == 105.0
+
+
+# -- the stage over a real SQLite store, fed hand-made records --------------------------------
+T = Topics("u.")
+
+
+def rec(topic: str, key: str | None, value: bytes, offset: int) -> ConsumerRecord:
+    return ConsumerRecord(topic=topic, partition=0, leader_epoch=-1, offset=offset, timestamp=0,
+                          timestamp_type=0, key=key.encode() if key else None, value=value, headers=[],
+                          checksum=None, serialized_key_size=0, serialized_value_size=len(value),
+                          serialized_header_size=0)
+
+
+def gen(gid: str, t: float) -> GenerationEvent:
+    return GenerationEvent(
+        generation_id=gid, group_id=gid, model_name="m", model_version=1, user_id="u", endpoint="chat",
+        created_at=t, completed_at=t, latency_ms=1, prompt_text="p", prompt_token_ids=(1,),
+        completion_text="c", completion_token_ids=(2,), logprobs=(-1.0,),
+        sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), finish_reason="stop")
+
+
+def outputs(store: StateStore) -> tuple[list[EpisodeEvent], list[DeadLetterEvent]]:
+    rows = store.pending([0])
+    eps = [decode(EpisodeEvent, r.value) for r in rows if r.topic == T.episodes]
+    dls = [decode(DeadLetterEvent, r.value) for r in rows if r.topic == T.deadletter]
+    return eps, dls
+
+
+@pytest.fixture
+def stage(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    yield IngestStage(IngestSettings(window_s=10, grace_s=1), T, store, CollectorRegistry()), store
+    store.close()
+
+
+def run(stage_store, records, now):
+    stage, store = stage_store
+    with store.txn():
+        stage.process(records, now)
+        stage.tick({0}, now)
+
+
+def test_stage_joins_feedback_before_generation_and_emits_once_at_close(stage):
+    f = fb("f1", "accept", 101)
+    run(stage, [rec(T.feedback, "g", encode(f), 0), rec(T.generations, "g", encode(gen("g", 100)), 0),
+                rec(T.feedback, "g", encode(f), 1)], now=102)
+    assert outputs(stage[1]) == ([], [])  # window still open
+    run(stage, [], now=111.5)
+    eps, dls = outputs(stage[1])
+    assert [(e.generation_id, e.signal, e.feedback_ids) for e in eps] == [("g", "accept", ("f1",))] and not dls
+    run(stage, [rec(T.feedback, "g", encode(f), 2), rec(T.generations, "g", encode(gen("g", 100)), 1)], now=112)
+    assert len(outputs(stage[1])[0]) == 1  # late duplicate feedback and generation fold away
+
+
+def test_stage_dead_letters_late_orphan_and_bad_records(stage):
+    late = fb("late", "reject", 111)  # acted after the window (deadline 110)
+    orphan = FeedbackEvent(feedback_id="o", generation_id="nope", signal="accept", created_at=100, received_at=100)
+    run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.feedback, "g", encode(late), 0),
+                rec(T.feedback, "nope", encode(orphan), 1), rec(T.feedback, "g", b"{oops", 2),
+                rec(T.generations, "other", encode(gen("g2", 100)), 1)], now=101)
+    run(stage, [], now=112)
+    eps, dls = outputs(stage[1])
+    assert [(e.generation_id, e.signal, e.timed_out) for e in eps] == [("g", "ignore", True)]
+    assert sorted(d.reason for d in dls) == ["late_feedback", "orphan_feedback", "undecodable", "wrong_key"]
+    assert {d.source_offset for d in dls if d.reason == "orphan_feedback"} == {1}
+
+
+def test_stage_waits_for_caught_up_shards(stage):
+    st, store = stage
+    with store.txn():
+        st.process([rec(T.generations, "g", encode(gen("g", 100)), 0)], 100)
+        st.tick(set(), 200)  # shard 0 not caught up: the window must not close yet
+    assert outputs(store) == ([], [])

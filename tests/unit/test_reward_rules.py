@@ -1,0 +1,137 @@
+"""Table tests for the reward labelers and guards (reward/labelers.py, reward/guards.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from flywheel.contracts import EpisodeEvent, GenerationEvent, SamplingParams
+from flywheel.settings import RewardSettings
+from reward.guards import UserWindow, distinct_ngram_ratio, judge_sample, judge_user, length_penalty
+from reward.labelers import (
+    build_labeler, edit_similarity, edit_value, latency_value, register_reward_model, register_verifier,
+    signal_value,
+)
+
+CFG = RewardSettings()
+
+
+def episode(signal="accept", text="hello world", edited=None, ms=None, tokens=(1, 2, 3)) -> EpisodeEvent:
+    g = GenerationEvent(
+        generation_id="g", group_id="g", model_name="m", model_version=0, user_id="u", endpoint="chat",
+        created_at=1, completed_at=1, latency_ms=1, prompt_text="p", prompt_token_ids=(1,),
+        completion_text=text, completion_token_ids=tokens, logprobs=tuple(-1.0 for _ in tokens),
+        sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), finish_reason="stop")
+    return EpisodeEvent(generation=g, signal=signal, edited_text=edited, decision_ms=ms, resolved_at=2)
+
+
+@pytest.mark.parametrize("signal, value", [("accept", 0.75), ("reject", -0.25), ("ignore", 0.0), ("edit", None)])
+def test_signal_value_asymmetric_defaults(signal, value):
+    assert signal_value(signal, CFG) == value
+
+
+@pytest.mark.parametrize("a, b, sim", [("abcd", "abcd", 1.0), ("abcd", "abcx", 0.75), ("abcd", "", 0.0),
+                                       ("", "", 1.0), ("kitten", "sitting", 1 - 3 / 7)])
+def test_edit_similarity(a, b, sim):
+    assert edit_similarity(a, b) == pytest.approx(sim)
+
+
+@pytest.mark.parametrize("sim, value", [(1.0, 0.75), (0.0, -0.25), (0.5, 0.25)])
+def test_edit_value_interpolates_reject_to_accept(sim, value):
+    assert edit_value(sim, CFG) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("signal, ms, value", [
+    ("accept", 0.0, 0.05), ("accept", 5000.0, 0.025), ("accept", 20000.0, 0.0),
+    ("reject", 0.0, -0.05), ("edit", 0.0, 0.0), ("accept", None, 0.0)])
+def test_latency_value(signal, ms, value):
+    assert latency_value(signal, ms, CFG) == pytest.approx(value)
+
+
+@pytest.mark.parametrize("ep, components", [
+    (episode("accept", ms=5000), {"signal": 0.75, "latency": 0.025}),
+    (episode("reject"), {"signal": -0.25}),
+    (episode("edit", text="abcd", edited="abcx"), {"edit": 0.5}),
+    (episode("ignore"), {"signal": 0.0}),
+])
+def test_composed_labeler(ep, components):
+    assert build_labeler(CFG)(ep) == pytest.approx(components)
+
+
+def test_verifier_and_reward_model_hooks():
+    class Model:
+        def score(self, prompt: str, completion: str) -> float:
+            return len(completion) / 10
+
+    register_verifier("says_hello", lambda ep: 1.0 if "hello" in ep.generation.completion_text else None)
+    register_reward_model("len", lambda cfg: Model())
+    label = build_labeler(RewardSettings(labelers=("signal", "verifier:says_hello", "reward_model:len",
+                                                   "verifier:nonempty")))
+    assert label(episode("reject")) == pytest.approx({"signal": -0.25, "verifier_says_hello": 1.0, "rm_len": 1.1})
+    assert label(episode("accept", text=" "))["verifier_nonempty"] == -1.0
+
+
+def test_unknown_labeler_fails_at_start():
+    with pytest.raises(ValueError, match="unknown labeler 'nope'"):
+        build_labeler(RewardSettings(labelers=("signal", "nope")))
+
+
+# -- guards -------------------------------------------------------------------------------
+G = RewardSettings(user_cap_share=0.2, user_cap_min=5, constant_min_signals=4, constant_weight=0.2,
+                   rate_factor=3.0, rate_min=10, rate_weight=0.5)
+
+
+@pytest.mark.parametrize("stats, weight, flags", [
+    (UserWindow(3, 2, 10, 5, {"accept": 2, "reject": 1}), 1.0, ()),
+    (UserWindow(6, 5, 10, 5, {"accept": 3, "reject": 3}), 0.0, ("user_cap",)),       # 6th kept > max(5, 2)
+    (UserWindow(9, 4, 10, 5, {"accept": 4, "reject": 5}), 1.0, ()),                  # capped ones do not count
+    (UserWindow(6, 5, 100, 20, {"accept": 3, "reject": 3}), 1.0, ()),                # within 20%
+    (UserWindow(4, 3, 100, 50, {"accept": 4}), 0.2, ("constant_user",)),             # accepts everything
+    (UserWindow(3, 2, 100, 50, {"accept": 3}), 1.0, ()),                             # too few to judge
+    (UserWindow(12, 11, 100, 50, {"accept": 6, "reject": 6}), 0.5, ("rate_anomaly",)),  # 12 > 3 x mean 2
+    (UserWindow(30, 20, 100, 20, {"accept": 30}), 0.0, ("user_cap", "constant_user", "rate_anomaly")),
+])
+def test_judge_user(stats, weight, flags):
+    v = judge_user(stats, G)
+    assert (v.weight, v.flags) == (pytest.approx(weight), flags)
+
+
+def test_flooding_user_share_is_capped():
+    """A user sending half the traffic keeps at most max(cap_min, 20%) of the window's weight."""
+    counts: dict[str, int] = {}
+    kept: dict[str, int] = {}
+    total = users = 0
+    for i in range(1000):
+        user = "flood" if i % 2 == 0 else f"u{i % 37}"
+        counts.setdefault(user, 0)
+        users += counts[user] == 0
+        counts[user] += 1
+        total += 1
+        stats = UserWindow(counts[user], kept.get(user, 0), total, users, {"accept": 1, "reject": 1})
+        kept[user] = kept.get(user, 0) + (judge_user(stats, G).weight > 0)
+    # half the traffic, but at most a fifth of the kept samples (and close to it: not over-capped)
+    assert counts["flood"] == 500 and 0.19 * total <= kept["flood"] <= 0.2 * total
+
+
+def test_constant_accept_user_is_flagged_and_down_weighted():
+    weights = [judge_user(UserWindow(n, n - 1, 10 * n, 20, {"accept": n}), G).weight for n in range(1, 8)]
+    assert weights[:3] == [1.0, 1.0, 1.0] and all(w == pytest.approx(0.2) for w in weights[3:])
+
+
+@pytest.mark.parametrize("n, penalty", [(10, 0.0), (256, 0.0), (512, -0.1), (384, -0.05)])
+def test_length_penalty(n, penalty):
+    assert length_penalty(n, CFG) == pytest.approx(penalty)
+
+
+@pytest.mark.parametrize("tokens, ratio", [((1, 2, 3, 4), 1.0), ((7,) * 10, 1 / 8), ((1, 2), 1.0), ((1, 2, 1, 2, 1, 2), 0.5)])
+def test_distinct_ngram_ratio(tokens, ratio):
+    assert distinct_ngram_ratio(tokens, 3) == pytest.approx(ratio)
+
+
+@pytest.mark.parametrize("tokens, components, flags", [
+    (tuple(range(20)), {}, ()),
+    ((5,) * 20, {"repetition_penalty": -0.5}, ("repetition",)),
+    ((5,) * 10, {}, ()),  # too short to judge
+    (tuple(range(512)), {"length_penalty": -0.1}, ("long",)),
+])
+def test_judge_sample(tokens, components, flags):
+    assert judge_sample(tokens, CFG) == (pytest.approx(components), flags)
