@@ -1,0 +1,87 @@
+"""The outbox recovery step on the real broker: a crash between send and bookkeeping resends nothing.
+
+Crashes are simulated at the two dangerous points of ingest/exactly_once.py by making the
+bookkeeping call fail after its effect happened (Kafka acked / archive file renamed); a fresh
+Outbox (new producer, as after a restart) must then settle the rows without sending them again.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+from conftest import read_all
+
+from flywheel.bus import make_producer
+from ingest.archive import ParquetArchive
+from ingest.exactly_once import Outbox, StateStore
+
+pytestmark = pytest.mark.integration
+SCHEMA = pa.schema([pa.field("v", pa.string())])
+
+
+class Crash(Exception):
+    pass
+
+
+def fill(store: StateStore, topic: str, n: int) -> None:
+    with store.txn():
+        for i in range(n):
+            store.append(i % 2, topic, f"k{i}", f"v{i}".encode(), archive="a")
+            store.append(i % 2, topic, None, f"unkeyed{i}".encode())  # like a dead letter without key
+
+
+def archive(tmp_path) -> ParquetArchive:
+    return ParquetArchive(tmp_path / "archive", SCHEMA, lambda v: (0.0, {"v": v.decode()}))
+
+
+def test_crash_after_send_before_mark_is_not_resent(kafka_settings, topics, tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.episodes, 50)
+    first = Outbox(store, make_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    real_mark = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
+    with pytest.raises(Crash):
+        first.deliver({0, 1})
+    store.mark_delivered = real_mark
+    first.producer.close()
+
+    second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    found, archived = second.recover({0, 1})
+    assert (found, archived) == (100, 0)  # all rows were in Kafka; archive rows were already marked
+    assert second.deliver({0, 1}) == 0
+    values = sorted(r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10))
+    assert len(values) == 100 and len(set(values)) == 100
+    assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
+
+
+def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, topics, tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.episodes, 20)
+    first = Outbox(store, make_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    store.mark_archived = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, mark lost
+    with pytest.raises(Crash):
+        first.deliver({0, 1})
+    del store.mark_archived
+    first.producer.close()
+
+    arch = archive(tmp_path)
+    second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": arch})
+    assert second.recover({0, 1}) == (0, 20)  # nothing reached Kafka; all 20 were archived
+    assert second.deliver({0, 1}) == 40
+    assert len(arch.files()) == 1  # no second file for the same rows
+    assert len(read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)) == 40
+
+
+def test_restart_resumes_from_stored_offsets(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        store.set_offsets({("in", 0): 17, ("in", 1): 4})
+    store.close()
+    again = StateStore(tmp_path / "s.sqlite3")
+    assert again.offsets() == {("in", 0): 17, ("in", 1): 4}
+    with pytest.raises(Crash):
+        with again.txn():
+            again.set_offsets({("in", 0): 99})
+            again.append(0, "out", "k", b"v")
+            raise Crash()  # a crash mid-transaction leaves neither offsets nor outbox behind
+    assert again.offsets()[("in", 0)] == 17 and again.pending([0]) == []

@@ -1,0 +1,41 @@
+"""`flywheel reward report`: the summary tables read back from a real Parquet archive."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from flywheel.contracts import RewardEvent, SamplingParams, encode
+from ingest.archive import ParquetArchive
+from ingest.exactly_once import OutRow
+from reward.report import REWARD_SCHEMA, report, reward_row, summarise
+
+
+def reward(i: int, user: str, signal: str, value: float, flags=(), version=0) -> RewardEvent:
+    return RewardEvent(
+        generation_id=f"g{i}", group_id="grp", user_id=user, model_version=version, signal=signal,
+        prompt_token_ids=(1,), completion_token_ids=(2, 3), logprobs=(-1.0, -1.0),
+        sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), reward=value,
+        components={"signal": value}, weight=0.2 if flags else 1.0, flags=flags,
+        generated_at=1.7e9, labeled_at=1.7e9 + 3600 * (i % 2))
+
+
+def test_report_tables_from_archive(tmp_path):
+    events = [reward(0, "a", "accept", 0.75), reward(1, "a", "reject", -0.25, version=1),
+              reward(2, "b", "accept", 0.75, ("constant_user",)), reward(3, "b", "accept", 0.25, ("constant_user", "long"))]
+    arch = ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row)
+    arch.write("e0", [OutRow(i, 0, "t", e.generation_id, encode(e), "rewards", False) for i, e in enumerate(events)])
+    df = pd.read_parquet(tmp_path)
+    assert len(df) == 4 and set(df["hour"].astype(str)) == {"2023-11-14T22", "2023-11-14T23"}
+    tables = summarise(df)
+    assert tables["reward by model version"].loc[1, "samples"] == 1
+    assert tables["reward by signal"].loc["accept", "mean"] == round((0.75 + 0.75 + 0.25) / 3, 4)
+    by_flag = tables["reward by guard flag"]
+    assert by_flag.loc["constant_user", "samples"] == 2 and by_flag.loc["none", "samples"] == 2
+    users = tables["top 10 flagged users"]
+    assert list(users.index) == ["b"] and users.loc["b", "flagged"] == 2
+    text = report(tmp_path)
+    assert "4 rewards" in text and "== reward by guard flag ==" in text and "constant_user" in text
+
+
+def test_report_without_archive(tmp_path):
+    assert "no reward archive" in report(tmp_path / "missing")
