@@ -125,10 +125,14 @@ class VllmEngine:
             yield Delta(ids, o.text, lps, _finish(finish) if out.finished else None)
 
     def healthy(self) -> bool:
-        return not self._llm.errored
+        return self._llm is not None and not self._llm.errored
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        if self._llm is not None:
+            self._llm.shutdown()
+            # drop it now: AsyncLLM's finaliser calls shutdown again, which fails noisily if it
+            # only runs at interpreter exit, after the modules it needs are gone
+            self._llm = None
 
 
 def _finish(reason: str | None) -> str:

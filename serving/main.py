@@ -77,10 +77,14 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     finally:
         recorder.stop()
         if engine is not None:
-            engine.shutdown()
+            loop.call(lambda: _shutdown(engine), timeout_s=60)
         loop.stop()
     return 0
 
 
 async def _engine(cls: type, settings: Settings):  # built on the loop that will serve it
     return cls(settings.serve, settings.model_dir)
+
+
+async def _shutdown(engine) -> None:  # and shut down there, beside its output handler
+    engine.shutdown()

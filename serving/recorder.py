@@ -57,6 +57,25 @@ class _Item:
     done: Future | None = field(default=None)
 
 
+def force_close(producer: Any) -> None:
+    """Close a producer now, aborting unsent batches rather than delivering them much later.
+
+    kafka-python's ``close(timeout=0)`` flushes first and raises when batches are pending, so it
+    never reaches its own force-close step; do that step here (the sender then fails the pending
+    futures) and mark the producer closed so its finaliser does not try to flush again.
+    """
+    try:
+        producer.close(timeout=0)
+        return
+    except Exception:
+        log.debug("producer close(timeout=0) raised; forcing", exc_info=True)
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()
+    if hasattr(producer, "_closed"):
+        producer._closed = True
+
+
 class RecorderMetrics:
     def __init__(self, registry: CollectorRegistry, journal: Journal) -> None:
         self.published = Counter(
@@ -151,7 +170,10 @@ class Recorder:
             t.join(timeout_s)
         with self._plock:
             if self._producer is not None:
-                self._producer.close(timeout=min(timeout_s, self.ack_timeout_s))
+                try:
+                    self._producer.close(timeout=min(timeout_s, self.ack_timeout_s))
+                except Exception:  # unacked at shutdown: those events are already journaled
+                    force_close(self._producer)
                 self._producer = None
         self.journal.close()
 
@@ -179,10 +201,7 @@ class Recorder:
         with self._plock:
             if self._producer is producer:
                 self._producer = None
-        try:
-            producer.close(timeout=0)  # abort unsent batches rather than deliver them much later
-        except Exception:
-            log.debug("closing a failed producer raised", exc_info=True)
+        force_close(producer)
 
     def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]]) -> list[bool]:
         """Send and wait up to the ack timeout; ``acked[i]`` says which made it."""

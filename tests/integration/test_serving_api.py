@@ -1,0 +1,323 @@
+"""Serving end to end: real vLLM engine, real broker, real HTTP on loopback, the official openai client.
+
+One engine (about 25 s to start) is shared by the whole module; each test gets its own app,
+recorder, journal and uuid topics on a fresh loopback port. Records are checked on the topics with
+a real Kafka consumer.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from flywheel.bus import ensure_topics
+from flywheel.contracts import FeedbackEvent, GenerationEvent, Topics, decode, encode
+from flywheel.metrics import new_registry
+from flywheel.settings import KafkaSettings, ServeSettings, Settings
+from serving.identity import pseudonymise
+from serving.journal import Journal
+from tests.conftest import read_all
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-test"
+SALT = "test-salt"
+
+
+async def _make_engine(model_dir: Path):
+    from serving.engine import VllmEngine
+
+    return VllmEngine(ServeSettings(max_num_seqs=32), model_dir)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from serving.server import LoopThread
+
+    loop = LoopThread()
+    eng = loop.call(lambda: _make_engine(tiny_model_dir), timeout_s=300)
+    yield loop, eng
+    loop.call(lambda: _shutdown(eng), timeout_s=60)
+    loop.stop()
+
+
+async def _shutdown(eng) -> None:  # on the loop the engine's output handler runs on
+    eng.shutdown()
+
+
+class Served:
+    def __init__(self, url: str, settings: Settings, recorder, topics: Topics) -> None:
+        self.url, self.settings, self.recorder, self.topics = url, settings, recorder, topics
+        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
+
+    def post(self, path: str, body: object, key: str | None = KEY, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        headers.update(kw.pop("headers", {}))
+        if isinstance(body, (bytes, str)):
+            return httpx.post(self.url + path, content=body, headers=headers, timeout=60, **kw)
+        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+@pytest.fixture
+def serve(engine, broker, tiny_model_dir, tmp_path):
+    """Factory: start an app with ``ServeSettings`` overrides on fresh topics; stopped afterwards."""
+    from serving.app import create_app
+    from serving.main import make_recorder
+    from serving.server import AppServer
+
+    loop, eng = engine
+    started = []
+
+    def start(prefix: str | None = None, **overrides) -> Served:
+        topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
+        kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
+        ensure_topics(kafka, [topics.generations, topics.feedback])
+        serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, **overrides})
+        settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path, topic_prefix=topics.prefix,
+                            kafka=kafka, serve=serve_cfg)
+        registry = new_registry()
+        recorder = make_recorder(settings, registry)
+        server = AppServer(create_app(settings, eng, recorder, registry), loop).start()
+        started.append((server, recorder))
+        return Served(server.url, settings, recorder, topics)
+
+    yield start
+    for server, recorder in started:
+        server.stop()
+        recorder.stop()
+
+
+def generations(broker, served: Served, expect: int) -> dict[str, GenerationEvent]:
+    records = read_all(broker.bootstrap, served.topics.generations, expect=expect)
+    events = [decode(GenerationEvent, r.value) for r in records]
+    counts = Counter(e.generation_id for e in events)
+    assert all(c == 1 for c in counts.values()), f"duplicated generations: {counts}"
+    assert all(r.key.decode() == decode(GenerationEvent, r.value).generation_id for r in records)
+    return {e.generation_id: e for e in events}
+
+
+def check_event(ev: GenerationEvent, model: str, text: str, group: str, endpoint: str) -> None:
+    assert f"flywheel@v{ev.model_version}" == model
+    assert ev.group_id == group and ev.endpoint == endpoint
+    assert ev.completion_text == text
+    assert len(ev.logprobs) == len(ev.completion_token_ids) > 0
+    assert all(lp <= 0.0 for lp in ev.logprobs)
+    assert ev.sampling.logprobs_mode == "processed"
+    assert ev.finish_reason in ("stop", "length")
+    assert ev.completed_at >= ev.created_at and ev.latency_ms > 0
+
+
+def test_completions_and_chat_are_recorded_exactly_once(serve, broker, engine):
+    s = serve()
+    tok = engine[1].tokenizer
+    expected: dict[str, tuple[str, str, str, str]] = {}  # gen id -> (model, text, group, endpoint)
+
+    r = s.client.completions.create(model="flywheel", prompt="the model is", max_tokens=6,
+                                    temperature=0.7, user="alice")
+    assert r.id == r.choices[0].generation_id  # n == 1: the response id is the generation id
+    expected[r.id] = (r.model, r.choices[0].text, r.id, "completions")
+
+    r = s.client.completions.create(model="flywheel", prompt="a list of data", max_tokens=5, n=3, seed=7)
+    assert [c.generation_id for c in r.choices] == [f"{r.id}-{i}" for i in range(3)]
+    for c in r.choices:
+        expected[c.generation_id] = (r.model, c.text, r.id, "completions")
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    r = s.client.chat.completions.create(model="flywheel", messages=messages, max_tokens=7)
+    expected[r.id] = (r.model, r.choices[0].message.content, r.id, "chat")
+    chat_id = r.id
+
+    texts: dict[str, list[str]] = {}
+    model = group = ""
+    for chunk in s.client.completions.create(model="flywheel", prompt="stream me", max_tokens=6, stream=True):
+        model, group = chunk.model, chunk.id
+        for c in chunk.choices:
+            texts.setdefault(c.generation_id, []).append(c.text)
+    for chunk in s.client.chat.completions.create(model="flywheel", messages=messages, max_tokens=5,
+                                                  n=2, stream=True):
+        for c in chunk.choices:
+            texts.setdefault(c.generation_id, []).append(c.delta.content or "")
+            expected.setdefault(c.generation_id, (chunk.model, "", chunk.id, "chat"))
+    for gid, parts in texts.items():
+        m, _, g, endpoint = expected.get(gid, (model, "", group, "completions"))
+        expected[gid] = (m, "".join(parts), g, endpoint)
+
+    events = generations(broker, s, expect=len(expected))
+    assert set(events) == set(expected)  # every choice exactly once, nothing else
+    for gid, (m, text, g, endpoint) in expected.items():
+        check_event(events[gid], m, text, g, endpoint)
+    first = next(iter(expected))
+    assert events[first].user_id == pseudonymise(SALT, "alice")
+    assert events[first].sampling.temperature == 0.7
+    # the chat prompt is the chat template's rendering, and its ids are exactly what was sent
+    chat = events[chat_id]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat.prompt_text == rendered and rendered.endswith("<|assistant|>")
+    assert list(chat.prompt_token_ids) == tok.encode(rendered, add_special_tokens=False)
+    assert chat.user_id == pseudonymise(SALT, KEY)  # no user field or header: the key
+
+
+def test_models_health_and_metrics(serve):
+    s = serve()
+    assert [m.id for m in s.client.models.list().data] == ["flywheel"]
+    s.client.completions.create(model="flywheel", prompt="count my tokens", max_tokens=4)
+    health = httpx.get(s.url + "/health").json()
+    assert health["ok"] and health["engine"] == "ok" and health["journal_records"] == 0
+    text = httpx.get(s.url + "/metrics").text
+    assert 'serving_requests_total{model_version="0",route="/v1/completions",status="200"} 1.0' in text
+    assert 'serving_generated_tokens_total{model_version="0"} 4.0' in text
+    assert "serving_request_latency_seconds_count" in text and "serving_journal_depth_bytes" in text
+
+
+def test_feedback_is_recorded_once_per_post(serve, broker):
+    s = serve()
+    gen = s.client.completions.create(model="flywheel", prompt="rate me", max_tokens=3)
+    bodies = [
+        {"feedback_id": "fb-1", "generation_id": gen.id, "signal": "accept", "decision_ms": 850},
+        {"feedback_id": "fb-2", "generation_id": gen.id, "signal": "edit", "edited_text": "better"},
+        {"feedback_id": "fb-3", "generation_id": "no-such-generation", "signal": "reject"},
+        {"feedback_id": "fb-1", "generation_id": gen.id, "signal": "accept"},  # a client retry
+    ]
+    for body in bodies:
+        r = s.post("/v1/feedback", body, headers={"X-Flywheel-User": "bob"})
+        assert r.status_code == 202, r.text
+        assert r.json()["id"] == body["feedback_id"]
+    events = [decode(FeedbackEvent, r.value) for r in read_all(broker.bootstrap, s.topics.feedback, expect=4)]
+    assert Counter(e.feedback_id for e in events) == {"fb-1": 2, "fb-2": 1, "fb-3": 1}
+    edit = next(e for e in events if e.feedback_id == "fb-2")
+    assert edit.signal == "edit" and edit.edited_text == "better" and edit.user_id == pseudonymise(SALT, "bob")
+    assert next(e for e in events if e.feedback_id == "fb-1").decision_ms == 850
+    metrics = httpx.get(s.url + "/metrics").text
+    assert 'serving_feedback_total{signal="accept"} 2.0' in metrics
+
+
+def test_unknown_or_missing_key_gets_401(serve):
+    s = serve()
+    bad = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sk-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model="flywheel", prompt="x", max_tokens=1)
+    for key in (None, "sk-wrong"):
+        r = s.post("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "accept"}, key=key)
+        assert r.status_code == 401
+        assert "API key" in r.json()["error"]["message"]
+
+
+def test_rate_limit_gives_429_with_retry_after_per_user(serve):
+    s = serve(rate_limit_burst=2, rate_limit_per_minute=6)
+    body = {"model": "flywheel", "prompt": "hi", "max_tokens": 1, "user": "carol"}
+    assert [s.post("/v1/completions", body).status_code for _ in range(2)] == [200, 200]
+    r = s.post("/v1/completions", body)
+    assert r.status_code == 429
+    assert int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["type"] == "rate_limit_error"
+    assert s.post("/v1/completions", {**body, "user": "dave"}).status_code == 200  # others unaffected
+    with pytest.raises(openai.RateLimitError):
+        s.client.completions.create(model="flywheel", prompt="hi", max_tokens=1, user="carol")
+
+
+LONG = list(range(10, 500))  # 490 prompt ids: + 100 new tokens passes the 512-token context
+
+
+@pytest.mark.parametrize(
+    "path, body, status, needle",
+    [
+        ("/v1/completions", b'{"model": "flywheel", "prompt": ', 400, "not valid JSON"),
+        ("/v1/completions", {"model": "flywheel"}, 400, "prompt"),
+        ("/v1/completions", {"model": "flywheel", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "flywheel", "prompt": "x", "max_tokens": 5000}, 400, "limit of 64"),
+        ("/v1/completions", {"model": "flywheel", "prompt": "x", "n": 9}, 400, "limit of 4"),
+        ("/v1/completions", {"model": "flywheel", "prompt": LONG, "max_tokens": 30}, 400, "maximum context length"),
+        ("/v1/completions", {"model": "flywheel", "prompt": [1, 99999]}, 400, "token ids"),
+        ("/v1/completions", {"model": "flywheel", "prompt": ""}, 400, "empty"),
+        ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ("/v1/chat/completions", {"model": "flywheel", "messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user"}]}, 400, "content"),
+        ("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "love"}, 400, "signal"),
+        ("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "edit"}, 400, "edited_text"),
+        ("/v1/feedback", {"feedback_id": "f", "generation_id": "g"}, 400, "signal"),
+        ("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "accept", "decision_ms": -1}, 400, "decision_ms"),
+        ("/v1/feedback", b"x" * 5000, 413, "exceeds the limit"),
+        ("/v1/nope", {}, 404, "Not Found"),
+    ],
+)
+def test_bad_input_gets_a_clear_4xx(serve, path, body, status, needle):
+    s = serve(max_tokens_limit=64, max_n=4, max_body_bytes=4096)
+    r = s.post(path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_oversized_body_is_refused_without_content_length(serve):
+    s = serve(max_body_bytes=4096)
+
+    def chunks():  # chunked transfer: no Content-Length to check up front
+        for _ in range(10):
+            yield b" " * 1000
+
+    r = httpx.post(s.url + "/v1/completions", content=chunks(), headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+
+
+def test_broker_stall_loses_no_accepted_feedback(serve, broker):
+    s = serve(ack_timeout_s=0.5)
+    accepted: list[str] = []
+
+    def send(i: int) -> None:
+        r = s.post("/v1/feedback", {"feedback_id": f"stall-{i}", "generation_id": f"g{i}", "signal": "accept"})
+        if r.status_code == 202:
+            accepted.append(f"stall-{i}")
+
+    for i in range(3):
+        send(i)
+    broker.pause()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(send, range(3, 15)))
+        stalled = httpx.get(s.url + "/health").json()
+        # a completion during the stall answers normally; its event waits in the journal
+        gen = s.client.completions.create(model="flywheel", prompt="during the stall", max_tokens=3)
+    finally:
+        broker.resume()
+    assert stalled["publisher"] == "degraded" and stalled["journal_records"] > 0
+    assert len(accepted) == 15
+    records = read_all(broker.bootstrap, s.topics.feedback, expect=15, timeout_s=30)
+    seen = Counter(decode(FeedbackEvent, r.value).feedback_id for r in records)
+    assert set(seen) == set(accepted)  # every 202 is on the topic
+    print(f"\nbroker stall: {len(accepted)} accepted, {sum(seen.values()) - len(seen)} duplicates")
+    assert gen.id in generations(broker, s, expect=1)
+
+
+def test_journal_from_a_previous_process_is_replayed_on_start(serve, broker, tmp_path):
+    prefix = f"t{uuid.uuid4().hex[:10]}."
+    topic = Topics(prefix).feedback
+    left = Journal(tmp_path / "serving" / "journal", 1 << 20)  # what a crashed process left
+    left.append([(topic, "g", encode(FeedbackEvent(feedback_id=f"old-{i}", generation_id="g", signal="reject",
+                                                   created_at=1.0, received_at=1.0))) for i in range(5)])
+    left.close()
+    s = serve(prefix=prefix)
+    assert s.post("/v1/feedback", {"feedback_id": "new", "generation_id": "g", "signal": "accept"}).status_code == 202
+    records = read_all(broker.bootstrap, topic, expect=6)
+    # same key -> same partition, so the topic order is the order serving accepted them
+    assert [decode(FeedbackEvent, r.value).feedback_id for r in records] == [f"old-{i}" for i in range(5)] + ["new"]
+
+
+def test_serve_refuses_weights_that_do_not_match_the_manifest(tiny_model_dir, tmp_path):
+    import shutil
+
+    from serving.main import run
+
+    bad = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, bad)
+    weights = next(bad.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert run(Settings(model_dir=bad, data_dir=tmp_path, serve=ServeSettings(api_keys=("k",)))) == 2
+    assert json.loads((bad / "flywheel-manifest.json").read_text())["version"] == 0
