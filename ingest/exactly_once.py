@@ -15,9 +15,11 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
    ``archived``.
 3. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
    explicitly computed partition (the default key partitioner for keyed records, so shard ``p``'s
-   outputs land in partition ``p`` when partition counts match), flush, wait for every ack, then in
-   one transaction delete the delivered rows and remember each output partition's ``next offset``
-   (the *confirmed point*).
+   outputs land in partition ``p`` when partition counts match). Acks are collected on the next
+   loop turns (pipelining: the loop does not stall on the broker); an acked row is deleted from
+   the outbox in one transaction that also remembers each output partition's ``next offset``
+   (the *confirmed point*). A row whose send failed stays, and its shard is settled by the
+   recovery scan below before anything is resent.
 4. Commit the input offsets to the consumer group too. That commit is informational (lag tools);
    the store's offsets are the truth.
 
@@ -56,7 +58,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.partitioner.default import murmur2
@@ -146,15 +148,15 @@ class StateStore:
     def offsets(self) -> dict[tuple[str, int], int]:
         return {(t, p): n for t, p, n in self.db.execute("SELECT topic, part, next FROM offsets")}
 
-    def pending(self, shards: Iterable[int], limit: int = 20_000) -> list[OutRow]:
+    def pending(self, shards: Iterable[int], limit: int = 20_000, after: int = -1) -> list[OutRow]:
         shards = sorted(set(shards))
-        if not shards:
+        if not shards or limit <= 0:
             return []
         marks = ",".join("?" * len(shards))
         rows = self.db.execute(
             f"SELECT seq, shard, topic, key, value, archive, archived FROM outbox "
-            f"WHERE shard IN ({marks}) ORDER BY seq LIMIT ?",
-            (*shards, limit),
+            f"WHERE seq>? AND shard IN ({marks}) ORDER BY seq LIMIT ?",
+            (after, *shards, limit),
         ).fetchall()
         return [OutRow(s, sh, t, k, bytes(v), a, bool(ad)) for s, sh, t, k, v, a, ad in rows]
 
@@ -206,13 +208,17 @@ class Outbox:
         bootstrap: str,
         archives: dict[str, Archive] | None = None,
         flush_timeout_s: float = 30.0,
+        max_in_flight: int = 50_000,
     ) -> None:
         self.store = store
         self.producer = producer
         self.bootstrap = bootstrap
         self.archives = archives or {}
         self.flush_timeout_s = flush_timeout_s
+        self.max_in_flight = max_in_flight
         self._parts: dict[str, int] = {}
+        self._in_flight: dict[int, tuple[int, Any]] = {}  # seq -> (shard, send future)
+        self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
 
     def partitions(self, topic: str) -> int:
         if topic not in self._parts:
@@ -224,30 +230,61 @@ class Outbox:
             self._parts[topic] = len(parts)
         return self._parts[topic]
 
-    def deliver(self, shards: Iterable[int]) -> int:
-        """Archive and send every pending row of ``shards``; returns how many were delivered."""
-        shards = list(shards)
-        total = 0
-        while rows := self.store.pending(shards):
+    def deliver(self, shards: Iterable[int], wait: bool = False) -> int:
+        """Archive and send the pending rows of ``shards`` without waiting for their acks.
+
+        Acks are collected on later calls (or now with ``wait``): a row leaves the outbox only
+        once Kafka acked it, so the loop keeps processing while the broker acks the previous
+        batch. Returns how many rows were confirmed delivered by this call.
+        """
+        shards = set(shards)
+        if self._suspect & shards:  # a send failed: it may still have landed, so settle first
+            self.recover(self._suspect & shards)
+            self._suspect -= shards
+        # rows are appended in seq order, so new work is above the highest seq in flight
+        after = max(self._in_flight) if self._in_flight else -1
+        rows = self.store.pending(shards, limit=max(0, self.max_in_flight - len(self._in_flight)), after=after)
+        if rows:
             self._archive(rows)
-            futures = []
             for row in rows:
                 oid = self.store.outbox_id(row.seq)
                 part = out_partition(row.key, oid, self.partitions(row.topic))
-                fut = self.producer.send(
+                self._in_flight[row.seq] = (row.shard, self.producer.send(
                     row.topic, key=row.key, value=row.value, partition=part,
                     headers=[(OUTBOX_HEADER, oid.encode())],
-                )
-                futures.append(fut)
+                ))
+        if wait or len(self._in_flight) >= self.max_in_flight:
             self.producer.flush(timeout=self.flush_timeout_s)
-            marks: dict[tuple[str, int], int] = {}
-            for fut in futures:
-                md = fut.get(timeout=self.flush_timeout_s)  # raises if any send failed: retry later
-                key = (md.topic, md.partition)
-                marks[key] = max(marks.get(key, 0), md.offset + 1)
-            self.store.mark_delivered([r.seq for r in rows], marks)
-            total += len(rows)
-        return total
+        return self._reap()
+
+    def flush(self) -> int:
+        """Wait for every send in flight and settle it (before shards move, and at shutdown)."""
+        self.producer.flush(timeout=self.flush_timeout_s)
+        return self._reap()
+
+    def _reap(self) -> int:
+        done: list[int] = []
+        marks: dict[tuple[str, int], int] = {}
+        failed = False
+        for seq, (shard, fut) in list(self._in_flight.items()):
+            if not fut.is_done:
+                continue
+            del self._in_flight[seq]
+            if fut.exception is not None:
+                log.warning("send of outbox row %d failed (%s); settling before a resend", seq, fut.exception)
+                self._suspect.add(shard)
+                failed = True
+                continue
+            md = fut.value
+            done.append(seq)
+            marks[(md.topic, md.partition)] = max(marks.get((md.topic, md.partition), 0), md.offset + 1)
+        if done:
+            self.store.mark_delivered(done, marks)
+        if failed and self._in_flight:
+            # drain, so the failed rows (below the highest seq in flight) are read again
+            self.producer.flush(timeout=self.flush_timeout_s)
+            return len(done) + self._reap()
+        return len(done)
 
     def _archive(self, rows: list[OutRow]) -> None:
         by_archive: dict[str, list[OutRow]] = {}
@@ -260,7 +297,7 @@ class Outbox:
 
     def recover(self, shards: Iterable[int]) -> tuple[int, int]:
         """Settle rows a crashed run may have delivered; returns (found in Kafka, found archived)."""
-        rows = self.store.pending(shards, limit=10**9)
+        rows = [r for r in self.store.pending(shards, limit=10**9) if r.seq not in self._in_flight]
         if not rows:
             return 0, 0
         archived = self._recover_archive(rows)

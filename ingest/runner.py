@@ -77,6 +77,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self._revoked: set[int] = set()
         self.last_loop = time.monotonic()
         self.records_in = 0
+        self.delivered = 0
         consumer.subscribe(topics, listener=self)
 
     # -- rebalance ------------------------------------------------------------------------
@@ -96,6 +97,8 @@ class StreamRunner(ConsumerRebalanceListener):
         with self._lock:
             revoked, self._revoked = self._revoked, set()
             assigned, self._assigned = self._assigned, set()
+        if revoked:
+            self.outbox.flush()  # settle what is in flight while these shards are still ours
         self.owned -= revoked
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
@@ -150,7 +153,7 @@ class StreamRunner(ConsumerRebalanceListener):
                 self.stage.process(records, now)
                 self.store.set_offsets(offsets)
             self.stage.tick(ready, now)
-        self.outbox.deliver(self.owned)
+        self.delivered += self.outbox.deliver(self.owned)
         if offsets:
             self.consumer.commit_async(
                 {TopicPartition(t, p): OffsetAndMetadata(n, "", -1) for (t, p), n in offsets.items()}
@@ -163,11 +166,12 @@ class StreamRunner(ConsumerRebalanceListener):
     def run(self, stop: "StopFlag") -> None:
         while not stop.is_set():
             self.step()
+        self.delivered += self.outbox.flush()
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
         age = time.monotonic() - self.last_loop
         return age < stale_s, {"loop_age_s": round(age, 3), "shards": sorted(self.owned),
-                               "records_in": self.records_in}
+                               "records_in": self.records_in, "delivered": self.delivered}
 
 
 class StopFlag(Protocol):

@@ -41,14 +41,14 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, topics, tmp_
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
     with pytest.raises(Crash):
-        first.deliver({0, 1})
+        first.deliver({0, 1}, wait=True)
     store.mark_delivered = real_mark
     first.producer.close()
 
     second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     found, archived = second.recover({0, 1})
     assert (found, archived) == (100, 0)  # all rows were in Kafka; archive rows were already marked
-    assert second.deliver({0, 1}) == 0
+    assert second.deliver({0, 1}, wait=True) == 0
     values = sorted(r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10))
     assert len(values) == 100 and len(set(values)) == 100
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
@@ -60,14 +60,14 @@ def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, topics
     first = Outbox(store, make_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     store.mark_archived = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, mark lost
     with pytest.raises(Crash):
-        first.deliver({0, 1})
+        first.deliver({0, 1}, wait=True)
     del store.mark_archived
     first.producer.close()
 
     arch = archive(tmp_path)
     second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": arch})
     assert second.recover({0, 1}) == (0, 20)  # nothing reached Kafka; all 20 were archived
-    assert second.deliver({0, 1}) == 40
+    assert second.deliver({0, 1}, wait=True) == 40
     assert len(arch.files()) == 1  # no second file for the same rows
     assert len(read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)) == 40
 

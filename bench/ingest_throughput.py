@@ -1,0 +1,126 @@
+"""Throughput of the ingest (join) and reward (label) stages against raw consumption.
+
+Run: ``python bench/ingest_throughput.py [--pairs 20000]``. One process starts the embedded broker,
+produces ``pairs`` generations and one feedback each, then measures, on the same messages with the
+same client settings (flywheel.bus.make_consumer):
+
+- raw: a consumer group reading every input record and doing nothing else;
+- ingest: the full stage (decode, dedupe, join in the SQLite state store, window close, outbox,
+  Parquet archive, delivery with acks) until every episode is delivered;
+- reward: the same for episodes -> rewards.
+
+It prints one table of records/s and the ratio to the raw rate measured in the same run (goal:
+>= 0.5). Timing starts at the first record each consumer sees, so group joins are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from flywheel.broker import EmbeddedBroker
+from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_producer
+from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
+from flywheel.metrics import new_registry
+from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
+from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row
+from ingest.exactly_once import Outbox, StateStore
+from ingest.runner import StreamRunner
+from ingest.stage import EPISODES_ARCHIVE, IngestStage
+from ingest.stage import SCHEMA as INGEST_SCHEMA
+from reward.report import REWARD_SCHEMA, reward_row
+from reward.stage import REWARDS_ARCHIVE, RewardStage
+from reward.stage import SCHEMA as REWARD_SCHEMA_SQL
+
+
+def produce(cfg: KafkaSettings, topics: Topics, pairs: int) -> None:
+    producer = make_producer(cfg, "bench", linger_ms=20)
+    t = time.time() - 60  # windows already past their deadline: they close as soon as caught up
+    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64)
+    for i in range(pairs):
+        gid = f"g{i}"
+        toks = tuple((i * 7 + j) % 500 for j in range(32))
+        g = GenerationEvent(
+            generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id=f"u{i % 500}",
+            endpoint="chat", created_at=t, completed_at=t, latency_ms=20, prompt_text="a prompt",
+            prompt_token_ids=(1, 2, 3, 4), completion_text="x" * 96, completion_token_ids=toks,
+            logprobs=tuple(-0.5 for _ in toks), sampling=sp, finish_reason="stop")
+        f = FeedbackEvent(feedback_id=f"f{i}", generation_id=gid, signal=("accept", "reject")[i % 2],
+                          decision_ms=900.0, created_at=t + 1, received_at=t + 1)
+        producer.send(topics.generations, key=gid, value=encode(g))
+        producer.send(topics.feedback, key=gid, value=encode(f))
+    producer.flush()
+    producer.close()
+
+
+def raw_rate(cfg: KafkaSettings, inputs: list[str], expect: int) -> float:
+    consumer = make_consumer(cfg, "bench-raw", f"raw-{uuid.uuid4().hex[:6]}", inputs)
+    seen, start = 0, None
+    while seen < expect:
+        got = sum(len(r) for r in consumer.poll(timeout_ms=200, max_records=5000).values())
+        if got and start is None:
+            start = time.perf_counter()
+        seen += got
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    return expect / elapsed
+
+
+def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schema: str,
+               archive: ParquetArchive, archive_name: str, expect_in: int, expect_out: int, work: Path) -> float:
+    store = StateStore(work / name / "state.sqlite3", schema)
+    registry = new_registry()
+    stage = stage_fn(store, registry)
+    producer = make_producer(cfg, name)
+    consumer = make_consumer(cfg, name, f"{name}-{uuid.uuid4().hex[:6]}")
+    outbox = Outbox(store, producer, cfg.bootstrap, {archive_name: archive})
+    runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry), 5000, 200)
+    start, delivered = None, 0
+    while delivered < expect_out:
+        if runner.step() and start is None:
+            start = time.perf_counter()
+        delivered = runner.delivered
+    elapsed = time.perf_counter() - start
+    consumer.close()
+    producer.close()
+    store.close()
+    return expect_in / elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", type=int, default=20_000)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    n = args.pairs
+    with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        cfg = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
+                            partitions=2)
+        topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
+        ensure_topics(cfg, topics.all())
+        produce(cfg, topics, n)
+        inputs = [topics.generations, topics.feedback]
+        rows = [("raw consume (generations+feedback)", raw_rate(cfg, inputs, 2 * n))]
+        icfg = IngestSettings(window_s=5, grace_s=0)
+        rows.append(("ingest: join -> episodes", stage_rate(
+            cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
+            ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row), EPISODES_ARCHIVE, 2 * n, n, work)))
+        rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
+        rows.append(("reward: label -> rewards", stage_rate(
+            cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
+            REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row),
+            REWARDS_ARCHIVE, n, n, work)))
+    print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker\n")
+    print(f"{'path':<38}{'records/s':>12}{'vs raw':>9}")
+    for i, (label, rate) in enumerate(rows):
+        base = rows[0][1] if i < 2 else rows[2][1]
+        print(f"{label:<38}{rate:>12,.0f}{rate / base:>9.2f}")
+
+
+if __name__ == "__main__":
+    main()
