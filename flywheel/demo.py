@@ -1,0 +1,197 @@
+"""``flywheel demo``: the system on one machine, driven by a scripted client session, then stop.
+
+What it does, in order:
+
+1. builds a small model in ``<data_dir>/model`` the first time (``flywheel model init``);
+2. starts the embedded Kafka-protocol broker on a free loopback port and creates the topics;
+3. starts ``flywheel serve`` as its own process, exactly as an operator would, with a fresh API key;
+4. plays a short client session with the official ``openai`` client: completions, chat, streaming,
+   and feedback (accept, reject, edit) on what came back;
+5. reads the topics back and prints what was recorded, then stops every process it started.
+
+It imports no stage code: stages are processes talking over the broker, as in production.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+
+from flywheel.broker import EmbeddedBroker, free_port
+from flywheel.bus import ensure_topics
+from flywheel.contracts import Topics
+from flywheel.settings import Settings
+
+PROMPTS = (
+    "Write a function that returns the first value",
+    "Tell me about the river near the city",
+    "Please list three colors",
+)
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    data_dir = Path(settings.data_dir)
+    model_dir = _ensure_model(Path(settings.model_dir))
+    with ExitStack() as stack:
+        broker = stack.enter_context(EmbeddedBroker())
+        kafka = settings.kafka.model_copy(
+            update={"bootstrap": broker.bootstrap, "session_timeout_ms": 2000, "heartbeat_interval_ms": 500}
+        )
+        topics = Topics(settings.topic_prefix)
+        ensure_topics(kafka, topics.all())
+        _say(f"broker on {broker.bootstrap}; topics: {', '.join(topics.all())}")
+        key = "demo-" + secrets.token_hex(8)
+        port = free_port()
+        env = _stage_env(settings, kafka.bootstrap, data_dir, model_dir, key, port)
+        serve = stack.enter_context(_process(["serve"], env, data_dir / "logs" / "serve.log"))
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(base, serve, timeout_s=300)
+        _say(f"serving on {base} (model {model_dir})")
+        generation_ids = _client_session(base, key)
+        _say("reading back what serving recorded ...")
+        _show_topics(kafka.bootstrap, topics, expect_generations=len(generation_ids))
+    _say("demo finished; every process it started has stopped")
+    return 0
+
+
+def _say(msg: str) -> None:
+    print(f"[demo] {msg}", flush=True)
+
+
+def _ensure_model(model_dir: Path) -> Path:
+    if (model_dir / "flywheel-manifest.json").is_file():
+        return model_dir
+    from flywheel.modelinit import ModelSpec, init_model
+
+    _say(f"building a small model in {model_dir} (first run only)")
+    return init_model(model_dir, ModelSpec())
+
+
+def _stage_env(settings: Settings, bootstrap: str, data_dir: Path, model_dir: Path, key: str, port: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(
+        FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap,
+        FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS="2000",
+        FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS="500",
+        FLYWHEEL_TOPIC_PREFIX=settings.topic_prefix,
+        FLYWHEEL_DATA_DIR=str(data_dir),
+        FLYWHEEL_MODEL_DIR=str(model_dir),
+        FLYWHEEL_API_KEYS=key,
+        FLYWHEEL_SERVE_PORT=str(port),
+        FLYWHEEL_LOG_LEVEL=settings.log_level,
+    )
+    return env
+
+
+class _process:
+    """A ``flywheel <role>`` child process, logging to a file, stopped with SIGTERM on exit."""
+
+    def __init__(self, role: list[str], env: dict[str, str], log_path: Path) -> None:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        cmd = [sys.executable, "-m", "flywheel.cli", *role]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> "_process":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _wait_healthy(base: str, serve: _process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if serve.proc.poll() is not None:
+            tail = serve.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"flywheel serve exited with {serve.proc.returncode}:\n{tail}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"serving did not become healthy in {timeout_s}s (log: {serve.log_path})")
+
+
+def _client_session(base: str, key: str) -> list[str]:
+    """What a product does: ask for completions, show them, send the user's verdict."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key=key)
+    model = client.models.list().data[0].id
+    _say(f"GET /v1/models -> {model}")
+    ids: list[str] = []
+    for i, prompt in enumerate(PROMPTS):
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=1.0, user=f"user-{i}")
+        ids.append(out.id)
+        _say(f"completion {out.id} by {out.model}: {out.choices[0].text!r}")
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say something kind"}], max_tokens=16, user="user-chat"
+    )
+    ids.append(chat.id)
+    _say(f"chat {chat.id}: {chat.choices[0].message.content!r}")
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Stream a few words"}], max_tokens=16, stream=True, user="user-stream"
+    )
+    pieces, stream_id = [], None
+    for chunk in stream:
+        stream_id = chunk.id
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+    ids.append(stream_id or "")
+    _say(f"streamed {stream_id}: {''.join(pieces)!r} in {len(pieces)} chunks")
+    verdicts = [("accept", None), ("reject", None), ("edit", "a better answer"), ("accept", None), ("ignore", None)]
+    for gen_id, (signal_, text) in zip(ids, verdicts):
+        body = {"feedback_id": str(uuid.uuid4()), "generation_id": gen_id, "signal": signal_, "decision_ms": 1200.0}
+        if text:
+            body["edited_text"] = text
+        r = httpx.post(f"{base}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        _say(f"POST /v1/feedback {signal_:>6} for {gen_id} -> {r.status_code}")
+    bad = httpx.post(f"{base}/v1/feedback", json={"signal": "love"}, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    _say(f"POST /v1/feedback with a bad body -> {bad.status_code}: {bad.json()['error']['message'][:100]}")
+    return ids
+
+
+def _show_topics(bootstrap: str, topics: Topics, expect_generations: int) -> None:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        topics.generations, topics.feedback,
+        bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
+    )
+    seen: dict[str, list[dict]] = {topics.generations: [], topics.feedback: []}
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (len(seen[topics.generations]) < expect_generations or len(seen[topics.feedback]) < 5):
+        for recs in consumer.poll(timeout_ms=500).values():
+            for r in recs:
+                seen[r.topic].append(json.loads(r.value))
+    consumer.close()
+    for g in seen[topics.generations]:
+        _say(
+            f"  {topics.generations}: {g['generation_id']} v{g['model_version']} user={g['user_id'][:8]} "
+            f"prompt_tokens={len(g['prompt_token_ids'])} completion_tokens={len(g['completion_token_ids'])} "
+            f"logprobs={len(g['logprobs'])} mean_logprob={sum(g['logprobs']) / max(1, len(g['logprobs'])):.2f} "
+            f"finish={g['finish_reason']} latency={g['latency_ms']:.0f}ms"
+        )
+    for f in seen[topics.feedback]:
+        _say(f"  {topics.feedback}: {f['feedback_id'][:8]} -> {f['generation_id']} {f['signal']}")
