@@ -1,0 +1,99 @@
+"""Generate the Grafana dashboard JSON from a short panel list (run: python dashboards/build_dashboards.py).
+
+Panels are data here, so a new metric is one line, and tests/unit/test_dashboards.py checks every
+metric a panel or rule names is one the code registers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# (row title, [(panel title, unit, [(expr, legend)])])
+ROWS = [
+    ("Serving", [
+        ("Requests/s by route and status", "reqps", [
+            ('sum by (route, status) (rate(serving_requests_total[5m]))', "{{route}} {{status}}")]),
+        ("p50 / p99 latency", "s", [
+            ('histogram_quantile(0.5, sum by (le) (rate(serving_request_latency_seconds_bucket[5m])))', "p50"),
+            ('histogram_quantile(0.99, sum by (le) (rate(serving_request_latency_seconds_bucket[5m])))', "p99")]),
+        ("Tokens/s by model version", "short", [
+            ('sum by (model_version) (rate(serving_generated_tokens_total[5m]))', "v{{model_version}}")]),
+        ("Feedback/s by signal", "short", [
+            ('sum by (signal) (rate(serving_feedback_total[5m]))', "{{signal}}")]),
+        ("Accept rate", "percentunit", [
+            ('flywheel:feedback_accept_ratio:rate15m', "accept / (accept + reject + edit)")]),
+        ("Recording: journal depth and failures", "short", [
+            ('sum(serving_journal_depth_records)', "journal records"),
+            ('sum(rate(serving_publish_failures_total[5m]))', "publish failures/s"),
+            ('sum(rate(serving_dropped_events_total[5m]))', "dropped/s")]),
+    ]),
+    ("Ingest and reward", [
+        ("Consumer lag by stage, topic and partition", "short", [
+            ('ingest_consumer_lag_records', "ingest {{topic}}/{{partition}}"),
+            ('reward_consumer_lag_records', "reward {{topic}}/{{partition}}"),
+            ('trainer_consumer_lag_records', "trainer {{topic}}/{{partition}}")]),
+        ("Episodes/s by signal", "short", [
+            ('sum by (signal) (rate(ingest_episodes_total[5m]))', "{{signal}}")]),
+        ("Join window occupancy", "short", [
+            ('sum by (kind) (ingest_window_open_records)', "{{kind}}")]),
+        ("Dead letters/s by stage and reason", "short", [
+            ('sum by (reason) (rate(ingest_deadletters_total[5m]))', "ingest {{reason}}"),
+            ('sum by (reason) (rate(reward_deadletters_total[5m]))', "reward {{reason}}"),
+            ('sum by (reason) (rate(trainer_deadletters_total[5m]))', "trainer {{reason}}")]),
+        ("Reward guard actions/s", "short", [
+            ('sum by (flag) (rate(reward_guard_actions_total[5m]))', "{{flag}}")]),
+        ("Reward p50 by signal", "short", [
+            ('histogram_quantile(0.5, sum by (le) (rate(reward_value_reward_bucket[15m])))', "p50 reward")]),
+    ]),
+    ("Trainer", [
+        ("Loss and mean reward", "short", [
+            ('trainer_loss_value', "loss"), ('trainer_reward_mean', "reward mean")]),
+        ("Collapse signals: entropy and distinct completions", "short", [
+            ('trainer_entropy_nats', "entropy (nats/token)"),
+            ('trainer_distinct_completions_ratio', "distinct completions")]),
+        ("KL to reference and logprob gap", "short", [
+            ('trainer_kl_nats', "KL (nats/token)"), ('trainer_logprob_gap_nats', "trainer-behaviour gap")]),
+        ("Importance ratio and clipping", "short", [
+            ('trainer_importance_ratio', "ratio {{stat}}"), ('trainer_clip_ratio', "clipped"),
+            ('trainer_tis_truncated_ratio', "TIS truncated")]),
+        ("Samples/s and drops by reason", "short", [
+            ('rate(trainer_samples_total[5m])', "trained/s"),
+            ('sum by (reason) (rate(trainer_dropped_total[5m]))', "dropped {{reason}}")]),
+        ("Data-wait fraction", "percentunit", [
+            ('flywheel:trainer_data_wait_ratio:rate5m', "waiting for data")]),
+        ("Version and delta compression", "short", [
+            ('trainer_version', "version"), ('trainer_delta_compression_ratio', "delta ratio (x)")]),
+        ("Step time p50", "s", [
+            ('histogram_quantile(0.5, sum by (le) (rate(trainer_step_seconds_bucket[5m])))', "p50 step")]),
+    ]),
+]
+
+
+def build() -> dict:
+    panels, y, pid = [], 0, 1
+    for title, row in ROWS:
+        panels.append({"type": "row", "title": title, "id": pid, "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "collapsed": False})
+        pid, y = pid + 1, y + 1
+        for i, (ptitle, unit, targets) in enumerate(row):
+            panels.append({
+                "type": "timeseries", "title": ptitle, "id": pid,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": y + (i // 3) * 8},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [{"expr": e, "legendFormat": l, "refId": chr(65 + k)} for k, (e, l) in enumerate(targets)],
+            })
+            pid += 1
+        y += 8 * ((len(row) + 2) // 3)
+    return {
+        "title": "Flywheel overview", "uid": "flywheel-overview", "schemaVersion": 39, "version": 1,
+        "tags": ["flywheel"], "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
+        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"}]},
+        "panels": panels,
+    }
+
+
+if __name__ == "__main__":
+    out = Path(__file__).parent / "grafana" / "flywheel-overview.json"
+    out.write_text(json.dumps(build(), indent=2) + "\n")
+    print(f"wrote {out}")
