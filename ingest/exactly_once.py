@@ -55,10 +55,11 @@ import logging
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Protocol
+from typing import Any, Protocol
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.partitioner.default import murmur2

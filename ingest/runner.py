@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -125,7 +126,7 @@ class StreamRunner(ConsumerRebalanceListener):
             high = self.consumer.highwater(tp)
             try:
                 pos = self.consumer.position(tp, timeout_ms=100)
-            except Exception:
+            except Exception:  # noqa: BLE001 - position is unknown during a rebalance: not caught up
                 pos = None
             if high is None or pos is None or pos < high:
                 behind.add(tp.partition)
@@ -163,7 +164,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.records_in += len(records)
         return len(records)
 
-    def run(self, stop: "StopFlag") -> None:
+    def run(self, stop: StopFlag) -> None:
         while not stop.is_set():
             self.step()
         self.delivered += self.outbox.flush()
@@ -180,24 +181,25 @@ class StopFlag(Protocol):
 
 def serve_stage(
     *,
-    settings: "Settings",
+    settings: Settings,
     name: str,
     group_id: str,
     inputs: list[str],
     schema: str,
-    make_stage: "Callable[[StateStore, CollectorRegistry], Stage]",
-    archives: "Callable[[], dict[str, Archive]]",
+    make_stage: Callable[[StateStore, CollectorRegistry], Stage],
+    archives: Callable[[], dict[str, Archive]],
     host: str,
     port: int,
     max_batch: int,
     poll_ms: int,
-    stop: "StopFlag",
+    stop: StopFlag,
 ) -> None:
     """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``."""
+    from kafka.coordinator.assignors.range import RangePartitionAssignor
+
     from flywheel.bus import ensure_topics, make_consumer, make_producer
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry, serve_ops
-    from kafka.coordinator.assignors.range import RangePartitionAssignor
 
     registry = new_registry()
     ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())

@@ -19,7 +19,8 @@ Built in (``reward.labelers`` names them, in order):
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from rapidfuzz.distance import Levenshtein
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
+
 import pyarrow as pa
 
 from flywheel.contracts import RewardEvent

@@ -79,9 +79,8 @@ def test_restart_resumes_from_stored_offsets(tmp_path):
     store.close()
     again = StateStore(tmp_path / "s.sqlite3")
     assert again.offsets() == {("in", 0): 17, ("in", 1): 4}
-    with pytest.raises(Crash):
-        with again.txn():
-            again.set_offsets({("in", 0): 99})
-            again.append(0, "out", "k", b"v")
-            raise Crash()  # a crash mid-transaction leaves neither offsets nor outbox behind
+    with pytest.raises(Crash), again.txn():
+        again.set_offsets({("in", 0): 99})
+        again.append(0, "out", "k", b"v")
+        raise Crash()  # a crash mid-transaction leaves neither offsets nor outbox behind
     assert again.offsets()[("in", 0)] == 17 and again.pending([0]) == []

@@ -274,9 +274,9 @@ class Stages:
         self.kills = Counter()
 
     def start(self, name: str) -> None:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", f"{name}.main"], env=self.env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own handle
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", f"{name}.main"], env=self.env,
+                                                stdout=log, stderr=subprocess.STDOUT)
 
     def kill9(self, name: str) -> None:
         self.procs[name].send_signal(signal.SIGKILL)

@@ -7,7 +7,14 @@ from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
-    DeadLetterEvent, EpisodeEvent, FeedbackEvent, GenerationEvent, SamplingParams, Topics, decode, encode,
+    DeadLetterEvent,
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    Topics,
+    decode,
+    encode,
 )
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore

@@ -8,7 +8,12 @@ from flywheel.contracts import EpisodeEvent, GenerationEvent, SamplingParams
 from flywheel.settings import RewardSettings
 from reward.guards import UserWindow, distinct_ngram_ratio, judge_sample, judge_user, length_penalty
 from reward.labelers import (
-    build_labeler, edit_similarity, edit_value, latency_value, register_reward_model, register_verifier,
+    build_labeler,
+    edit_similarity,
+    edit_value,
+    latency_value,
+    register_reward_model,
+    register_verifier,
     signal_value,
 )
 
