@@ -32,6 +32,8 @@ def _settings(args: argparse.Namespace, overrides: dict[str, Any] | None = None)
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # kafka-python logs every connection and rebalance at INFO; keep its warnings, drop the chatter.
+    logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     log.info("settings %s", describe(settings))
     return settings
 
