@@ -53,6 +53,10 @@ class Engine(Protocol):
 
     def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]: ...
 
+    async def complete(self, req: GenRequest, request_id: str) -> Delta:
+        """The whole sequence as one :class:`Delta` (no per-token wake-ups)."""
+        ...
+
     def healthy(self) -> bool: ...
 
     def shutdown(self) -> None: ...
@@ -99,7 +103,7 @@ class VllmEngine:
         self._llm = AsyncLLM.from_engine_args(args)
         self.max_model_len = int(self._llm.model_config.max_model_len)
 
-    def _params(self, req: GenRequest) -> Any:
+    def _params(self, req: GenRequest, final_only: bool = False) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -112,17 +116,24 @@ class VllmEngine:
             seed=req.seed,
             stop=list(req.stop) or None,
             logprobs=0,  # the sampled token's own logprob only
-            output_kind=RequestOutputKind.DELTA,
+            # streamed requests take each step's new tokens; others only the finished sequence,
+            # which saves the API one task wake-up per token
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
         )
 
     async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         async for out in self._llm.generate(prompt, self._params(req), request_id):
-            o = out.outputs[0]
-            ids = list(o.token_ids)
-            lps = [float(step[t].logprob) for t, step in zip(ids, o.logprobs or [])]
-            finish = o.finish_reason if out.finished else None
-            yield Delta(ids, o.text, lps, _finish(finish) if out.finished else None)
+            yield _delta(out)
+
+    async def complete(self, req: GenRequest, request_id: str) -> Delta:
+        prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
+        last = None
+        async for out in self._llm.generate(prompt, self._params(req, final_only=True), request_id):
+            last = out
+        if last is None:
+            raise RuntimeError(f"engine returned nothing for {request_id}")
+        return _delta(last)
 
     def healthy(self) -> bool:
         return self._llm is not None and not self._llm.errored
@@ -133,6 +144,14 @@ class VllmEngine:
             # drop it now: AsyncLLM's finaliser calls shutdown again, which fails noisily if it
             # only runs at interpreter exit, after the modules it needs are gone
             self._llm = None
+
+
+def _delta(out: Any) -> Delta:
+    o = out.outputs[0]
+    ids = list(o.token_ids)
+    # logprobs=0: each step's dict holds exactly the sampled token
+    lps = [float(step[t].logprob) for t, step in zip(ids, o.logprobs or [])]
+    return Delta(ids, o.text, lps, _finish(o.finish_reason) if out.finished else None)
 
 
 def _finish(reason: str | None) -> str:

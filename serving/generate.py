@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from flywheel.contracts import GenerationEvent, SamplingParams, Topics
 from flywheel.settings import ServeSettings
-from serving.engine import Engine, GenRequest
+from serving.engine import Delta, Engine, GenRequest
 from serving.protocol import ApiError, ChatRequest, CompletionRequest
 from serving.recorder import Recorder
 
@@ -141,15 +141,18 @@ def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
 
 # -- running and recording ---------------------------------------------------------------------
 async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | None = None) -> Choice:
-    """Drive one engine request to its end; record it (also when cancelled: ``abort``)."""
+    """Drive one engine request to its end; record it (also when cancelled: ``abort``).
+
+    With a ``sink`` (streaming) every delta is forwarded as it comes; without one the engine
+    returns the finished sequence in one piece.
+    """
     choice = Choice(i, prep.generation_id(i))
     try:
-        async for d in ctx.engine.stream(prep.request_for(i), choice.generation_id):
-            choice.token_ids += d.token_ids
-            choice.text.append(d.text)
-            choice.logprobs += d.logprobs
-            choice.finish_reason = d.finish_reason or choice.finish_reason
-            if sink is not None:
+        if sink is None:
+            _add(choice, await ctx.engine.complete(prep.request_for(i), choice.generation_id))
+        else:
+            async for d in ctx.engine.stream(prep.request_for(i), choice.generation_id):
+                _add(choice, d)
                 await sink.put((i, d))
     except asyncio.CancelledError:
         choice.finish_reason = "abort"
@@ -157,6 +160,13 @@ async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | Non
     finally:
         record(ctx, prep, choice)
     return choice
+
+
+def _add(choice: Choice, d: Delta) -> None:
+    choice.token_ids += d.token_ids
+    choice.text.append(d.text)
+    choice.logprobs += d.logprobs
+    choice.finish_reason = d.finish_reason or choice.finish_reason
 
 
 def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:

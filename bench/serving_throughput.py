@@ -1,0 +1,198 @@
+"""Serving throughput: the HTTP API with recording on, against vLLM's own offline generation.
+
+    .venv/bin/python bench/serving_throughput.py [--prompts 256] [--max-tokens 32] [--rounds 2]
+
+One process runs both, on the same locally built tiny model and the same prompt token ids:
+
+* ``offline``: ``vllm.LLM(...).generate`` over all prompts at once (the raw engine ceiling);
+* ``api``: ``POST /v1/completions`` from a separate client process (so client and server do not
+  share a GIL) with ``--concurrency`` requests in flight, through auth, rate limiting, parsing,
+  the async engine, the response, and publishing every GenerationEvent to a real embedded broker.
+  The clock stops when the last response arrived *and* every event was acked by the broker.
+
+Both sample with ``logprobs=0`` and processed logprobs, so the ratio prices the API and the
+recording, not different work. Goal: ``api`` within 20% of ``offline`` (ratio >= 0.80).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KEY = "sk-bench"
+
+
+def make_prompts(tokenizer, n: int) -> list[list[int]]:
+    from flywheel.modelinit import synthetic_corpus
+
+    lines = synthetic_corpus(lines=n, seed=123)
+    return [tokenizer.encode(line, add_special_tokens=True)[:48] for line in lines]
+
+
+def offline(model_dir: Path, prompts: list[list[int]], max_tokens: int, seqs: int, rounds: int) -> list[tuple[float, int]]:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(model_dir), enforce_eager=True, logprobs_mode="processed_logprobs",
+              max_num_seqs=seqs, disable_log_stats=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(inputs[:8], params, use_tqdm=False)  # warm-up
+    out = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        results = llm.generate(inputs, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        out.append((elapsed, sum(len(r.outputs[0].token_ids) for r in results)))
+    del llm
+    gc.collect()
+    return out
+
+
+def client(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int, conn) -> None:
+    """Runs in its own process: every prompt, ``concurrency`` keep-alive connections in flight.
+
+    A bare HTTP/1.1 client on asyncio streams rather than httpx: on two cores the load generator
+    competes with the server and the engine for CPU, and httpx spent more CPU per request than
+    the server did, which would bill the client's cost to the API.
+    """
+    host, port = url.removeprefix("http://").split(":")
+
+    def request(p: list[int]) -> bytes:
+        body = json.dumps({"model": "flywheel", "prompt": p, "max_tokens": max_tokens,
+                           "temperature": 1.0}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        return head.encode() + body
+
+    async def worker(queue: list[bytes], tokens: list[int]) -> None:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        while queue:
+            writer.write(queue.pop())
+            status = await reader.readline()
+            if b" 200 " not in status:
+                raise RuntimeError(f"request failed: {status!r}")
+            length = 0
+            while (line := await reader.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = json.loads(await reader.readexactly(length))
+            tokens.append(body["usage"]["completion_tokens"])
+        writer.close()
+
+    async def go() -> tuple[float, int, int]:
+        await worker([request(prompts[0])], [])  # warm the route
+        queue, tokens = [request(p) for p in reversed(prompts)], []
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(queue, tokens) for _ in range(concurrency)))
+        return time.perf_counter() - start, sum(tokens), len(tokens)
+
+    conn.send(asyncio.run(go()))
+
+
+def api(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, bootstrap: str) -> list[tuple[float, int]]:
+    from flywheel.bus import ensure_topics
+    from flywheel.contracts import Topics
+    from flywheel.metrics import new_registry
+    from flywheel.settings import KafkaSettings, ServeSettings, Settings
+    from serving.app import create_app
+    from serving.engine import VllmEngine
+    from serving.main import make_recorder
+    from serving.server import AppServer, LoopThread
+
+    data = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    serve = ServeSettings(api_keys=(KEY,), max_num_seqs=args.concurrency, rate_limit_burst=1_000_000,
+                          rate_limit_per_minute=1e9, cpu_threads_bind=args.bind)
+    settings = Settings(model_dir=model_dir, data_dir=data, topic_prefix="bench.",
+                        kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
+    ensure_topics(settings.kafka, Topics("bench.").all())
+    registry = new_registry()
+    recorder = make_recorder(settings, registry)
+    loop = LoopThread()
+
+    async def build():
+        return VllmEngine(serve, model_dir)
+
+    engine = loop.call(build)
+    server = AppServer(create_app(settings, engine, recorder, registry), loop).start()
+    out = []
+    ctx = mp.get_context("spawn")
+    for _ in range(args.rounds):
+        before = _published(registry)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=client, args=(server.url, prompts, args.max_tokens, args.concurrency, child))
+        proc.start()
+        elapsed, tokens, n = parent.recv()
+        proc.join()
+        t_end = time.perf_counter()
+        while _published(registry) - before < n + 1:  # + the client's warm-up request
+            time.sleep(0.005)
+        out.append((elapsed + (time.perf_counter() - t_end), tokens))
+    server.stop()
+    recorder.stop()
+
+    async def down():
+        engine.shutdown()
+
+    loop.call(down)
+    loop.stop()
+    return out
+
+
+def _published(registry) -> float:
+    return registry.get_sample_value("serving_events_published_total",
+                                     {"kind": "generation", "path": "direct"}) or 0.0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for both engines")
+    p.add_argument("--model-dir", type=Path, default=None)
+    args = p.parse_args()
+
+    from flywheel.broker import EmbeddedBroker
+    from flywheel.modelinit import ModelSpec, init_model
+    from flywheel.settings import ServeSettings
+    from serving.engine import configure_vllm_env
+    from transformers import AutoTokenizer
+
+    configure_vllm_env(ServeSettings(cpu_threads_bind=args.bind))
+    model_dir = args.model_dir or init_model(Path(tempfile.mkdtemp(prefix="bench-model-")), ModelSpec())
+    prompts = make_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.prompts)
+    base = offline(model_dir, prompts, args.max_tokens, args.concurrency, args.rounds)
+    with EmbeddedBroker() as broker:
+        served = api(model_dir, prompts, args, broker.bootstrap)
+    report(base, served, args)
+
+
+def report(base: list[tuple[float, int]], served: list[tuple[float, int]], args: argparse.Namespace) -> None:
+    def best(runs):  # the fastest round: least disturbed by other load on the machine
+        return min(runs, key=lambda r: r[0] / max(r[1], 1))
+
+    b, s = best(base), best(served)
+    rows = [("offline vllm.LLM.generate", *b), ("HTTP API + Kafka recording", *s)]
+    print(f"\n{args.prompts} prompts x {args.max_tokens} tokens, concurrency {args.concurrency}, "
+          f"bind={args.bind}, best of {args.rounds} rounds")
+    print(f"{'mode':<28} {'completions/s':>14} {'tokens/s':>10} {'ratio':>7}")
+    base_tps = b[1] / b[0]
+    for name, elapsed, tokens in rows:
+        tps = tokens / elapsed
+        print(f"{name:<28} {args.prompts / elapsed:>14.1f} {tps:>10.0f} {tps / base_tps:>7.2f}")
+    print("all rounds (s, tokens):", "offline", [(round(e, 2), t) for e, t in base],
+          "api", [(round(e, 2), t) for e, t in served])
+
+
+if __name__ == "__main__":
+    main()
