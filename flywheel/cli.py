@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     cr.set_defaults(func=_role("trainer.tools"), action="reconstruct")
 
     d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
-    d.add_argument("--seconds", type=float, default=0, help="how long to run (0: the scripted session only)")
+    d.add_argument("--users", type=int, default=16, help="synthetic users in the pipeline phase (4 samples each)")
+    d.add_argument("--wait", type=float, default=240, help="seconds to wait for rewards and a checkpoint")
     d.set_defaults(func=_role("flywheel.demo"))
     return p
 

@@ -7,7 +7,14 @@ What it does, in order:
 3. starts ``flywheel serve`` as its own process, exactly as an operator would, with a fresh API key;
 4. plays a short client session with the official ``openai`` client: completions, chat, streaming,
    and feedback (accept, reject, edit) on what came back;
-5. reads the topics back and prints what was recorded, then stops every process it started.
+5. reads the topics back and prints what was recorded;
+6. starts ``flywheel ingest``, ``flywheel reward`` and ``flywheel train`` as processes, plays a
+   synthetic user population with a hidden preference (users accept vowel-rich completions) in
+   groups of samples per prompt, and shows the episodes, rewards and the first checkpoint the
+   trainer publishes from them; then stops every process it started.
+
+Short windows and intervals (a few seconds) are set here so the demo finishes in minutes; the
+production defaults are in flywheel/settings.py.
 
 It imports no stage code: stages are processes talking over the broker, as in production.
 """
@@ -61,6 +68,11 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         generation_ids = _client_session(base, key)
         _say("reading back what serving recorded ...")
         _show_topics(kafka.bootstrap, topics, expect_generations=len(generation_ids))
+        for role in ("ingest", "reward", "train"):
+            stack.enter_context(_process([role], _pipeline_env(env), data_dir / "logs" / f"{role}.log"))
+        _say("started ingest, reward and train; synthetic users are now using the product ...")
+        judged = _synthetic_users(base, key, prompts=args.users)
+        _show_pipeline(kafka.bootstrap, topics, judged, timeout_s=args.wait)
     _say("demo finished; every process it started has stopped")
     return 0
 
@@ -116,6 +128,91 @@ class _process:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+def _pipeline_env(env: dict[str, str]) -> dict[str, str]:
+    """Demo-sized windows and intervals so each stage acts within seconds."""
+    return {
+        **env,
+        "FLYWHEEL_INGEST_WINDOW_S": "3",
+        "FLYWHEEL_INGEST_GRACE_S": "1",
+        "FLYWHEEL_INGEST_PORT": "0",
+        "FLYWHEEL_REWARD_PORT": "0",
+        "FLYWHEEL_TRAINER_PORT": "0",
+        "FLYWHEEL_TRAINER_BATCH_SIZE": "16",
+        "FLYWHEEL_TRAINER_GROUP_SIZE": "4",
+        "FLYWHEEL_TRAINER_PUBLISH_EVERY_STEPS": "1",
+        "FLYWHEEL_TRAINER_PUBLISH_EVERY_S": "5",
+        "FLYWHEEL_TRAINER_LR": "1e-4",
+    }
+
+
+def prefers(text: str) -> bool:
+    """The synthetic users' hidden preference: vowel-rich completions (the fresh model's median
+    vowel share is about 0.39, so a bit under half of its completions pass at first)."""
+    letters = [c for c in text.lower() if c.isalpha()]
+    return bool(letters) and sum(c in "aeiou" for c in letters) / len(letters) > 0.4
+
+
+def _synthetic_users(base: str, key: str, prompts: int) -> dict[str, str]:
+    """Each simulated user asks for 4 samples of one prompt and accepts or rejects each one."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base}/v1", api_key=key)
+    model = client.models.list().data[0].id
+    judged: dict[str, str] = {}
+    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+        for i in range(prompts):
+            out = client.completions.create(
+                model=model, prompt=PROMPTS[i % len(PROMPTS)], n=4, max_tokens=16, temperature=1.0, user=f"sim-{i}"
+            )
+            for choice in out.choices:
+                gen_id = choice.model_extra["generation_id"]
+                verdict = "accept" if prefers(choice.text) else "reject"
+                body = {"feedback_id": str(uuid.uuid4()), "generation_id": gen_id, "signal": verdict}
+                http.post("/v1/feedback", json=body).raise_for_status()
+                judged[gen_id] = verdict
+    accepted = sum(v == "accept" for v in judged.values())
+    _say(f"{prompts} users x 4 samples: {accepted}/{len(judged)} accepted under the hidden preference")
+    return judged
+
+
+def _show_pipeline(bootstrap: str, topics: Topics, judged: dict[str, str], timeout_s: float) -> None:
+    """Wait for every judged generation's reward and the first published checkpoint."""
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        topics.episodes, topics.rewards, topics.checkpoints, topics.deadletter,
+        bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
+    )
+    seen: dict[str, list[dict]] = {t: [] for t in (topics.episodes, topics.rewards, topics.checkpoints, topics.deadletter)}
+    deadline = time.monotonic() + timeout_s
+    rewarded: set[str] = set()
+    def trained() -> bool:  # v0 is the base model the trainer announces at start
+        return any(c["version"] > 0 for c in seen[topics.checkpoints])
+
+    while time.monotonic() < deadline and not (judged.keys() <= rewarded and trained()):
+        for recs in consumer.poll(timeout_ms=500).values():
+            for r in recs:
+                seen[r.topic].append(json.loads(r.value))
+                if r.topic == topics.rewards:
+                    rewarded.add(seen[r.topic][-1]["generation_id"])
+    consumer.close()
+    by_signal: dict[str, list[float]] = {}
+    for r in seen[topics.rewards]:
+        by_signal.setdefault(r["signal"], []).append(r["reward"])
+    _say(f"episodes: {len(seen[topics.episodes])}, rewards: {len(seen[topics.rewards])}, dead letters: {len(seen[topics.deadletter])}")
+    for signal_, values in sorted(by_signal.items()):
+        _say(f"  reward for {signal_:>6}: n={len(values):3d} mean={sum(values) / len(values):+.3f}")
+    for d in seen[topics.deadletter][:5]:
+        _say(f"  dead letter from {d['stage']}: {d['reason']} ({d['detail'][:80]})")
+    if not trained():
+        _say(f"no trained checkpoint published within {timeout_s:.0f}s (see data_dir/logs/train.log)")
+    for c in seen[topics.checkpoints]:
+        _say(
+            f"  checkpoint v{c['version']} (parent {c['parent']}, step {c['step']}, {c['samples']} samples, "
+            f"{'full' if c['full_snapshot'] else 'delta'}) at {c['uri']}"
+        )
 
 
 def _wait_healthy(base: str, serve: _process, timeout_s: float) -> None:
