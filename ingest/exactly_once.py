@@ -55,7 +55,7 @@ import logging
 import sqlite3
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +99,9 @@ class StateStore:
 
     def __init__(self, path: Path, stage_schema: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # outbox rows of the open transaction, inserted in one executemany just before COMMIT
+        self._appends: list[tuple[int, str, str | None, bytes, str | None]] = []
+        self._on_rollback: list[Callable[[], None]] = []
         # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
         self.db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -119,13 +122,21 @@ class StateStore:
         self._in_txn = True
         try:
             yield self.db
+            self._write_appends()
         except BaseException:
+            self._appends.clear()
             self.db.execute("ROLLBACK")
+            for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
+                fn()
             raise
         else:
             self.db.execute("COMMIT")
         finally:
             self._in_txn = False
+
+    def on_rollback(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` after a rolled-back transaction (a stage rebuilds its caches there)."""
+        self._on_rollback.append(fn)
 
     def close(self) -> None:
         self.db.close()
@@ -140,10 +151,16 @@ class StateStore:
     def append(self, shard: int, topic: str, key: str | None, value: bytes, archive: str | None = None) -> None:
         """Owe ``value`` to ``topic`` (and to ``archive`` when named). Call inside :meth:`txn`."""
         assert self._in_txn, "outbox rows must be appended inside the processing transaction"
-        self.db.execute(
-            "INSERT INTO outbox (shard, topic, key, value, archive) VALUES (?, ?, ?, ?, ?)",
-            (shard, topic, key, value, archive),
-        )
+        self._appends.append((shard, topic, key, value, archive))
+
+    def _write_appends(self) -> None:
+        # one statement per batch instead of one per record; list order keeps seq order
+        if self._appends:
+            self.db.executemany(
+                "INSERT INTO outbox (shard, topic, key, value, archive) VALUES (?, ?, ?, ?, ?)",
+                self._appends,
+            )
+            self._appends.clear()
 
     # -- reads and bookkeeping ------------------------------------------------------------
     def offsets(self) -> dict[tuple[str, int], int]:
@@ -230,6 +247,11 @@ class Outbox:
                 time.sleep(0.1)
             self._parts[topic] = len(parts)
         return self._parts[topic]
+
+    @property
+    def in_flight(self) -> int:
+        """Rows sent whose acks have not been collected yet."""
+        return len(self._in_flight)
 
     def deliver(self, shards: Iterable[int], wait: bool = False) -> int:
         """Archive and send the pending rows of ``shards`` without waiting for their acks.

@@ -134,7 +134,10 @@ class StreamRunner(ConsumerRebalanceListener):
 
     def step(self) -> int:
         self._settle_rebalance()
-        batches = self.consumer.poll(timeout_ms=self.poll_ms, max_records=self.max_batch)
+        # While sends await their acks, poll briefly: an idle input must not hold delivered
+        # records in the outbox (and the confirmed output offsets back) for a whole poll_ms.
+        timeout = min(self.poll_ms, 10) if self.outbox.in_flight else self.poll_ms
+        batches = self.consumer.poll(timeout_ms=timeout, max_records=self.max_batch)
         if self._assigned or self._revoked:
             # a rebalance happened inside poll: its partitions may have been re-seeked, so drop
             # this batch (nothing was stored) and read again from settled positions

@@ -40,6 +40,8 @@ CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL,
 REWARDS_ARCHIVE = "rewards"
 #: Labeled generation ids are remembered this long to drop upstream duplicates.
 DEDUPE_RETENTION_S = 86_400.0
+#: Position of each signal's count in a cached user_win row [n, kept, accept, reject, edit, ignore].
+_SIGNAL_COL = {"accept": 2, "reject": 3, "edit": 4, "ignore": 5}
 
 
 class RewardMetrics:
@@ -65,23 +67,37 @@ class RewardStage:
         self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
+        self._load_counts()
+        store.on_rollback(self._load_counts)
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
-        for rec in records:
+        episodes = [(rec, ep) for rec in records if (ep := self._decode(rec)) is not None]
+        seen = self._seen_of([ep.generation_id for _, ep in episodes])
+        fresh: list[tuple[str, float]] = []
+        for rec, ep in episodes:
             self.sink.shard = rec.partition
-            ep = self._decode(rec)
-            if ep is None:
-                continue
-            if self.db.execute("SELECT 1 FROM seen WHERE gid=?", (ep.generation_id,)).fetchone():
+            if ep.generation_id in seen:
                 self.m.duplicates.inc()
                 continue
-            self.db.execute("INSERT INTO seen VALUES (?, ?)", (ep.generation_id, now))
+            seen.add(ep.generation_id)
+            fresh.append((ep.generation_id, now))
             if ep.timed_out and not self.cfg.emit_ignored:
                 self.m.skipped.labels("no_signal").inc()
                 continue
             reward = self.label_episode(ep, now)
             self.store.append(rec.partition, self.topics.rewards, ep.generation_id, encode(reward),
                               archive=REWARDS_ARCHIVE)
+        self.db.executemany("INSERT INTO seen VALUES (?, ?)", fresh)
+        self._write_counts()
+
+    def _seen_of(self, gids: list[str]) -> set[str]:
+        """The ids among ``gids`` labeled before: one query per chunk, not one per record."""
+        found: set[str] = set()
+        for i in range(0, len(gids), 500):  # stay well under SQLite's bound-parameter limit
+            chunk = gids[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            found.update(r[0] for r in self.db.execute(f"SELECT gid FROM seen WHERE gid IN ({marks})", chunk))
+        return found
 
     def _decode(self, rec: ConsumerRecord) -> EpisodeEvent | None:
         try:
@@ -103,7 +119,7 @@ class RewardStage:
         win = window_of(g.created_at, self.cfg)
         verdict = judge_user(self._count_user(g.user_id, win, ep.signal), self.cfg)
         if "user_cap" not in verdict.flags:
-            self.db.execute("UPDATE user_win SET kept=kept+1 WHERE win=? AND user=?", (win, g.user_id))
+            self._users[(win, g.user_id)][1] += 1
         flags = sample_flags + verdict.flags
         reward = sum(components.values())
         for flag in flags:
@@ -118,22 +134,46 @@ class RewardStage:
             generated_at=g.created_at, labeled_at=now,
         )
 
+    # -- guard counts -----------------------------------------------------------------------
+    # The counts live in user_win/win_tot (the truth, committed with the batch) and in these dicts
+    # (a cache, so judging a sample costs no SQL). The cache is loaded from the tables at start and
+    # after a rolled-back batch, and the rows a batch changed are written back in its transaction,
+    # so a restart or a failed batch sees exactly the committed counts.
+    def _load_counts(self) -> None:
+        self._users: dict[tuple[int, str], list[int]] = {
+            (w, u): list(rest) for w, u, *rest in self.db.execute(
+                "SELECT win, user, n, kept, accept, reject, edit, ignore FROM user_win")}
+        self._wins: dict[int, list[int]] = {
+            w: [n, users] for w, n, users in self.db.execute("SELECT win, n, users FROM win_tot")}
+        self._dirty: set[tuple[int, str]] = set()
+
     def _count_user(self, user: str, win: int, signal: str) -> UserWindow:
         """Add this sample to the user's and the window's counts; return the counts after it."""
-        col = signal if signal in ("accept", "reject", "edit", "ignore") else "ignore"
-        new_user = self.db.execute("SELECT 1 FROM user_win WHERE win=? AND user=?", (win, user)).fetchone() is None
-        self.db.execute(
-            "INSERT INTO user_win VALUES (?, ?, 1, 0, 0, 0, 0, 0) ON CONFLICT (win, user) DO UPDATE SET n=n+1",
-            (win, user))
-        self.db.execute(f"UPDATE user_win SET {col}={col}+1 WHERE win=? AND user=?", (win, user))
-        self.db.execute(
-            "INSERT INTO win_tot VALUES (?, 1, 1) ON CONFLICT (win) DO UPDATE SET n=n+1, users=users+?",
-            (win, int(new_user)))
-        n, kept, a, r, e, i = self.db.execute(
-            "SELECT n, kept, accept, reject, edit, ignore FROM user_win WHERE win=? AND user=?",
-            (win, user)).fetchone()
-        total, users = self.db.execute("SELECT n, users FROM win_tot WHERE win=?", (win,)).fetchone()
-        return UserWindow(n, kept, total, users, {"accept": a, "reject": r, "edit": e, "ignore": i})
+        col = _SIGNAL_COL.get(signal, _SIGNAL_COL["ignore"])
+        counts = self._users.get((win, user))
+        tot = self._wins.setdefault(win, [0, 0])
+        if counts is None:
+            counts = self._users[(win, user)] = [0, 0, 0, 0, 0, 0]
+            tot[1] += 1
+        counts[0] += 1
+        counts[col] += 1
+        tot[0] += 1
+        self._dirty.add((win, user))
+        n, kept, a, r, e, i = counts
+        return UserWindow(n, kept, tot[0], tot[1], {"accept": a, "reject": r, "edit": e, "ignore": i})
+
+    def _write_counts(self) -> None:
+        if not self._dirty:
+            return
+        self.db.executemany(
+            "INSERT INTO user_win VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (win, user) DO UPDATE SET "
+            "n=excluded.n, kept=excluded.kept, accept=excluded.accept, reject=excluded.reject, "
+            "edit=excluded.edit, ignore=excluded.ignore",
+            [(w, u, *self._users[(w, u)]) for w, u in self._dirty])
+        self.db.executemany(
+            "INSERT INTO win_tot VALUES (?, ?, ?) ON CONFLICT (win) DO UPDATE SET n=excluded.n, users=excluded.users",
+            [(w, *self._wins[w]) for w in {w for w, _ in self._dirty}])
+        self._dirty.clear()
 
     def tick(self, shards: set[int], now: float) -> None:
         if now - self._last_prune < 60:
@@ -143,3 +183,5 @@ class RewardStage:
         oldest = window_of(now, self.cfg) - 2
         self.db.execute("DELETE FROM user_win WHERE win<?", (oldest,))
         self.db.execute("DELETE FROM win_tot WHERE win<?", (oldest,))
+        self._users = {k: v for k, v in self._users.items() if k[0] >= oldest}
+        self._wins = {w: v for w, v in self._wins.items() if w >= oldest}

@@ -19,7 +19,7 @@ from flywheel.contracts import (
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import generation_deadline, is_due, is_late, resolve
-from ingest.stage import SCHEMA, IngestStage
+from ingest.stage import SCHEMA, IngestStage, episode_bytes
 
 
 def fb(fid: str, signal: str, t: float, text: str | None = None, ms: float | None = None) -> FeedbackEvent:
@@ -135,3 +135,33 @@ def test_stage_waits_for_caught_up_shards(stage):
         st.process([rec(T.generations, "g", encode(gen("g", 100)), 0)], 100)
         st.tick(set(), 200)  # shard 0 not caught up: the window must not close yet
     assert outputs(store) == ([], [])
+
+
+def test_stage_dead_letters_early_feedback_that_turns_out_late(stage):
+    # waiting feedback is read back from the store (earlier batch) and from the same batch
+    early = FeedbackEvent(feedback_id="e1", generation_id="g", signal="accept", created_at=111, received_at=111)
+    same = FeedbackEvent(feedback_id="e2", generation_id="g", signal="reject", created_at=112, received_at=112)
+    ok = fb("ok", "edit", 105, text="t")
+    run(stage, [rec(T.feedback, "g", encode(early), 0)], now=100)
+    run(stage, [rec(T.feedback, "g", encode(same), 1), rec(T.feedback, "g", encode(ok), 2),
+                rec(T.generations, "g", encode(gen("g", 100)), 0)], now=101)
+    run(stage, [], now=112)
+    eps, dls = outputs(stage[1])
+    assert [(e.signal, e.edited_text, e.feedback_ids) for e in eps] == [("edit", "t", ("ok",))]
+    assert sorted((d.reason, d.source_offset) for d in dls) == [("late_feedback", 0), ("late_feedback", 1)]
+
+
+@pytest.mark.parametrize("feedback", [
+    [],
+    [fb("a", "accept", 1, ms=12.5)],
+    [fb("a", "edit", 1, text="é \"quoted\"\n"), fb("b", "reject", 0.1)],
+])
+def test_spliced_episode_is_the_encoded_episode(feedback):
+    g = gen("g", 1700000000.123456)
+    res = resolve(feedback)
+    spliced = episode_bytes(encode(g), res, 1700000010.987654)
+    built = EpisodeEvent(generation=g, signal=res.signal, edited_text=res.edited_text,
+                         decision_ms=res.decision_ms, feedback_ids=res.feedback_ids,
+                         timed_out=res.timed_out, conflicted=res.conflicted, resolved_at=1700000010.987654)
+    assert decode(EpisodeEvent, spliced) == built
+    assert spliced == encode(built)
