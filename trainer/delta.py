@@ -72,43 +72,67 @@ def _unplanes(planes: list[bytes], dtype: type, n: int) -> np.ndarray:
     return b.reshape(-1).view(dtype)
 
 
+def _zigzag(diff: np.ndarray, width: int) -> np.ndarray:
+    wide = np.int32 if width <= 2 else np.int64
+    signed = diff.view(_INT[width]).astype(wide)
+    return ((signed << 1) ^ (signed >> (8 * np.dtype(wide).itemsize - 1))).astype(_UINT[width])
+
+
+def _unzigzag(zig: np.ndarray, width: int) -> np.ndarray:
+    wide = np.int32 if width <= 2 else np.int64
+    z = zig.astype(wide) & ((1 << (8 * width)) - 1) if width < 8 else zig.view(np.int64)
+    return ((z >> 1) ^ -(z & 1)).astype(_INT[width]).view(_UINT[width])
+
+
 def encode_data(parent: bytes, child: bytes, width: int, level: int = 3) -> tuple[dict, list[bytes]]:
-    """Delta of two equally long data sections; returns (header fields, compressed blobs)."""
+    """Delta of two equally long data sections; returns (header fields, compressed blobs).
+
+    ``sparse`` codes the gaps between changed positions plus the changed values; ``dense`` codes
+    every element's zig-zag difference (zeros included). Sparse wins when few values moved;
+    above a few percent both are tried and the smaller kept (dense also applies faster then).
+    """
     if len(parent) != len(child) or len(parent) % width:
         raise DeltaError(f"data sections differ in size ({len(parent)} vs {len(child)} bytes)")
-    u, s = _UINT[width], _INT[width]
-    a = np.frombuffer(parent, dtype=u)
-    diff = np.frombuffer(child, dtype=u) - a  # modular: wraps, so it is always invertible
+    a = np.frombuffer(parent, dtype=_UINT[width])
+    diff = np.frombuffer(child, dtype=_UINT[width]) - a  # modular: wraps, so it is always invertible
     idx = np.flatnonzero(diff)
-    gaps = np.diff(idx, prepend=-1).astype(np.uint64) - 1
-    gaps = gaps.astype(np.uint32) if len(a) < 2**32 else gaps
-    signed = diff[idx].view(s)
-    zig = ((signed.astype(np.int64) << 1) ^ (signed.astype(np.int64) >> 63)).astype(u)
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True)
-    blobs = [cctx.compress(p) for p in _planes(gaps) + _planes(zig)]
-    meta = {"width": width, "elements": len(a), "changed": len(idx), "gap_width": gaps.itemsize}
-    return meta, blobs
+    gaps = (np.diff(idx, prepend=-1) - 1).astype(np.uint32 if len(a) < 2**32 else np.uint64)
+    sparse = [cctx.compress(p) for p in _planes(gaps) + _planes(_zigzag(diff[idx], width))]
+    meta = {"width": width, "elements": len(a), "changed": len(idx), "gap_width": gaps.itemsize, "mode": "sparse"}
+    if len(idx) > len(a) // 20:
+        dense = [cctx.compress(p) for p in _planes(_zigzag(diff, width))]
+        if sum(map(len, dense)) < sum(map(len, sparse)):
+            return {**meta, "mode": "dense", "gap_width": 0}, dense
+    return meta, sparse
 
 
-def decode_data(parent: bytes, meta: dict, blobs: list[bytes]) -> bytes:
+def decode_data(parent: bytes, meta: dict, blobs: list[bytes], out: np.ndarray | None = None) -> np.ndarray:
+    """The child's data section as a uint array (written into ``out`` when given)."""
     width, n, changed, gw = meta["width"], meta["elements"], meta["changed"], meta["gap_width"]
     if len(parent) != n * width:
         raise DeltaError(f"parent data is {len(parent)} bytes, delta expects {n * width}")
     if len(blobs) != gw + width:
         raise DeltaError("delta has the wrong number of planes")
+    count = n if meta.get("mode") == "dense" else changed
     dctx = zstandard.ZstdDecompressor()
-    raw = [dctx.decompress(b, max_output_size=changed) if changed else b"" for b in blobs]
-    if any(len(r) != changed for r in raw):
+    raw = [dctx.decompress(b, max_output_size=count) if count else b"" for b in blobs]
+    if any(len(r) != count for r in raw):
         raise DeltaError("delta plane has the wrong length (corrupt container)")
-    gaps = _unplanes(raw[:gw], _UINT[gw], changed).astype(np.int64)
-    idx = np.cumsum(gaps + 1) - 1
-    if changed and (idx[-1] >= n):
+    u = _UINT[width]
+    if out is None:
+        out = np.empty(n, dtype=u)
+    if not np.shares_memory(out, np.frombuffer(parent, dtype=np.uint8)):
+        np.copyto(out, np.frombuffer(parent, dtype=u))
+    values = _unzigzag(_unplanes(raw[gw:], u, count), width)
+    if meta.get("mode") == "dense":
+        out += values
+        return out
+    idx = np.cumsum(_unplanes(raw[:gw], _UINT[gw], count).astype(np.int64) + 1) - 1
+    if changed and idx[-1] >= n:
         raise DeltaError("delta position beyond the end of the parent (corrupt container)")
-    zig = _unplanes(raw[gw:], _UINT[width], changed).astype(np.int64) & ((1 << (8 * width)) - 1)
-    signed = (zig >> 1) ^ -(zig & 1)
-    out = np.frombuffer(parent, dtype=_UINT[width]).copy()
-    out[idx] += signed.astype(_INT[width]).view(_UINT[width])
-    return out.tobytes()
+    out[idx] += values
+    return out
 
 
 def make_delta(parent_file: bytes, child_file: bytes, *, parent_version: int, level: int = 3) -> bytes:
@@ -141,10 +165,37 @@ def read_header(delta: bytes) -> dict:
         raise DeltaError(f"delta header is not JSON: {exc}") from None
 
 
-def apply_delta(parent_file: bytes, delta: bytes) -> bytes:
-    """The child's safetensors bytes; raises :class:`DeltaError` if ``parent_file`` is not the parent."""
+def apply_delta_inplace(parent_file: bytearray, delta: bytes) -> bytearray:
+    """Turn a verified parent (a writable buffer, e.g. a host copy serving keeps) into the child
+    in place: no full-size copy, only the changed values are touched."""
     header = read_header(delta)
-    if hashlib.sha256(parent_file).hexdigest() != header["parent_sha256"]:
+    pos = 16 + len(json.dumps(header, sort_keys=True).encode())
+    sizes = header["blobs"]
+    blobs = [delta[pos + sum(sizes[:i]) : pos + sum(sizes[: i + 1])] for i in range(len(sizes))]
+    try:
+        prefix = zstandard.ZstdDecompressor().decompress(blobs[0])
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"delta does not decompress: {exc}") from None
+    (n,) = struct.unpack("<Q", bytes(parent_file[:8]))
+    if 8 + n != len(prefix) or len(parent_file) != header["child_bytes"]:
+        raise DeltaError("in-place apply needs the parent and child to share their layout")
+    parent_file[: len(prefix)] = prefix
+    view = np.frombuffer(parent_file, dtype=_UINT[header["width"]], offset=len(prefix))
+    try:
+        decode_data(memoryview(parent_file)[len(prefix):], header, blobs[1:], out=view)
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"delta does not decompress: {exc}") from None
+    return parent_file
+
+
+def apply_delta(parent_file: bytes, delta: bytes, *, check_parent: bool = True) -> bytes:
+    """The child's safetensors bytes; raises :class:`DeltaError` if ``parent_file`` is not the parent.
+
+    ``check_parent=False`` skips hashing the parent when the caller has already verified it
+    against a manifest (the checkpoint store does), which is most of the cost of an apply.
+    """
+    header = read_header(delta)
+    if check_parent and hashlib.sha256(parent_file).hexdigest() != header["parent_sha256"]:
         raise DeltaError(f"parent bytes do not match the delta's parent (version {header['parent_version']})")
     pos = 16 + len(json.dumps(header, sort_keys=True).encode())
     blobs = []
@@ -154,13 +205,15 @@ def apply_delta(parent_file: bytes, delta: bytes) -> bytes:
     try:
         prefix = zstandard.ZstdDecompressor().decompress(blobs[0])
         _, p_data, _ = split_safetensors(parent_file)
-        data = decode_data(p_data, header, blobs[1:])
+        buf = bytearray(header["child_bytes"])
+        if len(prefix) + len(p_data) != len(buf):
+            raise DeltaError("reconstructed file has the wrong size")
+        buf[: len(prefix)] = prefix
+        view = np.frombuffer(buf, dtype=_UINT[header["width"]], offset=len(prefix))
+        decode_data(p_data, header, blobs[1:], out=view)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"delta does not decompress: {exc}") from None
-    out = prefix + data
-    if len(out) != header["child_bytes"]:
-        raise DeltaError("reconstructed file has the wrong size")
-    return out
+    return bytes(buf)
 
 
 def _layout(header: dict) -> list[tuple]:

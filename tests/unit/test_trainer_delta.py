@@ -41,7 +41,7 @@ def test_sign_crossings_and_extremes_survive():
     a = np.array([0x0000, 0x8000, 0x7F7F, 0xFF7F, 0x0001], dtype=np.uint16).tobytes()
     b = np.array([0x8000, 0x0000, 0xFF7F, 0x7F7F, 0xFFFF], dtype=np.uint16).tobytes()
     meta, blobs = D.encode_data(a, b, 2)
-    assert D.decode_data(a, meta, blobs) == b
+    assert D.decode_data(a, meta, blobs).tobytes() == b
 
 
 def test_wrong_parent_and_corruption_are_refused():
@@ -55,3 +55,12 @@ def test_wrong_parent_and_corruption_are_refused():
         D.apply_delta(parent, bytes(bad))
     with pytest.raises(D.DeltaError, match="magic"):
         D.apply_delta(parent, b"XXXXXXXX" + blob[8:])
+
+
+def test_dense_mode_is_chosen_when_most_values_move():
+    parent, child = _pair(torch.bfloat16, 1.0)
+    blob = D.make_delta(parent, child, parent_version=0)
+    assert D.read_header(blob)["mode"] == "dense"
+    assert D.apply_delta(parent, blob) == child
+    parent, child = _pair(torch.bfloat16, 0.01)
+    assert D.read_header(D.make_delta(parent, child, parent_version=0))["mode"] == "sparse"
