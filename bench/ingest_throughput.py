@@ -10,7 +10,8 @@ same client settings (flywheel.bus.make_consumer):
 - reward: the same for episodes -> rewards.
 
 It prints one table of records/s and the ratio to the raw rate measured in the same run (goal:
->= 0.5). Timing starts at the first record each consumer sees, so group joins are not counted.
+>= 0.5), and the rate of bare producer sends, which every output record costs (a ceiling for
+both stages: each emits one record per generation). Timing starts at the first record each consumer sees, so group joins are not counted.
 """
 
 from __future__ import annotations
@@ -70,6 +71,23 @@ def raw_rate(cfg: KafkaSettings, inputs: list[str], expect: int) -> float:
     return expect / elapsed
 
 
+def send_rate(cfg: KafkaSettings, topic: str, n: int) -> float:
+    """kafka-python's cost per record on the stages' producer: send (as the outbox does) + acks.
+
+    Every stage output is one such send, so this is a ceiling for a stage's output rate.
+    """
+    producer = make_producer(cfg, "bench-send")
+    value = b"x" * 1200  # about an episode's size
+    producer.send(topic, key="warm", value=value).get(timeout=30)  # metadata, connection
+    start = time.perf_counter()
+    for i in range(n):
+        producer.send(topic, key=f"g{i}", value=value, partition=i % 2, headers=[("flywheel-outbox", b"e:1")])
+    producer.flush()
+    elapsed = time.perf_counter() - start
+    producer.close()
+    return n / elapsed
+
+
 def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schema: str,
                archive: ParquetArchive, archive_name: str, expect_in: int, expect_out: int, work: Path) -> float:
     store = StateStore(work / name / "state.sqlite3", schema)
@@ -115,10 +133,11 @@ def main() -> None:
             cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
             REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row),
             REWARDS_ARCHIVE, n, n, work)))
+        rows.append(("kafka-python send+ack (output ceiling)", send_rate(cfg, f"{topics.prefix}send", n)))
     print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker\n")
     print(f"{'path':<38}{'records/s':>12}{'vs raw':>9}")
     for i, (label, rate) in enumerate(rows):
-        base = rows[0][1] if i < 2 else rows[2][1]
+        base = rows[0][1] if i < 2 else rows[2][1]  # sends vs raw episodes: reward's ceiling
         print(f"{label:<38}{rate:>12,.0f}{rate / base:>9.2f}")
 
 
