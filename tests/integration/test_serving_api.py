@@ -124,7 +124,8 @@ def test_completions_and_chat_are_recorded_exactly_once(serve, broker, engine):
     assert r.id == r.choices[0].generation_id  # n == 1: the response id is the generation id
     expected[r.id] = (r.model, r.choices[0].text, r.id, "completions")
 
-    r = s.client.completions.create(model="flywheel", prompt="a list of data", max_tokens=5, n=3, seed=7)
+    r = s.client.completions.create(model="flywheel", prompt="a list of data", max_tokens=5, n=3, seed=7,
+                                    stop=["never-sampled"])  # stop strings: vLLM detokenizes
     assert [c.generation_id for c in r.choices] == [f"{r.id}-{i}" for i in range(3)]
     for c in r.choices:
         expected[c.generation_id] = (r.model, c.text, r.id, "completions")
