@@ -128,3 +128,51 @@ def test_tampered_weights_are_detected_by_the_cli(chain, tmp_path):
     assert bad.returncode == 1 and "model.safetensors fails hash verification" in bad.stderr
     good = subprocess.run([*cmd, "2"], env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert good.returncode == 0 and "OK" in good.stdout
+
+
+class ListSink:
+    def __init__(self):
+        self.records = []
+
+    def write(self, topic, key, value):
+        self.records.append((topic, key, value))
+
+    def flush(self, timeout_s=None):
+        return None
+
+    def close(self):
+        return None
+
+
+def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
+    """At trainer version 6 with max_staleness 4: v1 is stale (counted), v9 is unknown (dead letter)."""
+    from collections import namedtuple
+
+    from flywheel.bus import DeadLetters
+    from flywheel.contracts import DeadLetterEvent, decode, encode
+
+    Rec = namedtuple("Rec", "topic partition offset key value")
+    sink = ListSink()
+    chain.deadletters = DeadLetters(sink, "dl", "trainer_test", new_registry())
+    assert chain.version == 6 and chain.cfg.max_staleness == 4
+    recs = [Rec("r", 0, 100 + i, f"k{i}".encode(), encode(reward_event(500 + i, version=v))) for i, v in enumerate([1, 2, 9])]
+    for rec in recs:
+        chain._intake(rec)
+    assert chain.ledger.dropped["stale"] == ["gen-500"]
+    assert chain.ledger.dropped["unknown_version"] == ["k2"]
+    assert [decode(DeadLetterEvent, v).reason for _, _, v in sink.records] == ["unknown_version"]
+    assert [s.event.generation_id for s in chain.batcher.waiting()] == ["gen-501"]  # staleness 4 is allowed
+    assert chain.m.dropped.labels("stale")._value.get() == 1
+    assert chain.book.is_settled("r", 0, 100) and not chain.book.is_settled("r", 0, 101)
+
+
+def test_mirror_to_an_fsspec_url(chain):
+    import fsspec
+
+    from trainer.store import mirror
+
+    uri = mirror(chain.store.path(6), "memory://bucket/ckpt")
+    fs = fsspec.filesystem("memory")
+    names = {p.rsplit("/", 1)[-1] for p in fs.ls(uri.removeprefix("memory:/"), detail=False)}
+    assert {"flywheel-manifest.json", "model.safetensors", "config.json", "ledger.json"} <= names
+    assert fs.cat(f"{uri.removeprefix('memory:/')}/model.safetensors") == (chain.store.path(6) / "model.safetensors").read_bytes()
