@@ -322,3 +322,16 @@ def test_serve_refuses_weights_that_do_not_match_the_manifest(tiny_model_dir, tm
     weights.write_bytes(bytes(data))
     assert run(Settings(model_dir=bad, data_dir=tmp_path, serve=ServeSettings(api_keys=("k",)))) == 2
     assert json.loads((bad / "flywheel-manifest.json").read_text())["version"] == 0
+
+
+def test_recorded_logprobs_are_from_the_tempered_distribution(serve, broker):
+    """Processed logprobs: at a low temperature the sampled tokens are near-certain under the
+    distribution they were drawn from. The tiny random model's raw distribution is near uniform
+    over ~512 tokens (log p about -6 whatever the temperature), so raw logprobs would barely move."""
+    s = serve()
+    cold = s.client.completions.create(model="flywheel", prompt="the river", max_tokens=16, temperature=0.05)
+    warm = s.client.completions.create(model="flywheel", prompt="the river", max_tokens=16, temperature=1.0)
+    events = generations(broker, s, expect=2)
+    mean = {k: sum(events[r.id].logprobs) / len(events[r.id].logprobs) for k, r in (("cold", cold), ("warm", warm))}
+    assert mean["warm"] < -4.0, mean
+    assert mean["cold"] > mean["warm"] + 2.0, mean
