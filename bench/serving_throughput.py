@@ -155,8 +155,9 @@ class Api:
 
 
 def _published(registry) -> float:
-    return registry.get_sample_value("serving_events_published_total",
-                                     {"kind": "generation", "path": "direct"}) or 0.0
+    return sum(registry.get_sample_value("serving_events_published_total",
+                                         {"kind": "generation", "path": path}) or 0.0
+               for path in ("direct", "replay"))
 
 
 def main() -> None:

@@ -194,7 +194,8 @@ async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, me
     # the intake thread answers within about one ack timeout plus an fsync; wait a bit beyond it
     wait_s = ctx.recorder.ack_timeout_s * 3 + 5
     try:
-        await asyncio.wait_for(asyncio.wrap_future(durable), timeout=wait_s)
+        # shield: a timed-out wait must not cancel the future the publisher thread will resolve
+        await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(durable)), timeout=wait_s)
     except JournalFull as exc:
         raise ApiError(503, f"feedback not recorded: {exc}; retry later with the same feedback_id",
                        type="server_error", code="journal_full", headers={"Retry-After": "5"}) from None

@@ -14,6 +14,7 @@ group are independent.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -65,7 +66,7 @@ class Prepared:
     def request_for(self, i: int) -> GenRequest:
         if self.gen.seed is None or i == 0:
             return self.gen
-        return GenRequest(**{**self.gen.__dict__, "seed": self.gen.seed + i})
+        return dataclasses.replace(self.gen, seed=self.gen.seed + i)
 
 
 @dataclass

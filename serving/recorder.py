@@ -15,9 +15,11 @@ Two threads own the producer:
   in queue order, and the producer is force-closed (its unsent batches aborted) so a stalled
   broker does not hold memory. While the journal is non-empty every new event is appended behind
   it, so events reach the topic in the order serving accepted them.
-* the *replay* thread sends journal entries oldest first, waits for their acks, then advances the
-  journal head past the acked prefix; on a failure it backs off and retries with a new producer.
-  On start-up it replays whatever a previous process left in the journal.
+* the *replay* thread (re)connects the producer, so only it ever blocks on a dead broker, and
+  sends journal entries oldest first, waits for their acks, then advances the journal head past
+  the acked prefix; on a failure it backs off and retries with a new producer. On start-up it
+  replays whatever a previous process left in the journal. Events that arrive before the first
+  connection go through the journal too.
 
 Delivery is at-least-once. A send that timed out may still have reached the broker (it was on the
 wire when the stall began, and is then also journaled), and a crash between an ack and the head
@@ -32,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -55,6 +57,19 @@ class _Item:
     key: str | None
     value: bytes
     done: Future | None = field(default=None)
+
+
+def _resolve(done: Future | None, exc: BaseException | None = None) -> None:
+    """Settle a feedback future once; one a waiter gave up on (cancelled) is left alone."""
+    if done is None or done.done():
+        return
+    try:
+        if exc is None:
+            done.set_result(True)
+        else:
+            done.set_exception(exc)
+    except InvalidStateError:  # cancelled between the check and the set
+        pass
 
 
 def force_close(producer: Any) -> None:
@@ -123,8 +138,11 @@ class Recorder:
         self.ack_timeout_s = ack_timeout_s
         self.retry_interval_s = retry_interval_s
         self.metrics = RecorderMetrics(registry, journal)
+        # bounded blocking: a stalled broker must not hold a publisher thread for kafka-python's
+        # defaults (60 s per send for metadata, 30 s to bootstrap a new producer)
+        block_ms = int(ack_timeout_s * 1000)
         self._factory = producer_factory or (lambda: make_producer(
-            kafka, "serving", max_block_ms=int(ack_timeout_s * 1000),
+            kafka, "serving", max_block_ms=block_ms, bootstrap_timeout_ms=max(1000, block_ms),
         ))
         self._queue: queue.Queue[_Item] = queue.Queue(maxsize=queue_max)
         self._producer: Any = None
@@ -250,7 +268,9 @@ class Recorder:
                     self._to_journal([b for b in batch if not (b.done and b.done.done())])
 
     def _deliver(self, batch: list[_Item]) -> None:
-        producer = None if self.journal.records else self._get_producer()
+        # Only a producer that already exists: creating one can block on a dead broker, and the
+        # intake thread must stay responsive (it journals instead; the replay thread reconnects).
+        producer = None if self.journal.records else self._producer
         if producer is None:
             self._to_journal(batch)
             return
@@ -259,8 +279,7 @@ class Recorder:
         for b, ok in zip(batch, acked):
             if ok:
                 self.metrics.published.labels(b.kind, "direct").inc()
-                if b.done is not None:
-                    b.done.set_result(True)
+                _resolve(b.done)
         if failed:
             self.metrics.failures.labels("direct").inc(len(failed))
             log.warning("%d events not acked in %.1fs; journaling them", len(failed), self.ack_timeout_s)
@@ -277,15 +296,14 @@ class Recorder:
             return
         for b in items:
             self.metrics.journaled.labels(b.kind).inc()
-            if b.done is not None:
-                b.done.set_result(True)
+            _resolve(b.done)
         self._wake.set()
 
     def _refuse(self, items: list[_Item], exc: JournalFull) -> None:
         """Journal full: feedback is refused (the client sees 503 and retries), never dropped."""
         for b in items:
             if b.done is not None:
-                b.done.set_exception(exc)
+                _resolve(b.done, exc)
             else:
                 self.metrics.dropped.labels(b.kind, "journal_full").inc()
 
@@ -293,6 +311,9 @@ class Recorder:
     def _replay(self) -> None:
         while not self._stop.is_set():
             if not self.journal.records:
+                if self._producer is None and self._get_producer() is None:
+                    self._stop.wait(self.retry_interval_s)  # connect ahead of the next event
+                    continue
                 self._wake.wait(0.2)
                 self._wake.clear()
                 continue

@@ -335,3 +335,23 @@ def test_recorded_logprobs_are_from_the_tempered_distribution(serve, broker):
     mean = {k: sum(events[r.id].logprobs) / len(events[r.id].logprobs) for k, r in (("cold", cold), ("warm", warm))}
     assert mean["warm"] < -4.0, mean
     assert mean["cold"] > mean["warm"] + 2.0, mean
+
+
+def test_full_journal_during_a_stall_answers_503_not_silence(serve, broker):
+    s = serve(ack_timeout_s=0.3, journal_max_bytes=4096)
+    codes: dict[str, int] = {}
+    broker.pause()
+    try:
+        for i in range(40):
+            r = s.post("/v1/feedback", {"feedback_id": f"full-{i}", "generation_id": "g", "signal": "ignore"})
+            codes[f"full-{i}"] = r.status_code
+            if r.status_code == 503:
+                assert "journal is full" in r.json()["error"]["message"]
+                assert r.headers["Retry-After"]
+                break
+    finally:
+        broker.resume()
+    assert list(codes.values())[-1] == 503 and set(list(codes.values())[:-1]) == {202}
+    accepted = {k for k, c in codes.items() if c == 202}
+    records = read_all(broker.bootstrap, s.topics.feedback, expect=len(accepted), timeout_s=30)
+    assert {decode(FeedbackEvent, r.value).feedback_id for r in records} == accepted
