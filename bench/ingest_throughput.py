@@ -29,7 +29,7 @@ from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_producer
 from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row
+from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
 from ingest.exactly_once import Outbox, StateStore
 from ingest.runner import StreamRunner
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
@@ -128,7 +128,7 @@ def main() -> None:
         icfg = IngestSettings(window_s=5, grace_s=0)
         rows.append(("ingest: join -> episodes", stage_rate(
             cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
-            ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row), EPISODES_ARCHIVE, 2 * n, n, work)))
+            ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table), EPISODES_ARCHIVE, 2 * n, n, work)))
         rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
         rows.append(("reward: label -> rewards", stage_rate(
             cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),

@@ -19,7 +19,7 @@ from typing import Any
 
 from flywheel.contracts import Topics
 from flywheel.settings import Settings
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row
+from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
 from ingest.runner import serve_stage
 from ingest.stage import EPISODES_ARCHIVE, SCHEMA, IngestStage
 
@@ -42,7 +42,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         inputs=[topics.generations, topics.feedback],
         schema=SCHEMA,
         make_stage=lambda store, registry: IngestStage(cfg, topics, store, registry),
-        archives=lambda: {EPISODES_ARCHIVE: ParquetArchive(archive_root, EPISODE_SCHEMA, episode_row)},
+        archives=lambda: {EPISODES_ARCHIVE: ParquetArchive(archive_root, EPISODE_SCHEMA, episode_row, episode_table)},
         host=cfg.host,
         port=cfg.port,
         max_batch=cfg.max_batch,

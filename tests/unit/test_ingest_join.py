@@ -165,3 +165,28 @@ def test_spliced_episode_is_the_encoded_episode(feedback):
                          timed_out=res.timed_out, conflicted=res.conflicted, resolved_at=1700000010.987654)
     assert decode(EpisodeEvent, spliced) == built
     assert spliced == encode(built)
+
+
+def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path):
+    import pyarrow.parquet as pq
+
+    from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
+    from ingest.exactly_once import OutRow
+
+    values = [
+        episode_bytes(encode(gen("a", 100)), resolve([]), 1000.0),
+        episode_bytes(encode(gen("b", 100)), resolve([fb("x", "edit", 1, 'é "q"\nz', ms=3.5)]), 1001.5),
+        episode_bytes(encode(gen("c", 100)), resolve([fb("y", "accept", 1), fb("z", "reject", 2)]), 5000.0),
+    ]  # resolved in two different hours: two files each
+    rows = [OutRow(10 + i, 0, "t", "k", v, "episodes", False) for i, v in enumerate(values)]
+    batches = []
+    fast = ParquetArchive(tmp_path / "fast", EPISODE_SCHEMA, episode_row,
+                          lambda vs: batches.append(len(vs)) or episode_table(vs))
+    slow = ParquetArchive(tmp_path / "slow", EPISODE_SCHEMA, episode_row)
+    fast.write("e", rows)
+    slow.write("e", rows)
+    names = [p.relative_to(tmp_path / "fast") for p in fast.files()]
+    assert len(names) == 2 and names == [p.relative_to(tmp_path / "slow") for p in slow.files()]
+    for a, b in zip(fast.files(), slow.files()):
+        assert pq.read_table(a).equals(pq.read_table(b))
+    assert batches == [3] and fast.archived_seqs("e", 0, 99) == {10, 11, 12}
