@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import multiprocessing as mp
 import sys
@@ -170,11 +169,12 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=None)
     args = p.parse_args()
 
+    from transformers import AutoTokenizer
+
     from flywheel.broker import EmbeddedBroker
     from flywheel.modelinit import ModelSpec, init_model
     from flywheel.settings import ServeSettings
     from serving.engine import configure_vllm_env
-    from transformers import AutoTokenizer
 
     configure_vllm_env(ServeSettings(cpu_threads_bind=args.bind))
     model_dir = args.model_dir or init_model(Path(tempfile.mkdtemp(prefix="bench-model-")), ModelSpec())

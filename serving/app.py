@@ -21,18 +21,38 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.contracts import FeedbackEvent, Topics
 from flywheel.settings import Settings
 from serving import generate as gen
 from serving.engine import Engine
-from serving.identity import RateLimiter, bearer_key, key_allowed, pseudonymise, raw_user, retry_after_header
+from serving.identity import (
+    RateLimiter,
+    bearer_key,
+    key_allowed,
+    pseudonymise,
+    raw_user,
+    retry_after_header,
+)
 from serving.journal import JournalFull
-from serving.protocol import ApiError, ChatRequest, CompletionRequest, FeedbackRequest, error_body, parse, validation_error
+from serving.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    FeedbackRequest,
+    error_body,
+    parse,
+    validation_error,
+)
 from serving.recorder import Recorder
-
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback")
 
@@ -173,9 +193,9 @@ class Observe:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                if status[0] < 400:
-                    self.metrics.latency.labels(route, self.version).observe(time.perf_counter() - start)
+            last = message["type"] == "http.response.body" and not message.get("more_body", False)
+            if last and status[0] < 400:
+                self.metrics.latency.labels(route, self.version).observe(time.perf_counter() - start)
 
         try:
             await self.app(scope, receive, watch)
@@ -199,7 +219,7 @@ async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, me
     except JournalFull as exc:
         raise ApiError(503, f"feedback not recorded: {exc}; retry later with the same feedback_id",
                        type="server_error", code="journal_full", headers={"Retry-After": "5"}) from None
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise ApiError(503, "feedback not yet durable; retry with the same feedback_id (duplicates are dropped)",
                        type="server_error", code="not_durable", headers={"Retry-After": "1"}) from None
     metrics.feedback.labels(body.signal).inc()

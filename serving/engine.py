@@ -16,9 +16,10 @@ model's untempered distribution instead.
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 from flywheel import manifest
 from flywheel.settings import ServeSettings
@@ -116,7 +117,7 @@ class VllmEngine:
             max_tokens=req.max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            top_k=req.top_k if req.top_k > 0 else 0,
+            top_k=max(0, req.top_k),
             seed=req.seed,
             stop=list(req.stop) or None,
             logprobs=0,  # the sampled token's own logprob only

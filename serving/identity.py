@@ -12,8 +12,8 @@ import hmac
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 PSEUDONYM_HEX = 32
 

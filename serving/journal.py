@@ -79,7 +79,7 @@ class Journal:
         self._head_path = self.dir / "journal.head"
         self._lock = threading.Lock()
         self._head = self._read_head()
-        self._f = open(self._log_path, "a+b")
+        self._f = open(self._log_path, "a+b")  # noqa: SIM115 - held open for the journal's life
         #: Records found torn at open (for the log and a test).
         self.truncated_bytes = 0
         self._size, self._records = self._recover()

@@ -56,7 +56,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     topics = Topics(settings.topic_prefix)
     try:
         ensure_topics(settings.kafka, [topics.generations, topics.feedback])
-    except Exception as exc:  # serving still starts: events wait in the journal for the broker
+    except Exception as exc:  # noqa: BLE001 - serving still starts: events wait in the journal for the broker
         log.warning("could not ensure topics (%r); events will be journaled until the broker is back", exc)
 
     stop = threading.Event()

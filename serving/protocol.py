@@ -116,7 +116,7 @@ class FeedbackRequest(_Req):
     user: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
-    def _edit_has_text(self) -> "FeedbackRequest":
+    def _edit_has_text(self) -> FeedbackRequest:
         if self.signal == "edit" and self.edited_text is None:
             raise ValueError("signal 'edit' needs edited_text")
         return self

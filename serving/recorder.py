@@ -34,9 +34,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -153,7 +154,7 @@ class Recorder:
         self.last_error: str | None = None
 
     # -- public API (any thread) ---------------------------------------------------------------
-    def start(self) -> "Recorder":
+    def start(self) -> Recorder:
         if self.journal.records:
             log.warning("replaying %d journaled events left by a previous process", self.journal.records)
         for name, target in (("recorder-intake", self._intake), ("recorder-replay", self._replay)):
@@ -190,7 +191,7 @@ class Recorder:
             if self._producer is not None:
                 try:
                     self._producer.close(timeout=min(timeout_s, self.ack_timeout_s))
-                except Exception:  # unacked at shutdown: those events are already journaled
+                except Exception:  # noqa: BLE001 - unacked at shutdown: those events are already journaled
                     force_close(self._producer)
                 self._producer = None
         self.journal.close()
@@ -210,7 +211,7 @@ class Recorder:
             if self._producer is None:
                 try:
                     self._producer = self._factory()
-                except Exception as exc:  # broker unreachable at connect: caller journals
+                except Exception as exc:  # noqa: BLE001 - broker unreachable at connect: caller journals
                     self.last_error = f"producer: {exc!r}"
                     return None
             return self._producer
@@ -227,7 +228,7 @@ class Recorder:
         for topic, key, value in items:
             try:
                 futures.append(producer.send(topic, key=key, value=value))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any refusal means "not acked": journal it
                 self.last_error = f"send: {exc!r}"
                 futures.append(None)
         deadline = time.monotonic() + self.ack_timeout_s
@@ -238,7 +239,7 @@ class Recorder:
                 try:
                     fut.get(timeout=max(0.0, deadline - time.monotonic()))
                     ok = True
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - timeout or broker error: not acked
                     self.last_error = f"ack: {exc!r}"
             acked.append(ok)
         return acked

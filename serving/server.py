@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -56,7 +57,7 @@ class AppServer:
         self.loop = loop
         self._done: Any = None
 
-    def start(self, timeout_s: float = 30.0) -> "AppServer":
+    def start(self, timeout_s: float = 30.0) -> AppServer:
         self._done = asyncio.run_coroutine_threadsafe(self.server.serve(), self.loop.loop)
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
@@ -81,5 +82,5 @@ class AppServer:
         if self._done is not None:
             try:
                 self._done.result(timeout_s)
-            except Exception:
-                pass  # already stopping; nothing left to serve
+            except Exception:  # noqa: BLE001, S110 - it is stopping either way; nothing left to serve
+                pass

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from serving.identity import (
-    RateLimiter, bearer_key, key_allowed, pseudonymise, raw_user, retry_after_header,
+    RateLimiter,
+    bearer_key,
+    key_allowed,
+    pseudonymise,
+    raw_user,
+    retry_after_header,
 )
 
 

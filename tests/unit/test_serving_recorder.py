@@ -34,11 +34,11 @@ class FakeBroker:
         self.acked: list[bytes] = []
         self.lock = threading.Lock()
 
-    def producer(self) -> "FakeBroker._P":
+    def producer(self) -> FakeBroker._P:
         return FakeBroker._P(self)
 
     class _P:
-        def __init__(self, broker: "FakeBroker") -> None:
+        def __init__(self, broker: FakeBroker) -> None:
             self.b = broker
 
         def send(self, topic, key, value):
