@@ -42,19 +42,24 @@ def produce(kafka: KafkaSettings, topic: str, n: int) -> list:
 
 
 def service(settings: Settings, n: int) -> tuple[float, float, int]:
+    """The real loop, in the main thread (torch's thread settings are per thread); a watcher
+    thread stops it once every sample is trained."""
     from trainer.main import build
 
     trainer, registry = build(settings)
     trainer.start()
     trainer.subscribe()
+
+    def watch() -> None:
+        while trainer.samples < n:
+            time.sleep(0.005)
+        trainer.stop_event.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
     t0 = time.perf_counter()
-    thread = threading.Thread(target=trainer.run)
-    thread.start()
-    while trainer.samples < n:
-        time.sleep(0.01)
+    watcher.start()
+    trainer.run()
     wall = time.perf_counter() - t0
-    trainer.stop_event.set()
-    thread.join()
     wait = registry.get_sample_value("trainer_data_wait_seconds_total")
     trainer.consumer.close()
     trainer.sink.close()
@@ -62,10 +67,12 @@ def service(settings: Settings, n: int) -> tuple[float, float, int]:
 
 
 def bare(settings: Settings, events: list, batch: int) -> float:
+    from trainer import dist
     from trainer.losses import LossConfig
     from trainer.policy import Policy, default_ds_config
 
     t = settings.trainer
+    dist.cpu_threads(t.cpu_threads)
     policy = Policy.load(settings.model_dir, default_ds_config(batch, 1), LossConfig(t.loss, entropy_coef=t.entropy_coef, kl_coef=t.kl_coef), lr=t.lr)
     policy.forward_backward(events[:batch])  # warm-up step, untimed (the service's v0 publish warms it too)
     policy.step()
@@ -81,6 +88,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--publish-every", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="intra-op CPU threads (TrainerSettings.cpu_threads)")
     args = ap.parse_args()
     from trainer import dist
 
@@ -93,11 +101,11 @@ def main() -> None:
         events = produce(kafka, topics.rewards, args.samples)
         settings = Settings(
             model_dir=model, data_dir=Path(d) / "data", topic_prefix=topics.prefix, kafka=kafka,
-            trainer=TrainerSettings(loss="reinforce", batch_size=args.batch, publish_every_steps=args.publish_every, port=0),
+            trainer=TrainerSettings(loss="reinforce", batch_size=args.batch, publish_every_steps=args.publish_every, port=0, cpu_threads=args.threads),
         )
         rate, wait_frac, versions = service(settings, args.samples)
         base = bare(settings, events, args.batch)
-    print(f"\n{args.samples} samples x 24 completion tokens, batch {args.batch}, a version every {args.publish_every} steps "
+    print(f"\n{args.threads} intra-op thread(s); {args.samples} samples x 24 completion tokens, batch {args.batch}, a version every {args.publish_every} steps "
           f"({versions} published)")
     print(f"{'run':<34} | {'samples/s':>9} | {'ratio':>6} | {'data wait':>9}")
     print(f"{'bare primitives (baseline)':<34} | {base:9.1f} | {1.0:6.2f} | {'-':>9}")

@@ -153,6 +153,11 @@ class TrainerSettings(_Section):
     """Checkpoint store: a local directory or an fsspec URL; empty means ``<data_dir>/checkpoints``."""
     seed: int = 0
     """Seed for sampling primitives and data order."""
+    cpu_threads: int = Field(default=1, ge=0)
+    """Intra-op threads on the CPU backend; 0 keeps torch's default (every core). One by default:
+    the trainer shares the CPU with serving and the other stages, and OpenMP's spin-waiting under
+    that contention made two threads >10x slower than one on a 2-core machine (measured with
+    bench/trainer_throughput.py)."""
     host: str = "127.0.0.1"
     """Interface for ``/metrics`` and ``/health``."""
     port: int = Field(default=9103, ge=0, le=65535)

@@ -61,3 +61,11 @@ def barrier(world: int) -> None:
         import torch.distributed as tdist
 
         tdist.barrier()
+
+
+def cpu_threads(n: int) -> None:
+    """Set torch's intra-op threads on the CPU backend (0: leave torch's default)."""
+    import torch
+
+    if n > 0 and not torch.cuda.is_available():
+        torch.set_num_threads(n)

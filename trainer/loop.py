@@ -149,9 +149,7 @@ class Trainer:
             return ("publish", None)
         batch = self.batcher.next_batch()
         if batch is None:
-            t0 = time.monotonic()
             self._poll()
-            self.m.wait.inc(time.monotonic() - t0)
             batch = self.batcher.next_batch()
         if batch is None:
             return ("publish", None) if self._publish_due() else ("idle", None)
@@ -165,7 +163,10 @@ class Trainer:
 
     # ------------------------------------------------------------ intake
     def _poll(self) -> None:
-        for records in self.consumer.poll(timeout_ms=200, max_records=4 * self.cfg.batch_size).values():
+        t0 = time.monotonic()
+        polled = self.consumer.poll(timeout_ms=200, max_records=max(256, 4 * self.cfg.batch_size))
+        self.m.wait.inc(time.monotonic() - t0)  # time blocked on the broker, not decoding
+        for records in polled.values():
             for rec in records:
                 self._intake(rec)
         if self.lag is not None:

@@ -64,6 +64,7 @@ def build(settings: Settings):
 
     rank, world = dist.init()
     cfg = settings.trainer
+    dist.cpu_threads(cfg.cpu_threads)
     loss_cfg = LossConfig(cfg.loss, cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.entropy_coef, cfg.kl_coef)
     policy = Policy.load(settings.model_dir, ds_config(settings, world), loss_cfg, lr=cfg.lr, reference_dir=cfg.reference_dir)
     registry = new_registry()
@@ -73,7 +74,7 @@ def build(settings: Settings):
         ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
         sink = KafkaSink(make_producer(settings.kafka, "trainer"))
         kw = dict(
-            consumer=make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=4 * cfg.batch_size),
+            consumer=make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
             sink=sink,
             deadletters=DeadLetters(sink, topics.deadletter, "trainer", registry),
             lag=LagGauge("trainer", registry),
