@@ -8,9 +8,11 @@ encoded three ways:
 * ``ours``   trainer/delta.py: gaps between changed values + zig-zag differences in byte planes,
 * ``dense``  zstd of the full weights (what shipping a full checkpoint compressed costs).
 
-Every delta is applied and checked bit-exact. Apply time (read the delta, apply it to the parent
-in memory, hash the result) is compared with a full load (read the full file, hash it): both end
-with verified bytes of the new version, and deserialising them costs the same either way.
+Every delta is applied and checked bit-exact. Times, all from local disk with a warm page cache:
+``load`` = read the full file + sha256 (what a full version costs to verify); ``apply`` = read the
+delta + apply it to the parent in memory + sha256 of the result; ``inplace`` = read the delta +
+sha256 of the delta + apply it in place to a host copy of the (already verified) parent.
+Deserialising the bytes into tensors afterwards costs the same either way.
 
     .venv/bin/python bench/delta_compression.py [--versions 3] [--lrs 1e-6,1e-5,1e-4,3e-3]
 """
@@ -92,10 +94,15 @@ def measure_pair(parent: bytes, child: bytes, tmp: Path) -> dict[str, float]:
         assert hashlib.sha256(out).hexdigest() == want
         return out
 
+    want_delta = hashlib.sha256(ours).hexdigest()
+
     def via_delta_inplace() -> bytes:
-        out = D.apply_delta_inplace(host, delta_path.read_bytes())
-        assert hashlib.sha256(out).hexdigest() == want
-        return out
+        # Integrity from the inputs: the parent was verified when it was loaded, the delta file is
+        # checked against its manifest hash, and decoding is deterministic; re-hashing the output
+        # (the "apply" column) only guards against a codec bug.
+        blob = delta_path.read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == want_delta
+        return D.apply_delta_inplace(host, blob)
 
     t_ours, rebuilt = timed(via_delta)
     t_inplace = float("inf")
