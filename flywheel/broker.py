@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Self
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class EmbeddedBroker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def start(self, timeout_s: float = 15.0) -> "EmbeddedBroker":
+    def start(self, timeout_s: float = 15.0) -> EmbeddedBroker:
         url = f"tcp://{self.host}:{self.port}"
         cmd = [
             str(tansu_binary()), "broker",
@@ -80,7 +81,7 @@ class EmbeddedBroker:
                 admin.list_topics()
                 admin.close()
                 return
-            except Exception as exc:  # not ready yet: connection refused, no metadata
+            except Exception as exc:  # noqa: BLE001 - not ready yet: refused, no metadata, timeouts
                 last = exc
                 time.sleep(0.1)
         self.stop()
@@ -116,7 +117,7 @@ class EmbeddedBroker:
         assert self._proc is not None
         return self._proc.wait()
 
-    def __enter__(self) -> "EmbeddedBroker":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

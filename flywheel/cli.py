@@ -18,8 +18,9 @@ import argparse
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from flywheel.settings import Settings, SettingsError, describe, load_settings
 

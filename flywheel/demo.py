@@ -32,6 +32,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -116,7 +117,7 @@ class _process:
         cmd = [sys.executable, "-m", "flywheel.cli", *role]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def __enter__(self) -> "_process":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

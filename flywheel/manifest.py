@@ -16,8 +16,9 @@ import hashlib
 import json
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 MANIFEST_NAME = "flywheel-manifest.json"
 FORMAT = "flywheel-manifest/1"

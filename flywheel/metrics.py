@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -26,7 +26,7 @@ def serve_ops(registry: CollectorRegistry, health: HealthFn, host: str, port: in
     """Serve ``/metrics`` and ``/health`` on a daemon thread; returns the server (``.server_port``)."""
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        def do_GET(self) -> None:
             if self.path == "/metrics":
                 body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
             elif self.path == "/health":

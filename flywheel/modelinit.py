@@ -26,15 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_WORDS = (
-    "the a an model user answer question code function value list data stream train reward "
-    "accept reject edit test fast slow good bad small large first last next time step version "
-    "token text line file read write call return make take give find show tell ask work run "
-    "because when where which while after before under over with from into about please thanks "
-    "yes no maybe sure here there this that these those it is was be are were has have had do "
-    "does did can could will would should may might must one two three four five six seven eight "
-    "nine ten zero red green blue cat dog tree river city house light dark water fire air earth"
-).split()
+_WORDS = ["the", "a", "an", "model", "user", "answer", "question", "code", "function", "value", "list", "data", "stream", "train", "reward", "accept", "reject", "edit", "test", "fast", "slow", "good", "bad", "small", "large", "first", "last", "next", "time", "step", "version", "token", "text", "line", "file", "read", "write", "call", "return", "make", "take", "give", "find", "show", "tell", "ask", "work", "run", "because", "when", "where", "which", "while", "after", "before", "under", "over", "with", "from", "into", "about", "please", "thanks", "yes", "no", "maybe", "sure", "here", "there", "this", "that", "these", "those", "it", "is", "was", "be", "are", "were", "has", "have", "had", "do", "does", "did", "can", "could", "will", "would", "should", "may", "might", "must", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "zero", "red", "green", "blue", "cat", "dog", "tree", "river", "city", "house", "light", "dark", "water", "fire", "air", "earth"]
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,14 @@ other's records and the in-memory broker can drop them afterwards.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
 
 import pytest
+
+log = logging.getLogger(__name__)
 
 # Fast consumer-group joins on the embedded broker (it holds a join for half the session timeout).
 TEST_SESSION_TIMEOUT_MS = 2000
@@ -57,8 +60,8 @@ def topics(kafka_settings, topic_prefix):
     admin = KafkaAdminClient(bootstrap_servers=kafka_settings.bootstrap)
     try:
         admin.delete_topics(list(t.all()))
-    except Exception:
-        pass  # best effort: the broker is in memory and dies with the session anyway
+    except Exception:  # noqa: BLE001 - best effort: the broker is in memory and dies with the session
+        log.debug("could not delete test topics %s", t.all())
     finally:
         admin.close()
 
