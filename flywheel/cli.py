@@ -83,6 +83,17 @@ def cmd_topics(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    if args.config_cmd == "example":
+        from flywheel.configdoc import example_toml
+
+        print(example_toml(), end="")
+        return 0
+    settings = load_settings(config_file=args.config)  # "show": what this process would run with
+    print(describe(settings))
+    return 0
+
+
 def _role(module: str) -> Callable[[argparse.Namespace], int]:
     """A subcommand whose work lives in a stage package's ``main.run(settings, args)``."""
 
@@ -116,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     mi.set_defaults(func=cmd_model_init)
+
+    c = sub.add_parser("config", help="settings: `show` the effective ones, or an `example` flywheel.toml")
+    c.add_argument("config_cmd", choices=["show", "example"])
+    c.set_defaults(func=cmd_config)
 
     t = sub.add_parser("topics", help="create this deployment's topics if missing")
     t.set_defaults(func=cmd_topics)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class KafkaSettings(_Section):
@@ -261,6 +261,7 @@ class Settings(_Section):
     topic_prefix: str = "flywheel."
     """Prefix of every topic name (``FLYWHEEL_TOPIC_PREFIX``)."""
     log_level: str = "INFO"
+    """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower)."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
