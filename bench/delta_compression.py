@@ -34,12 +34,12 @@ from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flywheel.contracts import RewardEvent, SamplingParams  # noqa: E402
-from flywheel.modelinit import ModelSpec, init_model  # noqa: E402
-from trainer import delta as D  # noqa: E402
-from trainer import dist  # noqa: E402
-from trainer.losses import LossConfig  # noqa: E402
-from trainer.policy import Policy, default_ds_config  # noqa: E402
+from flywheel.contracts import RewardEvent, SamplingParams
+from flywheel.modelinit import ModelSpec, init_model
+from trainer import delta as D
+from trainer import dist
+from trainer.losses import LossConfig
+from trainer.policy import Policy, default_ds_config
 
 SPEC = ModelSpec(vocab_size=512, hidden_size=384, intermediate_size=1024, num_layers=6, num_heads=6, num_kv_heads=6)
 PROMPTS = [[1, 4, 30 + i] for i in range(8)]
@@ -126,7 +126,7 @@ def measure_pair(parent: bytes, child: bytes, tmp: Path) -> dict[str, float]:
 def run_lr(model_dir: Path, lr: float, versions: int, tmp: Path) -> dict[str, float]:
     torch.manual_seed(0)
     policy = Policy.load(model_dir, default_ds_config(8, 1), LossConfig(name="reinforce", entropy_coef=0.01, kl_coef=0.0), lr=lr)
-    publish = lambda: save(policy.publish_weights(torch.bfloat16))  # noqa: E731
+    publish = lambda: save(policy.publish_weights(torch.bfloat16))
     prev, rows = publish(), []
     for step in range(versions):
         policy.forward_backward(batch(policy, step))

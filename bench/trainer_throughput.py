@@ -22,13 +22,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 
-from trainer_helpers import reward_event  # noqa: E402
+from trainer_helpers import reward_event
 
-from flywheel.broker import EmbeddedBroker  # noqa: E402
-from flywheel.bus import ensure_topics, make_producer  # noqa: E402
-from flywheel.contracts import Topics, encode  # noqa: E402
-from flywheel.modelinit import ModelSpec, init_model  # noqa: E402
-from flywheel.settings import KafkaSettings, Settings, TrainerSettings  # noqa: E402
+from flywheel.broker import EmbeddedBroker
+from flywheel.bus import ensure_topics, make_producer
+from flywheel.contracts import Topics, encode
+from flywheel.modelinit import ModelSpec, init_model
+from flywheel.settings import KafkaSettings, Settings, TrainerSettings
 
 
 def produce(kafka: KafkaSettings, topic: str, n: int) -> list:

@@ -129,7 +129,7 @@ class OffsetBook:
     last: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, data: dict) -> "OffsetBook":
+    def from_json(cls, data: dict) -> OffsetBook:
         book = cls()
         for topic, parts in data.items():
             for part, entry in parts.items():
@@ -171,5 +171,5 @@ class OffsetBook:
             floor += 1
         self.floors[key] = floor
 
-    def copy(self) -> "OffsetBook":
+    def copy(self) -> OffsetBook:
         return OffsetBook(dict(self.floors), {k: set(v) for k, v in self.above.items()}, dict(self.last))

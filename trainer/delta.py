@@ -137,7 +137,7 @@ def decode_data(parent: bytes, meta: dict, blobs: list[bytes], out: np.ndarray |
 
 def make_delta(parent_file: bytes, child_file: bytes, *, parent_version: int, level: int = 3) -> bytes:
     """Container turning ``parent_file`` (safetensors bytes) into ``child_file`` exactly."""
-    p_prefix, p_data, p_header = split_safetensors(parent_file)
+    _, p_data, p_header = split_safetensors(parent_file)
     c_prefix, c_data, c_header = split_safetensors(child_file)
     if _layout(p_header) != _layout(c_header):
         raise DeltaError("parent and child tensors differ in names, dtypes or shapes; publish a full snapshot")

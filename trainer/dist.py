@@ -18,7 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def single_process_env(env: "os._Environ[str] | dict[str, str]" = os.environ) -> None:
+def single_process_env(env: os._Environ[str] | dict[str, str] = os.environ) -> None:
     """Fill in a world of one where no launcher set the variables."""
     env.setdefault("RANK", "0")
     env.setdefault("WORLD_SIZE", "1")

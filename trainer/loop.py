@@ -28,7 +28,15 @@ from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from safetensors.torch import save_file
 
 from flywheel.bus import DeadLetters, EventSink, LagGauge
-from flywheel.contracts import CheckpointEvent, ContractError, RewardEvent, Topics, decode, encode, now
+from flywheel.contracts import (
+    CheckpointEvent,
+    ContractError,
+    RewardEvent,
+    Topics,
+    decode,
+    encode,
+    now,
+)
 from flywheel.settings import Settings
 from trainer import dist
 from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
@@ -61,7 +69,7 @@ class Ledger:
 class _Seek(ConsumerRebalanceListener):
     """On assignment, resume each partition at the floor stored in the latest durable version."""
 
-    def __init__(self, trainer: "Trainer") -> None:
+    def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def on_partitions_revoked(self, revoked: Any) -> None:
@@ -284,7 +292,7 @@ class Trainer:
             offsets = {TopicPartition(t, p): OffsetAndMetadata(f, "", -1) for (t, p), f in self.book.floors.items()}
             try:
                 self.consumer.commit(offsets)
-            except Exception as exc:  # a rebalance in progress; the next version commits again
+            except Exception as exc:  # noqa: BLE001 - a rebalance in progress; the next version commits again
                 log.warning("offset commit for monitoring failed: %s", exc)
 
 

@@ -26,8 +26,8 @@ penalty to a reference policy with the non-negative ``k3`` estimator
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -53,7 +53,14 @@ def store_for(settings: Settings):
 
 def build(settings: Settings):
     """Everything but the loop: process group, policy, store, Kafka clients (rank 0), metrics."""
-    from flywheel.bus import DeadLetters, KafkaSink, LagGauge, ensure_topics, make_consumer, make_producer
+    from flywheel.bus import (
+        DeadLetters,
+        KafkaSink,
+        LagGauge,
+        ensure_topics,
+        make_consumer,
+        make_producer,
+    )
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry
     from trainer import dist
@@ -73,12 +80,12 @@ def build(settings: Settings):
         topics = Topics(settings.topic_prefix)
         ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
         sink = KafkaSink(make_producer(settings.kafka, "trainer"))
-        kw = dict(
-            consumer=make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
-            sink=sink,
-            deadletters=DeadLetters(sink, topics.deadletter, "trainer", registry),
-            lag=LagGauge("trainer", registry),
-        )
+        kw = {
+            "consumer": make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
+            "sink": sink,
+            "deadletters": DeadLetters(sink, topics.deadletter, "trainer", registry),
+            "lag": LagGauge("trainer", registry),
+        }
     trainer = Trainer(settings, policy, store_for(settings), TrainerMetrics(registry), rank=rank, world=world, **kw)
     return trainer, registry
 

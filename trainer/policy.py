@@ -18,9 +18,10 @@ which :meth:`publish_weights` relies on; stage 3 would need a gather and is reje
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -114,7 +115,7 @@ class Policy:
         *,
         lr: float,
         reference_dir: Path | None = None,
-    ) -> "Policy":
+    ) -> Policy:
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
 

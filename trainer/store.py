@@ -32,7 +32,6 @@ from typing import Any
 
 from flywheel import manifest
 from flywheel.manifest import ManifestError
-
 from trainer import delta as deltas
 
 log = logging.getLogger(__name__)
@@ -226,9 +225,9 @@ def verify_tensors(directory: Path, man: dict[str, Any]) -> None:
 def _copy_model_files(source: Path, dest: Path) -> None:
     """Config, generation config and tokenizer files: everything serving needs besides weights."""
     for p in Path(source).iterdir():
-        if p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(".safetensors"):
-            if not (dest / p.name).exists():
-                shutil.copy2(p, dest / p.name)
+        wanted = p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(".safetensors")
+        if wanted and not (dest / p.name).exists():  # a file the trainer wrote itself wins
+            shutil.copy2(p, dest / p.name)
 
 
 def mirror(local_version_dir: Path, url: str) -> str:

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import PYTHON, reward_event, trainer_env  # noqa: E402
+from trainer_helpers import PYTHON, reward_event, trainer_env
 
-from flywheel.bus import make_producer  # noqa: E402
-from flywheel.contracts import DeadLetterEvent, decode, encode  # noqa: E402
+from flywheel.bus import make_producer
+from flywheel.contracts import DeadLetterEvent, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ def steps_total(log: Path) -> float | None:
     if not m:
         return None
     body = urllib.request.urlopen(f"http://127.0.0.1:{m[-1]}/metrics", timeout=2).read().decode()
-    return float(re.search(r"^trainer_steps_total (\S+)$", body, re.M).group(1))
+    return float(re.search(r"^trainer_steps_total (\S+)$", body, re.MULTILINE).group(1))
 
 
 def ledgers(store: Path) -> list[dict]:

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flywheel.contracts import RewardEvent, SamplingParams  # noqa: E402
+from flywheel.contracts import RewardEvent, SamplingParams
 
 pytestmark = pytest.mark.integration
 
@@ -32,6 +32,16 @@ TARGET = frozenset(range(100, 116))
 PROMPTS = [[1, 4, 30 + i % 5] for i in range(16)]
 ENTROPY_FLOOR = 2.0
 COLLAPSED = 1.2
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The trainer's CPU default (TrainerSettings.cpu_threads = 1), restored afterwards: with other
+    processes on the same cores, OpenMP spin-waiting makes 2 threads several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def load(model_dir, *, loss="reinforce", entropy=0.01, kl=0.02, lr=3e-3):

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import PYTHON, reward_event, trainer_env  # noqa: E402
+from trainer_helpers import PYTHON, reward_event, trainer_env
 
-from flywheel import manifest  # noqa: E402
-from flywheel.broker import free_port  # noqa: E402
-from flywheel.bus import make_producer  # noqa: E402
-from flywheel.contracts import encode  # noqa: E402
+from flywheel import manifest
+from flywheel.broker import free_port
+from flywheel.bus import make_producer
+from flywheel.contracts import encode
 
 pytestmark = pytest.mark.integration
 
@@ -60,7 +60,7 @@ def test_two_process_zero2_publishes_verified_versions(kafka_settings, topics, t
     finally:
         # Stop the workers, not the launcher: torchrun turns its own SIGTERM into an error exit,
         # while workers that stop cleanly make it exit 0.
-        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], check=False, capture_output=True, text=True).stdout.split()
         for pid in workers:
             os.kill(int(pid), signal.SIGTERM)
         rc = proc.wait(60)

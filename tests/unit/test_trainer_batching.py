@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from trainer_helpers import reward_event  # noqa: E402
+from trainer_helpers import reward_event
 
-from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason  # noqa: E402
+from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
 
 
 def ev(i=0, **kw):

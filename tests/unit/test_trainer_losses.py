@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from trainer.losses import (
-    LOSSES, LossConfig, LossInputs, baseline_advantages, group_advantages, kl_k3, token_mean, total_loss,
+    LOSSES,
+    LossConfig,
+    LossInputs,
+    baseline_advantages,
+    group_advantages,
+    kl_k3,
+    token_mean,
+    total_loss,
 )
 
 
