@@ -240,6 +240,7 @@ async def stream_sse(ctx: Ctx, prep: Prepared, include_usage: bool) -> AsyncIter
     tasks = [asyncio.create_task(run_choice(ctx, prep, i, sink)) for i in range(prep.n)]
     waiter = asyncio.ensure_future(asyncio.gather(*tasks))
     started: set[int] = set()
+    getter: asyncio.Future | None = None
     try:
         while not (waiter.done() and sink.empty()):
             getter = asyncio.ensure_future(sink.get())
@@ -260,7 +261,7 @@ async def stream_sse(ctx: Ctx, prep: Prepared, include_usage: bool) -> AsyncIter
         if include_usage:
             yield _chunk(ctx, prep, {}, _usage(prep, choices))
         yield b"data: [DONE]\n\n"
-    finally:
-        for t in tasks:
-            t.cancel()
-        waiter.cancel()
+    finally:  # the client went away (or the stream ended): stop every engine request
+        for t in (*tasks, waiter, getter):
+            if t is not None:
+                t.cancel()

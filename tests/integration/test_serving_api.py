@@ -355,3 +355,15 @@ def test_full_journal_during_a_stall_answers_503_not_silence(serve, broker):
     accepted = {k for k, c in codes.items() if c == 202}
     records = read_all(broker.bootstrap, s.topics.feedback, expect=len(accepted), timeout_s=30)
     assert {decode(FeedbackEvent, r.value).feedback_id for r in records} == accepted
+
+
+def test_client_that_disconnects_mid_stream_is_recorded_as_abort(serve, broker):
+    s = serve()
+    body = {"model": "flywheel", "prompt": "go on", "max_tokens": 500, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        first = next(r.iter_lines())
+    gid = json.loads(first.removeprefix("data: "))["id"]
+    ev = generations(broker, s, expect=1)[gid]
+    assert ev.finish_reason == "abort"
+    assert 0 < len(ev.completion_token_ids) < 500 and len(ev.logprobs) == len(ev.completion_token_ids)
