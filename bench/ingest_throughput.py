@@ -25,7 +25,7 @@ import uuid
 from pathlib import Path
 
 from flywheel.broker import EmbeddedBroker
-from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_producer
+from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_output_producer, make_producer
 from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
@@ -73,19 +73,28 @@ def raw_rate(cfg: KafkaSettings, inputs: list[str], expect: int) -> float:
 
 
 def send_rate(cfg: KafkaSettings, topic: str, n: int) -> float:
-    """kafka-python's cost per record on the stages' producer: send (as the outbox does) + acks.
+    """The stages' output producer alone: send (as the outbox does) + collect every ack.
 
     Every stage output is one such send, so this is a ceiling for a stage's output rate.
     """
-    producer = make_producer(cfg, "bench-send")
+    producer = make_output_producer(cfg, "bench-send")
     value = b"x" * 1200  # about an episode's size
-    producer.send(topic, key="warm", value=value).get(timeout=30)  # metadata, connection
+    while not producer.partitions(topic):  # metadata and connection before the clock starts
+        time.sleep(0.05)
+    producer.send(-1, topic, 0, "warm", value, [])
+    producer.flush(30)
+    producer.reports()
     start, cpu = time.perf_counter(), time.process_time()
+    acked = 0
     for i in range(n):
-        producer.send(topic, key=f"g{i}", value=value, partition=i % 2, headers=[("flywheel-outbox", b"e:1")])
-    producer.flush()
+        producer.send(i, topic, i % 2, f"g{i}", value, [("flywheel-outbox", b"e:1")])
+        if i % 1000 == 999:
+            acked += len(producer.reports())
+    producer.flush(60)
+    acked += len(producer.reports())
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     producer.close()
+    assert acked == n, f"{acked} of {n} sends reported"
     return n / elapsed, n / cpu
 
 
@@ -94,7 +103,7 @@ def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schem
     store = StateStore(work / name / "state.sqlite3", schema)
     registry = new_registry()
     stage = stage_fn(store, registry)
-    producer = make_producer(cfg, name)
+    producer = make_output_producer(cfg, name)
     consumer = make_consumer(cfg, name, f"{name}-{uuid.uuid4().hex[:6]}")
     outbox = Outbox(store, producer, cfg.bootstrap, {archive_name: archive})
     runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry), 5000, 200)
@@ -110,38 +119,50 @@ def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schem
     return expect_in / elapsed, expect_in / cpu
 
 
+def run_client(base: KafkaSettings, client: str, n: int, work: Path) -> list[tuple[str, tuple[float, float]]]:
+    """Both stages with ``client`` as their output producer, on fresh topics of their own."""
+    cfg = base.model_copy(update={"producer_client": client})
+    topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
+    ensure_topics(cfg, topics.all())
+    produce(cfg, topics, n)
+    inputs = [topics.generations, topics.feedback]
+    work = work / client
+    rows = [("raw consume (generations+feedback)", raw_rate(cfg, inputs, 2 * n))]
+    icfg = IngestSettings(window_s=5, grace_s=0)
+    rows.append((f"ingest: join -> episodes [{client}]", stage_rate(
+        cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
+        ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table), EPISODES_ARCHIVE,
+        2 * n, n, work)))
+    rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
+    rows.append((f"reward: label -> rewards [{client}]", stage_rate(
+        cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
+        REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row),
+        REWARDS_ARCHIVE, n, n, work)))
+    rows.append((f"{client} send+ack (output ceiling)", send_rate(cfg, f"{topics.prefix}send", n)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=20_000)
+    ap.add_argument("--clients", default="confluent,kafka-python",
+                    help="output producer clients to measure, comma-separated")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n = args.pairs
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
         cfg = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
                             partitions=2)
-        topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
-        ensure_topics(cfg, topics.all())
-        produce(cfg, topics, n)
-        inputs = [topics.generations, topics.feedback]
-        rows = [("raw consume (generations+feedback)", raw_rate(cfg, inputs, 2 * n))]
-        icfg = IngestSettings(window_s=5, grace_s=0)
-        rows.append(("ingest: join -> episodes", stage_rate(
-            cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
-            ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table), EPISODES_ARCHIVE, 2 * n, n, work)))
-        rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
-        rows.append(("reward: label -> rewards", stage_rate(
-            cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
-            REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row),
-            REWARDS_ARCHIVE, n, n, work)))
-        rows.append(("kafka-python send+ack (output ceiling)", send_rate(cfg, f"{topics.prefix}send", n)))
+        rows = [run_client(cfg, client, n, Path(tmp)) for client in args.clients.split(",")]
     print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker\n")
     # CPU columns: records per CPU-second of this process (all its threads), steadier than wall
-    # time when other work shares the cores
-    print(f"{'path':<40}{'records/s':>11}{'vs raw':>8}{'rec/cpu-s':>11}{'vs raw':>8}")
-    for i, (label, (rate, cpu)) in enumerate(rows):
-        base, cbase = rows[0][1] if i < 2 else rows[2][1]  # sends vs raw episodes: reward's ceiling
-        print(f"{label:<40}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
+    # time when other work shares the cores. Each stage is compared with the raw consume of its
+    # own input just before it; sends with the raw episode consume (reward's ceiling).
+    print(f"{'path':<44}{'records/s':>11}{'vs raw':>8}{'rec/cpu-s':>11}{'vs raw':>8}")
+    for block in rows:
+        for i, (label, (rate, cpu)) in enumerate(block):
+            base, cbase = block[0][1] if i < 2 else block[2][1]
+            print(f"{label:<44}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,12 @@ Every client is configured here from :class:`~flywheel.settings.KafkaSettings`, 
 hand-tune kafka-python. Producers are idempotent with ``acks=all``; consumers never auto-commit:
 each stage commits offsets only after the effect they stand for is durable (see the stage docs).
 
+Stage outputs that must arrive exactly once (ingest/exactly_once.py's outbox) go through
+:class:`OutputProducer`, made by :func:`make_output_producer`: either confluent-kafka
+(librdkafka, the default: several times less CPU per record) or kafka-python, chosen by
+``KafkaSettings.producer_client``. Both are idempotent with ``acks=all``, send to the explicit
+partition they are given, carry headers, and report each record's partition and offset.
+
 Lag is computed from the *fetch high watermark* (``consumer.highwater``), not from
 ``end_offsets``: the embedded broker reports a wrong end offset, and the fetch response's
 watermark is what a real cluster reports too.
@@ -13,8 +19,10 @@ watermark is what a real cluster reports too.
 from __future__ import annotations
 
 import base64
+import functools
 import logging
 import time
+from collections import deque
 from typing import Iterable, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -52,6 +60,142 @@ def make_producer(cfg: KafkaSettings, role: str, **overrides: object) -> KafkaPr
     )
     opts.update(overrides)
     return KafkaProducer(**opts)
+
+
+#: One delivery report: (token, topic, partition, offset, error). ``error`` is None when the
+#: record was acked; then ``offset`` is its offset, else -1. Plain tuples: one per output record.
+Delivery = tuple[int, str, int, int, "BaseException | None"]
+
+
+class OutputProducer(Protocol):
+    """Sends records to explicit partitions and reports each one's ack (the outbox's producer)."""
+
+    def partitions(self, topic: str) -> int | None:
+        """Partition count of ``topic`` from the cluster metadata; None while it is unknown."""
+
+    def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]]) -> None:
+        """Queue one record; its report (tagged with ``token``) comes from :meth:`reports`."""
+
+    def reports(self) -> list[Delivery]:
+        """Reports that arrived since the last call, without waiting for more."""
+
+    def flush(self, timeout_s: float) -> None:
+        """Wait until every queued record is acked or failed; raise if ``timeout_s`` passes first."""
+
+    def close(self) -> None: ...
+
+
+class KafkaPythonOutput:
+    """:class:`OutputProducer` over kafka-python (:func:`make_producer`).
+
+    Acks arrive on kafka-python's I/O thread; they are handed over through a deque, whose
+    append and popleft are atomic, so no report is lost between the two threads.
+    """
+
+    def __init__(self, producer: KafkaProducer) -> None:
+        self.producer = producer
+        self._done: deque[Delivery] = deque()
+
+    def partitions(self, topic: str) -> int | None:
+        parts = self.producer.partitions_for(topic)
+        return len(parts) if parts else None
+
+    def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]]) -> None:
+        fut = self.producer.send(topic, key=key, value=value, partition=partition, headers=headers)
+        fut.add_callback(self._acked, token)
+        fut.add_errback(self._failed, token, topic, partition)
+
+    def _acked(self, token: int, md: object) -> None:
+        self._done.append((token, md.topic, md.partition, md.offset, None))  # type: ignore[attr-defined]
+
+    def _failed(self, token: int, topic: str, partition: int, exc: BaseException) -> None:
+        self._done.append((token, topic, partition, -1, exc))
+
+    def reports(self) -> list[Delivery]:
+        done, pop = [], self._done.popleft
+        for _ in range(len(self._done)):
+            done.append(pop())
+        return done
+
+    def flush(self, timeout_s: float) -> None:
+        self.producer.flush(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.producer.close()
+
+
+class ConfluentOutput:
+    """:class:`OutputProducer` over confluent-kafka (librdkafka).
+
+    librdkafka batches, sends and retries on its own C threads; delivery callbacks run on this
+    thread inside ``poll``/``flush``, so reports need no lock. Idempotence (``acks=all``,
+    sequence numbers per partition) is librdkafka's, as in kafka-python.
+    """
+
+    def __init__(self, cfg: KafkaSettings, role: str) -> None:
+        from confluent_kafka import Producer  # imported here: only stage outputs need it
+
+        self.producer = Producer({
+            "bootstrap.servers": cfg.bootstrap,
+            "client.id": f"{cfg.client_id}-{role}",
+            "enable.idempotence": True,
+            "acks": "all",
+            "linger.ms": cfg.linger_ms,
+            "message.max.bytes": cfg.max_request_bytes,
+            "logger": logging.getLogger("confluent_kafka"),
+        })
+        self._done: list[Delivery] = []
+
+    def partitions(self, topic: str) -> int | None:
+        meta = self.producer.list_topics(topic, timeout=5.0).topics.get(topic)
+        if meta is None or meta.error is not None or not meta.partitions:
+            return None
+        return len(meta.partitions)
+
+    def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]]) -> None:
+        report = functools.partial(self._report, token, topic, partition)
+        while True:
+            try:
+                self.producer.produce(topic, value, key, partition=partition, headers=headers,
+                                      on_delivery=report)
+                return
+            except BufferError:  # librdkafka's local queue is full: serve acks, then retry
+                self.producer.poll(0.05)
+
+    def _report(self, token: int, topic: str, partition: int, err: object, msg: object) -> None:
+        if err is None:
+            self._done.append((token, topic, partition, msg.offset(), None))  # type: ignore[attr-defined]
+        else:
+            from confluent_kafka import KafkaException
+
+            self._done.append((token, topic, partition, -1, KafkaException(err)))
+
+    def reports(self) -> list[Delivery]:
+        self.producer.poll(0)
+        done, self._done = self._done, []
+        return done
+
+    def flush(self, timeout_s: float) -> None:
+        left = self.producer.flush(timeout_s)
+        if left:
+            raise TimeoutError(f"{left} records still unacknowledged after {timeout_s}s")
+
+    def close(self) -> None:
+        # Bounded, unlike librdkafka's close alone: what is still unacked stays in the outbox,
+        # and the next owner's recovery scan finds whether it landed.
+        self.producer.flush(5.0)
+        self.producer.purge()
+        self.producer.close()
+
+
+def make_output_producer(cfg: KafkaSettings, role: str) -> OutputProducer:
+    """The producer for exactly-once stage outputs, by ``cfg.producer_client``."""
+    if cfg.producer_client == "confluent":
+        return ConfluentOutput(cfg, role)
+    return KafkaPythonOutput(make_producer(cfg, role))
 
 
 def make_consumer(
@@ -198,12 +342,17 @@ class LagGauge:
 
 
 __all__ = [
+    "ConfluentOutput",
     "DeadLetters",
+    "Delivery",
     "EventSink",
+    "KafkaPythonOutput",
     "KafkaSink",
     "LagGauge",
+    "OutputProducer",
     "TopicPartition",
     "ensure_topics",
     "make_consumer",
+    "make_output_producer",
     "make_producer",
 ]

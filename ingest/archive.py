@@ -53,6 +53,9 @@ class ParquetArchive:
         self.row_fn = row_fn
         self.table_fn = table_fn
         root.mkdir(parents=True, exist_ok=True)
+        # pyarrow imports pandas the first time it converts a Python list (about a second); do it
+        # at start-up rather than inside the first batch the stage processes
+        pa.array([0], pa.int64())
 
     def write(self, epoch: str, rows: list[OutRow]) -> None:
         stamps, table = self._table([row.value for row in rows])

@@ -59,10 +59,12 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaConsumer, TopicPartition
 from kafka.partitioner.default import murmur2
+
+from flywheel.bus import OutputProducer
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +224,7 @@ class Outbox:
     def __init__(
         self,
         store: StateStore,
-        producer: KafkaProducer,
+        producer: OutputProducer,
         bootstrap: str,
         archives: dict[str, Archive] | None = None,
         flush_timeout_s: float = 30.0,
@@ -235,17 +237,17 @@ class Outbox:
         self.flush_timeout_s = flush_timeout_s
         self.max_in_flight = max_in_flight
         self._parts: dict[str, int] = {}
-        self._in_flight: dict[int, tuple[int, Any]] = {}  # seq -> (shard, send future)
+        self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
 
     def partitions(self, topic: str) -> int:
         if topic not in self._parts:
             deadline = time.monotonic() + 30
-            while not (parts := self.producer.partitions_for(topic)):
+            while not (parts := self.producer.partitions(topic)):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"no partitions for topic {topic}")
                 time.sleep(0.1)
-            self._parts[topic] = len(parts)
+            self._parts[topic] = parts
         return self._parts[topic]
 
     @property
@@ -269,43 +271,42 @@ class Outbox:
         rows = self.store.pending(shards, limit=max(0, self.max_in_flight - len(self._in_flight)), after=after)
         if rows:
             self._archive(rows)
+            send, epoch, header = self.producer.send, self.store.epoch, OUTBOX_HEADER
             for row in rows:
-                oid = self.store.outbox_id(row.seq)
+                oid = f"{epoch}:{row.seq}"  # StateStore.outbox_id, inlined: once per output record
                 part = out_partition(row.key, oid, self.partitions(row.topic))
-                self._in_flight[row.seq] = (row.shard, self.producer.send(
-                    row.topic, key=row.key, value=row.value, partition=part,
-                    headers=[(OUTBOX_HEADER, oid.encode())],
-                ))
+                self._in_flight[row.seq] = row.shard
+                send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])
         if wait or len(self._in_flight) >= self.max_in_flight:
-            self.producer.flush(timeout=self.flush_timeout_s)
+            self.producer.flush(self.flush_timeout_s)
         return self._reap()
 
     def flush(self) -> int:
         """Wait for every send in flight and settle it (before shards move, and at shutdown)."""
-        self.producer.flush(timeout=self.flush_timeout_s)
+        self.producer.flush(self.flush_timeout_s)
         return self._reap()
 
     def _reap(self) -> int:
         done: list[int] = []
         marks: dict[tuple[str, int], int] = {}
         failed = False
-        for seq, (shard, fut) in list(self._in_flight.items()):
-            if not fut.is_done:
-                continue
-            del self._in_flight[seq]
-            if fut.exception is not None:
-                log.warning("send of outbox row %d failed (%s); settling before a resend", seq, fut.exception)
+        for seq, topic, part, offset, error in self.producer.reports():
+            shard = self._in_flight.pop(seq, None)
+            if shard is None:
+                continue  # not ours any more (cannot happen while one Outbox owns the producer)
+            if error is not None:
+                log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
                 self._suspect.add(shard)
                 failed = True
                 continue
-            md = fut.value
             done.append(seq)
-            marks[(md.topic, md.partition)] = max(marks.get((md.topic, md.partition), 0), md.offset + 1)
+            if offset + 1 > marks.get((topic, part), 0):
+                marks[(topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
         if failed and self._in_flight:
             # drain, so the failed rows (below the highest seq in flight) are read again
-            self.producer.flush(timeout=self.flush_timeout_s)
+            self.producer.flush(self.flush_timeout_s)
             return len(done) + self._reap()
         return len(done)
 

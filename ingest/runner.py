@@ -221,7 +221,7 @@ def serve_stage(
     """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``."""
     from kafka.coordinator.assignors.range import RangePartitionAssignor
 
-    from flywheel.bus import ensure_topics, make_consumer, make_producer
+    from flywheel.bus import ensure_topics, make_consumer, make_output_producer
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry, serve_ops
 
@@ -229,7 +229,7 @@ def serve_stage(
     ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())
     store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
     stage = make_stage(store, registry)
-    producer = make_producer(settings.kafka, name)
+    producer = make_output_producer(settings.kafka, name)
     outbox = Outbox(store, producer, settings.kafka.bootstrap, archives())
     # Range assignment gives one member the same partition number of every input topic, which
     # the join needs (a generation and its feedback share a partition number).

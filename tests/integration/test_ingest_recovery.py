@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 from conftest import read_all
 
-from flywheel.bus import make_producer
+from flywheel.bus import make_output_producer
 from ingest.archive import ParquetArchive
 from ingest.exactly_once import Outbox, StateStore
 
@@ -21,6 +21,12 @@ SCHEMA = pa.schema([pa.field("v", pa.string())])
 
 class Crash(Exception):
     pass
+
+
+@pytest.fixture(params=["confluent", "kafka-python"])
+def out_settings(request, kafka_settings):
+    """The fast-join test settings with each producer client the outbox supports."""
+    return kafka_settings.model_copy(update={"producer_client": request.param})
 
 
 def fill(store: StateStore, topic: str, n: int) -> None:
@@ -34,10 +40,10 @@ def archive(tmp_path) -> ParquetArchive:
     return ParquetArchive(tmp_path / "archive", SCHEMA, lambda v: (0.0, {"v": v.decode()}))
 
 
-def test_crash_after_send_before_mark_is_not_resent(kafka_settings, topics, tmp_path):
+def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings, topics, tmp_path):
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 50)
-    first = Outbox(store, make_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
     with pytest.raises(Crash):
@@ -45,7 +51,7 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, topics, tmp_
     store.mark_delivered = real_mark
     first.producer.close()
 
-    second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     found, archived = second.recover({0, 1})
     assert (found, archived) == (100, 0)  # all rows were in Kafka; archive rows were already marked
     assert second.deliver({0, 1}, wait=True) == 0
@@ -54,10 +60,10 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, topics, tmp_
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
 
 
-def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, topics, tmp_path):
+def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, out_settings, topics, tmp_path):
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 20)
-    first = Outbox(store, make_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     store.mark_archived = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, mark lost
     with pytest.raises(Crash):
         first.deliver({0, 1}, wait=True)
@@ -65,7 +71,7 @@ def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, topics
     first.producer.close()
 
     arch = archive(tmp_path)
-    second = Outbox(store, make_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": arch})
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": arch})
     assert second.recover({0, 1}) == (0, 20)  # nothing reached Kafka; all 20 were archived
     assert second.deliver({0, 1}, wait=True) == 40
     assert len(arch.files()) == 1  # no second file for the same rows

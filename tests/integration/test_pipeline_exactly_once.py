@@ -181,8 +181,15 @@ def produce(kafka_settings, ds: Dataset, t0: float, during=None) -> None:
         producer.close()
 
 
+@pytest.fixture(params=["confluent", "kafka-python"])
+def kafka_settings(request, kafka_settings):
+    """The fast-join test settings, once with each producer client the stages' outbox supports."""
+    return kafka_settings.model_copy(update={"producer_client": request.param})
+
+
 def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
     return {
+        "FLYWHEEL_KAFKA_PRODUCER_CLIENT": kafka_settings.producer_client,
         "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap,
         "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": str(kafka_settings.session_timeout_ms),
         "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),

@@ -80,6 +80,49 @@ def test_decode_reasons(raw, reason):
     assert info.value.detail
 
 
+_FEEDBACK = {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "accept",
+             "created_at": 1, "received_at": 2}
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        # valid records the strict fast path rejects: the checked path still decides
+        ({"schema_version": 2}, "unknown_version"),  # a well-typed version the fast path parses
+        ({"schema_version": "1"}, "unknown_version"),  # lax pydantic would coerce "1" to 1
+        ({"kind": "episode"}, "wrong_kind"),
+        ({"signal": "edit"}, "invalid"),  # the model validator runs on both paths
+    ],
+)
+def test_decode_reasons_with_fast_path_candidates(change, reason):
+    with pytest.raises(ContractError) as info:
+        decode(FeedbackEvent, json.dumps({**_FEEDBACK, **change}).encode())
+    assert info.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps(_FEEDBACK).encode(),
+        json.dumps({**_FEEDBACK, "schema_version": 1.0}).encode(),  # strict rejects, checked accepts
+        json.dumps({**_FEEDBACK, "schema_version": True}).encode(),  # the same (true == 1)
+        json.dumps({**_FEEDBACK, "created_at": "1.5"}).encode(),  # lax number from a string
+        json.dumps({k: v for k, v in _FEEDBACK.items() if k != "kind"}).encode(),  # kind defaulted
+        b'{"feedback_id": "x", ' + json.dumps(_FEEDBACK).encode()[1:],  # duplicate key: last wins
+        b"  " + json.dumps(_FEEDBACK).encode() + b"\n",
+    ],
+)
+def test_decode_matches_the_checked_path(raw):
+    """Whichever path decodes a record, the event is the one json.loads + model_validate gives."""
+    assert decode(FeedbackEvent, raw) == FeedbackEvent.model_validate(json.loads(raw))
+
+
+def test_trailing_bytes_are_undecodable():
+    with pytest.raises(ContractError) as info:
+        decode(FeedbackEvent, json.dumps(_FEEDBACK).encode() + b" x")
+    assert info.value.reason == "undecodable"
+
+
 def test_invalid_detail_names_the_field():
     raw = json.dumps(
         {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "love",
