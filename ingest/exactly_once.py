@@ -57,9 +57,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.partitioner.default import murmur2
@@ -83,9 +82,12 @@ CREATE TABLE IF NOT EXISTS out_marks (
 """
 
 
-@dataclass(frozen=True)
-class OutRow:
-    """One outbox entry: a record the stage owes to a topic (and maybe to an archive)."""
+class OutRow(NamedTuple):
+    """One outbox entry: a record the stage owes to a topic (and maybe to an archive).
+
+    A named tuple rather than a frozen dataclass: one is built per output record, and a frozen
+    dataclass's ``__init__`` costs several times more.
+    """
 
     seq: int
     shard: int
@@ -169,16 +171,17 @@ class StateStore:
         return {(t, p): n for t, p, n in self.db.execute("SELECT topic, part, next FROM offsets")}
 
     def pending(self, shards: Iterable[int], limit: int = 20_000, after: int = -1) -> list[OutRow]:
-        shards = sorted(set(shards))
-        if not shards or limit <= 0:
+        if limit <= 0:
             return []
-        marks = ",".join("?" * len(shards))
-        rows = self.db.execute(
-            f"SELECT seq, shard, topic, key, value, archive, archived FROM outbox "
-            f"WHERE seq>? AND shard IN ({marks}) ORDER BY seq LIMIT ?",
-            (after, *shards, limit),
-        ).fetchall()
-        return [OutRow(s, sh, t, k, bytes(v), a, bool(ad)) for s, sh, t, k, v, a, ad in rows]
+        # One query per shard, merged here: each walks the (shard, seq) index in order, where one
+        # query over all shards makes SQLite sort every row, blobs included (5x slower).
+        rows: list[tuple] = []
+        for shard in sorted(set(shards)):
+            rows += self.db.execute(
+                "SELECT seq, shard, topic, key, value, archive, archived FROM outbox "
+                "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit)).fetchall()
+        rows.sort()  # seq is unique, so tuples compare on it alone
+        return [OutRow(s, sh, t, k, bytes(v), a, bool(ad)) for s, sh, t, k, v, a, ad in rows[:limit]]
 
     def mark_archived(self, seqs: Iterable[int]) -> None:
         with self.txn():
