@@ -44,7 +44,7 @@ class KafkaSettings(_Section):
     """Producer batching delay: trades a few ms of latency for far fewer requests."""
     producer_client: Literal["confluent", "kafka-python"] = "confluent"
     """Client library for the ingest and reward stages' exactly-once outputs (their outbox):
-    ``confluent`` (librdkafka; about a fifth of kafka-python's CPU per record in
+    ``confluent`` (librdkafka; a third or less of kafka-python's CPU per record in
     bench/ingest_throughput.py) or ``kafka-python``. Both are idempotent with ``acks=all``; every
     other Kafka client (consumers, serving's producer) is kafka-python either way."""
 
