@@ -17,6 +17,7 @@ compared with the raw episode consume. Every output record costs one send, so th
 ceiling for both stages. Timing starts at the first record each consumer sees, so group joins are
 not counted. The raw rows last a fraction of a second and swing most: compare CPU columns and
 repeat the run.
+"""
 
 
 from __future__ import annotations
