@@ -23,12 +23,13 @@ import functools
 import logging
 import time
 from collections import deque
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flywheel.contracts import DeadLetterEvent, Topics, encode, now
@@ -48,16 +49,16 @@ class EventSink(Protocol):
 
 
 def make_producer(cfg: KafkaSettings, role: str, **overrides: object) -> KafkaProducer:
-    opts: dict[str, object] = dict(
-        bootstrap_servers=cfg.bootstrap.split(","),
-        client_id=f"{cfg.client_id}-{role}",
-        acks="all",
-        enable_idempotence=True,
-        linger_ms=cfg.linger_ms,
-        batch_size=256 * 1024,
-        max_request_size=cfg.max_request_bytes,
-        key_serializer=lambda k: k.encode("utf-8") if isinstance(k, str) else k,
-    )
+    opts: dict[str, object] = {
+        "bootstrap_servers": cfg.bootstrap.split(","),
+        "client_id": f"{cfg.client_id}-{role}",
+        "acks": "all",
+        "enable_idempotence": True,
+        "linger_ms": cfg.linger_ms,
+        "batch_size": 256 * 1024,
+        "max_request_size": cfg.max_request_bytes,
+        "key_serializer": lambda k: k.encode("utf-8") if isinstance(k, str) else k,
+    }
     opts.update(overrides)
     return KafkaProducer(**opts)
 
@@ -201,17 +202,17 @@ def make_output_producer(cfg: KafkaSettings, role: str) -> OutputProducer:
 def make_consumer(
     cfg: KafkaSettings, role: str, group_id: str | None, topics: Iterable[str] = (), **overrides: object
 ) -> KafkaConsumer:
-    opts: dict[str, object] = dict(
-        bootstrap_servers=cfg.bootstrap.split(","),
-        client_id=f"{cfg.client_id}-{role}",
-        group_id=group_id,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        session_timeout_ms=cfg.session_timeout_ms,
-        heartbeat_interval_ms=cfg.heartbeat_interval_ms,
-        max_partition_fetch_bytes=cfg.max_request_bytes,
-        fetch_max_bytes=max(cfg.max_request_bytes, 50 * 1024 * 1024),
-    )
+    opts: dict[str, object] = {
+        "bootstrap_servers": cfg.bootstrap.split(","),
+        "client_id": f"{cfg.client_id}-{role}",
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest",
+        "session_timeout_ms": cfg.session_timeout_ms,
+        "heartbeat_interval_ms": cfg.heartbeat_interval_ms,
+        "max_partition_fetch_bytes": cfg.max_request_bytes,
+        "fetch_max_bytes": max(cfg.max_request_bytes, 50 * 1024 * 1024),
+    }
     opts.update(overrides)
     consumer = KafkaConsumer(**opts)
     topics = list(topics)
@@ -335,7 +336,8 @@ class LagGauge:
                 continue
             try:
                 pos = consumer.position(tp, timeout_ms=100)
-            except Exception:  # position unknown during a rebalance; try next time
+            except KafkaError as exc:  # position unknown during a rebalance; try next time
+                log.debug("lag for %s not updated: %s", tp, exc)
                 continue
             if pos is not None:
                 self.gauge.labels(tp.topic, str(tp.partition)).set(max(0, high - pos))

@@ -79,7 +79,7 @@ class GenerationEvent(_Event):
     finish_reason: FinishReason
 
     @model_validator(mode="after")
-    def _one_logprob_per_token(self) -> "GenerationEvent":
+    def _one_logprob_per_token(self) -> GenerationEvent:
         if len(self.logprobs) != len(self.completion_token_ids):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries for "
@@ -106,7 +106,7 @@ class FeedbackEvent(_Event):
     received_at: float
 
     @model_validator(mode="after")
-    def _edit_has_text(self) -> "FeedbackEvent":
+    def _edit_has_text(self) -> FeedbackEvent:
         if self.signal == "edit" and self.edited_text is None:
             raise ValueError("signal 'edit' needs edited_text")
         return self

@@ -16,24 +16,24 @@ from flywheel.contracts import (
 
 
 def _generation(**kw):
-    base = dict(
-        generation_id="g1",
-        group_id="g1",
-        model_name="m",
-        model_version=0,
-        user_id="u1",
-        endpoint="completions",
-        created_at=1.0,
-        completed_at=2.0,
-        latency_ms=1000.0,
-        prompt_text="hi",
-        prompt_token_ids=(1, 2),
-        completion_text="yo",
-        completion_token_ids=(3, 4, 5),
-        logprobs=(-0.1, -0.2, -0.3),
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8),
-        finish_reason="length",
-    )
+    base = {
+        "generation_id": "g1",
+        "group_id": "g1",
+        "model_name": "m",
+        "model_version": 0,
+        "user_id": "u1",
+        "endpoint": "completions",
+        "created_at": 1.0,
+        "completed_at": 2.0,
+        "latency_ms": 1000.0,
+        "prompt_text": "hi",
+        "prompt_token_ids": (1, 2),
+        "completion_text": "yo",
+        "completion_token_ids": (3, 4, 5),
+        "logprobs": (-0.1, -0.2, -0.3),
+        "sampling": SamplingParams(temperature=1.0, top_p=1.0, max_tokens=8),
+        "finish_reason": "length",
+    }
     base.update(kw)
     return GenerationEvent(**base)
 
