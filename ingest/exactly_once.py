@@ -19,7 +19,8 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
    loop turns (pipelining: the loop does not stall on the broker); an acked row is deleted from
    the outbox in one transaction that also remembers each output partition's ``next offset``
    (the *confirmed point*). A row whose send failed stays, and its shard is settled by the
-   recovery scan below before anything is resent.
+   recovery scan below before anything is resent; until then that output partition's confirmed
+   point is frozen, because the failed row may have landed and the scan starts at that point.
 4. Commit the input offsets to the consumer group too. That commit is informational (lag tools);
    the store's offsets are the truth.
 
@@ -242,6 +243,10 @@ class Outbox:
         self._parts: dict[str, int] = {}
         self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
+        # Output partitions whose confirmed point must not move: a failed send there may still
+        # have landed, and the recovery scan starts at the confirmed point. Advancing it past the
+        # failed row (on a later row's ack) would hide that row from the scan and resend it.
+        self._frozen: set[tuple[str, int]] = set()
 
     def partitions(self, topic: str) -> int:
         if topic not in self._parts:
@@ -300,10 +305,11 @@ class Outbox:
             if error is not None:
                 log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
                 self._suspect.add(shard)
+                self._frozen.add((topic, part))
                 failed = True
                 continue
             done.append(seq)
-            if offset + 1 > marks.get((topic, part), 0):
+            if (topic, part) not in self._frozen and offset + 1 > marks.get((topic, part), 0):
                 marks[(topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
@@ -338,6 +344,8 @@ class Outbox:
         found = self._scan(wanted)
         # The confirmed points do not move here: the next delivery advances them.
         self.store.mark_delivered([by_id[o] for o in found], {})
+        if not self._suspect - set(shards):  # no failed row is left unsettled anywhere
+            self._frozen.clear()
         log.info("recovery: %d of %d outbox rows were already delivered, %d archived",
                  len(found), len(rows), archived)
         return len(found), archived

@@ -90,3 +90,48 @@ def test_restart_resumes_from_stored_offsets(tmp_path):
         again.append(0, "out", "k", b"v")
         raise Crash()  # a crash mid-transaction leaves neither offsets nor outbox behind
     assert again.offsets()[("in", 0)] == 17 and again.pending([0]) == []
+
+
+class LandedButReportedFailed:
+    """Wraps a real producer; the first ``n`` reports turn into errors although the records landed.
+
+    That is what a send that timed out on the client but reached the broker looks like.
+    """
+
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.left = inner, n
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def reports(self):
+        out = []
+        for token, topic, part, offset, error in self.inner.reports():
+            if self.left > 0 and error is None:
+                self.left -= 1
+                out.append((token, topic, part, -1, TimeoutError("simulated client timeout")))
+            else:
+                out.append((token, topic, part, offset, error))
+        return out
+
+
+def test_failed_report_for_a_landed_record_is_not_resent(kafka_settings, out_settings, topics, tmp_path):
+    """A later row's ack must not move the confirmed point past a row whose send 'failed'.
+
+    Otherwise a crash before the failed row is settled makes the next owner's recovery scan start
+    after it, miss it, and send it a second time (seen in the SIGKILL soak as duplicate dead letters).
+    """
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(10):
+            store.append(0, topics.deadletter, "same-key", f"v{i}".encode())  # one output partition
+    producer = LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=3)
+    first = Outbox(store, producer, kafka_settings.bootstrap)
+    first.deliver({0}, wait=True)  # rows 1-3 "fail" (but landed), rows 4-10 are acked
+    first.producer.close()  # crash before the failed rows are settled
+
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    assert second.recover({0}) == (3, 0)  # the scan starts early enough to find all three
+    assert second.deliver({0}, wait=True) == 0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
+    assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
