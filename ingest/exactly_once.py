@@ -78,8 +78,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, shard INTEGER NOT NULL, topic TEXT NOT NULL,
     key TEXT, value BLOB NOT NULL, archive TEXT, archived INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard);
-CREATE TABLE IF NOT EXISTS out_marks (
-    topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL, PRIMARY KEY (topic, part));
+CREATE TABLE IF NOT EXISTS shard_marks (
+    shard INTEGER NOT NULL, topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL,
+    PRIMARY KEY (shard, topic, part));
 """
 
 
@@ -188,17 +189,26 @@ class StateStore:
         with self.txn():
             self.db.executemany("UPDATE outbox SET archived=1 WHERE seq=?", [(s,) for s in seqs])
 
-    def mark_delivered(self, seqs: Iterable[int], marks: dict[tuple[str, int], int]) -> None:
+    def mark_delivered(self, seqs: Iterable[int], marks: dict[tuple[int, str, int], int]) -> None:
+        """Delete delivered rows; move each ``(shard, topic, partition)`` confirmed point."""
         with self.txn():
             self.db.executemany("DELETE FROM outbox WHERE seq=?", [(s,) for s in seqs])
             self.db.executemany(
-                "INSERT INTO out_marks VALUES (?, ?, ?) ON CONFLICT (topic, part) "
+                "INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) "
                 "DO UPDATE SET next=max(next, excluded.next)",
-                [(t, p, n) for (t, p), n in marks.items()],
+                [(sh, t, p, n) for (sh, t, p), n in marks.items()],
             )
 
-    def out_mark(self, topic: str, part: int) -> int:
-        row = self.db.execute("SELECT next FROM out_marks WHERE topic=? AND part=?", (topic, part)).fetchone()
+    def out_mark(self, shard: int, topic: str, part: int) -> int:
+        """Where shard ``shard``'s unconfirmed records in ``topic[part]`` can start.
+
+        Per shard, not per partition: several shards write to one output partition (dead letters
+        keyed off-partition), and another shard's acks must not move this shard's point past a
+        record of its own that landed unacknowledged before a crash.
+        """
+        row = self.db.execute(
+            "SELECT next FROM shard_marks WHERE shard=? AND topic=? AND part=?", (shard, topic, part)
+        ).fetchone()
         return row[0] if row else 0
 
     def outbox_id(self, seq: int) -> str:
@@ -296,7 +306,7 @@ class Outbox:
 
     def _reap(self) -> int:
         done: list[int] = []
-        marks: dict[tuple[str, int], int] = {}
+        marks: dict[tuple[int, str, int], int] = {}
         failed = False
         for seq, topic, part, offset, error in self.producer.reports():
             shard = self._in_flight.pop(seq, None)
@@ -309,8 +319,8 @@ class Outbox:
                 failed = True
                 continue
             done.append(seq)
-            if (topic, part) not in self._frozen and offset + 1 > marks.get((topic, part), 0):
-                marks[(topic, part)] = offset + 1
+            if (topic, part) not in self._frozen and offset + 1 > marks.get((shard, topic, part), 0):
+                marks[(shard, topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
         if failed and self._in_flight:
@@ -335,13 +345,16 @@ class Outbox:
             return 0, 0
         archived = self._recover_archive(rows)
         wanted: dict[tuple[str, int], set[str]] = {}
+        start: dict[tuple[str, int], int] = {}
         by_id: dict[str, int] = {}
         for row in rows:
             oid = self.store.outbox_id(row.seq)
             tp = (row.topic, out_partition(row.key, oid, self.partitions(row.topic)))
             wanted.setdefault(tp, set()).add(oid)
+            mark = self.store.out_mark(row.shard, *tp)
+            start[tp] = min(start.get(tp, mark), mark)
             by_id[oid] = row.seq
-        found = self._scan(wanted)
+        found = self._scan(wanted, start)
         # The confirmed points do not move here: the next delivery advances them.
         self.store.mark_delivered([by_id[o] for o in found], {})
         if not self._suspect - set(shards):  # no failed row is left unsettled anywhere
@@ -364,8 +377,9 @@ class Outbox:
                 count += len(hit)
         return count
 
-    def _scan(self, wanted: dict[tuple[str, int], set[str]], timeout_s: float = 60.0) -> set[str]:
-        """Read each output partition from its confirmed point to the high watermark."""
+    def _scan(self, wanted: dict[tuple[str, int], set[str]], start: dict[tuple[str, int], int],
+              timeout_s: float = 60.0) -> set[str]:
+        """Read each output partition from ``start`` (confirmed points) to the high watermark."""
         tps = [TopicPartition(t, p) for t, p in wanted]
         consumer = KafkaConsumer(
             bootstrap_servers=self.bootstrap.split(","), group_id=None,
@@ -375,7 +389,7 @@ class Outbox:
         try:
             consumer.assign(tps)
             for tp in tps:
-                consumer.seek(tp, self.store.out_mark(tp.topic, tp.partition))
+                consumer.seek(tp, start[(tp.topic, tp.partition)])
             remaining = set(tps)
             deadline = time.monotonic() + timeout_s
             while remaining and time.monotonic() < deadline:

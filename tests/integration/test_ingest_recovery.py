@@ -135,3 +135,30 @@ def test_failed_report_for_a_landed_record_is_not_resent(kafka_settings, out_set
     assert second.deliver({0}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
     assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
+
+
+def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings, out_settings, topics, tmp_path):
+    """Shards share output partitions (dead letters are keyed off-partition). After a crash, shard 1's
+    landed-but-unconfirmed records must still be found when shard 0 was confirmed past them first,
+    as when a restarted stage gets shard 0 before the dead member's shard 1 moves to it."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(5):
+            store.append(1, topics.deadletter, "same-key", f"s1-{i}".encode())
+    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap)
+    real_mark = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed after the acks
+    with pytest.raises(Crash):
+        first.deliver({1}, wait=True)
+    store.mark_delivered = real_mark
+    first.producer.close()
+
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    with store.txn():
+        for i in range(5):
+            store.append(0, topics.deadletter, "same-key", f"s0-{i}".encode())  # same partition
+    assert second.deliver({0}, wait=True) == 5  # shard 0 confirmed beyond shard 1's records
+    assert second.recover({1}) == (5, 0)
+    assert second.deliver({1}, wait=True) == 0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
+    assert len(values) == 10 and len(set(values)) == 10
