@@ -15,14 +15,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.structs import OffsetAndMetadata
 
-from flywheel.bus import LagGauge
+from flywheel.bus import DeadLetters, LagGauge
+from flywheel.contracts import ContractError, EpisodeEvent, FeedbackEvent, GenerationEvent, decode
 from ingest.exactly_once import Archive, Outbox, StateStore
 
 if TYPE_CHECKING:
@@ -31,6 +32,27 @@ if TYPE_CHECKING:
     from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: The keyed records the stages consume (each carries a generation_id).
+E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
+
+
+def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters) -> E | None:
+    """Decode ``rec`` as ``cls`` at the stage's edge, or dead-letter it and return None.
+
+    Besides the contract, the record's key must be its ``generation_id``: both stages rely on
+    a generation's records sharing a partition number (see docs/exactly-once.md).
+    """
+    try:
+        event = decode(cls, rec.value)
+    except ContractError as exc:
+        dead.send_record(rec, exc.reason, exc.detail)
+        return None
+    key = rec.key.decode("utf-8", "replace") if rec.key is not None else None
+    if key != event.generation_id:
+        dead.send_record(rec, "wrong_key", f"key {key!r} is not the generation_id {event.generation_id!r}")
+        return None
+    return event
 
 
 class Stage(Protocol):

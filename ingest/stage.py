@@ -25,17 +25,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flywheel.bus import DeadLetters
 from flywheel.contracts import (
-    ContractError,
     FeedbackEvent,
     GenerationEvent,
     Topics,
-    decode,
     encode,
 )
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import Resolution, generation_deadline, is_late, orphan_deadline, resolve
-from ingest.runner import OutboxSink
+from ingest.runner import OutboxSink, decode_keyed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
@@ -87,7 +85,7 @@ class IngestStage:
             self.sink.shard = rec.partition
             is_gen = rec.topic == self.topics.generations
             gens += is_gen
-            event = self._decode(GenerationEvent if is_gen else FeedbackEvent, rec)
+            event = decode_keyed(GenerationEvent if is_gen else FeedbackEvent, rec, self.dead)
             if event is not None:
                 events.append((rec, event))
         self.m.records.labels("generation").inc(gens)  # per batch: labels() is a lookup and a lock
@@ -102,19 +100,6 @@ class IngestStage:
             else:
                 self._on_feedback(rec, event, view)
         view.write(self.db)
-
-    def _decode(self, cls: type, rec: ConsumerRecord) -> Any:
-        try:
-            event = decode(cls, rec.value)
-        except ContractError as exc:
-            self.dead.send_record(rec, exc.reason, exc.detail)
-            return None
-        key = rec.key.decode("utf-8", "replace") if rec.key is not None else None
-        if key != event.generation_id:
-            self.dead.send_record(rec, "wrong_key",
-                                  f"key {key!r} is not the generation_id {event.generation_id!r}")
-            return None
-        return event
 
     def _on_generation(self, rec: ConsumerRecord, g: GenerationEvent, view: _BatchView) -> None:
         gid = g.generation_id

@@ -21,10 +21,10 @@ from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from flywheel.bus import DeadLetters
-from flywheel.contracts import ContractError, EpisodeEvent, RewardEvent, Topics, decode, encode
+from flywheel.contracts import EpisodeEvent, RewardEvent, Topics, encode
 from flywheel.settings import RewardSettings
 from ingest.exactly_once import StateStore
-from ingest.runner import OutboxSink
+from ingest.runner import OutboxSink, decode_keyed
 from reward.guards import UserWindow, judge_sample, judge_user, window_of
 from reward.labelers import build_labeler
 
@@ -71,7 +71,7 @@ class RewardStage:
         store.on_rollback(self._load_counts)
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
-        episodes = [(rec, ep) for rec in records if (ep := self._decode(rec)) is not None]
+        episodes = [(rec, ep) for rec in records if (ep := decode_keyed(EpisodeEvent, rec, self.dead)) is not None]
         seen = self._seen_of([ep.generation_id for _, ep in episodes])
         fresh: list[tuple[str, float]] = []
         for rec, ep in episodes:
@@ -98,18 +98,6 @@ class RewardStage:
             marks = ",".join("?" * len(chunk))
             found.update(r[0] for r in self.db.execute(f"SELECT gid FROM seen WHERE gid IN ({marks})", chunk))
         return found
-
-    def _decode(self, rec: ConsumerRecord) -> EpisodeEvent | None:
-        try:
-            ep = decode(EpisodeEvent, rec.value)
-        except ContractError as exc:
-            self.dead.send_record(rec, exc.reason, exc.detail)
-            return None
-        key = rec.key.decode("utf-8", "replace") if rec.key is not None else None
-        if key != ep.generation_id:
-            self.dead.send_record(rec, "wrong_key", f"key {key!r} is not the generation_id {ep.generation_id!r}")
-            return None
-        return ep
 
     def label_episode(self, ep: EpisodeEvent, now: float) -> RewardEvent:
         g = ep.generation
