@@ -74,8 +74,11 @@ def length_penalty(n_tokens: int, cfg: RewardSettings) -> float:
 
 def distinct_ngram_ratio(tokens: tuple[int, ...], n: int) -> float:
     """Distinct n-grams / n-grams; 1.0 when there are none (too short to judge)."""
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 1.0
+    count = len(tokens) - n + 1
+    if count <= 0:
+        return 1.0
+    # zip over n shifted views builds each n-gram tuple in C: several times cheaper per sample
+    return len(set(zip(*(tokens[i:] for i in range(n))))) / count
 
 
 def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings) -> tuple[dict[str, float], tuple[str, ...]]:

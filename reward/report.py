@@ -7,10 +7,10 @@ samples. Run ``flywheel reward report [--archive DIR] [--top N]``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import pyarrow as pa
 
 if TYPE_CHECKING:  # pandas is imported by the report only: the stage starts faster without it
@@ -38,7 +38,7 @@ def reward_row(value: bytes) -> tuple[float, dict[str, object]]:
     Plain JSON parsing, not ``RewardEvent`` validation: the archive only sees outbox rows the
     stage itself encoded from a validated event, so validating again would only cost time.
     """
-    r = json.loads(value)
+    r = msgspec.json.decode(value)  # untyped, like json.loads, at about a third of the cost
     return r["labeled_at"], {
         "generation_id": r["generation_id"], "group_id": r["group_id"], "user_id": r["user_id"],
         "model_version": r["model_version"], "signal": r["signal"], "reward": r["reward"],

@@ -67,6 +67,7 @@ class RewardStage:
         self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
+        self._children: dict[tuple[Counter, str], Counter] = {}
         self._load_counts()
         store.on_rollback(self._load_counts)
 
@@ -111,8 +112,8 @@ class RewardStage:
         flags = sample_flags + verdict.flags
         reward = sum(components.values())
         for flag in flags:
-            self.m.guards.labels(flag).inc()
-        self.m.rewards.labels(ep.signal).inc()
+            self._child(self.m.guards, flag).inc()
+        self._child(self.m.rewards, ep.signal).inc()
         self.m.value.observe(reward)
         return RewardEvent(
             generation_id=g.generation_id, group_id=g.group_id, user_id=g.user_id,
@@ -121,6 +122,13 @@ class RewardStage:
             reward=reward, components=components, weight=verdict.weight, flags=flags,
             generated_at=g.created_at, labeled_at=now,
         )
+
+    def _child(self, metric: Counter, label: str) -> Counter:
+        """``metric.labels(label)``, cached: labels() takes a lock and builds a key per call."""
+        child = self._children.get((metric, label))
+        if child is None:
+            child = self._children[(metric, label)] = metric.labels(label)
+        return child
 
     # -- guard counts -----------------------------------------------------------------------
     # The counts live in user_win/win_tot (the truth, committed with the batch) and in these dicts
