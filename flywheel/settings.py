@@ -16,9 +16,19 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+def _distinct(shards: tuple[int, ...]) -> tuple[int, ...]:
+    if len(set(shards)) != len(shards):
+        raise ValueError(f"shards {list(shards)} name a partition twice")
+    return tuple(sorted(shards))
+
+
+#: Partition numbers a stage process owns (empty: all, through its consumer group).
+Shards = Annotated[tuple[Annotated[int, Field(ge=0)], ...], AfterValidator(_distinct)]
 
 
 class _Section(BaseModel):
@@ -194,6 +204,11 @@ class IngestSettings(_Section):
     """Most records processed in one state-store transaction."""
     poll_ms: int = Field(default=200, ge=1)
     """Longest wait for records in one poll."""
+    shards: Shards = ()
+    """Input partitions this process owns, to run the stage as several processes (``0,1`` in one,
+    ``2,3`` in another), each with a data_dir of its own. Empty: every partition, through the
+    consumer group (one process per data_dir). A shard's state stays in the data_dir that
+    processed it, so a process keeps its shards across restarts (docs/exactly-once.md)."""
     host: str = "127.0.0.1"
     """Interface for ``/metrics`` and ``/health``."""
     port: int = Field(default=9101, ge=0, le=65535)
@@ -251,6 +266,10 @@ class RewardSettings(_Section):
     """Most records processed in one state-store transaction."""
     poll_ms: int = Field(default=200, ge=1)
     """Longest wait for records in one poll."""
+    shards: Shards = ()
+    """Input partitions this process owns, as for ``ingest.shards``. The abuse guards then count
+    each user over this process's shards only: generation ids spread a user's samples evenly over
+    shards, so a share cap per process caps the user's share overall."""
     host: str = "127.0.0.1"
     """Interface for ``/metrics`` and ``/health``."""
     port: int = Field(default=9102, ge=0, le=65535)

@@ -56,7 +56,7 @@ import logging
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -65,6 +65,7 @@ from kafka import KafkaConsumer, TopicPartition
 from kafka.partitioner.default import murmur2
 
 from flywheel.bus import OutputProducer
+from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ class StateStore:
 
     def __init__(self, path: Path, stage_schema: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
         # outbox rows of the open transaction, inserted in one executemany just before COMMIT
         self._appends: list[tuple[int, str, str | None, bytes, str | None]] = []
         self._on_rollback: list[Callable[[], None]] = []
@@ -139,6 +141,30 @@ class StateStore:
             self.db.execute("COMMIT")
         finally:
             self._in_txn = False
+
+    def bind_shards(self, shards: Sequence[int]) -> None:
+        """Tie the store to the shards it serves (``()``: all, through the consumer group).
+
+        A shard's join state and undelivered outputs live only in the store that processed it.
+        A store started for other shards would strand them here, and its new shards would start
+        with no state from wherever the group's offsets point: refused, with the reason.
+        """
+        want = _shards_label(shards)
+        with self.txn():
+            row = self.db.execute("SELECT v FROM meta WHERE k='shards'").fetchone()
+            if row is None:  # a new store, or one written before shards were recorded
+                stray = sorted({p for _, p in self.offsets()} - set(shards)) if shards else []
+                if not stray:
+                    self.db.execute("INSERT INTO meta VALUES ('shards', ?)", (want,))
+                    return
+                have = f"a set including {stray}"
+            else:
+                have = row[0]
+        if have != want:
+            raise ShardMismatch(
+                f"state store {self.path} holds the state of shards {have}, but this process is "
+                f"configured for shards {want}. Run this data_dir with shards {have}, and give other "
+                "shards a data_dir of their own (see docs/exactly-once.md, Scaling out)")
 
     def on_rollback(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` after a rolled-back transaction (a stage rebuilds its caches there)."""
@@ -213,6 +239,14 @@ class StateStore:
 
     def outbox_id(self, seq: int) -> str:
         return f"{self.epoch}:{seq}"
+
+
+class ShardMismatch(SettingsError):
+    """A state store started for shards other than those it holds the state of."""
+
+
+def _shards_label(shards: Sequence[int]) -> str:
+    return ",".join(map(str, sorted(shards))) or "all (consumer group)"
 
 
 class Archive(Protocol):

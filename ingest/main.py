@@ -5,7 +5,9 @@ Consumes ``<prefix>generations`` and ``<prefix>feedback`` in the consumer group
 emits one episode per generation to ``<prefix>episodes``, archives episodes to Parquet under
 ``<data_dir>/archive/episodes`` and dead-letters every unusable record to ``<prefix>deadletter``.
 State and offsets live in ``<data_dir>/ingest/state.sqlite3``; the exactly-once protocol is in
-ingest/exactly_once.py and docs/exactly-once.md. ``/metrics`` and ``/health`` on
+ingest/exactly_once.py and docs/exactly-once.md. With ``ingest.shards`` set it owns those input
+partitions outright instead of joining the group: one of several processes of the stage, each
+with a data_dir of its own (docs/exactly-once.md, Scaling out). ``/metrics`` and ``/health`` on
 ``ingest.host:ingest.port``. SIGTERM or Ctrl-C stops it cleanly; ``kill -9`` is safe too.
 """
 
@@ -48,6 +50,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         max_batch=cfg.max_batch,
         poll_ms=cfg.poll_ms,
         stop=stop or stop_on_signals(),
+        shards=cfg.shards,
     )
     return 0
 

@@ -9,13 +9,15 @@ offsets to the consumer group for lag tools.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -24,6 +26,7 @@ from kafka.structs import OffsetAndMetadata
 
 from flywheel.bus import DeadLetters, LagGauge
 from flywheel.contracts import ContractError, EpisodeEvent, FeedbackEvent, GenerationEvent, decode
+from flywheel.settings import SettingsError
 from ingest.exactly_once import Archive, Outbox, StateStore
 
 if TYPE_CHECKING:
@@ -93,9 +96,11 @@ class StreamRunner(ConsumerRebalanceListener):
         lag: LagGauge,
         max_batch: int,
         poll_ms: int,
+        shards: Sequence[int] = (),
     ) -> None:
         self.stage, self.store, self.outbox, self.consumer = stage, store, outbox, consumer
         self.topics, self.lag, self.max_batch, self.poll_ms = topics, lag, max_batch, poll_ms
+        self.shards = tuple(sorted(shards))
         self.owned: set[int] = set()
         self._lock = threading.Lock()
         self._assigned: set[TopicPartition] = set()
@@ -103,7 +108,29 @@ class StreamRunner(ConsumerRebalanceListener):
         self.last_loop = time.monotonic()
         self.records_in = 0
         self.delivered = 0
-        consumer.subscribe(topics, listener=self)
+        store.bind_shards(self.shards)
+        if self.shards:
+            self._assign_static()
+        else:
+            consumer.subscribe(topics, listener=self)
+
+    def _assign_static(self) -> None:
+        """Own ``shards`` of every input outright: no group membership, so no rebalances.
+
+        The partitions are set up by the loop like a group assignment (seek to the stored
+        offsets, settle the outbox, resume); the group id still receives offset commits for lag
+        tools. Every shard must exist in every input, or the join would silently miss records.
+        """
+        for topic in self.topics:
+            parts = _partitions(self.consumer, topic)
+            missing = [p for p in self.shards if p not in parts]
+            if missing:
+                raise SettingsError(f"shards {missing} are not partitions of {topic} "
+                                 f"(it has {len(parts)}: 0-{len(parts) - 1})")
+        tps = [TopicPartition(t, p) for t in self.topics for p in self.shards]
+        self.consumer.assign(tps)
+        self.consumer.pause(*tps)
+        self._assigned = set(tps)
 
     # -- rebalance ------------------------------------------------------------------------
     # kafka-python calls these on its network thread, which must not touch the store (SQLite is
@@ -203,6 +230,15 @@ class StreamRunner(ConsumerRebalanceListener):
                                "records_in": self.records_in, "delivered": self.delivered}
 
 
+def _partitions(consumer: KafkaConsumer, topic: str, timeout_s: float = 30.0) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while not (parts := consumer.partitions_for_topic(topic)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no metadata for topic {topic}")
+        time.sleep(0.1)
+    return set(parts)
+
+
 @contextmanager
 def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection while a batch is processed and sent.
@@ -239,8 +275,13 @@ def serve_stage(
     max_batch: int,
     poll_ms: int,
     stop: StopFlag,
+    shards: Sequence[int] = (),
 ) -> None:
-    """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``."""
+    """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``.
+
+    ``shards``: the input partitions this process owns (see :meth:`StreamRunner._assign_static`);
+    empty for all of them through the consumer group.
+    """
     from kafka.coordinator.assignors.range import RangePartitionAssignor
 
     from flywheel.bus import ensure_topics, make_consumer, make_output_producer
@@ -249,23 +290,45 @@ def serve_stage(
 
     registry = new_registry()
     ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())
-    store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
-    stage = make_stage(store, registry)
-    producer = make_output_producer(settings.kafka, name)
-    outbox = Outbox(store, producer, settings.kafka.bootstrap, archives())
-    # Range assignment gives one member the same partition number of every input topic, which
-    # the join needs (a generation and its feedback share a partition number).
-    consumer = make_consumer(settings.kafka, name, group_id,
-                             partition_assignment_strategy=[RangePartitionAssignor])
-    runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
-                          max_batch, poll_ms)
-    ops = serve_ops(registry, runner.healthy, host, port)
-    log.info("%s running: inputs %s, ops on %s:%d, state %s", name, inputs, host,
-             ops.server_port, settings.data_dir / name)
-    try:
+    with ExitStack() as held:  # released in reverse on any exit, a refused start included
+        held.enter_context(lock_data_dir(settings.data_dir / name, name))
+        store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
+        held.callback(store.close)
+        stage = make_stage(store, registry)
+        producer = make_output_producer(settings.kafka, name)
+        held.callback(producer.close)
+        outbox = Outbox(store, producer, settings.kafka.bootstrap, archives())
+        # Range assignment gives one member the same partition number of every input topic,
+        # which the join needs (a generation and its feedback share a partition number).
+        consumer = make_consumer(settings.kafka, name, group_id,
+                                 partition_assignment_strategy=[RangePartitionAssignor])
+        held.callback(consumer.close, autocommit=False)
+        runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
+                              max_batch, poll_ms, shards)
+        ops = serve_ops(registry, runner.healthy, host, port)
+        held.callback(ops.shutdown)
+        log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
+                 list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
         runner.run(stop)
-    finally:
-        ops.shutdown()
-        consumer.close(autocommit=False)
-        producer.close()
-        store.close()
+
+
+class DataDirBusy(SettingsError):
+    """Another live process runs this stage on the same data directory."""
+
+
+def lock_data_dir(folder: Path, name: str) -> IO[bytes]:
+    """Hold an exclusive lock on ``folder`` for the life of the process (released by the OS on
+    any exit, ``kill -9`` included).
+
+    Two live processes on one state store would each think they own its shards. Several
+    processes of a stage need a data_dir each and disjoint ``shards``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fh = open(folder / "lock", "ab")  # noqa: SIM115 - held open until the stage stops
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise DataDirBusy(f"another {name} process is running on {folder}: each process of a stage "
+                          f"needs a data_dir of its own (and shards of its own)") from None
+    return fh

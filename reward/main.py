@@ -6,7 +6,9 @@ the configured labelers (reward/labelers.py) behind the guards (reward/guards.py
 reward per episode with a user signal to ``<prefix>rewards`` and archives it to Parquet under
 ``<data_dir>/archive/rewards``. State and offsets live in ``<data_dir>/reward/state.sqlite3``
 with the same exactly-once protocol as ingest (ingest/exactly_once.py, docs/exactly-once.md).
-``/metrics`` and ``/health`` on ``reward.host:reward.port``.
+With ``reward.shards`` set it owns those input partitions outright instead of joining the
+group: one of several processes of the stage, each with a data_dir of its own
+(docs/exactly-once.md, Scaling out). ``/metrics`` and ``/health`` on ``reward.host:reward.port``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         max_batch=cfg.max_batch,
         poll_ms=cfg.poll_ms,
         stop=stop or stop_on_signals(),
+        shards=cfg.shards,
     )
     return 0
 

@@ -38,6 +38,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from ingest.exactly_once import out_partition
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,7 @@ class Dataset:
     rewards: dict[str, tuple[str, float, bool]] = field(default_factory=dict)  # gid -> signal, value, conflicted
     dead: Counter = field(default_factory=Counter)  # reason -> count
     dead_values: set[bytes] = field(default_factory=set)
-    constant_samples: int = 0
+    constant_gids: list[str] = field(default_factory=list)  # the constant user's rewarded generations
 
 
 def _generation(gid: str, user: str, t: float, rng: random.Random, repetitive: bool) -> GenerationEvent:
@@ -120,7 +121,7 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
             ds.rewards[gid] = (winner.signal, expected_reward(
                 winner.signal, g.completion_text, winner.edited_text, 1000.0, repetitive), len(fbs) > 1)
             if user == CONSTANT_USER:
-                ds.constant_samples += 1
+                ds.constant_gids.append(gid)
         for fb in fbs:
             out.append((topics.feedback, gid, encode(fb)))
             if rng.random() < 0.1:  # a duplicate delivery of the same feedback_id
@@ -209,7 +210,15 @@ def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
     }
 
 
-def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path) -> None:
+def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Path],
+                  reward_shards: list[tuple[int, ...]] | None = None) -> None:
+    """Topics and archives hold exactly the expected records.
+
+    ``data_dir``: the stages' data directories (several when they run as shard processes, each
+    archiving its own shards). ``reward_shards``: the shards of each reward process, whose guards
+    count a user over its own shards only; None for one process with all of them.
+    """
+    data_dirs = data_dir if isinstance(data_dir, list) else [data_dir]
     rewards = read_all(kafka_settings.bootstrap, topics.rewards, expect=len(ds.rewards), timeout_s=60)
     episodes = read_all(kafka_settings.bootstrap, topics.episodes, expect=len(ds.generations), timeout_s=30)
     dead = read_all(kafka_settings.bootstrap, topics.deadletter, expect=sum(ds.dead.values()), timeout_s=30)
@@ -230,7 +239,10 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path) -> None:
     assert conflicted == {g for g, (_, _, c) in ds.rewards.items() if c}
     constant = [r for r in got if r.user_id == CONSTANT_USER]
     flagged = [r for r in constant if "constant_user" in r.flags]
-    assert len(flagged) == ds.constant_samples - (CONSTANT_MIN - 1)
+    groups = [ds.constant_gids] if reward_shards is None else [
+        [g for g in ds.constant_gids if out_partition(g, "", kafka_settings.partitions) in shards]
+        for shards in reward_shards]
+    assert len(flagged) == sum(max(0, len(g) - (CONSTANT_MIN - 1)) for g in groups)
     assert all(r.weight < 1.0 for r in flagged)
 
     # dead letters: exactly the bad records, each with its reason and original bytes
@@ -240,9 +252,9 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path) -> None:
     assert all(d.source_offset is not None and d.source_topic for d in letters)
 
     # the archives read back the same rows
-    ep_archive = pd.read_parquet(data_dir / "archive" / "episodes")
+    ep_archive = pd.concat([pd.read_parquet(d / "archive" / "episodes") for d in data_dirs])
     assert len(ep_archive) == len(ds.generations) and set(ep_archive["generation_id"]) == ds.generations
-    rw_archive = pd.read_parquet(data_dir / "archive" / "rewards")
+    rw_archive = pd.concat([pd.read_parquet(d / "archive" / "rewards") for d in data_dirs])
     assert len(rw_archive) == len(got)
     by_id = {r.generation_id: r.reward for r in got}
     assert all(by_id[g] == pytest.approx(v) for g, v in zip(rw_archive["generation_id"], rw_archive["reward"]))
@@ -272,17 +284,26 @@ def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):
 
 
 class Stages:
-    """The two stages as subprocesses (``python -m ingest.main`` / ``reward.main``)."""
+    """The stages as subprocesses (``python -m ingest.main`` / ``reward.main``), by name.
+
+    ``add(name, module, env)`` registers a process (e.g. one shard of a stage) with environment
+    of its own on top of the common one; a plain stage name is its own module.
+    """
 
     def __init__(self, env: dict[str, str], log_dir: Path) -> None:
         self.env = {**os.environ, **env}
         self.log_dir = log_dir
+        self.specs: dict[str, tuple[str, dict[str, str]]] = {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.kills = Counter()
 
+    def add(self, name: str, module: str, env: dict[str, str]) -> None:
+        self.specs[name] = (module, {**self.env, **env})
+
     def start(self, name: str) -> None:
+        module, env = self.specs.get(name, (name, self.env))
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own handle
-            self.procs[name] = subprocess.Popen([sys.executable, "-m", f"{name}.main"], env=self.env,
+            self.procs[name] = subprocess.Popen([sys.executable, "-m", f"{module}.main"], env=env,
                                                 stdout=log, stderr=subprocess.STDOUT)
 
     def kill9(self, name: str) -> None:
