@@ -84,7 +84,7 @@ class OutboxSink:
 
 
 class StreamRunner(ConsumerRebalanceListener):
-    """Runs a stage on a consumer group with exactly-once output."""
+    """Runs a stage with exactly-once output, on a consumer group or on fixed ``shards``."""
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class StreamRunner(ConsumerRebalanceListener):
             missing = [p for p in self.shards if p not in parts]
             if missing:
                 raise SettingsError(f"shards {missing} are not partitions of {topic} "
-                                 f"(it has {len(parts)}: 0-{len(parts) - 1})")
+                                    f"(it has {len(parts)}: 0-{len(parts) - 1})")
         tps = [TopicPartition(t, p) for t in self.topics for p in self.shards]
         self.consumer.assign(tps)
         self.consumer.pause(*tps)
