@@ -98,7 +98,9 @@ def run(bootstrap: str, procs: int, pairs: int, work: Path) -> list[tuple[str, f
     env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": bootstrap, "FLYWHEEL_KAFKA_PARTITIONS": str(partitions),
            "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000", "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_INGEST_WINDOW_S": "5",
-           "FLYWHEEL_INGEST_GRACE_S": "0", "FLYWHEEL_LOG_LEVEL": "WARNING"}
+           "FLYWHEEL_INGEST_GRACE_S": "0", "FLYWHEEL_LOG_LEVEL": "WARNING",
+           # groups of this block only (see the group quirk in flywheel/broker.py)
+           "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest", "FLYWHEEL_REWARD_GROUP_ID": f"{topics.prefix}reward"}
     work = work / f"p{procs}"
     raw_in = raw_rate(cfg, [topics.generations, topics.feedback], 2 * pairs)[0]
     ingest = stage_rate("ingest", env, procs, partitions, 2 * pairs, pairs, work)

@@ -4,6 +4,11 @@ It speaks the real Kafka wire protocol, so every client and test exercises the s
 production Kafka cluster does. It keeps everything in memory: a restart loses topics and offsets,
 which is fine for the demo and tests and is why production points ``FLYWHEEL_KAFKA_BOOTSTRAP`` at a
 real cluster instead. Run it alone with ``flywheel broker``.
+
+Quirks that shape the tests: it holds a group join for half the session timeout (tests use a
+short one); it keeps no offset-commit metadata; it cannot filter aborted transactional records;
+and a group whose members all left at about the same time sometimes never completes a later join,
+so tests give every test its own consumer groups.
 """
 
 from __future__ import annotations

@@ -219,8 +219,12 @@ class StreamRunner(ConsumerRebalanceListener):
         self.records_in += len(records)
         return len(records)
 
-    def run(self, stop: StopFlag) -> None:
+    def run(self, stop: StopFlag, check: Callable[[], None] | None = None) -> None:
+        """Step until ``stop``; ``check()`` runs before every step and stops the loop by raising
+        (the shard claims, ingest/claims.py)."""
         while not stop.is_set():
+            if check is not None:
+                check()
             self.step()
         self.delivered += self.outbox.flush()
 
@@ -287,6 +291,7 @@ def serve_stage(
     from flywheel.bus import ensure_topics, make_consumer, make_output_producer
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry, serve_ops
+    from ingest.claims import ShardClaims
 
     registry = new_registry()
     ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())
@@ -305,11 +310,19 @@ def serve_stage(
         held.callback(consumer.close, autocommit=False)
         runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
                               max_batch, poll_ms, shards)
-        ops = serve_ops(registry, runner.healthy, host, port)
+        # nothing is processed before the claims group grants this process its shards
+        claims = ShardClaims(settings.kafka, name, group_id, inputs, store.epoch, tuple(shards))
+        held.callback(claims.close)
+        claims.wait_granted()
+        def health() -> tuple[bool, dict[str, object]]:
+            ok, detail = runner.healthy()
+            return ok, {**detail, "claims": claims.state}
+
+        ops = serve_ops(registry, health, host, port)
         held.callback(ops.shutdown)
         log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
                  list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
-        runner.run(stop)
+        runner.run(stop, claims.check)
 
 
 class DataDirBusy(SettingsError):

@@ -196,6 +196,10 @@ def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
         "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),
         "FLYWHEEL_KAFKA_PARTITIONS": str(kafka_settings.partitions),
         "FLYWHEEL_TOPIC_PREFIX": topics.prefix,
+        # groups of this test only: the embedded broker can leave a group that members left at
+        # once unable to complete a later join, so tests never share one
+        "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest",
+        "FLYWHEEL_REWARD_GROUP_ID": f"{topics.prefix}reward",
         "FLYWHEEL_DATA_DIR": str(data_dir),
         "FLYWHEEL_INGEST_WINDOW_S": str(WINDOW_S),
         "FLYWHEEL_INGEST_GRACE_S": str(GRACE_S),

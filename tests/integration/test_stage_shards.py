@@ -3,13 +3,20 @@
 Ingest and reward each run as two processes (shard 0 and shard 1) on the real broker while the
 messy dataset of test_pipeline_exactly_once streams through and processes are SIGKILLed and
 restarted: the topics and the archives (split over the two data_dirs) must still hold exactly the
-expected records, and each process must have handled only its own shard.
+expected records, and each process must have handled only its own shard. Processes whose stores
+differ and whose shards overlap are refused by the shard claims (ingest/claims.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
 
 import pandas as pd
 import pytest
@@ -64,3 +71,58 @@ def test_shard_that_is_not_a_partition_is_refused(kafka_settings, topics, tmp_pa
 class _Never:
     def is_set(self) -> bool:
         return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _healthy(port: int, timeout_s: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
+                return json.load(resp)
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"no /health on port {port}")
+
+
+def test_colliding_processes_are_refused(kafka_settings, topics, tmp_path):
+    """A second process with another store and overlapping shards stops with the reason, in
+    either mode, and the first one keeps its shards."""
+    env = {**os.environ, **stage_env(kafka_settings, topics, tmp_path), "FLYWHEEL_LOG_LEVEL": "INFO"}
+    port = _free_port()
+    cmd = [sys.executable, "-m", "ingest.main"]
+    holder = subprocess.Popen(cmd, env={**env, "FLYWHEEL_DATA_DIR": str(tmp_path / "a"),
+                                        "FLYWHEEL_INGEST_SHARDS": "0,1", "FLYWHEEL_INGEST_PORT": str(port)},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        health = _healthy(port)
+        assert health["shards"] == [0, 1] and health["claims"] == "granted"
+        for name, extra in (("b", {"FLYWHEEL_INGEST_SHARDS": "1"}), ("c", {})):  # shards / consumer group
+            other = subprocess.run(cmd, env={**env, "FLYWHEEL_DATA_DIR": str(tmp_path / name), **extra},
+                                   capture_output=True, text=True, timeout=120, check=False)
+            assert other.returncode == 2, other.stderr[-2000:]
+            assert "collides with store" in other.stderr and "(shards 0,1)" in other.stderr
+        assert holder.poll() is None and _healthy(port)["ok"]
+    finally:
+        holder.terminate()
+        holder.wait(timeout=30)
+
+
+def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings, topics):
+    """A group that has not answered does not keep a stage down; its verdict applies when it comes."""
+    from ingest.claims import ShardClaims
+
+    claims = ShardClaims(kafka_settings, "ingest", f"{topics.prefix}ingest", [topics.generations], "e1", (0,))
+    try:
+        claims.wait_granted(timeout_s=0)  # no time to join: runs unverified
+        assert claims.state == "unverified"
+        assert claims.assignor.verdicts.wait(60)  # the group answers later: the verdict applies
+        claims.check()
+        assert claims.state == "granted"
+    finally:
+        claims.close()

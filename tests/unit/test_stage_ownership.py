@@ -1,10 +1,14 @@
-"""Who may run a stage's state store: the shards it is bound to, one live process at a time."""
+"""Who may run a stage's shards: the store they are bound to, one live process per data_dir, and
+the claims group's verdict between processes with different stores."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from flywheel.settings import SettingsError, load_settings
+from ingest.claims import Claim, ClaimAssignor, judge
 from ingest.exactly_once import ShardMismatch, StateStore
 from ingest.runner import DataDirBusy, lock_data_dir
 
@@ -60,3 +64,45 @@ def test_shards_setting(raw, want):
 def test_bad_shards_setting(raw, msg):
     with pytest.raises(SettingsError, match=msg):
         load_settings(env={"FLYWHEEL_REWARD_SHARDS": raw})
+
+
+def _claim(member, epoch, shards, granted=False, started=0.0):
+    return Claim(member, epoch, None if shards is None else frozenset(shards), granted, started, "host:1")
+
+
+@pytest.mark.parametrize(("claims", "denied"), [
+    ([_claim("m1", "A", {0})], {}),
+    ([_claim("m1", "A", {0}, started=1), _claim("m2", "B", {1}, started=2)], {}),
+    ([_claim("m1", "A", {0, 1}, started=1), _claim("m2", "B", {1}, started=2)], {"m2": ["m1"]}),
+    # a holder of a grant keeps it against a newcomer that started earlier (clock skew, restarts)
+    ([_claim("m1", "A", {0}, granted=True, started=5), _claim("m2", "B", {0}, started=1)], {"m2": ["m1"]}),
+    # one store's processes never collide: a restart next to its predecessor's expiring session
+    ([_claim("m1", "A", {0}, granted=True, started=1), _claim("m2", "A", {0}, started=2)], {}),
+    # consumer-group mode claims every shard
+    ([_claim("m1", "A", None, started=1), _claim("m2", "B", {3}, started=2)], {"m2": ["m1"]}),
+    ([_claim("m1", "A", {3}, started=1), _claim("m2", "B", None, started=2)], {"m2": ["m1"]}),
+    # a denied claim blocks nobody
+    ([_claim("m1", "A", {0}, started=1), _claim("m2", "B", {0, 1}, started=2), _claim("m3", "C", {1}, started=3)],
+     {"m2": ["m1"]}),
+    # equal start times: member id decides
+    ([_claim("m2", "B", {0}, started=1), _claim("m1", "A", {0}, started=1)], {"m2": ["m1"]}),
+])
+def test_judge(claims, denied):
+    verdict = judge(claims)
+    assert set(verdict) == {c.member for c in claims}
+    assert {m: [c.member for c in hits] for m, hits in verdict.items() if hits} == denied
+
+
+def test_claims_travel_through_the_assignor():
+    """Member metadata out, the leader's verdicts back in: what the group protocol carries."""
+    holder, newcomer = ClaimAssignor("A", (0, 1)), ClaimAssignor("B", (1,))
+    newcomer.started = holder.started + 1
+    members = [SimpleNamespace(member_id=m, metadata=a.metadata({"t.generations"}))
+               for m, a in (("m-holder", holder), ("m-new", newcomer))]
+    answers = holder.assign(None, members)  # whichever member leads runs the same judge
+    holder.on_assignment(answers["m-holder"], 1)
+    newcomer.on_assignment(answers["m-new"], 1)
+    assert holder.denied == [] and holder.granted and holder.verdicts.is_set()
+    assert [(c.epoch, c.shards) for c in newcomer.denied] == [("A", frozenset({0, 1}))]
+    assert not newcomer.granted
+    assert answers["m-new"].partitions() == []
