@@ -103,8 +103,7 @@ def _encode_claim(c: Claim) -> dict[str, Any]:
             "granted": c.granted, "started": c.started, "where": c.where}
 
 
-def _decode_claim(member: str, raw: bytes | None) -> Claim:
-    d = json.loads(raw or b"{}")
+def _decode_claim(member: str, d: dict[str, Any]) -> Claim:
     shards = d.get("shards")
     return Claim(member, str(d.get("epoch", "?")), None if shards is None else frozenset(shards),
                  bool(d.get("granted")), float(d.get("started", 0.0)), str(d.get("where", "?")))
@@ -130,7 +129,7 @@ class ClaimAssignor(AbstractPartitionAssignor):
         return ConsumerProtocolSubscription(self.version, sorted(topics), json.dumps(_encode_claim(me)).encode())
 
     def assign(self, cluster: Any, members: list[Any]) -> dict[str, ConsumerProtocolAssignment]:
-        claims = [_decode_claim(m.member_id, m.metadata.user_data) for m in members]
+        claims = [_decode_claim(m.member_id, json.loads(m.metadata.user_data or b"{}")) for m in members]
         verdict = judge(claims)
         return {m: ConsumerProtocolAssignment(self.version, [], json.dumps(
             {"denied": [_encode_claim(c) | {"member": c.member} for c in hits]}).encode())
@@ -139,7 +138,7 @@ class ClaimAssignor(AbstractPartitionAssignor):
     def on_assignment(self, assignment: Any, generation: int) -> None:
         # runs on kafka-python's network thread: only publish the verdict here
         raw = json.loads(assignment.user_data or b'{"denied": []}')
-        denied = [_decode_claim(d.pop("member", "?"), json.dumps(d).encode()) for d in raw["denied"]]
+        denied = [_decode_claim(d.get("member", "?"), d) for d in raw["denied"]]
         self.denied = denied
         self.granted = self.granted or not denied
         self.verdicts.set()

@@ -152,14 +152,13 @@ class StateStore:
         want = _shards_label(shards)
         with self.txn():
             row = self.db.execute("SELECT v FROM meta WHERE k='shards'").fetchone()
-            if row is None:  # a new store, or one written before shards were recorded
+            if row is not None:
+                have = row[0]
+            else:  # a new store, or one written before shards were recorded: its offsets tell
                 stray = sorted({p for _, p in self.offsets()} - set(shards)) if shards else []
+                have = f"a set including {stray}" if stray else want
                 if not stray:
                     self.db.execute("INSERT INTO meta VALUES ('shards', ?)", (want,))
-                    return
-                have = f"a set including {stray}"
-            else:
-                have = row[0]
         if have != want:
             raise ShardMismatch(
                 f"state store {self.path} holds the state of shards {have}, but this process is "

@@ -314,6 +314,7 @@ def serve_stage(
         claims = ShardClaims(settings.kafka, name, group_id, inputs, store.epoch, tuple(shards))
         held.callback(claims.close)
         claims.wait_granted()
+
         def health() -> tuple[bool, dict[str, object]]:
             ok, detail = runner.healthy()
             return ok, {**detail, "claims": claims.state}
