@@ -40,7 +40,7 @@ from ingest.exactly_once import Outbox, StateStore
 from ingest.runner import StreamRunner
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
 from ingest.stage import SCHEMA as INGEST_SCHEMA
-from reward.report import REWARD_SCHEMA, reward_row
+from reward.report import REWARD_SCHEMA, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, RewardStage
 from reward.stage import SCHEMA as REWARD_SCHEMA_SQL
 
@@ -147,7 +147,7 @@ def run_client(base: KafkaSettings, client: str, n: int, work: Path) -> list[tup
     rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
     rows.append((f"reward: label -> rewards [{client}]", stage_rate(
         cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
-        REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row),
+        REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row, reward_table),
         REWARDS_ARCHIVE, n, n, work)))
     rows.append((f"relay: consume + send, no work [{client}]",
                  relay_rate(cfg, [topics.episodes], f"{topics.prefix}relay", n)))

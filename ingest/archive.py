@@ -38,6 +38,19 @@ def hour_of(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H", time.gmtime(ts))
 
 
+def hours_of(stamps: list[float]) -> list[str]:
+    """:func:`hour_of` of each stamp, formatting each distinct hour once (a batch spans one or
+    two): POSIX time has no leap seconds, so ``ts // 3600`` numbers the UTC hours."""
+    names: dict[float, str] = {}
+    out = []
+    for ts in stamps:
+        name = names.get(ts // 3600)
+        if name is None:
+            name = names[ts // 3600] = hour_of(ts)
+        out.append(name)
+    return out
+
+
 class ParquetArchive:
     """Archive outbox rows: ``row_fn(value) -> (timestamp, columns)`` maps a record to a row.
 
@@ -60,7 +73,7 @@ class ParquetArchive:
     def write(self, epoch: str, rows: list[OutRow]) -> None:
         stamps, table = self._table([row.value for row in rows])
         table = table.append_column(self.schema.field("outbox_seq"), pa.array([r.seq for r in rows], pa.int64()))
-        hours = [hour_of(ts) for ts in stamps]
+        hours = hours_of(stamps)
         for hour in dict.fromkeys(hours):
             idx = [i for i, h in enumerate(hours) if h == hour]
             part = table if len(idx) == len(rows) else table.take(idx)

@@ -22,7 +22,7 @@ from flywheel.settings import Settings
 from ingest.archive import ParquetArchive
 from ingest.main import stop_on_signals
 from ingest.runner import serve_stage
-from reward.report import REWARD_SCHEMA, report, reward_row
+from reward.report import REWARD_SCHEMA, report, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, SCHEMA, RewardStage
 
 
@@ -40,7 +40,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         inputs=[topics.episodes],
         schema=SCHEMA,
         make_stage=lambda store, registry: RewardStage(cfg, topics, store, registry),
-        archives=lambda: {REWARDS_ARCHIVE: ParquetArchive(archive_root, REWARD_SCHEMA, reward_row)},
+        archives=lambda: {REWARDS_ARCHIVE: ParquetArchive(archive_root, REWARD_SCHEMA, reward_row, reward_table)},
         host=cfg.host,
         port=cfg.port,
         max_batch=cfg.max_batch,

@@ -32,20 +32,58 @@ REWARD_SCHEMA = pa.schema([
 ])
 
 
-def reward_row(value: bytes) -> tuple[float, dict[str, object]]:
-    """A reward record as an archive row, filed under the hour it was labeled.
+class _RewardColumns(msgspec.Struct):
+    """The fields of a reward record the archive keeps; msgspec skips the rest unparsed."""
 
-    Plain JSON parsing, not ``RewardEvent`` validation: the archive only sees outbox rows the
-    stage itself encoded from a validated event, so validating again would only cost time.
-    """
-    r = msgspec.json.decode(value)  # untyped, like json.loads, at about a third of the cost
-    return r["labeled_at"], {
-        "generation_id": r["generation_id"], "group_id": r["group_id"], "user_id": r["user_id"],
-        "model_version": r["model_version"], "signal": r["signal"], "reward": r["reward"],
-        "weight": r["weight"], "flags": r["flags"], "components": list(r["components"].items()),
-        "completion_tokens": len(r["completion_token_ids"]), "generated_at": r["generated_at"],
-        "labeled_at": r["labeled_at"],
+    generation_id: str
+    group_id: str
+    user_id: str
+    model_version: int
+    signal: str
+    reward: float
+    weight: float
+    flags: list[str]
+    components: dict[str, float]
+    completion_token_ids: list[int]
+    generated_at: float
+    labeled_at: float
+
+
+# Plain typed parsing, not ``RewardEvent`` validation: the archive only sees outbox rows the
+# stage itself encoded from a validated episode, so validating again would only cost time.
+_decode_rewards = msgspec.json.Decoder(list[_RewardColumns])
+
+
+def reward_row(value: bytes) -> tuple[float, dict[str, object]]:
+    """A reward record as an archive row, filed under the hour it was labeled."""
+    (r,) = _decode_rewards.decode(b"[" + value + b"]")
+    return r.labeled_at, {
+        "generation_id": r.generation_id, "group_id": r.group_id, "user_id": r.user_id,
+        "model_version": r.model_version, "signal": r.signal, "reward": r.reward,
+        "weight": r.weight, "flags": r.flags, "components": list(r.components.items()),
+        "completion_tokens": len(r.completion_token_ids), "generated_at": r.generated_at,
+        "labeled_at": r.labeled_at,
     }
+
+
+def reward_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
+    """:func:`reward_row` for a batch: one parse of the whole batch and one column per field,
+    about half the cost of building a dict per row."""
+    return _columns(_decode_rewards.decode(b"[" + b",".join(values) + b"]"))
+
+
+def _columns(rs: list[_RewardColumns]) -> tuple[list[float], pa.Table]:
+    stamps = [r.labeled_at for r in rs]
+    table = pa.Table.from_pydict({
+        "generation_id": [r.generation_id for r in rs], "group_id": [r.group_id for r in rs],
+        "user_id": [r.user_id for r in rs], "model_version": [r.model_version for r in rs],
+        "signal": [r.signal for r in rs], "reward": [r.reward for r in rs],
+        "weight": [r.weight for r in rs], "flags": [r.flags for r in rs],
+        "components": [list(r.components.items()) for r in rs],
+        "completion_tokens": [len(r.completion_token_ids) for r in rs],
+        "generated_at": [r.generated_at for r in rs], "labeled_at": stamps,
+    }, schema=REWARD_SCHEMA)
+    return stamps, table
 
 
 def _dist(df: pd.DataFrame, by: str) -> pd.DataFrame:

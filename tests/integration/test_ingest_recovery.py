@@ -53,21 +53,21 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings
 
     second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
     found, archived = second.recover({0, 1})
-    assert (found, archived) == (100, 0)  # all rows were in Kafka; archive rows were already marked
+    assert (found, archived) == (100, 50)  # all rows were in Kafka, and the archive rows in the files
     assert second.deliver({0, 1}, wait=True) == 0
     values = sorted(r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10))
     assert len(values) == 100 and len(set(values)) == 100
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
 
 
-def test_crash_after_archive_before_mark_is_not_rewritten(kafka_settings, out_settings, topics, tmp_path):
+def test_crash_after_archive_before_send_is_not_rewritten(kafka_settings, out_settings, topics, tmp_path):
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 20)
     first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
-    store.mark_archived = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, mark lost
+    first.producer.send = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, nothing sent
     with pytest.raises(Crash):
         first.deliver({0, 1}, wait=True)
-    del store.mark_archived
+    del first.producer.send
     first.producer.close()
 
     arch = archive(tmp_path)
@@ -135,6 +135,26 @@ def test_failed_report_for_a_landed_record_is_not_resent(kafka_settings, out_set
     assert second.deliver({0}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
     assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
+
+
+def test_failed_sends_are_settled_without_archiving_twice(kafka_settings, out_settings, topics, tmp_path):
+    """In a running stage, rows whose reports failed are settled by a recovery scan before the
+    next delivery: neither their records nor their archive rows are written a second time."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(10):
+            store.append(0, topics.episodes, "same-key", f"v{i}".encode(), archive="a")
+    arch = archive(tmp_path)
+    outbox = Outbox(store, LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=4),
+                    kafka_settings.bootstrap, {"a": arch})
+    assert outbox.deliver({0}, wait=True) == 6  # four reports "failed", though their rows landed
+    assert [r.archived for r in store.pending({0})] == [False] * 4
+    assert outbox.deliver({0}, wait=True) == 0  # settled by the scan: found, nothing resent
+    assert store.pending({0}) == [] and len(arch.files()) == 1
+    assert len(arch.archived_seqs(store.epoch, 0, 10**9)) == 10
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=10, timeout_s=10)]
+    assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
+    outbox.producer.close()
 
 
 def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings, out_settings, topics, tmp_path):

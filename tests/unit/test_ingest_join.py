@@ -190,3 +190,12 @@ def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path):
     for a, b in zip(fast.files(), slow.files()):
         assert pq.read_table(a).equals(pq.read_table(b))
     assert batches == [3] and fast.archived_seqs("e", 0, 99) == {10, 11, 12}
+
+
+def test_hours_of_formats_each_stamp_like_hour_of():
+    from ingest.archive import hour_of, hours_of
+
+    # both sides of hour boundaries (1699999200 is one), and hours out of order
+    stamps = [1700000000.0, 1699999199.999, 1699999200.0, 1700006400.25, 1700000000.5, 0.0]
+    assert hours_of(stamps) == [hour_of(t) for t in stamps]
+    assert len(set(hours_of(stamps))) == 4

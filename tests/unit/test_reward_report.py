@@ -7,7 +7,7 @@ import pandas as pd
 from flywheel.contracts import RewardEvent, SamplingParams, encode
 from ingest.archive import ParquetArchive
 from ingest.exactly_once import OutRow
-from reward.report import REWARD_SCHEMA, report, reward_row, summarise
+from reward.report import REWARD_SCHEMA, report, reward_row, reward_table, summarise
 
 
 def reward(i: int, user: str, signal: str, value: float, flags=(), version=0) -> RewardEvent:
@@ -35,6 +35,22 @@ def test_report_tables_from_archive(tmp_path):
     assert list(users.index) == ["b"] and users.loc["b", "flagged"] == 2
     text = report(tmp_path)
     assert "4 rewards" in text and "== reward by guard flag ==" in text and "constant_user" in text
+
+
+def test_archive_rows_hold_the_reward_fields_on_both_paths(tmp_path):
+    events = [reward(0, "a", "edit", 0.5), reward(1, "b", "accept", 0.75, ("constant_user", "long")),
+              reward(2, "c", "reject", -0.25, version=3)]
+    rows = [OutRow(7 + i, 0, "t", e.generation_id, encode(e), "rewards", False) for i, e in enumerate(events)]
+    for name, table_fn in (("batch", reward_table), ("row", None)):
+        ParquetArchive(tmp_path / name, REWARD_SCHEMA, reward_row, table_fn).write("e0", rows)
+        got = pd.read_parquet(tmp_path / name).sort_values("outbox_seq")
+        assert list(got["outbox_seq"]) == [7, 8, 9]
+        for (_, row), e in zip(got.iterrows(), events):
+            assert (row["generation_id"], row["user_id"], row["model_version"], row["signal"]) == (
+                e.generation_id, e.user_id, e.model_version, e.signal)
+            assert (row["reward"], row["weight"], tuple(row["flags"])) == (e.reward, e.weight, e.flags)
+            assert dict(row["components"]) == e.components and row["completion_tokens"] == 2
+            assert (row["generated_at"], row["labeled_at"]) == (e.generated_at, e.labeled_at)
 
 
 def test_report_without_archive(tmp_path):

@@ -189,3 +189,29 @@ def test_stage_guard_counts_survive_rollback_and_restart(tmp_path):
     split = _rewards(tmp_path, "split", [recs[:40], recs[40:41] + recs[:10], recs[41:]], fail_at=1)
     assert len(once) == 120 and split == once  # duplicates folded, rollback forgot its counts
     assert any("user_cap" in f for _, _, f in once)  # the guard actually fired in this stream
+
+
+@pytest.mark.parametrize(("ep", "reward", "components", "weight", "flags"), [
+    (episode(), 0.75, {"signal": 0.75}, 1.0, ()),
+    (episode("edit", text='é "q"\n\u2028<tab>\t', edited="x", ms=12.5, tokens=(5, 6, 7, 8)), 0.3125,
+     {"signal": 0.5, "edit": -0.1875, "length_penalty": -0.0}, 0.2, ("long", "constant_user")),
+    (episode("reject", text=""), -1.25, {"signal": -0.25, "verifier_nonempty": -1.0}, 0.0, ("user_cap",)),
+    (episode("ignore", tokens=()), 0.0, {}, 1.0, ()),
+    (episode().model_copy(update={"generation": episode().generation.model_copy(update={"sampling": SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=40, max_tokens=8, seed=7, stop=("\n", "END"), logprobs_mode="raw")})}),
+     1.0, {"signal": 1.0}, 1.0, ()),
+])
+def test_reward_bytes_are_the_encoded_reward_event(ep, reward, components, weight, flags):
+    from flywheel.contracts import RewardEvent, decode, encode
+    from reward.stage import reward_bytes
+
+    g = ep.generation
+    built = RewardEvent(
+        generation_id=g.generation_id, group_id=g.group_id, user_id=g.user_id,
+        model_version=g.model_version, signal=ep.signal, prompt_token_ids=g.prompt_token_ids,
+        completion_token_ids=g.completion_token_ids, logprobs=g.logprobs, sampling=g.sampling,
+        reward=reward, components=components, weight=weight, flags=flags,
+        generated_at=g.created_at, labeled_at=1700000010.987654)
+    written = reward_bytes(ep, reward, components, weight, flags, 1700000010.987654)
+    assert decode(RewardEvent, written) == built
+    assert written == encode(built)
