@@ -12,7 +12,8 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
    topic-partition). Either all of it is durable or none of it.
 2. **Archive** - outbox rows bound for a Parquet archive are written to a file named after the
    store's epoch and the rows' sequence range, atomically (temp file + rename). The files are
-   the record of what is archived: rows are marked ``archived`` only by the recovery below.
+   the record of what is archived: rows are marked ``archived`` only when their send fails
+   and by the recovery below.
 3. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
    explicitly computed partition (the default key partitioner for keyed records, so shard ``p``'s
    outputs land in partition ``p`` when partition counts match). Acks are collected on the next
@@ -359,7 +360,7 @@ class Outbox:
     def _reap(self) -> int:
         done: list[int] = []
         marks: dict[tuple[int, str, int], int] = {}
-        failed = False
+        failed: list[int] = []
         for seq, topic, part, offset, error in self.producer.reports():
             shard = self._in_flight.pop(seq, None)
             if shard is None:
@@ -368,13 +369,17 @@ class Outbox:
                 log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
                 self._suspect.add(shard)
                 self._frozen.add((topic, part))
-                failed = True
+                failed.append(seq)
                 continue
             done.append(seq)
             if (topic, part) not in self._frozen and offset + 1 > marks.get((shard, topic, part), 0):
                 marks[(shard, topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
+        if failed:
+            # every row sent was archived first: mark the few that stay, so settling them (maybe
+            # much later, if their shard moves away meanwhile) need not read the files back
+            self.store.mark_archived(failed)
         if failed and self._in_flight:
             # drain, so the failed rows (below the highest seq in flight) are read again
             self.producer.flush(self.flush_timeout_s)
@@ -388,8 +393,8 @@ class Outbox:
                 by_archive.setdefault(row.archive, []).append(row)
         # Not marked archived here: marking rewrites every row, blob included (a third of the
         # archive's cost). A row reaches this point once per run: later calls start above the
-        # highest seq in flight, and a row whose send failed is settled by recover() first,
-        # which, like a restart, learns from the files themselves which rows they hold.
+        # highest seq in flight, and a row whose send failed is marked by _reap() and settled by
+        # recover() before any resend. After a restart, recover() asks the files themselves.
         for name, batch in by_archive.items():
             self.archives[name].write(self.store.epoch, batch)
 
