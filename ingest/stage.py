@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -50,6 +51,7 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 """
 
 EPISODES_ARCHIVE = "episodes"
+_encode_json = msgspec.json.Encoder().encode
 
 
 class IngestMetrics:
@@ -170,7 +172,7 @@ class IngestStage:
             res = resolve(feedback.get(gid, []))
             self.store.append(shard, self.topics.episodes, gid, episode_bytes(raw, res, now),
                               archive=EPISODES_ARCHIVE)
-            closed.append((gid, shard, now, json.dumps(res.feedback_ids)))
+            closed.append((gid, shard, now, _encode_json(res.feedback_ids).decode()))
             signals[res.signal] = signals.get(res.signal, 0) + 1
             if res.conflicted:
                 self.m.conflicts.inc()
@@ -199,12 +201,12 @@ def episode_bytes(generation: bytes, res: Resolution, resolved_at: float) -> byt
     field order is EpisodeEvent's; tests/unit/test_ingest_join.py checks the bytes decode to the
     same episode as the model-built record.
     """
-    rest = json.dumps({
+    rest = _encode_json({
         "signal": res.signal, "edited_text": res.edited_text, "decision_ms": res.decision_ms,
-        "feedback_ids": list(res.feedback_ids), "timed_out": res.timed_out,
+        "feedback_ids": res.feedback_ids, "timed_out": res.timed_out,
         "conflicted": res.conflicted, "resolved_at": resolved_at,
-    }, separators=(",", ":"), ensure_ascii=False)
-    return b'{"schema_version":1,"kind":"episode","generation":' + generation + b"," + rest[1:].encode()
+    })
+    return b'{"schema_version":1,"kind":"episode","generation":' + generation + b"," + rest[1:]
 
 
 class _BatchView:
