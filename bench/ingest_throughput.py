@@ -16,8 +16,9 @@ It prints one table of records/s (wall clock and per CPU-second of this process,
 the ratio to the raw rate of the same input measured just before in the same run (goal: >= 0.5);
 the relay row is compared with the raw episode consume. Timing starts once the first batch is in
 and counts only the records after it, so group joins are not counted (a stage's clock then still
-includes delivering that first batch's outputs: the bias is against the stage). The raw rows last
-a fraction of a second and swing most: compare the CPU columns and repeat the run.
+includes delivering that first batch's outputs: the bias is against the stage). The raw and relay
+rows last a fraction of a second and swing most, so each is the median of ``--repeat`` runs;
+compare the CPU columns too, and repeat the whole run.
 """
 
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import statistics
 import tempfile
 import time
 import uuid
@@ -130,7 +132,15 @@ def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schem
     return (expect_in - first) / elapsed, (expect_in - first) / cpu
 
 
-def run_client(base: KafkaSettings, client: str, n: int, work: Path) -> list[tuple[str, tuple[float, float]]]:
+def median_of(repeat: int, measure, *args) -> tuple[float, float]:
+    """The median wall and CPU rates of ``repeat`` runs of ``measure(*args)``: the raw and relay
+    runs last a fraction of a second, and one of them alone swings the ratios by a third."""
+    runs = [measure(*args) for _ in range(repeat)]
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def run_client(base: KafkaSettings, client: str, n: int, work: Path,
+               repeat: int) -> list[tuple[str, tuple[float, float]]]:
     """Both stages with ``client`` as their output producer, on fresh topics of their own."""
     cfg = base.model_copy(update={"producer_client": client})
     topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
@@ -138,19 +148,19 @@ def run_client(base: KafkaSettings, client: str, n: int, work: Path) -> list[tup
     produce(cfg, topics, n)
     inputs = [topics.generations, topics.feedback]
     work = work / client
-    rows = [("raw consume (generations+feedback)", raw_rate(cfg, inputs, 2 * n))]
+    rows = [("raw consume (generations+feedback)", median_of(repeat, raw_rate, cfg, inputs, 2 * n))]
     icfg = IngestSettings(window_s=5, grace_s=0)
     rows.append((f"ingest: join -> episodes [{client}]", stage_rate(
         cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
         ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table), EPISODES_ARCHIVE,
         2 * n, n, work)))
-    rows.append(("raw consume (episodes)", raw_rate(cfg, [topics.episodes], n)))
+    rows.append(("raw consume (episodes)", median_of(repeat, raw_rate, cfg, [topics.episodes], n)))
     rows.append((f"reward: label -> rewards [{client}]", stage_rate(
         cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
         REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row, reward_table),
         REWARDS_ARCHIVE, n, n, work)))
     rows.append((f"relay: consume + send, no work [{client}]",
-                 relay_rate(cfg, [topics.episodes], f"{topics.prefix}relay", n)))
+                 median_of(repeat, relay_rate, cfg, [topics.episodes], f"{topics.prefix}relay", n)))
     return rows
 
 
@@ -159,14 +169,17 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=20_000)
     ap.add_argument("--clients", default="confluent,kafka-python",
                     help="output producer clients to measure, comma-separated")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of each raw and relay measurement; their median is reported")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n = args.pairs
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
         cfg = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
                             partitions=2)
-        rows = [run_client(cfg, client, n, Path(tmp)) for client in args.clients.split(",")]
-    print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker\n")
+        rows = [run_client(cfg, client, n, Path(tmp), args.repeat) for client in args.clients.split(",")]
+    print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker; raw and relay rows: "
+          f"median of {args.repeat} runs\n")
     # CPU columns: records per CPU-second of this process (all its threads), steadier than wall
     # time when other work shares the cores. Each stage is compared with the raw consume of its
     # own input just before it; the relay with the raw episode consume.

@@ -76,6 +76,9 @@ def stage_rate(stage: str, env: dict[str, str], procs: int, partitions: int, inp
                 if start is None and seen:
                     start, first = now, seen
                 if sum(s["delivered"] for s in states) >= outputs:
+                    if now == start:  # all of it happened before the first sample: no interval
+                        raise SystemExit(f"{stage} processed all {inputs} records between two "
+                                         "samples of /health: run with more --pairs")
                     return (inputs - first) / (now - start)
             if any(c.poll() is not None for c in children):
                 raise RuntimeError(f"a {stage} process exited early")

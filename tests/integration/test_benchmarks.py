@@ -1,0 +1,45 @@
+"""The stage benchmarks still run end to end and print every row (their numbers are not judged
+here: speed is measured by running them, never by timed assertions)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[2]
+ROW = re.compile(r"^(?P<label>\S.*?)\s+(?P<rate>[\d,]+)\s+(?P<ratio>\d+\.\d\d)\b")
+
+
+def run_bench(script: str, *args: str) -> list[tuple[str, float, float]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    out = subprocess.run([sys.executable, f"bench/{script}", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=540, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    rows = [m for line in out.stdout.splitlines() if (m := ROW.match(line))]
+    return [(m["label"], float(m["rate"].replace(",", "")), float(m["ratio"])) for m in rows]
+
+
+def test_ingest_throughput_prints_stage_raw_and_relay_rows():
+    # more records than one poll returns (5000), so every row counts records after its first batch
+    rows = run_bench("ingest_throughput.py", "--pairs", "6000", "--repeat", "2", "--clients", "confluent")
+    assert [label for label, _, _ in rows] == [
+        "raw consume (generations+feedback)", "ingest: join -> episodes [confluent]",
+        "raw consume (episodes)", "reward: label -> rewards [confluent]",
+        "relay: consume + send, no work [confluent]"]
+    assert all(rate > 0 for _, rate, _ in rows)
+    assert rows[0][2] == rows[2][2] == 1.0  # each raw row is the base of the rows after it
+
+
+@pytest.mark.slow
+def test_stage_scaleout_runs_the_deployed_stages():
+    # enough records that no stage finishes between two of the bench's 50 ms samples
+    rows = run_bench("stage_scaleout.py", "--pairs", "24000", "--processes", "1,2")
+    assert [label for label, _, _ in rows if "process" in label] == [
+        "ingest, 1 process(es)", "reward, 1 process(es)", "ingest, 2 process(es)", "reward, 2 process(es)"]
+    assert all(rate > 0 for _, rate, _ in rows)
