@@ -9,6 +9,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel serve                         OpenAI-compatible API + feedback, records to Kafka
     flywheel topics                        create the topics this deployment uses
     flywheel ingest | reward | train       the pipeline stages
+    flywheel deadletters summary|show|replay   what the stages could not use, and its replay
     flywheel demo                          the whole loop on one machine, then stop
 """
 
@@ -104,6 +105,12 @@ def _role(module: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _age(text: str) -> float:
+    from flywheel.deadletters import parse_age
+
+    return parse_age(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=None, help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
@@ -146,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <data_dir>/archive/rewards)")
     rw.add_argument("--top", type=int, default=10, help="report: how many flagged users to list")
     rw.set_defaults(func=_role("reward.main"))
+
+    dl = sub.add_parser("deadletters", help="summarise, show or replay the dead-letter topic")
+    dl.add_argument("action", choices=["summary", "show", "replay"])
+    dl.add_argument("--reason", action="append", help="only this reason (repeatable)")
+    dl.add_argument("--stage", action="append", help="only from this stage: ingest, reward, trainer (repeatable)")
+    dl.add_argument("--source-topic", action="append",
+                    help="only from this topic, by name or kind, e.g. feedback (repeatable)")
+    dl.add_argument("--since", type=_age, default=None, help="only those that failed in the last AGE (90s, 30m, 2h, 7d)")
+    dl.add_argument("--until", type=_age, default=None, help="only those that failed more than AGE ago")
+    dl.add_argument("--limit", type=int, default=20, help="show: how many records to print")
+    dl.add_argument("--dry-run", action="store_true", help="replay: count what would be sent, send nothing")
+    dl.set_defaults(func=_role("flywheel.deadletters"))
 
     tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")
     tr.set_defaults(func=_role("trainer.main"))

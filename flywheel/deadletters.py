@@ -1,0 +1,254 @@
+"""``flywheel deadletters``: summarise, show and replay the dead-letter topic.
+
+Every stage sends what it cannot use to ``<prefix>deadletter`` as a :class:`DeadLetterEvent`
+with the reason and the original key and bytes (flywheel/bus.py). This is the on-call side of
+that promise (runbook: dashboards/runbooks/dead-letters.md)::
+
+    flywheel deadletters summary [filters]          counts by stage, reason and source topic
+    flywheel deadletters show [filters] [--limit N] the records, with their original values
+    flywheel deadletters replay [filters] [--dry-run]
+
+Filters: ``--reason R``, ``--stage S``, ``--source-topic T`` (repeatable; a topic by full name or
+by kind, e.g. ``feedback``), ``--since 2h`` and ``--until 30m`` (ages of ``failed_at``).
+
+**Replay** sends each selected record's original key and value back to its source topic and
+partition, once the cause is fixed: a producer deployed with a contract the consumers now know
+(``unknown_version``, ``invalid``), or generations that arrived after their feedback had been
+dead-lettered (``orphan_feedback``). It is safe to repeat: the stages fold repeated
+``feedback_id``\\ s and ``generation_id``\\ s, so a record replayed twice, or one that had been
+used after all, counts once. A replayed record carries the header ``flywheel-replay-of:
+<partition>:<offset>`` naming its dead letter. Only records from this deployment's stage inputs
+(generations, feedback, episodes, rewards) are replayed; anything else is listed as refused.
+A record that fails again is dead-lettered again, with its new reason.
+
+The dead-letter topic is read from its start to its high watermark on every run: it is a
+low-volume topic, and its retention bounds the read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import re
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kafka import KafkaConsumer, TopicPartition
+
+from flywheel.contracts import ContractError, DeadLetterEvent, Topics, decode
+from flywheel.settings import KafkaSettings, Settings
+
+REPLAY_HEADER = "flywheel-replay-of"
+_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_age(text: str) -> float:
+    """``"90s"``, ``"30m"``, ``"2h"``, ``"7d"`` -> seconds (an argparse ``type``)."""
+    m = _AGE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not an age: {text!r} (a number and a unit: 90s, 30m, 2h, 7d)")
+    return float(m[1]) * _UNIT_S[m[2]]
+
+
+@dataclass(frozen=True)
+class Letter:
+    """One dead letter and where it sits in the dead-letter topic."""
+
+    partition: int
+    offset: int
+    event: DeadLetterEvent
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which dead letters a command acts on; an empty set matches everything."""
+
+    reasons: frozenset[str] = frozenset()
+    stages: frozenset[str] = frozenset()
+    source_topics: frozenset[str] = frozenset()
+    since: float | None = None  # failed_at at or after (epoch seconds)
+    until: float | None = None  # failed_at before
+
+    def matches(self, dl: DeadLetterEvent) -> bool:
+        return ((not self.reasons or dl.reason in self.reasons)
+                and (not self.stages or dl.stage in self.stages)
+                and (not self.source_topics or dl.source_topic in self.source_topics)
+                and (self.since is None or dl.failed_at >= self.since)
+                and (self.until is None or dl.failed_at < self.until))
+
+
+def selection_from_args(args: argparse.Namespace, topics: Topics, now: float) -> Selection:
+    """The command line's filters (ages already in seconds); a source topic may be named by kind
+    (``feedback``)."""
+    kinds = {"generations": topics.generations, "feedback": topics.feedback,
+             "episodes": topics.episodes, "rewards": topics.rewards}
+    return Selection(
+        reasons=frozenset(args.reason or ()),
+        stages=frozenset(args.stage or ()),
+        source_topics=frozenset(kinds.get(t, t) for t in args.source_topic or ()),
+        since=now - args.since if args.since is not None else None,
+        until=now - args.until if args.until is not None else None,
+    )
+
+
+@dataclass
+class Summary:
+    """Counts of the selected dead letters by (stage, reason, source topic), with time span."""
+
+    rows: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # [n, first, last]
+
+    def add(self, dl: DeadLetterEvent) -> None:
+        row = self.rows.get((dl.stage, dl.reason, dl.source_topic))
+        if row is None:
+            self.rows[(dl.stage, dl.reason, dl.source_topic)] = [1, dl.failed_at, dl.failed_at]
+        else:
+            row[0] += 1
+            row[1], row[2] = min(row[1], dl.failed_at), max(row[2], dl.failed_at)
+
+    def render(self) -> str:
+        if not self.rows:
+            return "no dead letters match"
+        table = [("stage", "reason", "source topic", "count", "first failed", "last failed")]
+        for (stage, reason, topic), (n, first, last) in sorted(self.rows.items(), key=lambda kv: -kv[1][0]):
+            table.append((stage, reason, topic, str(int(n)), _when(first), _when(last)))
+        widths = [max(len(row[i]) for row in table) for i in range(6)]
+        return "\n".join("  ".join(cell.rjust(w) if i == 3 else cell.ljust(w)
+                                   for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                         for row in table)
+
+
+def show(letters: Iterable[Letter], limit: int, width: int = 300) -> str:
+    """The letters as an operator reads them: where, why, and the original bytes (truncated)."""
+    out = []
+    for letter in list(letters)[:limit]:
+        dl = letter.event
+        value = base64.b64decode(dl.value_b64)
+        key = base64.b64decode(dl.key_b64) if dl.key_b64 is not None else None
+        text = value.decode("utf-8", "replace")
+        out.append(
+            f"[{letter.partition}:{letter.offset}] {_when(dl.failed_at)} {dl.stage} {dl.reason}: {dl.detail}\n"
+            f"  from {dl.source_topic}[{dl.source_partition}]@{dl.source_offset} key={key!r}\n"
+            f"  value ({len(value)} bytes): {text[:width]}{' ...' if len(text) > width else ''}")
+    return "\n".join(out) if out else "no dead letters match"
+
+
+@dataclass
+class ReplayResult:
+    sent: Counter[tuple[str, str]] = field(default_factory=Counter)  # (source topic, reason) -> n
+    refused: list[tuple[Letter, str]] = field(default_factory=list)
+
+    def render(self, dry_run: bool) -> str:
+        verb = "would replay" if dry_run else "replayed"
+        lines = [f"{verb} {sum(self.sent.values())} records"]
+        lines += [f"  {n:>7}  {reason:<18} -> {topic}" for (topic, reason), n in sorted(self.sent.items())]
+        for letter, why in self.refused:
+            lines.append(f"  refused [{letter.partition}:{letter.offset}] {letter.event.reason}: {why}")
+        return "\n".join(lines)
+
+
+def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list[Letter], list[tuple[Letter, str]]]:
+    """Split the letters into those to replay and those refused, with the reason (pure)."""
+    go: list[Letter] = []
+    refused: list[tuple[Letter, str]] = []
+    for letter in letters:
+        dl = letter.event
+        if dl.source_topic not in inputs:
+            refused.append((letter, f"{dl.source_topic} is not a stage input of this deployment"))
+        elif not dl.value_b64:
+            refused.append((letter, "no original value to replay"))
+        else:
+            go.append(letter)
+    return go, refused
+
+
+def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool) -> ReplayResult:
+    """Send the letters' original records back to their source topics (see the module doc)."""
+    from flywheel.bus import make_producer
+
+    inputs = frozenset({topics.generations, topics.feedback, topics.episodes, topics.rewards})
+    go, refused = plan_replay(letters, inputs)
+    result = ReplayResult(refused=refused)
+    producer = None if dry_run else make_producer(cfg, "replay")
+    try:
+        futures = []
+        for letter in go:
+            dl = letter.event
+            if producer is not None:
+                futures.append(producer.send(
+                    dl.source_topic,
+                    key=base64.b64decode(dl.key_b64) if dl.key_b64 is not None else None,
+                    value=base64.b64decode(dl.value_b64),
+                    partition=dl.source_partition,
+                    headers=[(REPLAY_HEADER, f"{letter.partition}:{letter.offset}".encode())],
+                ))
+            result.sent[(dl.source_topic, dl.reason)] += 1
+        if producer is not None:
+            producer.flush()
+            for fut in futures:
+                fut.get(timeout=30)  # raises if a send failed: the operator must know
+    finally:
+        if producer is not None:
+            producer.close()
+    return result
+
+
+def read_letters(cfg: KafkaSettings, topic: str, timeout_s: float = 60.0) -> tuple[list[Letter], int]:
+    """Every dead letter on ``topic`` up to its high watermark, and how many did not decode."""
+    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), group_id=None,
+                             enable_auto_commit=False, client_id=f"{cfg.client_id}-deadletters",
+                             max_partition_fetch_bytes=cfg.max_request_bytes)
+    letters: list[Letter] = []
+    bad = 0
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (parts := consumer.partitions_for_topic(topic)):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no topic {topic} on {cfg.bootstrap}")
+            time.sleep(0.1)
+        tps = [TopicPartition(topic, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        remaining = set(tps)
+        while remaining:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not read {topic} to its end in {timeout_s:.0f}s")
+            for tp, recs in consumer.poll(timeout_ms=200).items():
+                for rec in recs:
+                    try:
+                        letters.append(Letter(tp.partition, rec.offset, decode(DeadLetterEvent, rec.value)))
+                    except ContractError:
+                        bad += 1
+            for tp in list(remaining):
+                high = consumer.highwater(tp)
+                if high is not None and consumer.position(tp) >= high:
+                    remaining.discard(tp)
+    finally:
+        consumer.close()
+    letters.sort(key=lambda x: (x.event.failed_at, x.partition, x.offset))
+    return letters, bad
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts)) + "Z"
+
+
+def run(settings: Settings, args: argparse.Namespace) -> int:
+    topics = Topics(settings.topic_prefix)
+    selection = selection_from_args(args, topics, time.time())
+    letters, bad = read_letters(settings.kafka, topics.deadletter)
+    chosen = [x for x in letters if selection.matches(x.event)]
+    print(f"{topics.deadletter}: {len(letters)} dead letters, {len(chosen)} selected"
+          + (f", {bad} unreadable" if bad else ""))
+    if args.action == "summary":
+        summary = Summary()
+        for letter in chosen:
+            summary.add(letter.event)
+        print(summary.render())
+    elif args.action == "show":
+        print(show(chosen, args.limit))
+    else:
+        print(replay(settings.kafka, topics, chosen, args.dry_run).render(args.dry_run))
+    return 0

@@ -1,0 +1,93 @@
+"""Table tests for the dead-letter tool's pure parts (flywheel/deadletters.py)."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+
+import pytest
+
+from flywheel.cli import build_parser
+from flywheel.contracts import DeadLetterEvent, Topics
+from flywheel.deadletters import (
+    Letter,
+    Selection,
+    Summary,
+    parse_age,
+    plan_replay,
+    selection_from_args,
+    show,
+)
+
+T = Topics("p.")
+
+
+def dl(reason="invalid", stage="ingest", topic="p.feedback", at=1000.0, value=b'{"x":1}', key=b"g1") -> DeadLetterEvent:
+    return DeadLetterEvent(stage=stage, reason=reason, detail="why", source_topic=topic, source_partition=1,
+                           source_offset=7, key_b64=base64.b64encode(key).decode() if key is not None else None,
+                           value_b64=base64.b64encode(value).decode(), failed_at=at)
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("2h", 7200), ("1.5d", 129600), (" 7d ", 604800)])
+def test_parse_age(text, seconds):
+    assert parse_age(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "2", "h", "2w", "-1h", "two hours"])
+def test_parse_age_refuses_with_the_expected_form(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="90s, 30m, 2h, 7d"):
+        parse_age(text)
+
+
+@pytest.mark.parametrize(("selection", "event", "hit"), [
+    (Selection(), dl(), True),
+    (Selection(reasons=frozenset({"invalid", "orphan_feedback"})), dl("orphan_feedback"), True),
+    (Selection(reasons=frozenset({"invalid"})), dl("late_feedback"), False),
+    (Selection(stages=frozenset({"reward"})), dl(stage="ingest"), False),
+    (Selection(source_topics=frozenset({"p.generations"})), dl(topic="p.feedback"), False),
+    (Selection(since=1000.0), dl(at=1000.0), True),
+    (Selection(since=1000.5), dl(at=1000.0), False),
+    (Selection(until=1000.0), dl(at=1000.0), False),
+    (Selection(since=900.0, until=1100.0, reasons=frozenset({"invalid"})), dl(at=1000.0), True),
+])
+def test_selection(selection, event, hit):
+    assert selection.matches(event) is hit
+
+
+def test_command_line_filters_name_topics_by_kind_and_ages_from_now():
+    args = build_parser().parse_args(["deadletters", "replay", "--reason", "invalid", "--reason", "unknown_version",
+                                      "--source-topic", "feedback", "--source-topic", "other.t", "--since", "2h",
+                                      "--until", "30m"])
+    sel = selection_from_args(args, T, now=10_000.0)
+    assert sel.reasons == {"invalid", "unknown_version"} and sel.stages == frozenset()
+    assert sel.source_topics == {"p.feedback", "other.t"}
+    assert (sel.since, sel.until) == (10_000.0 - 7200, 10_000.0 - 1800)
+
+
+def test_summary_counts_by_stage_reason_and_topic_with_time_span():
+    summary = Summary()
+    for event in (dl(at=30.0), dl(at=10.0), dl(at=20.0), dl("orphan_feedback", at=5.0), dl(stage="reward", topic="p.episodes")):
+        summary.add(event)
+    assert summary.rows == {("ingest", "invalid", "p.feedback"): [3, 10.0, 30.0],
+                            ("ingest", "orphan_feedback", "p.feedback"): [1, 5.0, 5.0],
+                            ("reward", "invalid", "p.episodes"): [1, 1000.0, 1000.0]}
+    lines = summary.render().splitlines()
+    assert lines[1].split()[:4] == ["ingest", "invalid", "p.feedback", "3"]  # biggest first
+    assert Summary().render() == "no dead letters match"
+
+
+def test_plan_replay_refuses_foreign_topics_and_empty_values():
+    letters = [Letter(0, 1, dl()), Letter(0, 2, dl(topic="elsewhere")), Letter(1, 3, dl(value=b"")),
+               Letter(1, 4, dl(topic="p.generations", key=None))]
+    go, refused = plan_replay(letters, frozenset({"p.feedback", "p.generations"}))
+    assert [x.offset for x in go] == [1, 4]
+    assert [(x.offset, why) for x, why in refused] == [
+        (2, "elsewhere is not a stage input of this deployment"), (3, "no original value to replay")]
+
+
+def test_show_prints_where_why_and_the_original_bytes():
+    text = show([Letter(0, 4, dl(value=b"x" * 500)), Letter(1, 9, dl(key=None))], limit=1, width=50)
+    assert "[0:4]" in text and "ingest invalid: why" in text and "p.feedback[1]@7 key=b'g1'" in text
+    assert "value (500 bytes): " + "x" * 50 + " ..." in text and "[1:9]" not in text
+    assert "key=None" in show([Letter(1, 9, dl(key=None))], limit=5)
+    assert show([], limit=5) == "no dead letters match"
