@@ -221,6 +221,9 @@ class RewardSettings(_Section):
     labelers: tuple[str, ...] = ("signal", "edit", "latency")
     """Labelers summed into the reward, by registry name (reward/labelers.py): signal, edit,
     latency, verifier:<name>, reward_model:<name>."""
+    plugins: tuple[str, ...] = ()
+    """Python modules imported when the stage starts, before ``labelers`` are looked up: your
+    own verifiers, reward models and labelers register themselves there (reward/labelers.py)."""
     accept_value: float = 0.75
     """Reward for ``accept``."""
     reject_value: float = -0.25

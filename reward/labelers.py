@@ -15,17 +15,29 @@ Built in (``reward.labelers`` names them, in order):
                the decision, fading linearly to 0 at ``latency_ref_ms``.
 - ``verifier:<name>``      a function registered with :func:`register_verifier`.
 - ``reward_model:<name>``  a :class:`RewardModel` registered with :func:`register_reward_model`.
+
+Your own verifiers, reward models and labelers live in your own modules, named in
+``reward.plugins``; the stage imports them at start-up, and they call the ``register_*``
+functions at import. A module that cannot be imported stops the stage before it consumes anything.
+
+A labeler that raises, or returns a component that is not a finite number, fails that episode
+only: the stage dead-letters it as ``labeler_error``, naming the labeler, and goes on. Replay it
+with ``flywheel deadletters replay --reason labeler_error`` once the labeler is fixed. A reward
+model behind a network call should retry transient errors itself: what it raises is final for
+that episode.
 """
 
 from __future__ import annotations
 
+import importlib
+import math
 from collections.abc import Callable
 from typing import Protocol
 
 from rapidfuzz.distance import Levenshtein
 
 from flywheel.contracts import EpisodeEvent
-from flywheel.settings import RewardSettings
+from flywheel.settings import RewardSettings, SettingsError
 
 Labeler = Callable[[EpisodeEvent], dict[str, float]]
 Verifier = Callable[[EpisodeEvent], float | None]
@@ -113,26 +125,55 @@ def _nonempty(ep: EpisodeEvent) -> float | None:
 register_verifier("nonempty", _nonempty)
 
 
+class LabelerError(Exception):
+    """A labeler failed on one episode: it raised, or returned a component that is not finite."""
+
+    def __init__(self, labeler: str, detail: str) -> None:
+        super().__init__(f"labeler {labeler!r}: {detail}")
+        self.labeler = labeler
+
+
+def load_plugins(modules: tuple[str, ...]) -> None:
+    """Import ``reward.plugins``; a module that fails to import stops the stage with the reason."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # any failure of the user's module is a config error
+            raise SettingsError(f"reward.plugins: cannot import {name!r}: {type(exc).__name__}: {exc}") from exc
+
+
 def build_labeler(cfg: RewardSettings) -> Labeler:
-    """Compose the configured labelers into one; unknown names fail here, at start-up."""
-    parts: list[Labeler] = []
+    """Compose the configured labelers into one; unknown names fail here, at start-up.
+
+    The composed labeler raises :class:`LabelerError` for an episode one of them fails on.
+    """
+    load_plugins(cfg.plugins)
+    parts: list[tuple[str, Labeler]] = []
     for name in cfg.labelers:
         kind, _, arg = name.partition(":")
         if kind == "verifier" and arg in _VERIFIERS:
-            parts.append(_verifier_labeler(arg, _VERIFIERS[arg]))
+            parts.append((name, _verifier_labeler(arg, _VERIFIERS[arg])))
         elif kind == "reward_model" and arg in _REWARD_MODELS:
-            parts.append(_model_labeler(arg, _REWARD_MODELS[arg](cfg)))
+            parts.append((name, _model_labeler(arg, _REWARD_MODELS[arg](cfg))))
         elif name in _FACTORIES:
-            parts.append(_FACTORIES[name](cfg))
+            parts.append((name, _FACTORIES[name](cfg)))
         else:
             known = sorted(_FACTORIES) + [f"verifier:{v}" for v in _VERIFIERS] + [
                 f"reward_model:{m}" for m in _REWARD_MODELS]
-            raise ValueError(f"unknown labeler {name!r}; known: {', '.join(known)}")
+            raise SettingsError(f"reward.labelers: unknown labeler {name!r}; known: {', '.join(known)}"
+                                + ("" if cfg.plugins else " (your own register in reward.plugins modules)"))
 
     def label(ep: EpisodeEvent) -> dict[str, float]:
         out: dict[str, float] = {}
-        for part in parts:
-            out.update(part(ep))
+        for name, part in parts:
+            try:
+                got = part(ep)
+            except Exception as exc:  # one episode fails, not the stage
+                raise LabelerError(name, f"{type(exc).__name__}: {exc}") from exc
+            for key, value in got.items():
+                if not (isinstance(value, float | int) and math.isfinite(value)):
+                    raise LabelerError(name, f"component {key!r} is {value!r}, not a finite number")
+            out.update(got)
         return out
     return label
 

@@ -8,6 +8,8 @@ settles the outbox by reading the rewards topic back.
 What becomes of each episode:
 
 - undecodable / invalid / wrong key: dead letter with the reason;
+- a labeler failed on it (raised, or gave a component that is not finite): dead letter
+  ``labeler_error`` naming the labeler, not marked labeled, so its replay is labeled;
 - a generation_id already labeled: dropped and counted (``reward_duplicates_total``);
 - timed out (no user signal): counted as ``reward_skipped_total{reason="no_signal"}`` and not
   emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``). Without a signal
@@ -27,7 +29,7 @@ from flywheel.settings import RewardSettings
 from ingest.exactly_once import StateStore
 from ingest.runner import OutboxSink, decode_keyed
 from reward.guards import UserWindow, judge_sample, judge_user, window_of
-from reward.labelers import build_labeler
+from reward.labelers import LabelerError, build_labeler
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS seen (gid TEXT PRIMARY KEY, at REAL NOT NULL);
@@ -81,13 +83,19 @@ class RewardStage:
             if ep.generation_id in seen:
                 self.m.duplicates.inc()
                 continue
+            if not (ep.timed_out and not self.cfg.emit_ignored):
+                try:
+                    reward = self.label_episode(ep, now)
+                except LabelerError as exc:
+                    # not marked seen: a replay, once the labeler is fixed, is labeled
+                    self.dead.send_record(rec, "labeler_error", str(exc))
+                    continue
+                self.store.append(rec.partition, self.topics.rewards, ep.generation_id, reward,
+                                  archive=REWARDS_ARCHIVE)
+            else:
+                self.m.skipped.labels("no_signal").inc()
             seen.add(ep.generation_id)
             fresh.append((ep.generation_id, now))
-            if ep.timed_out and not self.cfg.emit_ignored:
-                self.m.skipped.labels("no_signal").inc()
-                continue
-            self.store.append(rec.partition, self.topics.rewards, ep.generation_id,
-                              self.label_episode(ep, now), archive=REWARDS_ARCHIVE)
         self.db.executemany("INSERT INTO seen VALUES (?, ?)", fresh)
         self._write_counts()
 

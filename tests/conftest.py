@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -102,6 +105,46 @@ def read_all(bootstrap: str, topic: str, *, expect: int | None = None, timeout_s
     finally:
         consumer.close()
     return out
+
+
+def stage_env(kafka_settings, topics, data_dir: Path, **extra: str) -> dict[str, str]:
+    """``FLYWHEEL_*`` variables for a stage run by a test: its broker and topics, consumer groups
+    of its own (the embedded broker's group quirk, flywheel/broker.py), ops on free ports, and
+    ``extra``."""
+    return {
+        "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap,
+        "FLYWHEEL_KAFKA_PARTITIONS": str(kafka_settings.partitions),
+        "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": str(kafka_settings.session_timeout_ms),
+        "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),
+        "FLYWHEEL_TOPIC_PREFIX": topics.prefix,
+        "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest",
+        "FLYWHEEL_REWARD_GROUP_ID": f"{topics.prefix}reward",
+        "FLYWHEEL_DATA_DIR": str(data_dir),
+        "FLYWHEEL_INGEST_PORT": "0",
+        "FLYWHEEL_REWARD_PORT": "0",
+        "FLYWHEEL_LOG_LEVEL": "WARNING",
+        **extra,
+    }
+
+
+def stage_settings(kafka_settings, topics, data_dir: Path, **extra: str):
+    """:func:`stage_env` parsed, as the stage's own command would."""
+    from flywheel.settings import load_settings
+
+    return load_settings(env=stage_env(kafka_settings, topics, data_dir, **extra))
+
+
+@contextmanager
+def running(stage_run, settings) -> Iterator[threading.Thread]:
+    """A stage's ``run(settings, args, stop)`` on a thread of this process until the block ends."""
+    stop = threading.Event()
+    thread = threading.Thread(target=stage_run, args=(settings, None, stop), daemon=True)
+    thread.start()
+    try:
+        yield thread
+    finally:
+        stop.set()
+        thread.join(timeout=30)
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

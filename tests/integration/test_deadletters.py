@@ -7,11 +7,11 @@ after all, and replaying again changes nothing.
 
 from __future__ import annotations
 
-import threading
 import time
+from contextlib import closing
 
 import pytest
-from conftest import read_all
+from conftest import read_all, running, stage_settings
 
 from flywheel.bus import make_producer
 from flywheel.cli import build_parser
@@ -64,21 +64,11 @@ def episodes_of(kafka_settings, topics, gid: str) -> list[EpisodeEvent]:
 
 
 def test_orphans_replayed_after_their_generations_join_once(kafka_settings, topics, tmp_path, capsys):
-    from flywheel.settings import load_settings
     from ingest.main import run as run_ingest
 
-    settings = load_settings(env={
-        "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap, "FLYWHEEL_KAFKA_PARTITIONS": "2",
-        "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": str(kafka_settings.session_timeout_ms),
-        "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),
-        "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest",
-        "FLYWHEEL_DATA_DIR": str(tmp_path), "FLYWHEEL_INGEST_WINDOW_S": str(WINDOW_S),
-        "FLYWHEEL_INGEST_GRACE_S": "0", "FLYWHEEL_INGEST_PORT": "0", "FLYWHEEL_LOG_LEVEL": "WARNING"})
-    stop = threading.Event()
-    stage = threading.Thread(target=run_ingest, args=(settings, None, stop), daemon=True)
-    stage.start()
-    producer = make_producer(kafka_settings, "test")
-    try:
+    settings = stage_settings(kafka_settings, topics, tmp_path, FLYWHEEL_INGEST_WINDOW_S=str(WINDOW_S),
+                              FLYWHEEL_INGEST_GRACE_S="0")
+    with closing(make_producer(kafka_settings, "test")) as producer, running(run_ingest, settings):
         t = time.time()
         producer.send(topics.feedback, key="late", value=encode(feedback("f-late", "late", t)))
         producer.send(topics.generations, key="ok", value=encode(generation("ok", t)))
@@ -121,7 +111,3 @@ def test_orphans_replayed_after_their_generations_join_once(kafka_settings, topi
         assert len(episodes_of(kafka_settings, topics, "ok")) == 1
         reasons = sorted(x.event.reason for x in read_letters(kafka_settings, topics.deadletter)[0])
         assert reasons == ["manual", "orphan_feedback", "undecodable"]  # nothing failed again
-    finally:
-        producer.close()
-        stop.set()
-        stage.join(timeout=30)

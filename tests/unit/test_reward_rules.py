@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from flywheel.contracts import EpisodeEvent, GenerationEvent, SamplingParams
-from flywheel.settings import RewardSettings
+from flywheel.settings import RewardSettings, SettingsError
 from reward.guards import UserWindow, distinct_ngram_ratio, judge_sample, judge_user, length_penalty
 from reward.labelers import (
+    LabelerError,
     build_labeler,
     edit_similarity,
     edit_value,
@@ -76,8 +79,50 @@ def test_verifier_and_reward_model_hooks():
 
 
 def test_unknown_labeler_fails_at_start():
-    with pytest.raises(ValueError, match="unknown labeler 'nope'"):
+    with pytest.raises(SettingsError, match="unknown labeler 'nope'.*reward.plugins"):
         build_labeler(RewardSettings(labelers=("signal", "nope")))
+
+
+def plugin(tmp_path, monkeypatch, source: str) -> str:
+    """A module of the user's, importable by the name returned (unique per test)."""
+    name = f"flyplug_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_plugins_register_the_users_verifiers_before_labelers_are_looked_up(tmp_path, monkeypatch):
+    mod = plugin(tmp_path, monkeypatch, (
+        "from reward.labelers import register_verifier\n"
+        "register_verifier('starts_x', lambda ep: 1.0 if ep.generation.completion_text.startswith('x') else None)\n"))
+    label = build_labeler(RewardSettings(plugins=(mod,), labelers=("signal", "verifier:starts_x")))
+    assert label(episode(text="xyz")) == {"signal": 0.75, "verifier_starts_x": 1.0}
+    assert label(episode(text="abc")) == {"signal": 0.75}
+
+
+@pytest.mark.parametrize(("source", "reason"), [
+    (None, "ModuleNotFoundError"),
+    ("raise RuntimeError('no credentials for the scorer')", "RuntimeError: no credentials for the scorer"),
+    ("def broken(:\n", "SyntaxError"),
+])
+def test_a_plugin_that_cannot_be_imported_stops_the_stage_with_the_reason(tmp_path, monkeypatch, source, reason):
+    mod = plugin(tmp_path, monkeypatch, source) if source else "flyplug_missing_module"
+    with pytest.raises(SettingsError, match=f"reward.plugins: cannot import '{mod}': {reason}"):
+        build_labeler(RewardSettings(plugins=(mod,), labelers=("signal",)))
+
+
+@pytest.mark.parametrize(("fn", "detail"), [
+    (lambda ep: 1 / 0, "labeler 'verifier:{}': ZeroDivisionError: division by zero"),
+    (lambda ep: float("nan"), "labeler 'verifier:{}': component 'verifier_{}' is nan, not a finite number"),
+    (lambda ep: float("-inf"), "labeler 'verifier:{}': component 'verifier_{}' is -inf, not a finite number"),
+])
+def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
+    name = f"v{uuid.uuid4().hex[:6]}"
+    register_verifier(name, fn)
+    label = build_labeler(RewardSettings(labelers=("signal", f"verifier:{name}")))
+    with pytest.raises(LabelerError) as exc:
+        label(episode())
+    assert str(exc.value) == detail.format(name, name)
 
 
 # -- guards -------------------------------------------------------------------------------
@@ -215,3 +260,34 @@ def test_reward_bytes_are_the_encoded_reward_event(ep, reward, components, weigh
     written = reward_bytes(ep, reward, components, weight, flags, 1700000010.987654)
     assert decode(RewardEvent, written) == built
     assert written == encode(built)
+
+
+def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_replay(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import DeadLetterEvent, RewardEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    broken = {"g3"}
+    name = f"v{uuid.uuid4().hex[:6]}"
+    register_verifier(name, lambda ep: 1 / 0 if ep.generation_id in broken else None)
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    registry = CollectorRegistry()
+    stage = RewardStage(G.model_copy(update={"labelers": ("signal", f"verifier:{name}")}), Topics("t."), store, registry)
+    recs = _records(6)
+    with store.txn():
+        stage.process(recs, 10.0)  # the loop goes on past the failing episode
+    out = store.pending([0], limit=100)
+    assert [decode(RewardEvent, r.value).generation_id for r in out if r.topic == "t.rewards"] == ["g0", "g1", "g2", "g4", "g5"]
+    (dead,) = [decode(DeadLetterEvent, r.value) for r in out if r.topic == "t.deadletter"]
+    assert (dead.reason, dead.source_offset) == ("labeler_error", 3)
+    assert dead.detail == f"labeler 'verifier:{name}': ZeroDivisionError: division by zero"
+    assert registry.get_sample_value("reward_deadletters_total", {"reason": "labeler_error"}) == 1.0
+
+    broken.clear()  # fixed; the dead letter is replayed, along with an already-labeled episode
+    with store.txn():
+        stage.process([recs[3], recs[0]], 11.0)
+    rewards = [decode(RewardEvent, r.value) for r in store.pending([0], limit=100) if r.topic == "t.rewards"]
+    assert [r.generation_id for r in rewards] == ["g0", "g1", "g2", "g4", "g5", "g3"]
+    assert registry.get_sample_value("reward_duplicates_total") == 1.0
