@@ -111,6 +111,10 @@ class RecorderMetrics:
             "serving_dropped_events_total", "Events lost on purpose, by kind and reason",
             ["kind", "reason"], registry=registry,
         )
+        # Exported at 0 from the start. A labeled series that first appears at 5 has no earlier
+        # sample, so increase() in the FlywheelEventsDropped page would miss a one-off burst.
+        for reason in ("invalid", "queue_full", "journal_full"):
+            self.dropped.labels("generation", reason)
         Gauge(
             "serving_journal_depth_records", "Undelivered records in the local journal",
             registry=registry,

@@ -133,3 +133,13 @@ def test_queue_full_refuses_feedback_at_once(tmp_path):
     assert rec.record_feedback("t.feedback", fb(0)).done() is False
     with pytest.raises(JournalFull):
         rec.record_feedback("t.feedback", fb(1)).result(0)
+
+
+def test_drop_counters_are_exported_at_zero_before_any_drop(tmp_path):
+    """The page on dropped events uses increase(), which needs a sample before the first drop."""
+    registry = new_registry()
+    Recorder(KafkaSettings(), Journal(tmp_path, 1 << 20), registry, ack_timeout_s=0.05,
+             producer_factory=FakeBroker().producer)
+    for reason in ("invalid", "queue_full", "journal_full"):
+        labels = {"kind": "generation", "reason": reason}
+        assert registry.get_sample_value("serving_dropped_events_total", labels) == 0.0
