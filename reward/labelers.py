@@ -171,9 +171,13 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
             except Exception as exc:  # one episode fails, not the stage
                 raise LabelerError(name, f"{type(exc).__name__}: {exc}") from exc
             for key, value in got.items():
-                if not (isinstance(value, float | int) and math.isfinite(value)):
+                try:  # plain floats downstream, whatever number type the labeler used (numpy...)
+                    number = float(value)
+                except (TypeError, ValueError):
+                    number = math.nan
+                if not math.isfinite(number):
                     raise LabelerError(name, f"component {key!r} is {value!r}, not a finite number")
-            out.update(got)
+                out[key] = number
         return out
     return label
 

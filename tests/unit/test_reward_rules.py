@@ -15,6 +15,7 @@ from reward.labelers import (
     edit_similarity,
     edit_value,
     latency_value,
+    register_labeler,
     register_reward_model,
     register_verifier,
     signal_value,
@@ -111,10 +112,24 @@ def test_a_plugin_that_cannot_be_imported_stops_the_stage_with_the_reason(tmp_pa
         build_labeler(RewardSettings(plugins=(mod,), labelers=("signal",)))
 
 
+def test_components_become_plain_floats_whatever_number_type_a_labeler_returns():
+    import numpy as np
+
+    name = f"l{uuid.uuid4().hex[:6]}"
+    register_labeler(name)(lambda cfg: lambda ep: {"np32": np.float32(0.5), "np64": np.float64(-1.0), "int": 2})
+    got = build_labeler(RewardSettings(labelers=(name,)))(episode())
+    assert got == {"np32": 0.5, "np64": -1.0, "int": 2.0} and all(type(v) is float for v in got.values())
+    bad = f"l{uuid.uuid4().hex[:6]}"
+    register_labeler(bad)(lambda cfg: lambda ep: {"x": None})
+    with pytest.raises(LabelerError, match="component 'x' is None, not a finite number"):
+        build_labeler(RewardSettings(labelers=(bad,)))(episode())
+
+
 @pytest.mark.parametrize(("fn", "detail"), [
     (lambda ep: 1 / 0, "labeler 'verifier:{}': ZeroDivisionError: division by zero"),
     (lambda ep: float("nan"), "labeler 'verifier:{}': component 'verifier_{}' is nan, not a finite number"),
     (lambda ep: float("-inf"), "labeler 'verifier:{}': component 'verifier_{}' is -inf, not a finite number"),
+    (lambda ep: "high", "labeler 'verifier:{}': ValueError: could not convert string to float: 'high'"),
 ])
 def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
     name = f"v{uuid.uuid4().hex[:6]}"
