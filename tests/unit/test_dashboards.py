@@ -75,3 +75,15 @@ def test_dashboard_is_generated(tmp_path):
     spec.loader.exec_module(mod)
     committed = json.loads((DASH / "grafana" / "flywheel-overview.json").read_text())
     assert committed == mod.build(), "run dashboards/build_dashboards.py after editing panels"
+
+
+def test_every_expression_is_valid_promql():
+    import promql_parser
+
+    bad = []
+    for expr in _exprs():
+        try:
+            promql_parser.parse(expr)
+        except ValueError as exc:
+            bad.append(f"{expr.strip()!r}: {exc}")
+    assert not bad, "\n".join(bad)
