@@ -83,7 +83,9 @@ class RewardStage:
             if ep.generation_id in seen:
                 self.m.duplicates.inc()
                 continue
-            if not (ep.timed_out and not self.cfg.emit_ignored):
+            if ep.timed_out and not self.cfg.emit_ignored:
+                self.m.skipped.labels("no_signal").inc()
+            else:
                 try:
                     reward = self.label_episode(ep, now)
                 except LabelerError as exc:
@@ -92,8 +94,6 @@ class RewardStage:
                     continue
                 self.store.append(rec.partition, self.topics.rewards, ep.generation_id, reward,
                                   archive=REWARDS_ARCHIVE)
-            else:
-                self.m.skipped.labels("no_signal").inc()
             seen.add(ep.generation_id)
             fresh.append((ep.generation_id, now))
         self.db.executemany("INSERT INTO seen VALUES (?, ?)", fresh)
