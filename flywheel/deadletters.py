@@ -19,7 +19,8 @@ dead-lettered (``orphan_feedback``). It is safe to repeat: the stages fold repea
 used after all, counts once. A replayed record carries the header ``flywheel-replay-of:
 <partition>:<offset>`` naming its dead letter. Only records from this deployment's stage inputs
 (generations, feedback, episodes, rewards) are replayed; anything else is listed as refused.
-A record that fails again is dead-lettered again, with its new reason.
+A record that fails again is dead-lettered again, with its new reason; a later replay sends each
+distinct record once, however many dead letters it has by then.
 
 The dead-letter topic is read from its start to its high watermark on every run: it is a
 low-volume topic, and its retention bounds the read.
@@ -139,29 +140,45 @@ def show(letters: Iterable[Letter], limit: int, width: int = 300) -> str:
 class ReplayResult:
     sent: Counter[tuple[str, str]] = field(default_factory=Counter)  # (source topic, reason) -> n
     refused: list[tuple[Letter, str]] = field(default_factory=list)
+    repeats: int = 0  # letters whose record is already in this replay
 
     def render(self, dry_run: bool) -> str:
         verb = "would replay" if dry_run else "replayed"
         lines = [f"{verb} {sum(self.sent.values())} records"]
         lines += [f"  {n:>7}  {reason:<18} -> {topic}" for (topic, reason), n in sorted(self.sent.items())]
+        if self.repeats:
+            lines.append(f"  {self.repeats} more dead letters repeat a record above (it failed again "
+                         "after a replay): sent once")
         for letter, why in self.refused:
             lines.append(f"  refused [{letter.partition}:{letter.offset}] {letter.event.reason}: {why}")
         return "\n".join(lines)
 
 
-def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list[Letter], list[tuple[Letter, str]]]:
-    """Split the letters into those to replay and those refused, with the reason (pure)."""
+def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list[Letter], list[tuple[Letter, str]], int]:
+    """Split the letters into those to replay, those refused (with the reason) and a count of
+    repeats (pure).
+
+    A record that failed again after an earlier replay is in the topic twice, with the same
+    source, key and value: it is sent once. Otherwise every replay of a record that still fails
+    would double its dead letters.
+    """
     go: list[Letter] = []
     refused: list[tuple[Letter, str]] = []
+    sent: set[tuple[str, str | None, str]] = set()
+    repeats = 0
     for letter in letters:
         dl = letter.event
+        record = (dl.source_topic, dl.key_b64, dl.value_b64)
         if dl.source_topic not in inputs:
             refused.append((letter, f"{dl.source_topic} is not a stage input of this deployment"))
         elif not dl.value_b64:
             refused.append((letter, "no original value to replay"))
+        elif record in sent:
+            repeats += 1
         else:
+            sent.add(record)
             go.append(letter)
-    return go, refused
+    return go, refused, repeats
 
 
 def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool) -> ReplayResult:
@@ -169,8 +186,8 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
     from flywheel.bus import make_producer
 
     inputs = frozenset({topics.generations, topics.feedback, topics.episodes, topics.rewards})
-    go, refused = plan_replay(letters, inputs)
-    result = ReplayResult(refused=refused)
+    go, refused, repeats = plan_replay(letters, inputs)
+    result = ReplayResult(refused=refused, repeats=repeats)
     producer = None if dry_run else make_producer(cfg, "replay")
     try:
         futures = []

@@ -79,8 +79,8 @@ def test_summary_counts_by_stage_reason_and_topic_with_time_span():
 def test_plan_replay_refuses_foreign_topics_and_empty_values():
     letters = [Letter(0, 1, dl()), Letter(0, 2, dl(topic="elsewhere")), Letter(1, 3, dl(value=b"")),
                Letter(1, 4, dl(topic="p.generations", key=None))]
-    go, refused = plan_replay(letters, frozenset({"p.feedback", "p.generations"}))
-    assert [x.offset for x in go] == [1, 4]
+    go, refused, repeats = plan_replay(letters, frozenset({"p.feedback", "p.generations"}))
+    assert [x.offset for x in go] == [1, 4] and repeats == 0
     assert [(x.offset, why) for x, why in refused] == [
         (2, "elsewhere is not a stage input of this deployment"), (3, "no original value to replay")]
 
@@ -91,3 +91,12 @@ def test_show_prints_where_why_and_the_original_bytes():
     assert "value (500 bytes): " + "x" * 50 + " ..." in text and "[1:9]" not in text
     assert "key=None" in show([Letter(1, 9, dl(key=None))], limit=5)
     assert show([], limit=5) == "no dead letters match"
+
+
+def test_plan_replay_sends_a_record_that_failed_again_once():
+    # the record failed, was replayed, failed again: two letters, one record
+    letters = [Letter(0, 1, dl("orphan_feedback", at=1.0)), Letter(1, 8, dl("orphan_feedback", at=50.0)),
+               Letter(0, 9, dl("orphan_feedback", at=60.0, key=b"g2")),  # same bytes, another key
+               Letter(1, 12, dl("orphan_feedback", at=70.0, value=b'{"x":2}'))]
+    go, refused, repeats = plan_replay(letters, frozenset({"p.feedback"}))
+    assert [x.offset for x in go] == [1, 9, 12] and refused == [] and repeats == 1
