@@ -23,7 +23,7 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
@@ -221,6 +221,49 @@ def make_consumer(
     return consumer
 
 
+def partitions_of(consumer: KafkaConsumer, topic: str, timeout_s: float = 30.0) -> set[int]:
+    """``topic``'s partition numbers, waiting for its metadata; RuntimeError if it never comes."""
+    deadline = time.monotonic() + timeout_s
+    while not (parts := consumer.partitions_for_topic(topic)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no metadata for topic {topic}")
+        time.sleep(0.1)
+    return set(parts)
+
+
+def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, client_id: str,
+                timeout_s: float = 60.0, max_fetch_bytes: int = 8 * 1024 * 1024,
+                ) -> Iterator[tuple[TopicPartition, ConsumerRecord]]:
+    """Every record of each partition from its start offset (None: its beginning) up to the high
+    watermark the reads see; RuntimeError if a partition is not read to its end in ``timeout_s``.
+
+    No consumer group: a one-off read (the outbox recovery scan, ``flywheel deadletters``).
+    """
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
+                             enable_auto_commit=False, max_partition_fetch_bytes=max_fetch_bytes)
+    try:
+        consumer.assign(list(starts))
+        for tp, offset in starts.items():
+            if offset is None:
+                consumer.seek_to_beginning(tp)
+            else:
+                consumer.seek(tp, offset)
+        remaining = set(starts)
+        deadline = time.monotonic() + timeout_s
+        while remaining:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"could not read {sorted(remaining)} to the end in {timeout_s:.0f}s")
+            for tp, recs in consumer.poll(timeout_ms=200).items():
+                for rec in recs:
+                    yield tp, rec
+            for tp in list(remaining):
+                high = consumer.highwater(tp)
+                if high is not None and consumer.position(tp) >= high:
+                    remaining.discard(tp)
+    finally:
+        consumer.close()
+
+
 class KafkaSink:
     """:class:`EventSink` over an idempotent producer."""
 
@@ -357,4 +400,6 @@ __all__ = [
     "make_consumer",
     "make_output_producer",
     "make_producer",
+    "partitions_of",
+    "read_to_end",
 ]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
+from flywheel.bus import make_producer, partitions_of, read_to_end
 from flywheel.contracts import ContractError, DeadLetterEvent, Topics, decode
 from flywheel.settings import KafkaSettings, Settings
 
@@ -183,67 +184,45 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list
 
 def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool) -> ReplayResult:
     """Send the letters' original records back to their source topics (see the module doc)."""
-    from flywheel.bus import make_producer
-
     inputs = frozenset({topics.generations, topics.feedback, topics.episodes, topics.rewards})
     go, refused, repeats = plan_replay(letters, inputs)
     result = ReplayResult(refused=refused, repeats=repeats)
-    producer = None if dry_run else make_producer(cfg, "replay")
+    result.sent.update((x.event.source_topic, x.event.reason) for x in go)
+    if dry_run:
+        return result
+    producer = make_producer(cfg, "replay")
     try:
-        futures = []
-        for letter in go:
-            dl = letter.event
-            if producer is not None:
-                futures.append(producer.send(
-                    dl.source_topic,
-                    key=base64.b64decode(dl.key_b64) if dl.key_b64 is not None else None,
-                    value=base64.b64decode(dl.value_b64),
-                    partition=dl.source_partition,
-                    headers=[(REPLAY_HEADER, f"{letter.partition}:{letter.offset}".encode())],
-                ))
-            result.sent[(dl.source_topic, dl.reason)] += 1
-        if producer is not None:
-            producer.flush()
-            for fut in futures:
-                fut.get(timeout=30)  # raises if a send failed: the operator must know
+        futures = [producer.send(
+            x.event.source_topic,
+            key=base64.b64decode(x.event.key_b64) if x.event.key_b64 is not None else None,
+            value=base64.b64decode(x.event.value_b64),
+            partition=x.event.source_partition,
+            headers=[(REPLAY_HEADER, f"{x.partition}:{x.offset}".encode())],
+        ) for x in go]
+        producer.flush()
+        for fut in futures:
+            fut.get(timeout=30)  # raises if a send failed: the operator must know
     finally:
-        if producer is not None:
-            producer.close()
+        producer.close()
     return result
 
 
 def read_letters(cfg: KafkaSettings, topic: str, timeout_s: float = 60.0) -> tuple[list[Letter], int]:
     """Every dead letter on ``topic`` up to its high watermark, and how many did not decode."""
-    consumer = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), group_id=None,
-                             enable_auto_commit=False, client_id=f"{cfg.client_id}-deadletters",
-                             max_partition_fetch_bytes=cfg.max_request_bytes)
+    probe = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-deadletters")
+    try:
+        parts = partitions_of(probe, topic, timeout_s)
+    finally:
+        probe.close()
     letters: list[Letter] = []
     bad = 0
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not (parts := consumer.partitions_for_topic(topic)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no topic {topic} on {cfg.bootstrap}")
-            time.sleep(0.1)
-        tps = [TopicPartition(topic, p) for p in sorted(parts)]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        remaining = set(tps)
-        while remaining:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"could not read {topic} to its end in {timeout_s:.0f}s")
-            for tp, recs in consumer.poll(timeout_ms=200).items():
-                for rec in recs:
-                    try:
-                        letters.append(Letter(tp.partition, rec.offset, decode(DeadLetterEvent, rec.value)))
-                    except ContractError:
-                        bad += 1
-            for tp in list(remaining):
-                high = consumer.highwater(tp)
-                if high is not None and consumer.position(tp) >= high:
-                    remaining.discard(tp)
-    finally:
-        consumer.close()
+    for tp, rec in read_to_end(cfg.bootstrap, {TopicPartition(topic, p): None for p in sorted(parts)},
+                               client_id=f"{cfg.client_id}-deadletters", timeout_s=timeout_s,
+                               max_fetch_bytes=cfg.max_request_bytes):
+        try:
+            letters.append(Letter(tp.partition, rec.offset, decode(DeadLetterEvent, rec.value)))
+        except ContractError:
+            bad += 1
     letters.sort(key=lambda x: (x.event.failed_at, x.partition, x.offset))
     return letters, bad
 

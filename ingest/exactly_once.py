@@ -63,10 +63,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from kafka.partitioner.default import murmur2
 
-from flywheel.bus import OutputProducer
+from flywheel.bus import OutputProducer, read_to_end
 from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -440,30 +440,10 @@ class Outbox:
     def _scan(self, wanted: dict[tuple[str, int], set[str]], start: dict[tuple[str, int], int],
               timeout_s: float = 60.0) -> set[str]:
         """Read each output partition from ``start`` (confirmed points) to the high watermark."""
-        tps = [TopicPartition(t, p) for t, p in wanted]
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.bootstrap.split(","), group_id=None,
-            enable_auto_commit=False, max_partition_fetch_bytes=8 * 1024 * 1024,
-        )
         found: set[str] = set()
-        try:
-            consumer.assign(tps)
-            for tp in tps:
-                consumer.seek(tp, start[(tp.topic, tp.partition)])
-            remaining = set(tps)
-            deadline = time.monotonic() + timeout_s
-            while remaining and time.monotonic() < deadline:
-                for tp, recs in consumer.poll(timeout_ms=200).items():
-                    for rec in recs:
-                        for name, val in rec.headers or ():
-                            if name == OUTBOX_HEADER and val.decode() in wanted[(tp.topic, tp.partition)]:
-                                found.add(val.decode())
-                for tp in list(remaining):
-                    high = consumer.highwater(tp)
-                    if high is not None and consumer.position(tp) >= high:
-                        remaining.discard(tp)
-            if remaining:
-                raise RuntimeError(f"recovery scan did not reach the end of {sorted(remaining)}")
-        finally:
-            consumer.close()
+        starts = {TopicPartition(t, p): start[(t, p)] for t, p in wanted}
+        for tp, rec in read_to_end(self.bootstrap, starts, client_id="flywheel-recovery", timeout_s=timeout_s):
+            for name, val in rec.headers or ():
+                if name == OUTBOX_HEADER and val.decode() in wanted[(tp.topic, tp.partition)]:
+                    found.add(val.decode())
         return found

@@ -24,7 +24,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.structs import OffsetAndMetadata
 
-from flywheel.bus import DeadLetters, LagGauge
+from flywheel.bus import DeadLetters, LagGauge, partitions_of
 from flywheel.contracts import ContractError, EpisodeEvent, FeedbackEvent, GenerationEvent, decode
 from flywheel.settings import SettingsError
 from ingest.exactly_once import Archive, Outbox, StateStore
@@ -122,7 +122,7 @@ class StreamRunner(ConsumerRebalanceListener):
         tools. Every shard must exist in every input, or the join would silently miss records.
         """
         for topic in self.topics:
-            parts = _partitions(self.consumer, topic)
+            parts = partitions_of(self.consumer, topic)
             missing = [p for p in self.shards if p not in parts]
             if missing:
                 raise SettingsError(f"shards {missing} are not partitions of {topic} "
@@ -232,15 +232,6 @@ class StreamRunner(ConsumerRebalanceListener):
         age = time.monotonic() - self.last_loop
         return age < stale_s, {"loop_age_s": round(age, 3), "shards": sorted(self.owned),
                                "records_in": self.records_in, "delivered": self.delivered}
-
-
-def _partitions(consumer: KafkaConsumer, topic: str, timeout_s: float = 30.0) -> set[int]:
-    deadline = time.monotonic() + timeout_s
-    while not (parts := consumer.partitions_for_topic(topic)):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no metadata for topic {topic}")
-        time.sleep(0.1)
-    return set(parts)
 
 
 @contextmanager

@@ -130,7 +130,6 @@ class LabelerError(Exception):
 
     def __init__(self, labeler: str, detail: str) -> None:
         super().__init__(f"labeler {labeler!r}: {detail}")
-        self.labeler = labeler
 
 
 def load_plugins(modules: tuple[str, ...]) -> None:

@@ -55,24 +55,16 @@ _decode_rewards = msgspec.json.Decoder(list[_RewardColumns])
 
 
 def reward_row(value: bytes) -> tuple[float, dict[str, object]]:
-    """A reward record as an archive row, filed under the hour it was labeled."""
-    (r,) = _decode_rewards.decode(b"[" + value + b"]")
-    return r.labeled_at, {
-        "generation_id": r.generation_id, "group_id": r.group_id, "user_id": r.user_id,
-        "model_version": r.model_version, "signal": r.signal, "reward": r.reward,
-        "weight": r.weight, "flags": r.flags, "components": list(r.components.items()),
-        "completion_tokens": len(r.completion_token_ids), "generated_at": r.generated_at,
-        "labeled_at": r.labeled_at,
-    }
+    """A reward record as an archive row, filed under the hour it was labeled (the archive's
+    per-record path; the stage's records always take :func:`reward_table`)."""
+    stamps, table = reward_table([value])
+    return stamps[0], table.to_pylist()[0]
 
 
 def reward_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
-    """:func:`reward_row` for a batch: one parse of the whole batch and one column per field,
+    """Reward records as archive rows: one parse of the whole batch and one column per field,
     about half the cost of building a dict per row."""
-    return _columns(_decode_rewards.decode(b"[" + b",".join(values) + b"]"))
-
-
-def _columns(rs: list[_RewardColumns]) -> tuple[list[float], pa.Table]:
+    rs = _decode_rewards.decode(b"[" + b",".join(values) + b"]")
     stamps = [r.labeled_at for r in rs]
     table = pa.Table.from_pydict({
         "generation_id": [r.generation_id for r in rs], "group_id": [r.group_id for r in rs],

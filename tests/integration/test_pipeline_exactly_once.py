@@ -26,6 +26,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 from conftest import read_all
+from conftest import stage_env as base_stage_env
 
 from flywheel.bus import make_producer
 from flywheel.contracts import (
@@ -189,29 +190,18 @@ def kafka_settings(request, kafka_settings):
 
 
 def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
-    return {
-        "FLYWHEEL_KAFKA_PRODUCER_CLIENT": kafka_settings.producer_client,
-        "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap,
-        "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": str(kafka_settings.session_timeout_ms),
-        "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": str(kafka_settings.heartbeat_interval_ms),
-        "FLYWHEEL_KAFKA_PARTITIONS": str(kafka_settings.partitions),
-        "FLYWHEEL_TOPIC_PREFIX": topics.prefix,
-        # groups of this test only: the embedded broker can leave a group that members left at
-        # once unable to complete a later join, so tests never share one
-        "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest",
-        "FLYWHEEL_REWARD_GROUP_ID": f"{topics.prefix}reward",
-        "FLYWHEEL_DATA_DIR": str(data_dir),
-        "FLYWHEEL_INGEST_WINDOW_S": str(WINDOW_S),
-        "FLYWHEEL_INGEST_GRACE_S": str(GRACE_S),
-        "FLYWHEEL_INGEST_PORT": "0",
-        "FLYWHEEL_REWARD_PORT": "0",
-        "FLYWHEEL_REWARD_LATENCY_BONUS": str(BONUS),
-        "FLYWHEEL_REWARD_LATENCY_REF_MS": str(REF_MS),
-        "FLYWHEEL_REWARD_REPETITION_PENALTY": str(REPEAT_PENALTY),
-        "FLYWHEEL_REWARD_CONSTANT_MIN_SIGNALS": str(CONSTANT_MIN),
-        "FLYWHEEL_REWARD_GUARD_WINDOW_S": "1e9",  # one guard window for the whole run
-        "FLYWHEEL_LOG_LEVEL": "WARNING",
-    }
+    """The shared stage variables (conftest) plus this test's producer client, window and rules."""
+    return base_stage_env(
+        kafka_settings, topics, data_dir,
+        FLYWHEEL_KAFKA_PRODUCER_CLIENT=kafka_settings.producer_client,
+        FLYWHEEL_INGEST_WINDOW_S=str(WINDOW_S),
+        FLYWHEEL_INGEST_GRACE_S=str(GRACE_S),
+        FLYWHEEL_REWARD_LATENCY_BONUS=str(BONUS),
+        FLYWHEEL_REWARD_LATENCY_REF_MS=str(REF_MS),
+        FLYWHEEL_REWARD_REPETITION_PENALTY=str(REPEAT_PENALTY),
+        FLYWHEEL_REWARD_CONSTANT_MIN_SIGNALS=str(CONSTANT_MIN),
+        FLYWHEEL_REWARD_GUARD_WINDOW_S="1e9",  # one guard window for the whole run
+    )
 
 
 def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Path],
