@@ -305,9 +305,16 @@ def topics_for(prefix: str) -> Topics:
 
 
 class DeadLetters:
-    """Routes records a stage cannot use to the dead-letter topic, with the original bytes."""
+    """Routes records a stage cannot use to the dead-letter topic, with the original bytes.
 
-    def __init__(self, sink: EventSink, topic: str, stage: str, registry: CollectorRegistry) -> None:
+    ``reasons``: the reasons the stage can give, exported at 0 from the start. A series that
+    first appears already holding a burst shows no ``rate()``/``increase()`` for it, so an alert
+    on dead letters would miss the first burst of a reason the process had not seen yet. Any
+    other reason is still counted, from its first record.
+    """
+
+    def __init__(self, sink: EventSink, topic: str, stage: str, registry: CollectorRegistry,
+                 reasons: Iterable[str] = ()) -> None:
         self.sink = sink
         self.topic = topic
         self.stage = stage
@@ -317,6 +324,8 @@ class DeadLetters:
             ["reason"],
             registry=registry,
         )
+        for reason in reasons:
+            self.counter.labels(reason)
 
     def send(
         self,

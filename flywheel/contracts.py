@@ -233,6 +233,10 @@ SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {
 }
 
 
+#: Every ``reason`` :func:`decode` gives a :class:`ContractError`.
+CONTRACT_REASONS: tuple[str, ...] = ("empty", "oversized", "undecodable", "wrong_kind", "unknown_version", "invalid")
+
+
 class ContractError(ValueError):
     """A record that does not satisfy its contract. ``reason`` is a short stable code."""
 

@@ -25,7 +25,14 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.structs import OffsetAndMetadata
 
 from flywheel.bus import DeadLetters, LagGauge, partitions_of
-from flywheel.contracts import ContractError, EpisodeEvent, FeedbackEvent, GenerationEvent, decode
+from flywheel.contracts import (
+    CONTRACT_REASONS,
+    ContractError,
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    decode,
+)
 from flywheel.settings import SettingsError
 from ingest.exactly_once import Archive, Outbox, StateStore
 
@@ -38,6 +45,9 @@ log = logging.getLogger(__name__)
 
 #: The keyed records the stages consume (each carries a generation_id).
 E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
+
+#: The dead-letter reasons :func:`decode_keyed` gives.
+KEYED_DECODE_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, "wrong_key")
 
 
 def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters) -> E | None:

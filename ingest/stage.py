@@ -34,7 +34,7 @@ from flywheel.contracts import (
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import Resolution, generation_deadline, is_late, orphan_deadline, resolve
-from ingest.runner import OutboxSink, decode_keyed
+from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
@@ -51,6 +51,8 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 """
 
 EPISODES_ARCHIVE = "episodes"
+#: Every reason this stage dead-letters a record for (see docs/architecture.md, bad input).
+DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "late_feedback", "orphan_feedback")
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -75,7 +77,7 @@ class IngestStage:
                  registry: CollectorRegistry) -> None:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
         self.sink = OutboxSink(store)
-        self.dead = DeadLetters(self.sink, topics.deadletter, "ingest", registry)
+        self.dead = DeadLetters(self.sink, topics.deadletter, "ingest", registry, DEADLETTER_REASONS)
         self.m = IngestMetrics(registry)
         self._last_prune = 0.0
 

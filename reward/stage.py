@@ -27,7 +27,7 @@ from flywheel.bus import DeadLetters
 from flywheel.contracts import EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
 from ingest.exactly_once import StateStore
-from ingest.runner import OutboxSink, decode_keyed
+from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 from reward.guards import UserWindow, judge_sample, judge_user, window_of
 from reward.labelers import LabelerError, build_labeler
 
@@ -41,6 +41,8 @@ CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL,
 """
 
 REWARDS_ARCHIVE = "rewards"
+#: Every reason this stage dead-letters a record for.
+DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "labeler_error")
 #: Labeled generation ids are remembered this long to drop upstream duplicates.
 DEDUPE_RETENTION_S = 86_400.0
 #: Position of each signal's count in a cached user_win row [n, kept, accept, reject, edit, ignore].
@@ -67,7 +69,7 @@ class RewardStage:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
         self.label = build_labeler(cfg)
         self.sink = OutboxSink(store)
-        self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry)
+        self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
         self._children: dict[tuple[Counter, str], Counter] = {}

@@ -16,7 +16,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from flywheel.contracts import RewardEvent
+from flywheel.contracts import CONTRACT_REASONS, RewardEvent
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class Sample:
     @property
     def pos(self) -> tuple[str, int, int]:
         return (self.topic, self.partition, self.offset)
+
+
+#: Every reason :func:`reject_reason` gives.
+REJECT_REASONS: tuple[str, ...] = ("length_mismatch", "empty_completion", "unknown_version", "nan_reward",
+                                   "bad_logprob", "too_long", "token_out_of_range")
+#: Every reason the trainer dead-letters a reward record for: its contract, then the checks above.
+DEADLETTER_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, *REJECT_REASONS)
 
 
 def reject_reason(ev: RewardEvent, *, trainer_version: int, max_seq_len: int, vocab_size: int) -> tuple[str, str] | None:

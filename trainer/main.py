@@ -64,6 +64,7 @@ def build(settings: Settings):
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry
     from trainer import dist
+    from trainer.batching import DEADLETTER_REASONS
     from trainer.loop import Trainer
     from trainer.losses import LossConfig
     from trainer.metrics import TrainerMetrics
@@ -83,7 +84,7 @@ def build(settings: Settings):
         kw = {
             "consumer": make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
             "sink": sink,
-            "deadletters": DeadLetters(sink, topics.deadletter, "trainer", registry),
+            "deadletters": DeadLetters(sink, topics.deadletter, "trainer", registry, DEADLETTER_REASONS),
             "lag": LagGauge("trainer", registry),
         }
     trainer = Trainer(settings, policy, store_for(settings), TrainerMetrics(registry), rank=rank, world=world, **kw)

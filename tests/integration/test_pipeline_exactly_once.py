@@ -40,6 +40,8 @@ from flywheel.contracts import (
     encode,
 )
 from ingest.exactly_once import out_partition
+from ingest.stage import DEADLETTER_REASONS as INGEST_REASONS
+from reward.stage import DEADLETTER_REASONS as REWARD_REASONS
 
 pytestmark = pytest.mark.integration
 
@@ -244,6 +246,9 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Pat
     assert Counter(d.reason for d in letters) == ds.dead
     assert {base64.b64decode(d.value_b64) for d in letters} == ds.dead_values
     assert all(d.source_offset is not None and d.source_topic for d in letters)
+    # every reason is one its stage declares, so its count was exported at 0 before the first
+    declared = {"ingest": INGEST_REASONS, "reward": REWARD_REASONS}
+    assert all(d.reason in declared[d.stage] for d in letters)
 
     # the archives read back the same rows
     ep_archive = pd.concat([pd.read_parquet(d / "archive" / "episodes") for d in data_dirs])

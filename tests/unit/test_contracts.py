@@ -5,6 +5,7 @@ import json
 import pytest
 
 from flywheel.contracts import (
+    CONTRACT_REASONS,
     ContractError,
     FeedbackEvent,
     GenerationEvent,
@@ -53,31 +54,38 @@ def test_edit_needs_text():
         FeedbackEvent(feedback_id="f", generation_id="g", signal="edit", created_at=1, received_at=1)
 
 
-@pytest.mark.parametrize(
-    ("raw", "reason"),
-    [
-        (b"", "empty"),
-        (b"\xff\xfe", "undecodable"),
-        (b"[1, 2]", "undecodable"),
-        (b"{not json", "undecodable"),
-        (json.dumps({"kind": "generation"}).encode(), "wrong_kind"),
-        (json.dumps({"kind": "feedback", "schema_version": 99}).encode(), "unknown_version"),
-        (json.dumps({"kind": "feedback", "feedback_id": "f"}).encode(), "invalid"),
-        (
-            json.dumps(
-                {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "love",
-                 "created_at": 1, "received_at": 1}
-            ).encode(),
-            "invalid",
-        ),
-        (b"{" + b" " * 200 + b"}", "oversized"),
-    ],
-)
+_DECODE_CASES = [
+    (b"", "empty"),
+    (b"\xff\xfe", "undecodable"),
+    (b"[1, 2]", "undecodable"),
+    (b"{not json", "undecodable"),
+    (json.dumps({"kind": "generation"}).encode(), "wrong_kind"),
+    (json.dumps({"kind": "feedback", "schema_version": 99}).encode(), "unknown_version"),
+    (json.dumps({"kind": "feedback", "feedback_id": "f"}).encode(), "invalid"),
+    (
+        json.dumps(
+            {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "love",
+             "created_at": 1, "received_at": 1}
+        ).encode(),
+        "invalid",
+    ),
+    (b"{" + b" " * 200 + b"}", "oversized"),
+]
+
+
+@pytest.mark.parametrize(("raw", "reason"), _DECODE_CASES)
 def test_decode_reasons(raw, reason):
     with pytest.raises(ContractError) as info:
         decode(FeedbackEvent, raw, max_bytes=120 if reason != "oversized" else 64)
     assert info.value.reason == reason
     assert info.value.detail
+    assert reason in CONTRACT_REASONS  # declared, so every stage exports its count at 0
+
+
+def test_every_declared_contract_reason_is_tested():
+    """CONTRACT_REASONS is what the stages pre-register; no stale entry hides in it."""
+    tested = {reason for _, reason in _DECODE_CASES}
+    assert tested == set(CONTRACT_REASONS)
 
 
 _FEEDBACK = {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "signal": "accept",

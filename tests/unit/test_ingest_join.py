@@ -19,7 +19,7 @@ from flywheel.contracts import (
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import generation_deadline, is_due, is_late, resolve
-from ingest.stage import SCHEMA, IngestStage, episode_bytes
+from ingest.stage import DEADLETTER_REASONS, SCHEMA, IngestStage, episode_bytes
 
 
 def fb(fid: str, signal: str, t: float, text: str | None = None, ms: float | None = None) -> FeedbackEvent:
@@ -95,6 +95,18 @@ def stage(tmp_path):
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
     yield IngestStage(IngestSettings(window_s=10, grace_s=1), T, store, CollectorRegistry()), store
     store.close()
+
+
+def test_every_dead_letter_reason_is_exported_at_zero_from_the_start(tmp_path):
+    """A series born holding a burst has no rate() for it: the DeadLettersSpike alert would miss
+    the first burst of a reason this process had not seen yet."""
+    registry = CollectorRegistry()
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    IngestStage(IngestSettings(), T, store, registry)
+    store.close()
+    assert {"late_feedback", "orphan_feedback", "wrong_key", "invalid"} <= set(DEADLETTER_REASONS)
+    for reason in DEADLETTER_REASONS:
+        assert registry.get_sample_value("ingest_deadletters_total", {"reason": reason}) == 0.0
 
 
 def run(stage_store, records, now):

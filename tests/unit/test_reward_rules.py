@@ -290,6 +290,8 @@ def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_repla
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
     registry = CollectorRegistry()
     stage = RewardStage(G.model_copy(update={"labelers": ("signal", f"verifier:{name}")}), Topics("t."), store, registry)
+    # exported at 0 before the first failure, so an alert's increase() sees the first one
+    assert registry.get_sample_value("reward_deadletters_total", {"reason": "labeler_error"}) == 0.0
     recs = _records(6)
     with store.txn():
         stage.process(recs, 10.0)  # the loop goes on past the failing episode

@@ -10,31 +10,36 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from trainer_helpers import reward_event
 
-from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
+from trainer.batching import REJECT_REASONS, Batcher, OffsetBook, Sample, is_stale, reject_reason
 
 
 def ev(i=0, **kw):
     return reward_event(i, **kw)
 
 
-@pytest.mark.parametrize(
-    "event, reason",
-    [
-        (ev(), None),
-        (ev(completion=(5, 6, 7), logprobs=(-1.0, -1.0)), "length_mismatch"),
-        (ev(version=3), "unknown_version"),
-        (ev(reward=float("nan")), "nan_reward"),
-        (ev(reward=float("inf")), "nan_reward"),
-        (ev(completion=tuple(range(10, 40)), logprobs=tuple([-1.0] * 30)), "too_long"),
-        (ev(completion=(5, 9999), logprobs=(-1.0, -1.0)), "token_out_of_range"),
-        (ev(completion=(5, 6), logprobs=(-1.0, float("nan"))), "bad_logprob"),
-        (ev(completion=(5, 6), logprobs=(-1.0, 0.5)), "bad_logprob"),
-        (ev(completion=(), logprobs=()), "empty_completion"),
-    ],
-)
+_REJECT_CASES = [
+    (ev(), None),
+    (ev(completion=(5, 6, 7), logprobs=(-1.0, -1.0)), "length_mismatch"),
+    (ev(version=3), "unknown_version"),
+    (ev(reward=float("nan")), "nan_reward"),
+    (ev(reward=float("inf")), "nan_reward"),
+    (ev(completion=tuple(range(10, 40)), logprobs=tuple([-1.0] * 30)), "too_long"),
+    (ev(completion=(5, 9999), logprobs=(-1.0, -1.0)), "token_out_of_range"),
+    (ev(completion=(5, 6), logprobs=(-1.0, float("nan"))), "bad_logprob"),
+    (ev(completion=(5, 6), logprobs=(-1.0, 0.5)), "bad_logprob"),
+    (ev(completion=(), logprobs=()), "empty_completion"),
+]
+
+
+@pytest.mark.parametrize("event, reason", _REJECT_CASES)
 def test_reject_reasons(event, reason):
     got = reject_reason(event, trainer_version=2, max_seq_len=20, vocab_size=512)
     assert (got[0] if got else None) == reason
+    assert reason is None or reason in REJECT_REASONS  # declared, so its count is exported at 0
+
+
+def test_every_declared_reject_reason_is_tested():
+    assert {reason for _, reason in _REJECT_CASES} - {None} == set(REJECT_REASONS)
 
 
 @pytest.mark.parametrize("trainer, sample, bound, stale", [(5, 5, 0, False), (5, 4, 0, True), (5, 1, 4, False), (5, 0, 4, True)])
