@@ -10,7 +10,13 @@ measures, on the same messages with the same consumer settings (flywheel.bus.mak
   Parquet archive, delivery with acks) until every episode is delivered;
 - reward: the same for episodes -> rewards;
 - relay: episodes consumed and sent on unchanged with the stages' output producer, no decode and
-  no state: the ceiling for any stage that emits a record per input record in one process.
+  no state: the ceiling for any stage that emits a record per input record in one process;
+- exactly-once relay: the same records through the stages' own loop (flywheel's StreamRunner,
+  state store, outbox, acks) with no decode and no stage logic: what exactly-once output costs;
+- + validate: that, plus each record decoded and validated at the edge as the stages do: the
+  floor under any stage that must validate its input and emit exactly once.
+
+The last three rows split the reward stage's gap to the raw rate into its parts.
 
 It prints one table of records/s (wall clock and per CPU-second of this process, all threads) and
 the ratio to the raw rate of the same input measured just before in the same run (goal: >= 0.5);
@@ -33,13 +39,27 @@ import uuid
 from pathlib import Path
 
 from flywheel.broker import EmbeddedBroker
-from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_output_producer, make_producer
-from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
+from flywheel.bus import (
+    DeadLetters,
+    LagGauge,
+    ensure_topics,
+    make_consumer,
+    make_output_producer,
+    make_producer,
+)
+from flywheel.contracts import (
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    SamplingParams,
+    Topics,
+    encode,
+)
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
 from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
 from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import StreamRunner
+from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, StreamRunner, decode_keyed
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from reward.report import REWARD_SCHEMA, reward_row, reward_table
@@ -47,17 +67,17 @@ from reward.stage import REWARDS_ARCHIVE, RewardStage
 from reward.stage import SCHEMA as REWARD_SCHEMA_SQL
 
 
-def produce(cfg: KafkaSettings, topics: Topics, pairs: int) -> None:
+def produce(cfg: KafkaSettings, topics: Topics, pairs: int, tokens: int = 32) -> None:
     producer = make_producer(cfg, "bench", linger_ms=20)
     t = time.time() - 60  # windows already past their deadline: they close as soon as caught up
     sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64)
     for i in range(pairs):
         gid = f"g{i}"
-        toks = tuple((i * 7 + j) % 500 for j in range(32))
+        toks = tuple((i * 7 + j) % 500 for j in range(tokens))
         g = GenerationEvent(
             generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id=f"u{i % 500}",
             endpoint="chat", created_at=t, completed_at=t, latency_ms=20, prompt_text="a prompt",
-            prompt_token_ids=(1, 2, 3, 4), completion_text="x" * 96, completion_token_ids=toks,
+            prompt_token_ids=(1, 2, 3, 4), completion_text="x" * (3 * tokens), completion_token_ids=toks,
             logprobs=tuple(-0.5 for _ in toks), sampling=sp, finish_reason="stop")
         f = FeedbackEvent(feedback_id=f"f{i}", generation_id=gid, signal=("accept", "reject")[i % 2],
                           decision_ms=900.0, created_at=t + 1, received_at=t + 1)
@@ -111,14 +131,34 @@ def relay_rate(cfg: KafkaSettings, inputs: list[str], out: str, expect: int) -> 
     return (expect - first) / elapsed, (expect - first) / cpu
 
 
+class PassThrough:
+    """A :class:`ingest.runner.Stage` that emits each input record unchanged, optionally after
+    validating it as the reward stage does: the exactly-once machinery with no stage logic."""
+
+    def __init__(self, store: StateStore, registry, out: str, topics: Topics, validate: bool) -> None:
+        self.store, self.out, self.validate = store, out, validate
+        self.sink = OutboxSink(store)
+        self.dead = DeadLetters(self.sink, topics.deadletter, "bench", registry, KEYED_DECODE_REASONS)
+
+    def process(self, records, now: float) -> None:
+        for rec in records:
+            self.sink.shard = rec.partition
+            if not self.validate or decode_keyed(EpisodeEvent, rec, self.dead) is not None:
+                self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
+
+    def tick(self, shards: set[int], now: float) -> None:
+        return None
+
+
 def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schema: str,
-               archive: ParquetArchive, archive_name: str, expect_in: int, expect_out: int, work: Path) -> float:
+               archives: dict[str, ParquetArchive], expect_in: int, expect_out: int,
+               work: Path) -> tuple[float, float]:
     store = StateStore(work / name / "state.sqlite3", schema)
     registry = new_registry()
     stage = stage_fn(store, registry)
     producer = make_output_producer(cfg, name)
     consumer = make_consumer(cfg, name, f"{name}-{uuid.uuid4().hex[:6]}")
-    outbox = Outbox(store, producer, cfg.bootstrap, {archive_name: archive})
+    outbox = Outbox(store, producer, cfg.bootstrap, archives)
     runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry), 5000, 200)
     start, cpu, first, delivered = None, 0.0, 0, 0
     while delivered < expect_out:
@@ -139,28 +179,34 @@ def median_of(repeat: int, measure, *args) -> tuple[float, float]:
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
-def run_client(base: KafkaSettings, client: str, n: int, work: Path,
-               repeat: int) -> list[tuple[str, tuple[float, float]]]:
+def run_client(base: KafkaSettings, client: str, n: int, work: Path, repeat: int,
+               tokens: int) -> list[tuple[str, tuple[float, float]]]:
     """Both stages with ``client`` as their output producer, on fresh topics of their own."""
     cfg = base.model_copy(update={"producer_client": client})
     topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
-    ensure_topics(cfg, topics.all())
-    produce(cfg, topics, n)
+    ensure_topics(cfg, [*topics.all(), *(f"{topics.prefix}relay{s}" for s in ("", "-eo", "-valid"))])
+    produce(cfg, topics, n, tokens)
     inputs = [topics.generations, topics.feedback]
     work = work / client
     rows = [("raw consume (generations+feedback)", median_of(repeat, raw_rate, cfg, inputs, 2 * n))]
     icfg = IngestSettings(window_s=5, grace_s=0)
     rows.append((f"ingest: join -> episodes [{client}]", stage_rate(
         cfg, "ingest", inputs, lambda s, r: IngestStage(icfg, topics, s, r), INGEST_SCHEMA,
-        ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table), EPISODES_ARCHIVE,
+        {EPISODES_ARCHIVE: ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table)},
         2 * n, n, work)))
     rows.append(("raw consume (episodes)", median_of(repeat, raw_rate, cfg, [topics.episodes], n)))
     rows.append((f"reward: label -> rewards [{client}]", stage_rate(
         cfg, "reward", [topics.episodes], lambda s, r: RewardStage(RewardSettings(), topics, s, r),
-        REWARD_SCHEMA_SQL, ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row, reward_table),
-        REWARDS_ARCHIVE, n, n, work)))
+        REWARD_SCHEMA_SQL, {REWARDS_ARCHIVE: ParquetArchive(work / "rewards", REWARD_SCHEMA, reward_row, reward_table)},
+        n, n, work)))
     rows.append((f"relay: consume + send, no work [{client}]",
                  median_of(repeat, relay_rate, cfg, [topics.episodes], f"{topics.prefix}relay", n)))
+    for validate, label in ((False, "exactly-once relay, no decode"), (True, "exactly-once relay + validate")):
+        out = f"{topics.prefix}relay-{'valid' if validate else 'eo'}"
+        rows.append((f"{label} [{client}]", stage_rate(
+            cfg, f"pass-{validate}", [topics.episodes],
+            lambda s, r, out=out, validate=validate: PassThrough(s, r, out, topics, validate),
+            "", {}, n, n, work)))
     return rows
 
 
@@ -171,23 +217,26 @@ def main() -> None:
                     help="output producer clients to measure, comma-separated")
     ap.add_argument("--repeat", type=int, default=3,
                     help="runs of each raw and relay measurement; their median is reported")
+    ap.add_argument("--tokens", type=int, default=32,
+                    help="completion tokens per generation (each with a logprob): decode cost grows with it")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n = args.pairs
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
         cfg = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
                             partitions=2)
-        rows = [run_client(cfg, client, n, Path(tmp), args.repeat) for client in args.clients.split(",")]
-    print(f"\n{n} generations + {n} feedback, 2 partitions, embedded broker; raw and relay rows: "
-          f"median of {args.repeat} runs\n")
+        rows = [run_client(cfg, client, n, Path(tmp), args.repeat, args.tokens)
+                for client in args.clients.split(",")]
+    print(f"\n{n} generations ({args.tokens} completion tokens) + {n} feedback, 2 partitions, embedded "
+          f"broker; raw and relay rows: median of {args.repeat} runs\n")
     # CPU columns: records per CPU-second of this process (all its threads), steadier than wall
     # time when other work shares the cores. Each stage is compared with the raw consume of its
     # own input just before it; the relay with the raw episode consume.
-    print(f"{'path':<44}{'records/s':>11}{'vs raw':>8}{'rec/cpu-s':>11}{'vs raw':>8}")
+    print(f"{'path':<48}{'records/s':>11}{'vs raw':>8}{'rec/cpu-s':>11}{'vs raw':>8}")
     for block in rows:
         for i, (label, (rate, cpu)) in enumerate(block):
             base, cbase = block[0][1] if i < 2 else block[2][1]
-            print(f"{label:<44}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
+            print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
 
 
 if __name__ == "__main__":

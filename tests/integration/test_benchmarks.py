@@ -31,7 +31,8 @@ def test_ingest_throughput_prints_stage_raw_and_relay_rows():
     assert [label for label, _, _ in rows] == [
         "raw consume (generations+feedback)", "ingest: join -> episodes [confluent]",
         "raw consume (episodes)", "reward: label -> rewards [confluent]",
-        "relay: consume + send, no work [confluent]"]
+        "relay: consume + send, no work [confluent]", "exactly-once relay, no decode [confluent]",
+        "exactly-once relay + validate [confluent]"]
     assert all(rate > 0 for _, rate, _ in rows)
     assert rows[0][2] == rows[2][2] == 1.0  # each raw row is the base of the rows after it
 
