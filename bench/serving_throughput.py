@@ -51,7 +51,8 @@ class Offline:
         from vllm import LLM, SamplingParams
 
         self.llm = LLM(model=str(model_dir), enforce_eager=True, logprobs_mode="processed_logprobs",
-                       max_num_seqs=seqs, disable_log_stats=True)
+                       max_num_seqs=seqs, disable_log_stats=True,
+                       worker_extension_cls="serving.vllm_worker.WorkerSetup")  # as serving does
         self.params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0)
         self.inputs = [{"prompt_token_ids": p} for p in prompts]
         self.llm.generate(self.inputs[:8], self.params, use_tqdm=False)  # warm-up

@@ -99,6 +99,8 @@ class VllmEngine:
             gpu_memory_utilization=serve.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # imported in each worker process before it runs the model (see the module)
+            worker_extension_cls="serving.vllm_worker.WorkerSetup",
         )
         self.logprobs_mode = "processed"
         self._llm = AsyncLLM.from_engine_args(args)
