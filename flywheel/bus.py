@@ -341,7 +341,8 @@ class DeadLetters:
         event = DeadLetterEvent(
             stage=self.stage,
             reason=reason,
-            detail=detail[:2000],
+            # the detail may quote the bad input (a labeler's message): keep it encodable
+            detail=detail[:2000].encode("utf-8", "backslashreplace").decode("utf-8"),
             source_topic=source_topic,
             source_partition=partition,
             source_offset=offset,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticSerializationError
 
 #: Largest record any consumer accepts before dead-lettering it as ``oversized``.
 MAX_RECORD_BYTES = 4 * 1024 * 1024
@@ -24,6 +25,21 @@ MAX_RECORD_BYTES = 4 * 1024 * 1024
 Signal = Literal["accept", "reject", "edit", "ignore"]
 SIGNALS: tuple[str, ...] = ("accept", "reject", "edit", "ignore")
 FinishReason = Literal["stop", "length", "abort"]
+
+#: A time, in seconds since the epoch: finite and before about the year 5100. A NaN or infinite
+#: time would poison every window comparison downstream (a NaN deadline is never due, and SQLite
+#: stores NaN as NULL), and nothing real happens thousands of years from now.
+EpochSeconds = Annotated[float, Field(ge=0.0, lt=1e11, allow_inf_nan=False)]
+#: A duration (seconds or milliseconds, as the field says): finite and not negative.
+Duration = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
+#: A token id. No vocabulary reaches 2**31, and the archives store token ids as int32: a larger
+#: one would fail every write of its batch to the archive.
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+#: A log-probability as the sampler reports it: finite (the sampled token had a chance). JSON
+#: has no NaN or infinity: pydantic writes them as null, which the next consumer then rejects.
+Logprob = Annotated[float, Field(allow_inf_nan=False)]
+#: A non-negative count or version that fits the int64 of SQLite and the archives.
+Int64 = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 def now() -> float:
@@ -42,7 +58,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(ge=0.0)
+    temperature: float = Field(ge=0.0, allow_inf_nan=False)
     top_p: float = Field(gt=0.0, le=1.0)
     top_k: int = -1
     max_tokens: int = Field(ge=1)
@@ -61,20 +77,20 @@ class GenerationEvent(_Event):
     generation_id: str = Field(min_length=1, max_length=128)
     #: The API response id; choices of one request (``n > 1``) share it (a GRPO group).
     group_id: str = Field(min_length=1, max_length=128)
-    choice_index: int = Field(default=0, ge=0)
+    choice_index: int = Field(default=0, ge=0, lt=2**31)
     model_name: str
-    model_version: int = Field(ge=0)
+    model_version: Int64
     user_id: str = Field(min_length=1, max_length=128)
     endpoint: Literal["completions", "chat"]
-    created_at: float
-    completed_at: float
-    latency_ms: float = Field(ge=0.0)
+    created_at: EpochSeconds
+    completed_at: EpochSeconds
+    latency_ms: Duration
     prompt_text: str
-    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
+    prompt_token_ids: tuple[TokenId, ...] = Field(min_length=1)
     completion_text: str
-    completion_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[TokenId, ...]
     #: The sampler's log-probability of each sampled completion token, one per token.
-    logprobs: tuple[float, ...]
+    logprobs: tuple[Logprob, ...]
     sampling: SamplingParams
     finish_reason: FinishReason
 
@@ -100,10 +116,10 @@ class FeedbackEvent(_Event):
     signal: Signal
     edited_text: str | None = None
     #: Milliseconds the user took to decide, when the product measured it.
-    decision_ms: float | None = Field(default=None, ge=0.0)
+    decision_ms: Duration | None = None
     user_id: str | None = Field(default=None, max_length=128)
-    created_at: float
-    received_at: float
+    created_at: EpochSeconds
+    received_at: EpochSeconds
 
     @model_validator(mode="after")
     def _edit_has_text(self) -> FeedbackEvent:
@@ -120,14 +136,14 @@ class EpisodeEvent(_Event):
     generation: GenerationEvent
     signal: Signal
     edited_text: str | None = None
-    decision_ms: float | None = None
+    decision_ms: Duration | None = None
     #: Every distinct feedback id that was folded into ``signal``.
     feedback_ids: tuple[str, ...] = ()
     #: True when the window closed with no feedback (``signal`` is then ``ignore``).
     timed_out: bool = False
     #: True when feedback for this generation disagreed and the resolution rule picked one.
     conflicted: bool = False
-    resolved_at: float
+    resolved_at: EpochSeconds
 
     @property
     def generation_id(self) -> str:
@@ -142,10 +158,10 @@ class RewardEvent(_Event):
     generation_id: str = Field(min_length=1, max_length=128)
     group_id: str
     user_id: str
-    model_version: int = Field(ge=0)
+    model_version: Int64
     signal: Signal
-    prompt_token_ids: tuple[int, ...] = Field(min_length=1)
-    completion_token_ids: tuple[int, ...]
+    prompt_token_ids: tuple[TokenId, ...] = Field(min_length=1)
+    completion_token_ids: tuple[TokenId, ...]
     logprobs: tuple[float, ...]
     sampling: SamplingParams
     reward: float
@@ -155,8 +171,8 @@ class RewardEvent(_Event):
     weight: float = Field(default=1.0, ge=0.0, le=1.0)
     #: Guard flags such as ``constant_user``, ``rate_anomaly``, ``repetition``.
     flags: tuple[str, ...] = ()
-    generated_at: float
-    labeled_at: float
+    generated_at: EpochSeconds
+    labeled_at: EpochSeconds
 
 
 # trainer -> serving, release
@@ -175,7 +191,7 @@ class CheckpointEvent(_Event):
     full_snapshot: bool
     samples: int = Field(ge=0)
     metrics: dict[str, float] = Field(default_factory=dict)
-    created_at: float
+    created_at: EpochSeconds
 
 
 # release -> serving
@@ -188,7 +204,7 @@ class ReleaseEvent(_Event):
     canary_version: int | None = None
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
     reason: str = ""
-    updated_at: float
+    updated_at: EpochSeconds
 
 
 # any stage -> deadletter
@@ -205,7 +221,7 @@ class DeadLetterEvent(_Event):
     #: Original key and value, base64 so arbitrary bytes survive JSON.
     key_b64: str | None = None
     value_b64: str = ""
-    failed_at: float
+    failed_at: EpochSeconds
 
 
 Event = Annotated[
@@ -269,11 +285,27 @@ def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES
     try:
         event = cls.model_validate_json(raw, strict=True)
     except ValidationError:
-        pass
-    else:
-        if event.schema_version in SUPPORTED_VERSIONS[event.kind]:
-            return event
-    return _decode_checked(cls, raw)
+        event = None
+    if event is None or event.schema_version not in SUPPORTED_VERSIONS[event.kind]:
+        event = _decode_checked(cls, raw)
+    if b"\\ud" in raw or b"\\uD" in raw:  # only then can a string hold a lone surrogate
+        _check_encodable(event)
+    return event
+
+
+def _check_encodable(event: _Event) -> None:
+    """Refuse strings that cannot be written back as UTF-8.
+
+    A JSON ``\\udXXX`` escape without its pair parses into a Python string that no UTF-8
+    encoder accepts, so the first stage to re-encode the record (ingest stores every generation
+    re-encoded) would fail its whole batch on it. Paired escapes (emoji from an ASCII-only
+    encoder) are fine; the check runs only for records that contain such an escape at all.
+    """
+    try:
+        event.model_dump_json()
+    except PydanticSerializationError:
+        raise ContractError("invalid", "a string holds a lone UTF-16 surrogate (a \\ud800-\\udfff "
+                                       "escape without its pair)") from None
 
 
 def _decode_checked(cls: type[E], raw: bytes) -> E:

@@ -200,6 +200,10 @@ class IngestSettings(_Section):
     """Extra wait after a window's deadline for clock skew and transport delay before closing."""
     closed_retention_s: float = Field(default=3600.0, gt=0)
     """How long closed generations are remembered, to tell late or duplicate feedback apart."""
+    max_future_s: float = Field(default=600.0, gt=0)
+    """Records stamped more than this many seconds ahead of the stage's clock (a generation's
+    ``completed_at``, feedback's ``created_at``) are dead-lettered as ``clock_skew``: a window
+    that far in the future would hold its join state until then."""
     max_batch: int = Field(default=5000, ge=1)
     """Most records processed in one state-store transaction."""
     poll_ms: int = Field(default=200, ge=1)

@@ -9,6 +9,9 @@ feedback created later is ``late_feedback`` (dead-lettered: it is a real signal,
 never silently dropped). Feedback that arrives before its generation waits ``window_s`` after its
 own ``created_at``; if the generation has not come by then it is ``orphan_feedback``.
 
+**Clock skew.** A record stamped more than ``max_future_s`` ahead of the stage's clock is
+``clock_skew`` (dead-lettered): its window would stay open, and hold join state, until then.
+
 **Emission.** An episode is emitted once, when the window closes (plus ``grace_s`` for clock skew
 and transport delay), not on the first feedback: waiting lets late duplicates and conflicting
 signals fold into the one episode instead of producing a second, contradictory one. The cost is
@@ -51,6 +54,11 @@ def generation_deadline(completed_at: float, window_s: float) -> float:
 def orphan_deadline(feedback_created_at: float, window_s: float) -> float:
     """When feedback without its generation gives up waiting and becomes an orphan."""
     return feedback_created_at + window_s
+
+
+def is_from_future(stamped_at: float, now: float, max_future_s: float) -> bool:
+    """A record's time is further ahead of the stage's clock than clock skew explains."""
+    return stamped_at - now > max_future_s
 
 
 def is_late(feedback_created_at: float, deadline: float) -> bool:

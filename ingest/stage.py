@@ -33,7 +33,14 @@ from flywheel.contracts import (
 )
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
-from ingest.join import Resolution, generation_deadline, is_late, orphan_deadline, resolve
+from ingest.join import (
+    Resolution,
+    generation_deadline,
+    is_from_future,
+    is_late,
+    orphan_deadline,
+    resolve,
+)
 from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 
 SCHEMA = """
@@ -52,7 +59,7 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 
 EPISODES_ARCHIVE = "episodes"
 #: Every reason this stage dead-letters a record for (see docs/architecture.md, bad input).
-DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "late_feedback", "orphan_feedback")
+DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "clock_skew", "late_feedback", "orphan_feedback")
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -90,7 +97,7 @@ class IngestStage:
             is_gen = rec.topic == self.topics.generations
             gens += is_gen
             event = decode_keyed(GenerationEvent if is_gen else FeedbackEvent, rec, self.dead)
-            if event is not None:
+            if event is not None and not self._from_future(rec, event, now):
                 events.append((rec, event))
         self.m.records.labels("generation").inc(gens)  # per batch: labels() is a lookup and a lock
         self.m.records.labels("feedback").inc(len(records) - gens)
@@ -104,6 +111,16 @@ class IngestStage:
             else:
                 self._on_feedback(rec, event, view)
         view.write(self.db)
+
+    def _from_future(self, rec: ConsumerRecord, event: Any, now: float) -> bool:
+        """Dead-letter a record stamped too far ahead of this stage's clock (see ingest/join.py)."""
+        field = "completed_at" if isinstance(event, GenerationEvent) else "created_at"
+        stamped = getattr(event, field)
+        if not is_from_future(stamped, now, self.cfg.max_future_s):
+            return False
+        self.dead.send_record(rec, "clock_skew", f"{field} is {stamped - now:.0f}s ahead of the stage's clock "
+                                                 f"(ingest.max_future_s is {self.cfg.max_future_s:g})")
+        return True
 
     def _on_generation(self, rec: ConsumerRecord, g: GenerationEvent, view: _BatchView) -> None:
         gid = g.generation_id

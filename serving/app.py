@@ -208,7 +208,8 @@ async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, me
     event = FeedbackEvent(
         feedback_id=body.feedback_id, generation_id=body.generation_id, signal=body.signal,
         edited_text=body.edited_text, decision_ms=body.decision_ms, user_id=user_id,
-        created_at=body.created_at if body.created_at is not None else received, received_at=received,
+        created_at=received if body.created_at is None else min(body.created_at, received),
+        received_at=received,
     )
     durable = ctx.recorder.record_feedback(ctx.topics.feedback, event)
     # the intake thread answers within about one ack timeout plus an fsync; wait a bit beyond it

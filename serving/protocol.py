@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flywheel.contracts import Signal
+from flywheel.contracts import Duration, EpochSeconds, Signal
 
 
 class ApiError(Exception):
@@ -110,9 +110,10 @@ class FeedbackRequest(_Req):
     generation_id: str = Field(min_length=1, max_length=128)
     signal: Signal
     edited_text: str | None = None
-    decision_ms: float | None = Field(default=None, ge=0.0)
-    #: When the user acted, if the product knows (epoch seconds); else the time it arrived.
-    created_at: float | None = None
+    decision_ms: Duration | None = None
+    #: When the user acted, if the product knows (epoch seconds); else the time it arrived. A
+    #: time after its arrival (a client clock running ahead) is taken as the arrival time.
+    created_at: EpochSeconds | None = None
     user: str | None = Field(default=None, max_length=256)
 
     @model_validator(mode="after")
@@ -130,6 +131,12 @@ def parse(cls: type[_Req], raw: bytes) -> Any:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
+    if b"\\ud" in raw or b"\\uD" in raw:  # only then can a string hold a lone surrogate
+        try:
+            json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
+                                "without its pair): such text cannot be stored as UTF-8") from None
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:

@@ -160,6 +160,12 @@ def _malformed(topics, c: int, t: float) -> list[tuple[str, str, str | None, byt
          json.dumps({**good, "signal": "edit", "feedback_id": f"bad2-{c}"}).encode()),
         ("wrong_kind", topics.generations, "k", json.dumps({"kind": "reward"}).encode()),
         ("wrong_key", topics.feedback, "not-the-gid", json.dumps({**good, "feedback_id": f"bad3-{c}"}).encode()),
+        # json writes NaN, and once such a time failed the stage's whole batch in SQLite
+        ("invalid", topics.feedback, f"g{c:03d}-0000",
+         json.dumps({**good, "feedback_id": f"bad4-{c}", "created_at": float("nan")}).encode()),
+        # a client clock a day ahead: its window would hold state until then
+        ("clock_skew", topics.feedback, f"g{c:03d}-0000",
+         json.dumps({**good, "feedback_id": f"bad5-{c}", "created_at": t + 86_400}).encode()),
     ]
 
 

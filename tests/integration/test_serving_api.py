@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -185,13 +186,23 @@ def test_feedback_is_recorded_once_per_post(serve, broker):
         {"feedback_id": "fb-2", "generation_id": gen.id, "signal": "edit", "edited_text": "better"},
         {"feedback_id": "fb-3", "generation_id": "no-such-generation", "signal": "reject"},
         {"feedback_id": "fb-1", "generation_id": gen.id, "signal": "accept"},  # a client retry
+        # a client clock an hour ahead: the action cannot have come after its report
+        {"feedback_id": "fb-4", "generation_id": gen.id, "signal": "reject", "created_at": time.time() + 3600},
     ]
     for body in bodies:
         r = s.post("/v1/feedback", body, headers={"X-Flywheel-User": "bob"})
         assert r.status_code == 202, r.text
         assert r.json()["id"] == body["feedback_id"]
-    events = [decode(FeedbackEvent, r.value) for r in read_all(broker.bootstrap, s.topics.feedback, expect=4)]
-    assert Counter(e.feedback_id for e in events) == {"fb-1": 2, "fb-2": 1, "fb-3": 1}
+    nan = s.post("/v1/feedback", json.dumps({"feedback_id": "fb-5", "generation_id": gen.id, "signal": "accept",
+                                             "created_at": float("nan")}), headers={"Content-Type": "application/json"})
+    assert nan.status_code == 400 and "created_at" in nan.json()["error"]["message"], nan.text
+    lone = s.post("/v1/feedback", b'{"feedback_id": "fb-6", "generation_id": "g", "signal": "edit", '
+                                  b'"edited_text": "\\ud800"}', headers={"Content-Type": "application/json"})
+    assert lone.status_code == 400 and "surrogate" in lone.json()["error"]["message"], lone.text
+    events = [decode(FeedbackEvent, r.value) for r in read_all(broker.bootstrap, s.topics.feedback, expect=5)]
+    assert Counter(e.feedback_id for e in events) == {"fb-1": 2, "fb-2": 1, "fb-3": 1, "fb-4": 1}
+    ahead = next(e for e in events if e.feedback_id == "fb-4")
+    assert ahead.created_at == ahead.received_at
     edit = next(e for e in events if e.feedback_id == "fb-2")
     assert edit.signal == "edit" and edit.edited_text == "better" and edit.user_id == pseudonymise(SALT, "bob")
     assert next(e for e in events if e.feedback_id == "fb-1").decision_ms == 850

@@ -125,6 +125,61 @@ def test_decode_matches_the_checked_path(raw):
     assert decode(FeedbackEvent, raw) == FeedbackEvent.model_validate(json.loads(raw))
 
 
+@pytest.mark.parametrize("field", ["created_at", "received_at", "decision_ms"])
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e400", b"-5", b"1e12"])
+def test_times_must_be_finite_and_plausible(field, literal):
+    """Python's json and pydantic's parser both read NaN and Infinity: a record carrying one
+    would never close its join window (and SQLite would store it as NULL), so it is invalid."""
+    raw = json.dumps({**_FEEDBACK, field: 12345.5}).encode().replace(b"12345.5", literal)
+    if field == "decision_ms" and literal == b"1e12":
+        assert decode(FeedbackEvent, raw).decision_ms == 1e12  # a duration has no upper bound
+        return
+    with pytest.raises(ContractError) as info:
+        decode(FeedbackEvent, raw)
+    assert (info.value.reason, info.value.detail.split(":")[0]) == ("invalid", field)
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"completion_token_ids": [3, 4, 2**31]}, "completion_token_ids.2"),  # the archives' int32
+    ({"prompt_token_ids": [-1, 2]}, "prompt_token_ids.0"),
+    ({"model_version": 2**63}, "model_version"),  # SQLite's and the archives' int64
+    ({"choice_index": 2**31}, "choice_index"),
+    ({"latency_ms": float("inf")}, "latency_ms"),
+    ({"logprobs": [-0.1, float("nan"), -0.3]}, "logprobs.1"),  # pydantic would write it as null
+    ({"sampling": {"temperature": float("inf"), "top_p": 1.0, "max_tokens": 8}}, "sampling.temperature"),
+])
+def test_generation_numbers_fit_where_they_are_stored(change, field):
+    obj = {**json.loads(encode(_generation())), **change}
+    with pytest.raises(ContractError) as info:
+        decode(GenerationEvent, json.dumps(obj).encode())
+    assert (info.value.reason, info.value.detail.split(":")[0]) == ("invalid", field)
+    largest = {**json.loads(encode(_generation())), "completion_token_ids": [3, 4, 2**31 - 1],
+               "model_version": 2**63 - 1}
+    assert decode(GenerationEvent, json.dumps(largest).encode()).completion_token_ids[-1] == 2**31 - 1
+
+
+@pytest.mark.parametrize("escape, ok", [
+    (b"\\ud83d\\ude00", True),  # a pair: an emoji from an ASCII-only JSON encoder
+    (b"\\uD83D\\uDE00", True),
+    (b"\\ud800", False),  # a lone high surrogate
+    (b"x\\udc00y", False),  # a lone low one
+    (b"\\uDBFF", False),
+    (b"\\\\udir", True),  # an escaped backslash before "udir", not an escape
+])
+def test_lone_surrogates_are_invalid(escape, ok):
+    """A lone surrogate parses into a str no UTF-8 encoder takes: the first stage to re-encode
+    the record would fail its whole batch on it."""
+    raw = json.dumps({**_FEEDBACK, "signal": "edit", "edited_text": "T"}).encode().replace(b'"T"', b'"' + escape + b'"')
+    if ok:
+        event = decode(FeedbackEvent, raw)
+        assert event == FeedbackEvent.model_validate(json.loads(raw))
+        assert decode(FeedbackEvent, encode(event)) == event
+        return
+    with pytest.raises(ContractError) as info:
+        decode(FeedbackEvent, raw)
+    assert info.value.reason == "invalid" and "surrogate" in info.value.detail
+
+
 def test_trailing_bytes_are_undecodable():
     with pytest.raises(ContractError) as info:
         decode(FeedbackEvent, json.dumps(_FEEDBACK).encode() + b" x")

@@ -18,7 +18,7 @@ from flywheel.contracts import (
 )
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
-from ingest.join import generation_deadline, is_due, is_late, resolve
+from ingest.join import generation_deadline, is_due, is_from_future, is_late, resolve
 from ingest.stage import DEADLETTER_REASONS, SCHEMA, IngestStage, episode_bytes
 
 
@@ -58,6 +58,14 @@ def test_is_late(created, deadline, late):
 @pytest.mark.parametrize("deadline, now, grace, due", [(10, 10.5, 1, False), (10, 11.01, 1, True), (10, 10.01, 0, True)])
 def test_is_due(deadline, now, grace, due):
     assert is_due(deadline, now, grace) is due
+
+
+@pytest.mark.parametrize("stamped, now, limit, future", [
+    (1000.0, 1000.0, 600, False), (1600.0, 1000.0, 600, False), (1600.5, 1000.0, 600, True),
+    (10.0, 1000.0, 600, False),  # the past is never skew: backfills and replays are old
+])
+def test_is_from_future(stamped, now, limit, future):
+    assert is_from_future(stamped, now, limit) is future
 
 
 def test_generation_deadline():
@@ -139,6 +147,53 @@ def test_stage_dead_letters_late_orphan_and_bad_records(stage):
     assert [(e.generation_id, e.signal, e.timed_out) for e in eps] == [("g", "ignore", True)]
     assert sorted(d.reason for d in dls) == ["late_feedback", "orphan_feedback", "undecodable", "wrong_key"]
     assert {d.source_offset for d in dls if d.reason == "orphan_feedback"} == {1}
+
+
+def test_stage_dead_letters_records_stamped_far_ahead_and_keeps_no_state_for_them(stage):
+    # now=100, max_future_s=600: 700 is at the limit, 701 beyond it
+    ahead = FeedbackEvent(feedback_id="fa", generation_id="g2", signal="accept", created_at=701, received_at=100)
+    run(stage, [rec(T.generations, "g", encode(gen("g", 700)), 0), rec(T.generations, "g2", encode(gen("g2", 701)), 1),
+                rec(T.feedback, "g2", encode(ahead), 0)], now=100)
+    store = stage[1]
+    eps, dls = outputs(store)
+    assert eps == []
+    assert sorted((d.reason, d.source_topic, d.source_offset) for d in dls) == [
+        ("clock_skew", T.feedback, 0), ("clock_skew", T.generations, 1)]
+    assert "601s ahead" in dls[0].detail and "ingest.max_future_s" in dls[0].detail
+    assert [r[0] for r in store.db.execute("SELECT gid FROM gens")] == ["g"]
+    assert store.db.execute("SELECT count(*) FROM fbs").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("field, literal", [
+    (b"_at", b"NaN"), (b"_at", b"Infinity"), (b"_at", b"1e400"),
+    (b"_text", b'"\\ud800"'),  # a lone surrogate: re-encoding the generation failed the batch
+])
+def test_stage_dead_letters_poison_records_instead_of_failing_its_batch(stage, field, literal):
+    """Each of these once failed the batch's transaction (a NaN time reached SQLite as NULL; a
+    lone surrogate could not be re-encoded), and the stage crash-looped on the same batch after
+    every restart."""
+    g_old, f_old = (b'"completed_at":100.0', b'"created_at":101.0') if field == b"_at" else (
+        b'"completion_text":"c"', b'"edited_text":"e"')
+    good = rec(T.generations, "g", encode(gen("g", 100)), 0)
+    bad_gen = rec(T.generations, "h", encode(gen("h", 100)).replace(g_old, g_old.split(b":")[0] + b":" + literal), 1)
+    bad_fb = rec(T.feedback, "g", encode(fb("f", "edit", 101, text="e")).replace(f_old, f_old.split(b":")[0] + b":" + literal), 0)
+    assert bad_gen.value != good.value.replace(b'"g"', b'"h"') and literal in bad_fb.value
+    run(stage, [good, bad_gen, bad_fb], now=101)
+    run(stage, [], now=112)
+    eps, dls = outputs(stage[1])
+    assert [(e.generation_id, e.signal) for e in eps] == [("g", "ignore")]
+    assert sorted((d.reason, d.source_topic) for d in dls) == [("invalid", T.feedback), ("invalid", T.generations)]
+
+
+def test_stage_dead_letters_a_token_id_its_archive_cannot_hold(stage):
+    """A token id past int32 once failed every archive write of its batch: the stage could no
+    longer deliver anything."""
+    big = encode(gen("h", 100)).replace(b'"completion_token_ids":[2]', b'"completion_token_ids":[2147483648]')
+    run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.generations, "h", big, 1)], now=101)
+    run(stage, [], now=112)
+    eps, dls = outputs(stage[1])
+    assert [e.generation_id for e in eps] == ["g"]
+    assert [(d.reason, d.source_offset) for d in dls] == [("invalid", 1)]
 
 
 def test_stage_waits_for_caught_up_shards(stage):

@@ -308,3 +308,27 @@ def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_repla
     rewards = [decode(RewardEvent, r.value) for r in store.pending([0], limit=100) if r.topic == "t.rewards"]
     assert [r.generation_id for r in rewards] == ["g0", "g1", "g2", "g4", "g5", "g3"]
     assert registry.get_sample_value("reward_duplicates_total") == 1.0
+
+
+def test_a_labeler_message_that_cannot_be_encoded_still_makes_a_dead_letter(tmp_path):
+    """A labeler's message may quote text no UTF-8 encoder takes; the dead letter escapes it
+    instead of failing the batch."""
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import DeadLetterEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    name = f"v{uuid.uuid4().hex[:6]}"
+
+    def verifier(ep):
+        raise ValueError("cannot score \ud800 here")
+
+    register_verifier(name, verifier)
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = RewardStage(G.model_copy(update={"labelers": (f"verifier:{name}",)}), Topics("t."), store, CollectorRegistry())
+    with store.txn():
+        stage.process(_records(1), 10.0)
+    (dead,) = [decode(DeadLetterEvent, r.value) for r in store.pending([0]) if r.topic == "t.deadletter"]
+    assert dead.reason == "labeler_error" and dead.detail.endswith("ValueError: cannot score \\ud800 here")
+

@@ -24,6 +24,14 @@ from serving.protocol import ApiError, ChatRequest, CompletionRequest, FeedbackR
         (FeedbackRequest, {"feedback_id": "f", "generation_id": "g", "signal": "edit"}, None, "edited_text"),
         (FeedbackRequest, {"feedback_id": "f", "generation_id": "g", "signal": "accept", "extra": 1}, "extra", "not permitted"),
         (FeedbackRequest, {"feedback_id": "", "generation_id": "g", "signal": "accept"}, "feedback_id", "at least 1"),
+        # json reads NaN and Infinity; a NaN time would never close its join window downstream
+        (FeedbackRequest, {"feedback_id": "f", "generation_id": "g", "signal": "accept", "created_at": float("nan")},
+         "created_at", "finite"),
+        (FeedbackRequest, {"feedback_id": "f", "generation_id": "g", "signal": "accept", "decision_ms": float("inf")},
+         "decision_ms", "finite"),
+        (FeedbackRequest, b'{"feedback_id": "f", "generation_id": "g", "signal": "edit", "edited_text": "\\ud800"}',
+         None, "lone UTF-16 surrogate"),
+        (ChatRequest, b'{"model": "m", "messages": [{"role": "user", "content": "hi \\uDC00"}]}', None, "surrogate"),
     ],
 )
 def test_bad_bodies_name_the_problem(cls, body, param, words):
@@ -46,3 +54,6 @@ def test_good_bodies_parse_and_unknown_fields_are_ignored():
     fb = parse(FeedbackRequest, json.dumps({"feedback_id": "f", "generation_id": "g", "signal": "edit",
                                             "edited_text": "better", "decision_ms": 1200}).encode())
     assert fb.decision_ms == 1200.0
+    emoji = parse(FeedbackRequest, b'{"feedback_id": "f", "generation_id": "g", "signal": "edit", '
+                                   b'"edited_text": "\\ud83d\\ude00"}')  # a pair is one character
+    assert emoji.edited_text == "\U0001f600"
