@@ -314,13 +314,16 @@ def _decode_checked(cls: type[E], raw: bytes) -> E:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ContractError("undecodable", f"not UTF-8 JSON: {exc}") from None
+    except RecursionError:
+        raise ContractError("undecodable", "JSON nested too deeply to parse") from None
     if not isinstance(obj, dict):
         raise ContractError("undecodable", f"expected a JSON object, got {type(obj).__name__}")
     want = cls.model_fields["kind"].default
     if obj.get("kind", want) != want:
         raise ContractError("wrong_kind", f"expected kind {want!r}, got {obj.get('kind')!r}")
     version = obj.get("schema_version", 1)
-    if version not in SUPPORTED_VERSIONS[want]:
+    if not isinstance(version, (int, float, str)) or version not in SUPPORTED_VERSIONS[want]:
+        # (a list or an object is no version either, and cannot even be looked up)
         raise ContractError("unknown_version", f"{want} schema_version {version!r} not supported")
     try:
         return cls.model_validate(obj)

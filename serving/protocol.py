@@ -129,6 +129,8 @@ def parse(cls: type[_Req], raw: bytes) -> Any:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is JSON nested too deeply to parse") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
     if b"\\ud" in raw or b"\\uD" in raw:  # only then can a string hold a lone surrogate

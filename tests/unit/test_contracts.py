@@ -59,6 +59,8 @@ _DECODE_CASES = [
     (b"\xff\xfe", "undecodable"),
     (b"[1, 2]", "undecodable"),
     (b"{not json", "undecodable"),
+    (b"[" * 100_000 + b"]" * 100_000, "undecodable"),  # once a RecursionError that failed the batch
+    (b'{"kind": "feedback", "feedback_id": ' + b"[" * 5000 + b"]" * 5000 + b"}", "undecodable"),
     (json.dumps({"kind": "generation"}).encode(), "wrong_kind"),
     (json.dumps({"kind": "feedback", "schema_version": 99}).encode(), "unknown_version"),
     (json.dumps({"kind": "feedback", "feedback_id": "f"}).encode(), "invalid"),
@@ -76,7 +78,7 @@ _DECODE_CASES = [
 @pytest.mark.parametrize(("raw", "reason"), _DECODE_CASES)
 def test_decode_reasons(raw, reason):
     with pytest.raises(ContractError) as info:
-        decode(FeedbackEvent, raw, max_bytes=120 if reason != "oversized" else 64)
+        decode(FeedbackEvent, raw, max_bytes=len(raw) if reason != "oversized" else 64)
     assert info.value.reason == reason
     assert info.value.detail
     assert reason in CONTRACT_REASONS  # declared, so every stage exports its count at 0
@@ -98,6 +100,8 @@ _FEEDBACK = {"kind": "feedback", "feedback_id": "f", "generation_id": "g", "sign
         # valid records the strict fast path rejects: the checked path still decides
         ({"schema_version": 2}, "unknown_version"),  # a well-typed version the fast path parses
         ({"schema_version": "1"}, "unknown_version"),  # lax pydantic would coerce "1" to 1
+        ({"schema_version": []}, "unknown_version"),  # once a TypeError that failed the batch
+        ({"schema_version": {"v": 1}}, "unknown_version"),
         ({"kind": "episode"}, "wrong_kind"),
         ({"signal": "edit"}, "invalid"),  # the model validator runs on both paths
     ],

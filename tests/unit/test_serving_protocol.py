@@ -14,6 +14,7 @@ from serving.protocol import ApiError, ChatRequest, CompletionRequest, FeedbackR
     [
         (CompletionRequest, b"{not json", None, "not valid JSON"),
         (CompletionRequest, b"[1, 2]", None, "JSON object"),
+        (CompletionRequest, b'{"model": "m", "prompt": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", None, "nested too deeply"),
         (CompletionRequest, {"model": "m"}, "prompt", "Field required"),
         (CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens", "integer"),
         (CompletionRequest, {"model": "m", "prompt": "x", "temperature": 3}, "temperature", "less than"),
