@@ -236,6 +236,10 @@ class RewardSettings(_Section):
     """Reward for an explicit ``ignore`` (and for timed-out episodes when ``emit_ignored``)."""
     emit_ignored: bool = False
     """Emit rewards for timed-out episodes (no user signal). Off: they are counted and skipped."""
+    edit_max_chars: int = Field(default=20_000, ge=1)
+    """The edit labeler compares at most this many characters of the completion and of the
+    user's text (Levenshtein is quadratic: two 1 MB texts would stall the stage for seconds);
+    longer texts are scored on their prefixes, capped by the ratio of their lengths."""
     latency_bonus: float = Field(default=0.05, ge=0)
     """Extra reward, in the direction of the decision, for a decision taken instantly; it fades
     linearly to 0 at ``latency_ref_ms``. 0 turns the latency labeler off."""

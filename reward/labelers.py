@@ -75,9 +75,20 @@ def signal_value(signal: str, cfg: RewardSettings) -> float | None:
     return {"accept": cfg.accept_value, "reject": cfg.reject_value, "ignore": cfg.ignore_value}.get(signal)
 
 
-def edit_similarity(completion: str, final: str) -> float:
-    """1 - Levenshtein distance / the longer length; 1.0 for two empty texts."""
-    return float(Levenshtein.normalized_similarity(completion, final))
+def edit_similarity(completion: str, final: str, max_chars: int | None = None) -> float:
+    """1 - Levenshtein distance / the longer length; 1.0 for two empty texts.
+
+    Levenshtein costs the product of the lengths, and the user's text is theirs to make long.
+    With ``max_chars``, longer texts are compared on their first ``max_chars`` characters (an
+    approximation), capped by shorter length / longer length: no pair of texts of those lengths
+    scores more, as their distance is at least the difference of the lengths. A 1 MB "edit" of a
+    short completion so scores about 0, as the exact distance would, in milliseconds.
+    """
+    longer = max(len(completion), len(final))
+    if max_chars is None or longer <= max_chars:
+        return float(Levenshtein.normalized_similarity(completion, final))
+    prefix = float(Levenshtein.normalized_similarity(completion[:max_chars], final[:max_chars]))
+    return min(prefix, min(len(completion), len(final)) / longer)
 
 
 def edit_value(similarity: float, cfg: RewardSettings) -> float:
@@ -105,7 +116,8 @@ def _edit(cfg: RewardSettings) -> Labeler:
     def label(ep: EpisodeEvent) -> dict[str, float]:
         if ep.signal != "edit" or ep.edited_text is None:
             return {}
-        return {"edit": edit_value(edit_similarity(ep.generation.completion_text, ep.edited_text), cfg)}
+        similarity = edit_similarity(ep.generation.completion_text, ep.edited_text, cfg.edit_max_chars)
+        return {"edit": edit_value(similarity, cfg)}
     return label
 
 

@@ -44,6 +44,17 @@ def test_edit_similarity(a, b, sim):
     assert edit_similarity(a, b) == pytest.approx(sim)
 
 
+@pytest.mark.parametrize("a, b, cap, sim", [
+    ("kitten", "sitting", 7, 1 - 3 / 7),  # within the cap: exact
+    ("kitten", "sitting", 6, 1 - 2 / 6),  # prefixes "kitten"/"sittin": 2 edits of 6, under the cap 6/7
+    ("abc", "abc" + "z" * 997, 10, 3 / 1000),  # a huge edit of a short text: the length ratio
+    ("ab" * 500, "ab" * 500, 10, 1.0),  # long and identical
+    ("ab" * 500, "ab" * 499 + "xy", 10, 1.0),  # differs past the prefixes: an approximation
+])
+def test_edit_similarity_of_long_texts_is_bounded(a, b, cap, sim):
+    assert edit_similarity(a, b, cap) == pytest.approx(sim)
+
+
 @pytest.mark.parametrize("sim, value", [(1.0, 0.75), (0.0, -0.25), (0.5, 0.25)])
 def test_edit_value_interpolates_reject_to_accept(sim, value):
     assert edit_value(sim, CFG) == pytest.approx(value)
