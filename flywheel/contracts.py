@@ -288,9 +288,15 @@ def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES
         event = None
     if event is None or event.schema_version not in SUPPORTED_VERSIONS[event.kind]:
         event = _decode_checked(cls, raw)
-    if b"\\ud" in raw or b"\\uD" in raw:  # only then can a string hold a lone surrogate
+    if may_hold_surrogates(raw):
         _check_encodable(event)
     return event
+
+
+def may_hold_surrogates(raw: bytes) -> bool:
+    """Whether JSON text has a ``\\udXXX`` escape: only then can a parsed string hold a lone
+    surrogate, so the (costlier) check of the parsed value can be skipped for the rest."""
+    return b"\\ud" in raw or b"\\uD" in raw
 
 
 def _check_encodable(event: _Event) -> None:

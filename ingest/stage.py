@@ -58,7 +58,7 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 """
 
 EPISODES_ARCHIVE = "episodes"
-#: Every reason this stage dead-letters a record for (see docs/architecture.md, bad input).
+#: Every reason this stage dead-letters a record for (dashboards/runbooks/dead-letters.md).
 DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "clock_skew", "late_feedback", "orphan_feedback")
 _encode_json = msgspec.json.Encoder().encode
 

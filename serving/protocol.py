@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flywheel.contracts import Duration, EpochSeconds, Signal
+from flywheel.contracts import Duration, EpochSeconds, Signal, may_hold_surrogates
 
 
 class ApiError(Exception):
@@ -133,7 +133,7 @@ def parse(cls: type[_Req], raw: bytes) -> Any:
         raise ApiError(400, "request body is JSON nested too deeply to parse") from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-    if b"\\ud" in raw or b"\\uD" in raw:  # only then can a string hold a lone surrogate
+    if may_hold_surrogates(raw):
         try:
             json.dumps(obj, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
