@@ -7,7 +7,7 @@ measures, on the same messages with the same consumer settings (flywheel.bus.mak
 
 - raw: a consumer group reading every input record and doing nothing else;
 - ingest: the full stage (decode, dedupe, join in the SQLite state store, window close, outbox,
-  Parquet archive, delivery with acks) until every episode is delivered;
+  delivery with acks, Parquet archive) until every episode is delivered and archived;
 - reward: the same for episodes -> rewards;
 - relay: episodes consumed and sent on unchanged with the stages' output producer, no decode and
   no state: the ceiling for any stage that emits a record per input record in one process;
@@ -165,6 +165,7 @@ def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schem
         if runner.step() and start is None:
             start, cpu, first = time.perf_counter(), time.process_time(), runner.records_in
         delivered = runner.delivered
+    runner.finish()  # the clock stops once the archive holds every row too
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     consumer.close()
     producer.close()

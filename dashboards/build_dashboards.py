@@ -45,6 +45,8 @@ ROWS = [
             ('sum by (flag) (rate(reward_guard_actions_total[5m]))', "{{flag}}")]),
         ("Reward p50 by signal", "short", [
             ('histogram_quantile(0.5, sum by (le) (rate(reward_value_reward_bucket[15m])))', "p50 reward")]),
+        ("Archive queue: rows not yet in Parquet", "short", [
+            ('sum(ingest_archive_queue_rows)', "episodes"), ('sum(reward_archive_queue_rows)', "rewards")]),
     ]),
     ("Trainer", [
         ("Loss and mean reward", "short", [

@@ -137,6 +137,7 @@ def _pipeline_env(env: dict[str, str]) -> dict[str, str]:
         **env,
         "FLYWHEEL_INGEST_WINDOW_S": "3",
         "FLYWHEEL_INGEST_GRACE_S": "1",
+        "FLYWHEEL_ARCHIVE_MAX_AGE_S": "10",  # `flywheel reward report` sees the demo's rewards soon
         "FLYWHEEL_INGEST_PORT": "0",
         "FLYWHEEL_REWARD_PORT": "0",
         "FLYWHEEL_TRAINER_PORT": "0",

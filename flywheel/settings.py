@@ -287,6 +287,15 @@ class RewardSettings(_Section):
     """Ops port; 0 picks a free one."""
 
 
+class ArchiveSettings(_Section):
+    max_rows: int = Field(default=50_000, ge=1)
+    """The ingest and reward stages write their Parquet archive (episodes, rewards) when this
+    many rows are queued for it, one file per hour the rows fall in (docs/exactly-once.md)."""
+    max_age_s: float = Field(default=300.0, ge=0)
+    """... or when the oldest queued row has waited this long, and at shutdown. The archive lags
+    the topics by up to this much; larger values mean fewer, larger files."""
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -306,6 +315,8 @@ class Settings(_Section):
     """The ingest stage (``flywheel ingest``, see docs/exactly-once.md)."""
     reward: RewardSettings = Field(default_factory=RewardSettings)
     """The reward stage (``flywheel reward``)."""
+    archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
+    """The stages' Parquet archives of episodes and rewards."""
 
 
 #: Environment names kept short because operators type them most.

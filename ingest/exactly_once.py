@@ -8,13 +8,10 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
 
 1. **Process** - in ONE SQLite transaction (WAL, ``synchronous=FULL``): apply the batch to the
    stage's state tables, append every record the batch produces (outputs and dead letters) to the
-   ``outbox`` with a fresh sequence number, and store the input offsets (``next offset`` per input
-   topic-partition). Either all of it is durable or none of it.
-2. **Archive** - outbox rows bound for a Parquet archive are written to a file named after the
-   store's epoch and the rows' sequence range, atomically (temp file + rename). The files are
-   the record of what is archived: rows are marked ``archived`` only when their send fails
-   and by the recovery below.
-3. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
+   ``outbox`` with a fresh sequence number, queue the records bound for a Parquet archive in
+   ``archive_queue`` under the same numbers (one entry per batch), and store the input offsets
+   (``next offset`` per input topic-partition). Either all of it is durable or none of it.
+2. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
    explicitly computed partition (the default key partitioner for keyed records, so shard ``p``'s
    outputs land in partition ``p`` when partition counts match). Acks are collected on the next
    loop turns (pipelining: the loop does not stall on the broker); an acked row is deleted from
@@ -22,6 +19,14 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
    (the *confirmed point*). A row whose send failed stays, and its shard is settled by the
    recovery scan below before anything is resent; until then that output partition's confirmed
    point is frozen, because the failed row may have landed and the scan starts at that point.
+3. **Archive** - queued rows are written out when ``archive_max_rows`` of them wait or the oldest
+   has waited ``archive_max_age_s`` (and at shutdown): one Parquet file per archive and hour,
+   named after the store's epoch and the rows' sequence range, written atomically (temp file +
+   rename), then the rows leave the queue. Batching them is what keeps the archive to a few
+   files an hour: one file per loop turn made tens of thousands of tiny files an hour at a
+   modest rate, which no Parquet reader lists and opens quickly. Before the first write after a
+   start, the files are asked which queued rows they already hold (a crash between the rename
+   and the delete), and those leave the queue unwritten.
 4. Commit the input offsets to the consumer group too. That commit is informational (lag tools);
    the store's offsets are the truth.
 
@@ -30,16 +35,18 @@ the store (the end of the last committed transaction), never to the group's comm
 (used only when the store has none, i.e. a fresh store). Before delivering anything new for that
 shard, :meth:`Outbox.recover` settles the undelivered outbox rows: it reads every output partition
 they could have gone to from its confirmed point to the high watermark, collects the outbox
-headers found there, and deletes the rows already delivered; it reads the archive files whose
-sequence range overlaps rows not marked archived and marks the ones found. The rest is delivered
-normally. A send that fails while running settles its shard the same way before any resend.
+headers found there, and deletes the rows already delivered. The rest is delivered normally. A
+send that fails while running settles its shard the same way before any resend. The archive
+queue belongs to the store, not to a shard: it is settled against the files once per start.
 
 Why ``kill -9`` at any moment loses and duplicates nothing:
 
 - before step 1 commits: nothing happened; the batch is re-read from the stored offsets.
-- between 1 and 3: the rows are in the outbox; recovery finds which (if any) reached the topic
-  and the archive, and sends only the others.
-- after 3: the rows are gone from the outbox; the input offsets already point past the batch.
+- between 1 and 2: the rows are in the outbox; recovery finds which (if any) reached the topic,
+  and sends only the others.
+- after 2: the rows are gone from the outbox; the input offsets already point past the batch.
+- around 3: the rows stay queued until the delete after the rename commits; files found holding
+  them settle them before anything is written again.
 
 Inputs are deduplicated by id in the stage's state, so an upstream duplicate is folded too.
 
@@ -63,6 +70,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+import msgspec
 from kafka import TopicPartition
 from kafka.partitioner.default import murmur2
 
@@ -79,8 +87,14 @@ CREATE TABLE IF NOT EXISTS offsets (
     topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL, PRIMARY KEY (topic, part));
 CREATE TABLE IF NOT EXISTS outbox (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, shard INTEGER NOT NULL, topic TEXT NOT NULL,
-    key TEXT, value BLOB NOT NULL, archive TEXT, archived INTEGER NOT NULL DEFAULT 0);
+    key TEXT, value BLOB NOT NULL,
+    -- written by stores before archive_queue existed; start-up moves such rows to the queue
+    archive TEXT, archived INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard);
+-- one entry per processed batch: its archive rows, msgpack [[seq, archive, value], ...]. A
+-- row per record cost three times as much to insert, read back and delete.
+CREATE TABLE IF NOT EXISTS archive_queue (
+    first INTEGER PRIMARY KEY, last INTEGER NOT NULL, rows INTEGER NOT NULL, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS shard_marks (
     shard INTEGER NOT NULL, topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL,
     PRIMARY KEY (shard, topic, part));
@@ -88,7 +102,7 @@ CREATE TABLE IF NOT EXISTS shard_marks (
 
 
 class OutRow(NamedTuple):
-    """One outbox entry: a record the stage owes to a topic (and maybe to an archive).
+    """One outbox entry: a record the stage owes to a topic.
 
     A named tuple rather than a frozen dataclass: one is built per output record, and a frozen
     dataclass's ``__init__`` costs several times more.
@@ -99,8 +113,14 @@ class OutRow(NamedTuple):
     topic: str
     key: str | None
     value: bytes
-    archive: str | None
-    archived: bool
+
+
+class ArchiveRow(NamedTuple):
+    """One archive queue entry: a record the stage owes to the archive ``archive``."""
+
+    seq: int
+    archive: str
+    value: bytes
 
 
 class StateStore:
@@ -109,38 +129,69 @@ class StateStore:
     def __init__(self, path: Path, stage_schema: str = "") -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        # outbox rows of the open transaction, inserted in one executemany just before COMMIT
-        self._appends: list[tuple[int, str, str | None, bytes, str | None]] = []
+        # rows of the open transaction, inserted in one executemany per table just before COMMIT
+        self._appends: list[tuple[int, int, str, str | None, bytes]] = []
+        self._queue: list[tuple[int, str, bytes]] = []
         self._on_rollback: list[Callable[[], None]] = []
+        self._next_seq = 1  # set from the database below, once the schema exists
         # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
         self.db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
         self.db.execute("PRAGMA journal_mode=WAL")
         # FULL: a committed transaction survives power loss too, not just a process crash; an
         # input batch re-read after a lost commit would get new outbox ids and be sent twice.
         self.db.execute("PRAGMA synchronous=FULL")
+        # Some builds (Debian's among them) default to ON, which rewrites every freed page with
+        # zeros: the outbox frees a batch's pages as soon as Kafka acks it, so that doubled the
+        # cost of each delete. FAST zeroes only what costs no extra I/O.
+        self.db.execute("PRAGMA secure_delete=FAST")
         self.db.executescript(_SCHEMA + stage_schema)
         with self.txn():
             row = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()
             if row is None:
                 self.db.execute("INSERT INTO meta VALUES ('epoch', ?)", (uuid.uuid4().hex[:12],))
+            # Outbox rows of a store written before the archive queue existed still carry their
+            # archive: queue them (the archive settles them against the files first, as after a
+            # crash, so rows that store had archived are not written again).
+            legacy = [(s, a, bytes(v)) for s, a, v in self.db.execute(
+                "SELECT seq, archive, value FROM outbox WHERE archive IS NOT NULL AND archived=0 ORDER BY seq")]
+            if legacy:
+                self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
+                                (legacy[0][0], legacy[-1][0], len(legacy), _encode_queue(legacy)))
+            self.db.execute("UPDATE outbox SET archive=NULL WHERE archive IS NOT NULL")
         self.epoch: str = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()[0]
         self._in_txn = False
+        # Sequence numbers are given here rather than by SQLite, so an output and its archive
+        # row share one; sqlite_sequence still records the highest ever used, so none is reused.
+        row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
+        self._next_seq = (row[0] if row else 0) + 1
+        #: Rows in the archive queue, and when (monotonic) the oldest of them was queued: a queue
+        #: found at start counts as due at once.
+        self.queued: int = self.db.execute("SELECT coalesce(sum(rows), 0) FROM archive_queue").fetchone()[0]
+        self.queued_since: float = float("-inf")
 
     @contextmanager
     def txn(self) -> Iterator[sqlite3.Connection]:
         self.db.execute("BEGIN IMMEDIATE")
         self._in_txn = True
+        first_seq = self._next_seq
         try:
             yield self.db
             self._write_appends()
         except BaseException:
             self._appends.clear()
+            self._queue.clear()
+            self._next_seq = first_seq
             self.db.execute("ROLLBACK")
             for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
                 fn()
             raise
         else:
             self.db.execute("COMMIT")
+            if self._queue:
+                if not self.queued:
+                    self.queued_since = time.monotonic()
+                self.queued += len(self._queue)
+                self._queue.clear()
         finally:
             self._in_txn = False
 
@@ -184,16 +235,21 @@ class StateStore:
     def append(self, shard: int, topic: str, key: str | None, value: bytes, archive: str | None = None) -> None:
         """Owe ``value`` to ``topic`` (and to ``archive`` when named). Call inside :meth:`txn`."""
         assert self._in_txn, "outbox rows must be appended inside the processing transaction"
-        self._appends.append((shard, topic, key, value, archive))
+        seq = self._next_seq
+        self._next_seq = seq + 1
+        self._appends.append((seq, shard, topic, key, value))
+        if archive is not None:
+            self._queue.append((seq, archive, value))
 
     def _write_appends(self) -> None:
-        # one statement per batch instead of one per record; list order keeps seq order
+        # one statement per table and batch instead of one per record
         if self._appends:
-            self.db.executemany(
-                "INSERT INTO outbox (shard, topic, key, value, archive) VALUES (?, ?, ?, ?, ?)",
-                self._appends,
-            )
+            self.db.executemany("INSERT INTO outbox (seq, shard, topic, key, value) VALUES (?, ?, ?, ?, ?)",
+                                self._appends)
             self._appends.clear()
+        if self._queue:
+            self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
+                            (self._queue[0][0], self._queue[-1][0], len(self._queue), _encode_queue(self._queue)))
 
     # -- reads and bookkeeping ------------------------------------------------------------
     def offsets(self) -> dict[tuple[str, int], int]:
@@ -207,14 +263,35 @@ class StateStore:
         rows: list[tuple] = []
         for shard in sorted(set(shards)):
             rows += self.db.execute(
-                "SELECT seq, shard, topic, key, value, archive, archived FROM outbox "
+                "SELECT seq, shard, topic, key, value FROM outbox "
                 "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit)).fetchall()
         rows.sort()  # seq is unique, so tuples compare on it alone
-        return [OutRow(s, sh, t, k, bytes(v), a, bool(ad)) for s, sh, t, k, v, a, ad in rows[:limit]]
+        return [OutRow(s, sh, t, k, bytes(v)) for s, sh, t, k, v in rows[:limit]]
 
-    def mark_archived(self, seqs: Iterable[int]) -> None:
+    def queued_batches(self, rows: int) -> list[tuple[int, list[ArchiveRow]]]:
+        """The oldest queued batches, whole, until they hold at least ``rows`` rows (or all of
+        them): ``(first seq, the batch's rows in seq order)`` each."""
+        out: list[tuple[int, list[ArchiveRow]]] = []
+        total = 0
+        for first, n, data in self.db.execute("SELECT first, rows, data FROM archive_queue ORDER BY first"):
+            out.append((first, [ArchiveRow(*r) for r in _decode_queue(data)]))
+            total += n
+            if total >= rows:
+                break
+        return out
+
+    def queued_span(self) -> tuple[int, int] | None:
+        """The lowest and highest seq in the archive queue; None when it is empty."""
+        lo, hi = self.db.execute("SELECT min(first), max(last) FROM archive_queue").fetchone()
+        return None if lo is None else (lo, hi)
+
+    def archived(self, firsts: Iterable[int]) -> None:
+        """Take whole batches (by first seq) out of the archive queue: their rows are in files."""
+        keys = [(first,) for first in firsts]
         with self.txn():
-            self.db.executemany("UPDATE outbox SET archived=1 WHERE seq=?", [(s,) for s in seqs])
+            gone = sum(self.db.execute("SELECT rows FROM archive_queue WHERE first=?", k).fetchone()[0] for k in keys)
+            self.db.executemany("DELETE FROM archive_queue WHERE first=?", keys)
+        self.queued -= gone
 
     def mark_delivered(self, seqs: Iterable[int], marks: dict[tuple[int, str, int], int]) -> None:
         """Delete delivered rows; move each ``(shard, topic, partition)`` confirmed point."""
@@ -244,6 +321,10 @@ class StateStore:
         return f"{self.epoch}:{seq}"
 
 
+_encode_queue = msgspec.msgpack.Encoder().encode
+_decode_queue = msgspec.msgpack.Decoder(list[tuple[int, str, bytes]]).decode
+
+
 def seq_runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
     """``seqs`` as the ``(first, last)`` of each run of consecutive integers, ascending."""
     runs: list[tuple[int, int]] = []
@@ -269,9 +350,9 @@ def _shards_label(shards: Sequence[int]) -> str:
 
 
 class Archive(Protocol):
-    """Where outbox rows with ``archive`` set are also written (see ingest/archive.py)."""
+    """Where rows appended with ``archive`` set are also written (see ingest/archive.py)."""
 
-    def write(self, epoch: str, rows: list[OutRow]) -> None: ...
+    def write(self, epoch: str, rows: list[ArchiveRow]) -> None: ...
 
     def archived_seqs(self, epoch: str, lo: int, hi: int) -> set[int]: ...
 
@@ -286,7 +367,11 @@ def out_partition(key: str | None, outbox_id: str, partitions: int) -> int:
 
 
 class Outbox:
-    """Delivers outbox rows (archive, then Kafka) and settles them after a crash."""
+    """Delivers outbox rows to Kafka and the archive queue to the archives; settles both after a crash.
+
+    ``archive_max_rows`` / ``archive_max_age_s``: the queue is written out when this many rows
+    wait, or when the oldest has waited this long (:meth:`archive`).
+    """
 
     def __init__(
         self,
@@ -296,6 +381,8 @@ class Outbox:
         archives: dict[str, Archive] | None = None,
         flush_timeout_s: float = 30.0,
         max_in_flight: int = 50_000,
+        archive_max_rows: int = 50_000,
+        archive_max_age_s: float = 300.0,
     ) -> None:
         self.store = store
         self.producer = producer
@@ -303,6 +390,11 @@ class Outbox:
         self.archives = archives or {}
         self.flush_timeout_s = flush_timeout_s
         self.max_in_flight = max_in_flight
+        self.archive_max_rows = archive_max_rows
+        self.archive_max_age_s = archive_max_age_s
+        # queued rows found in the archive files at the first write since start (None: not yet
+        # asked); only a crash between a file's rename and its rows' dequeue leaves any
+        self._done: set[int] | None = None
         self._parts: dict[str, int] = {}
         self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
@@ -327,7 +419,7 @@ class Outbox:
         return len(self._in_flight)
 
     def deliver(self, shards: Iterable[int], wait: bool = False) -> int:
-        """Archive and send the pending rows of ``shards`` without waiting for their acks.
+        """Send the pending rows of ``shards`` without waiting for their acks.
 
         Acks are collected on later calls (or now with ``wait``): a row leaves the outbox only
         once Kafka acked it, so the loop keeps processing while the broker acks the previous
@@ -341,7 +433,6 @@ class Outbox:
         after = max(self._in_flight) if self._in_flight else -1
         rows = self.store.pending(shards, limit=max(0, self.max_in_flight - len(self._in_flight)), after=after)
         if rows:
-            self._archive(rows)
             send, epoch, header = self.producer.send, self.store.epoch, OUTBOX_HEADER
             for row in rows:
                 oid = f"{epoch}:{row.seq}"  # StateStore.outbox_id, inlined: once per output record
@@ -376,34 +467,67 @@ class Outbox:
                 marks[(shard, topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
-        if failed:
-            # every row sent was archived first: mark the few that stay, so settling them (maybe
-            # much later, if their shard moves away meanwhile) need not read the files back
-            self.store.mark_archived(failed)
         if failed and self._in_flight:
             # drain, so the failed rows (below the highest seq in flight) are read again
             self.producer.flush(self.flush_timeout_s)
             return len(done) + self._reap()
         return len(done)
 
-    def _archive(self, rows: list[OutRow]) -> None:
-        by_archive: dict[str, list[OutRow]] = {}
-        for row in rows:
-            if row.archive and not row.archived:
-                by_archive.setdefault(row.archive, []).append(row)
-        # Not marked archived here: marking rewrites every row, blob included (a third of the
-        # archive's cost). A row reaches this point once per run: later calls start above the
-        # highest seq in flight, and a row whose send failed is marked by _reap() and settled by
-        # recover() before any resend. After a restart, recover() asks the files themselves.
-        for name, batch in by_archive.items():
-            self.archives[name].write(self.store.epoch, batch)
+    def archive(self, force: bool = False) -> int:
+        """Write the archive queue out when it is due (or now, with ``force``); returns rows written.
 
-    def recover(self, shards: Iterable[int]) -> tuple[int, int]:
-        """Settle rows a crashed run may have delivered; returns (found in Kafka, found archived)."""
+        Due: ``archive_max_rows`` rows wait, or the oldest has waited ``archive_max_age_s``. Whole
+        queued batches are written about ``archive_max_rows`` rows at a time, each time as one file
+        per archive and hour, and leave the queue in one transaction after their files are
+        renamed into place.
+        """
+        store = self.store
+        if not store.queued or not self.archives:
+            return 0
+        age = time.monotonic() - store.queued_since
+        if not force and store.queued < self.archive_max_rows and age < self.archive_max_age_s:
+            return 0
+        written = 0
+        try:
+            if self._done is None:
+                self._done = self._archived_before()
+            while store.queued and (batches := store.queued_batches(self.archive_max_rows)):
+                by_archive: dict[str, list[ArchiveRow]] = {}
+                for _, rows in batches:
+                    for row in rows:
+                        if row.seq not in self._done:
+                            by_archive.setdefault(row.archive, []).append(row)
+                for name, todo in by_archive.items():
+                    self.archives[name].write(store.epoch, todo)
+                    written += len(todo)
+                store.archived(first for first, _ in batches)
+                if not force and store.queued < self.archive_max_rows:
+                    break  # the rest are younger than the limit: they wait for the next turn
+        except BaseException:
+            self._done = None  # files may hold rows still queued: ask them again next time
+            raise
+        return written
+
+    def _archived_before(self) -> set[int]:
+        """Queued rows a previous run wrote to a file but did not take out of the queue.
+
+        Batches leave the queue oldest first, so every row an archive file holds within the
+        queue's seq span is a queued row: no need to decode the queue to ask.
+        """
+        span = self.store.queued_span()
+        if span is None:
+            return set()
+        found: set[int] = set()
+        for archive in self.archives.values():
+            found |= archive.archived_seqs(self.store.epoch, *span)
+        log.info("archive queue: %d of %d rows were already in the archive files", len(found), self.store.queued)
+        return found
+
+    def recover(self, shards: Iterable[int]) -> int:
+        """Settle rows a crashed run may have delivered; returns how many were found in Kafka."""
         rows = [r for r in self.store.pending(shards, limit=10**9) if r.seq not in self._in_flight]
         if not rows:
-            return 0, 0
-        archived = self._recover_archive(rows)
+            return 0
         wanted: dict[tuple[str, int], set[str]] = {}
         start: dict[tuple[str, int], int] = {}
         by_id: dict[str, int] = {}
@@ -419,23 +543,8 @@ class Outbox:
         self.store.mark_delivered([by_id[o] for o in found], {})
         if not self._suspect - set(shards):  # no failed row is left unsettled anywhere
             self._frozen.clear()
-        log.info("recovery: %d of %d outbox rows were already delivered, %d archived",
-                 len(found), len(rows), archived)
-        return len(found), archived
-
-    def _recover_archive(self, rows: list[OutRow]) -> int:
-        todo: dict[str, list[int]] = {}
-        for row in rows:
-            if row.archive and not row.archived:
-                todo.setdefault(row.archive, []).append(row.seq)
-        count = 0
-        for name, seqs in todo.items():
-            done = self.archives[name].archived_seqs(self.store.epoch, min(seqs), max(seqs))
-            hit = [s for s in seqs if s in done]
-            if hit:
-                self.store.mark_archived(hit)
-                count += len(hit)
-        return count
+        log.info("recovery: %d of %d outbox rows were already delivered", len(found), len(rows))
+        return len(found)
 
     def _scan(self, wanted: dict[tuple[str, int], set[str]], start: dict[tuple[str, int], int],
               timeout_s: float = 60.0) -> set[str]:

@@ -3,8 +3,8 @@
 A :class:`Stage` holds the stage's logic; :class:`StreamRunner` drives it through the exactly-once
 protocol of ingest/exactly_once.py: on partition assignment it seeks to the stored offsets and
 settles the outbox (recovery), then per poll it runs ``stage.process`` and ``stage.tick`` inside
-one state-store transaction together with the input offsets, delivers the outbox, and commits the
-offsets to the consumer group for lag tools.
+one state-store transaction together with the input offsets, delivers the outbox, writes the
+archive queue out when it is due, and commits the offsets to the consumer group for lag tools.
 """
 
 from __future__ import annotations
@@ -220,6 +220,7 @@ class StreamRunner(ConsumerRebalanceListener):
                     self.store.set_offsets(offsets)
                 self.stage.tick(ready, now)
             self.delivered += self.outbox.deliver(self.owned)
+            self.outbox.archive()
         if offsets:
             self.consumer.commit_async(
                 {TopicPartition(t, p): OffsetAndMetadata(n, "", -1) for (t, p), n in offsets.items()}
@@ -236,7 +237,14 @@ class StreamRunner(ConsumerRebalanceListener):
             if check is not None:
                 check()
             self.step()
-        self.delivered += self.outbox.flush()
+        self.finish()
+
+    def finish(self) -> None:
+        """Deliver what is in flight and write the archive queue out: a clean stop leaves
+        nothing behind in the outbox or the queue."""
+        with gc_paused():
+            self.delivered += self.outbox.flush()
+            self.outbox.archive(force=True)
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
         age = time.monotonic() - self.last_loop
@@ -301,9 +309,12 @@ def serve_stage(
         store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
         held.callback(store.close)
         stage = make_stage(store, registry)
+        archive_queue_gauge(name, store, registry)
         producer = make_output_producer(settings.kafka, name)
         held.callback(producer.close)
-        outbox = Outbox(store, producer, settings.kafka.bootstrap, archives())
+        outbox = Outbox(store, producer, settings.kafka.bootstrap, archives(),
+                        archive_max_rows=settings.archive.max_rows,
+                        archive_max_age_s=settings.archive.max_age_s)
         # Range assignment gives one member the same partition number of every input topic,
         # which the join needs (a generation and its feedback share a partition number).
         consumer = make_consumer(settings.kafka, name, group_id,
@@ -325,6 +336,18 @@ def serve_stage(
         log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
                  list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
         runner.run(stop, claims.check)
+
+
+def archive_queue_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
+    """``<stage>_archive_queue_rows``: rows waiting for the Parquet archive, read at scrape time.
+
+    It saws between 0 and about ``archive.max_rows``; a queue that only grows means the archive
+    is not being written (see docs/exactly-once.md).
+    """
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_archive_queue_rows", "Rows queued for the stage's Parquet archive, not yet in a file",
+          registry=registry).set_function(lambda: store.queued)
 
 
 class DataDirBusy(SettingsError):

@@ -123,6 +123,7 @@ def stage_env(kafka_settings, topics, data_dir: Path, **extra: str) -> dict[str,
         "FLYWHEEL_INGEST_PORT": "0",
         "FLYWHEEL_REWARD_PORT": "0",
         "FLYWHEEL_LOG_LEVEL": "WARNING",
+        "FLYWHEEL_ARCHIVE_MAX_AGE_S": "0.5",  # archives follow the topics within a second
         **extra,
     }
 

@@ -2,7 +2,8 @@
 
 Crashes are simulated at the two dangerous points of ingest/exactly_once.py by making the
 bookkeeping call fail after its effect happened (Kafka acked / archive file renamed); a fresh
-Outbox (new producer, as after a restart) must then settle the rows without sending them again.
+Outbox (new producer, as after a restart) must then settle the rows without sending or writing
+them again.
 """
 
 from __future__ import annotations
@@ -52,30 +53,36 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings
     first.producer.close()
 
     second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
-    found, archived = second.recover({0, 1})
-    assert (found, archived) == (100, 50)  # all rows were in Kafka, and the archive rows in the files
+    assert second.recover({0, 1}) == 100  # all rows were in Kafka
     assert second.deliver({0, 1}, wait=True) == 0
     values = sorted(r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10))
     assert len(values) == 100 and len(set(values)) == 100
+    assert second.archive(force=True) == 50  # the archive queue is the store's, whatever Kafka got
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
 
 
-def test_crash_after_archive_before_send_is_not_rewritten(kafka_settings, out_settings, topics, tmp_path):
+def test_crash_between_archive_files_and_dequeue_writes_nothing_twice(tmp_path):
+    """Killed after one archive's file was renamed into place, before the other's was written and
+    before either left the queue: the next run writes only the missing rows."""
     store = StateStore(tmp_path / "s.sqlite3")
-    fill(store, topics.episodes, 20)
-    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
-    first.producer.send = lambda *a, **k: (_ for _ in ()).throw(Crash())  # file renamed, nothing sent
+    with store.txn():
+        for i in range(30):
+            store.append(0, "out", f"k{i}", f"v{i}".encode(), archive="ab"[i % 2])
+    first = {"a": archive(tmp_path / "a"), "b": archive(tmp_path / "b")}
+    first["b"].write = lambda *a, **k: (_ for _ in ()).throw(Crash())  # dies while writing b
     with pytest.raises(Crash):
-        first.deliver({0, 1}, wait=True)
-    del first.producer.send
-    first.producer.close()
+        Outbox(store, None, "", first).archive(force=True)
+    assert store.queued == 30 and len(first["a"].files()) == 1
+    store.close()
 
-    arch = archive(tmp_path)
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": arch})
-    assert second.recover({0, 1}) == (0, 20)  # nothing reached Kafka; all 20 were archived
-    assert second.deliver({0, 1}, wait=True) == 40
-    assert len(arch.files()) == 1  # no second file for the same rows
-    assert len(read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)) == 40
+    store = StateStore(tmp_path / "s.sqlite3")  # the restart
+    second = {"a": archive(tmp_path / "a"), "b": archive(tmp_path / "b")}
+    assert store.queued == 30
+    assert Outbox(store, None, "", second).archive() == 15  # due at once after a start; a settled by its file
+    assert store.queued == 0 and store.queued_batches(100) == []
+    for name in "ab":
+        assert len(second[name].files()) == 1
+        assert len(second[name].archived_seqs(store.epoch, 0, 10**9)) == 15
 
 
 def test_restart_resumes_from_stored_offsets(tmp_path):
@@ -131,13 +138,13 @@ def test_failed_report_for_a_landed_record_is_not_resent(kafka_settings, out_set
     first.producer.close()  # crash before the failed rows are settled
 
     second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
-    assert second.recover({0}) == (3, 0)  # the scan starts early enough to find all three
+    assert second.recover({0}) == 3  # the scan starts early enough to find all three
     assert second.deliver({0}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
     assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
 
 
-def test_failed_sends_are_settled_without_archiving_twice(kafka_settings, out_settings, topics, tmp_path):
+def test_failed_sends_are_settled_without_sending_or_archiving_twice(kafka_settings, out_settings, topics, tmp_path):
     """In a running stage, rows whose reports failed are settled by a recovery scan before the
     next delivery: neither their records nor their archive rows are written a second time."""
     store = StateStore(tmp_path / "s.sqlite3")
@@ -148,9 +155,10 @@ def test_failed_sends_are_settled_without_archiving_twice(kafka_settings, out_se
     outbox = Outbox(store, LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=4),
                     kafka_settings.bootstrap, {"a": arch})
     assert outbox.deliver({0}, wait=True) == 6  # four reports "failed", though their rows landed
-    assert [r.archived for r in store.pending({0})] == [True] * 4  # sent, so archived before
+    assert len(store.pending({0})) == 4
     assert outbox.deliver({0}, wait=True) == 0  # settled by the scan: found, nothing resent
-    assert store.pending({0}) == [] and len(arch.files()) == 1
+    assert store.pending({0}) == []
+    assert outbox.archive(force=True) == 10 and len(arch.files()) == 1
     assert len(arch.archived_seqs(store.epoch, 0, 10**9)) == 10
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=10, timeout_s=10)]
     assert sorted(values) == sorted(f"v{i}".encode() for i in range(10))
@@ -178,7 +186,7 @@ def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings
         for i in range(5):
             store.append(0, topics.deadletter, "same-key", f"s0-{i}".encode())  # same partition
     assert second.deliver({0}, wait=True) == 5  # shard 0 confirmed beyond shard 1's records
-    assert second.recover({1}) == (5, 0)
+    assert second.recover({1}) == 5
     assert second.deliver({1}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
     assert len(values) == 10 and len(set(values)) == 10

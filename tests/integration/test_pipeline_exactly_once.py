@@ -256,13 +256,25 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Pat
     declared = {"ingest": INGEST_REASONS, "reward": REWARD_REASONS}
     assert all(d.reason in declared[d.stage] for d in letters)
 
-    # the archives read back the same rows
-    ep_archive = pd.concat([pd.read_parquet(d / "archive" / "episodes") for d in data_dirs])
+    # the archives read back the same rows (they follow the topics by up to archive.max_age_s)
+    ep_archive = read_archives(data_dirs, "episodes", len(ds.generations))
     assert len(ep_archive) == len(ds.generations) and set(ep_archive["generation_id"]) == ds.generations
-    rw_archive = pd.concat([pd.read_parquet(d / "archive" / "rewards") for d in data_dirs])
+    rw_archive = read_archives(data_dirs, "rewards", len(got))
     assert len(rw_archive) == len(got)
     by_id = {r.generation_id: r.reward for r in got}
     assert all(by_id[g] == pytest.approx(v) for g, v in zip(rw_archive["generation_id"], rw_archive["reward"]))
+
+
+def read_archives(data_dirs: list[Path], name: str, expect: int, timeout_s: float = 30.0) -> pd.DataFrame:
+    """The union of the stages' ``name`` archives once it holds ``expect`` rows (or at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        roots = [d / "archive" / name for d in data_dirs]
+        frames = [pd.read_parquet(r) for r in roots if any(r.glob("hour=*/*.parquet"))]
+        table = pd.concat(frames) if frames else pd.DataFrame({"generation_id": []})
+        if len(table) >= expect or time.monotonic() > deadline:
+            return table
+        time.sleep(0.2)
 
 
 def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):

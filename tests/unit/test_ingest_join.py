@@ -234,18 +234,22 @@ def test_spliced_episode_is_the_encoded_episode(feedback):
     assert spliced == encode(built)
 
 
-def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path):
+@pytest.mark.parametrize(("chunk", "parses"), [(4096, [3]), (2, [2, 1])])
+def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path, monkeypatch, chunk, parses):
     import pyarrow.parquet as pq
 
+    from ingest import archive
     from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-    from ingest.exactly_once import OutRow
+
+    monkeypatch.setattr(archive, "TABLE_CHUNK", chunk)  # large batches are parsed in chunks
+    from ingest.exactly_once import ArchiveRow
 
     values = [
         episode_bytes(encode(gen("a", 100)), resolve([]), 1000.0),
         episode_bytes(encode(gen("b", 100)), resolve([fb("x", "edit", 1, 'é "q"\nz', ms=3.5)]), 1001.5),
         episode_bytes(encode(gen("c", 100)), resolve([fb("y", "accept", 1), fb("z", "reject", 2)]), 5000.0),
     ]  # resolved in two different hours: two files each
-    rows = [OutRow(10 + i, 0, "t", "k", v, "episodes", False) for i, v in enumerate(values)]
+    rows = [ArchiveRow(10 + i, "episodes", v) for i, v in enumerate(values)]
     batches = []
     fast = ParquetArchive(tmp_path / "fast", EPISODE_SCHEMA, episode_row,
                           lambda vs: batches.append(len(vs)) or episode_table(vs))
@@ -256,7 +260,7 @@ def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path):
     assert len(names) == 2 and names == [p.relative_to(tmp_path / "slow") for p in slow.files()]
     for a, b in zip(fast.files(), slow.files()):
         assert pq.read_table(a).equals(pq.read_table(b))
-    assert batches == [3] and fast.archived_seqs("e", 0, 99) == {10, 11, 12}
+    assert batches == parses and fast.archived_seqs("e", 0, 99) == {10, 11, 12}
 
 
 def test_hours_of_formats_each_stamp_like_hour_of():

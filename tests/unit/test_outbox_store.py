@@ -30,3 +30,111 @@ def test_mark_delivered_deletes_exactly_the_given_rows_and_moves_marks(tmp_path)
     assert [r.seq for r in store.pending({0, 1})] == [s for s in seqs if s not in gone]
     store.mark_delivered([], {(0, "out", 1): 30})  # a confirmed point never moves back
     assert store.out_mark(0, "out", 1) == 40 and store.out_mark(1, "out", 0) == 7
+
+
+def _archive(root):
+    import pyarrow as pa
+
+    from ingest.archive import ParquetArchive
+
+    return ParquetArchive(root, pa.schema([pa.field("v", pa.string())]), lambda v: (0.0, {"v": v.decode()}))
+
+
+def test_an_archived_output_is_queued_under_its_outbox_seq(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(6):
+            store.append(i % 2, "out", f"k{i}", b"v%d" % i, archive="a" if i % 3 else None)
+    rows = store.pending({0, 1})
+    ((first, queued),) = store.queued_batches(100)  # the batch's archive rows, as one entry
+    assert first == rows[1].seq and store.queued == 4 and [q.seq for q in queued] == [r.seq for r in rows if r.key not in ("k0", "k3")]
+    assert all(q.value == r.value for q in queued for r in rows if r.seq == q.seq)
+
+
+def test_a_rolled_back_batch_queues_nothing_and_seqs_are_never_reused(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    with pytest.raises(RuntimeError), store.txn():
+        store.append(0, "out", "k", b"lost", archive="a")
+        raise RuntimeError("batch failed")
+    assert store.queued == 0 and store.queued_batches(10) == [] and store.pending([0]) == []
+    with store.txn():
+        store.append(0, "out", "k", b"v", archive="a")
+    (row,) = store.pending([0])
+    store.mark_delivered([row.seq], {})
+    store.archived([row.seq])
+    assert store.queued == 0 and store.queued_batches(10) == []
+    store.close()
+    # outbox ids (epoch:seq) identify records in Kafka: a restarted store with an empty outbox
+    # must still number past every seq it ever gave out
+    again = StateStore(tmp_path / "s.sqlite3")
+    with again.txn():
+        again.append(0, "out", "k", b"w", archive="a")
+    assert again.pending([0])[0].seq > row.seq and again.queued_batches(10)[0][0] > row.seq
+
+
+def test_the_archive_is_written_when_enough_rows_wait_or_the_oldest_is_old(tmp_path):
+    from ingest.exactly_once import Outbox
+
+    store = StateStore(tmp_path / "s.sqlite3")
+    arch = _archive(tmp_path / "arch")
+    outbox = Outbox(store, None, "", {"a": arch}, archive_max_rows=5, archive_max_age_s=3600)
+    outbox.archive(force=True)  # nothing queued yet: nothing written
+
+    def add(n: int) -> None:
+        with store.txn():
+            for i in range(n):
+                store.append(0, "out", None, b"x%d" % i, archive="a")
+
+    add(3)
+    assert outbox.archive() == 0 and arch.files() == []  # 3 rows, all young
+    add(3)
+    assert outbox.archive() == 6 and len(arch.files()) == 1 and store.queued == 0  # whole batches
+    add(5)
+    add(5)
+    add(1)
+    assert outbox.archive() == 10 and len(arch.files()) == 3  # a file per max_rows rows ...
+    assert store.queued == 1 and outbox.archive() == 0  # ... and the young rest waits
+    assert outbox.archive(force=True) == 1 and store.queued == 0 and len(arch.files()) == 4
+    outbox.archive_max_age_s = 0.0  # now every row is old enough
+    add(2)
+    assert outbox.archive() == 2 and len(arch.files()) == 5
+    values = sorted(v for f in arch.files() for v in _values(f))
+    assert values == sorted([f"x{i}" for n in (3, 3, 5, 5, 1, 2) for i in range(n)])
+
+
+def _values(path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).column("v").to_pylist()
+
+
+def test_outbox_rows_of_an_older_store_move_to_the_archive_queue(tmp_path):
+    """A store written before the archive queue existed kept archive rows in the outbox."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        store.db.executemany("INSERT INTO outbox (shard, topic, key, value, archive, archived) "
+                             "VALUES (0, 'out', ?, ?, ?, ?)",
+                             [("k1", b"a1", "a", 0), ("k2", b"a2", "a", 1), ("k3", b"d3", None, 0)])
+    store.close()
+    store = StateStore(tmp_path / "s.sqlite3")
+    ((_, queued),) = store.queued_batches(10)
+    assert [(q.archive, q.value) for q in queued] == [("a", b"a1")]  # k2 was archived
+    assert [r.value for r in store.pending([0])] == [b"a1", b"a2", b"d3"]  # still owed to Kafka
+    assert store.db.execute("SELECT count(*) FROM outbox WHERE archive IS NOT NULL").fetchone()[0] == 0
+
+
+def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
+    from prometheus_client import generate_latest
+
+    from flywheel.metrics import new_registry
+    from ingest.runner import archive_queue_gauge
+
+    store = StateStore(tmp_path / "s.sqlite3")
+    registry = new_registry()
+    archive_queue_gauge("reward", store, registry)
+    with store.txn():
+        for i in range(7):
+            store.append(0, "out", None, b"x", archive="a" if i < 4 else None)
+    assert "reward_archive_queue_rows 4.0" in generate_latest(registry).decode()
+    store.archived(first for first, _ in store.queued_batches(10))
+    assert "reward_archive_queue_rows 0.0" in generate_latest(registry).decode()

@@ -140,7 +140,7 @@ class Pipeline:
     def _drain(self, store: StateStore, archive: ParquetArchive, topic: str) -> list[tuple[bytes, bytes]]:
         """What the outbox would deliver: archive rows written, outputs returned, dead letters kept."""
         rows = store.pending([0], limit=10**9)
-        archive.write(store.epoch, [r for r in rows if r.archive])
+        archive.write(store.epoch, [r for _, rows in store.queued_batches(10**9) for r in rows])
         self.dead += [decode(DeadLetterEvent, r.value) for r in rows if r.topic == T.deadletter]
         return [(r.key.encode(), r.value) for r in rows if r.topic == topic]
 

@@ -6,7 +6,7 @@ import pandas as pd
 
 from flywheel.contracts import RewardEvent, SamplingParams, encode
 from ingest.archive import ParquetArchive
-from ingest.exactly_once import OutRow
+from ingest.exactly_once import ArchiveRow
 from reward.report import REWARD_SCHEMA, report, reward_row, reward_table, summarise
 
 
@@ -23,7 +23,7 @@ def test_report_tables_from_archive(tmp_path):
     events = [reward(0, "a", "accept", 0.75), reward(1, "a", "reject", -0.25, version=1),
               reward(2, "b", "accept", 0.75, ("constant_user",)), reward(3, "b", "accept", 0.25, ("constant_user", "long"))]
     arch = ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row)
-    arch.write("e0", [OutRow(i, 0, "t", e.generation_id, encode(e), "rewards", False) for i, e in enumerate(events)])
+    arch.write("e0", [ArchiveRow(i, "rewards", encode(e)) for i, e in enumerate(events)])
     df = pd.read_parquet(tmp_path)
     assert len(df) == 4 and set(df["hour"].astype(str)) == {"2023-11-14T22", "2023-11-14T23"}
     tables = summarise(df)
@@ -40,7 +40,7 @@ def test_report_tables_from_archive(tmp_path):
 def test_archive_rows_hold_the_reward_fields_on_both_paths(tmp_path):
     events = [reward(0, "a", "edit", 0.5), reward(1, "b", "accept", 0.75, ("constant_user", "long")),
               reward(2, "c", "reject", -0.25, version=3)]
-    rows = [OutRow(7 + i, 0, "t", e.generation_id, encode(e), "rewards", False) for i, e in enumerate(events)]
+    rows = [ArchiveRow(7 + i, "rewards", encode(e)) for i, e in enumerate(events)]
     for name, table_fn in (("batch", reward_table), ("row", None)):
         ParquetArchive(tmp_path / name, REWARD_SCHEMA, reward_row, table_fn).write("e0", rows)
         got = pd.read_parquet(tmp_path / name).sort_values("outbox_seq")
