@@ -44,7 +44,7 @@ ROWS = [
         ("Reward guard actions/s", "short", [
             ('sum by (flag) (rate(reward_guard_actions_total[5m]))', "{{flag}}")]),
         ("Reward p50 by signal", "short", [
-            ('histogram_quantile(0.5, sum by (le) (rate(reward_value_reward_bucket[15m])))', "p50 reward")]),
+            ('histogram_quantile(0.5, sum by (le, signal) (rate(reward_value_reward_bucket[15m])))', "{{signal}}")]),
         ("Archive queue: rows not yet in Parquet", "short", [
             ('sum(ingest_archive_queue_rows)', "episodes"), ('sum(reward_archive_queue_rows)', "rewards")]),
     ]),

@@ -32,7 +32,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from flywheel.contracts import DeadLetterEvent, Topics, encode, now
+from flywheel.contracts import MAX_EPISODE_BYTES, DeadLetterEvent, Topics, encode, now
 from flywheel.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -304,6 +304,13 @@ def topics_for(prefix: str) -> Topics:
     return Topics(prefix)
 
 
+#: Records up to this size (key and value) are quoted whole in their dead letter: every record a
+#: stage accepts, in base64 (4/3 of it) within the default 8 MiB produce request.
+DEADLETTER_QUOTE_BYTES = MAX_EPISODE_BYTES
+#: How much of the key and of the value a dead letter keeps of a record larger than that.
+DEADLETTER_PREFIX_BYTES = 64 * 1024
+
+
 class DeadLetters:
     """Routes records a stage cannot use to the dead-letter topic, with the original bytes.
 
@@ -338,19 +345,28 @@ class DeadLetters:
         partition: int | None = None,
         offset: int | None = None,
     ) -> DeadLetterEvent:
+        value = value or b""
+        # the detail may quote the bad input (a labeler's message): keep it encodable
+        detail = detail[:2000].encode("utf-8", "backslashreplace").decode("utf-8")
+        truncated = len(value) + len(key or b"") > DEADLETTER_QUOTE_BYTES
+        if truncated:  # quoted whole, the dead letter itself would be too large to send
+            detail += (f" [record too large to quote: key {len(key or b'')} and value {len(value)} bytes; "
+                       f"first {DEADLETTER_PREFIX_BYTES} of each kept, the whole record is in the source topic]")
+            key = key[:DEADLETTER_PREFIX_BYTES] if key is not None else None
+            value = value[:DEADLETTER_PREFIX_BYTES]
         event = DeadLetterEvent(
             stage=self.stage,
             reason=reason,
-            # the detail may quote the bad input (a labeler's message): keep it encodable
-            detail=detail[:2000].encode("utf-8", "backslashreplace").decode("utf-8"),
+            detail=detail,
             source_topic=source_topic,
             source_partition=partition,
             source_offset=offset,
             key_b64=base64.b64encode(key).decode() if key is not None else None,
-            value_b64=base64.b64encode(value or b"").decode(),
+            value_b64=base64.b64encode(value).decode(),
+            truncated=truncated,
             failed_at=now(),
         )
-        dl_key = key.decode("utf-8", "replace") if key is not None else None
+        dl_key = key[:1024].decode("utf-8", "replace") if key is not None else None
         self.sink.write(self.topic, dl_key, encode(event))
         self.counter.labels(reason).inc()
         return event

@@ -19,8 +19,15 @@ from typing import Annotated, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticSerializationError
 
-#: Largest record any consumer accepts before dead-lettering it as ``oversized``.
+#: Largest record any consumer accepts before dead-lettering it as ``oversized`` (but see below).
 MAX_RECORD_BYTES = 4 * 1024 * 1024
+#: Largest feedback record ingest accepts: an edit's text is its only large field, and serving's
+#: API takes request bodies up to ``serve.max_body_bytes`` (1 MiB by default).
+MAX_FEEDBACK_BYTES = 1024 * 1024
+#: Largest episode reward accepts: a generation (re-encoded, so allow some slack) joined with the
+#: text of an edit. Bounded so that every episode, and every dead letter quoting one, fits a
+#: produce request (``kafka.max_request_bytes``, 8 MiB by default).
+MAX_EPISODE_BYTES = MAX_RECORD_BYTES + MAX_FEEDBACK_BYTES + 64 * 1024
 
 Signal = Literal["accept", "reject", "edit", "ignore"]
 SIGNALS: tuple[str, ...] = ("accept", "reject", "edit", "ignore")
@@ -221,6 +228,10 @@ class DeadLetterEvent(_Event):
     #: Original key and value, base64 so arbitrary bytes survive JSON.
     key_b64: str | None = None
     value_b64: str = ""
+    #: True when the record was too large to quote whole (``key_b64``/``value_b64`` then hold
+    #: only its start, and ``detail`` says how large it was): the whole record stays in its source
+    #: topic at ``source_partition``/``source_offset`` until the topic's retention removes it.
+    truncated: bool = False
     failed_at: EpochSeconds
 
 
@@ -317,11 +328,16 @@ def _check_encodable(event: _Event) -> None:
 def _decode_checked(cls: type[E], raw: bytes) -> E:
     """:func:`decode` step by step, so a failure names its reason."""
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ContractError("undecodable", f"not UTF-8 JSON: {exc}") from None
+        # Strictly UTF-8 first: json.loads(bytes) would also take UTF-16 and UTF-32, a byte-order
+        # mark and surrogates encoded as raw bytes, none of which the stages' own parser (used
+        # on stored records, e.g. feedback when its window closes) reads back.
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ContractError("undecodable", f"not UTF-8: {exc}") from None
     except RecursionError:
         raise ContractError("undecodable", "JSON nested too deeply to parse") from None
+    except ValueError as exc:  # JSONDecodeError, and an integer past Python's digit limit
+        raise ContractError("undecodable", f"not UTF-8 JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise ContractError("undecodable", f"expected a JSON object, got {type(obj).__name__}")
     want = cls.model_fields["kind"].default

@@ -13,10 +13,16 @@ by kind, e.g. ``feedback``), ``--since 2h`` and ``--until 30m`` (ages of ``faile
 
 **Replay** sends each selected record's original key and value back to its source topic and
 partition, once the cause is fixed: a producer deployed with a contract the consumers now know
-(``unknown_version``, ``invalid``), or generations that arrived after their feedback had been
-dead-lettered (``orphan_feedback``). It is safe to repeat: the stages fold repeated
-``feedback_id``\\ s and ``generation_id``\\ s, so a record replayed twice, or one that had been
-used after all, counts once. A replayed record carries the header ``flywheel-replay-of:
+(``unknown_version``, ``invalid``) or with its clock fixed (``clock_skew``). Feedback goes first
+and is acked before the rest is sent: orphaned feedback (``orphan_feedback``) waits afresh for
+its generation, so replayed with the generation it waited for, it joins it. Feedback whose
+generation arrived by itself after the feedback was dead-lettered cannot join any more (that
+generation closed as ``ignore``, one episode per generation): it comes back as
+``late_feedback``. A replay is safe to repeat while the stages still remember the ids it
+carries: ingest folds repeated ``feedback_id``\\ s and ``generation_id``\\ s of generations closed
+within ``ingest.closed_retention_s``, reward repeated episodes within
+``reward.dedupe_retention_s``, so a record replayed twice, or one that had been used after
+all, counts once. A replayed record carries the header ``flywheel-replay-of:
 <partition>:<offset>`` naming its dead letter. Only records from this deployment's stage inputs
 (generations, feedback, episodes, rewards) are replayed; anything else is listed as refused.
 A record that fails again is dead-lettered again, with its new reason; a later replay sends each
@@ -174,6 +180,9 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list
             refused.append((letter, f"{dl.source_topic} is not a stage input of this deployment"))
         elif not dl.value_b64:
             refused.append((letter, "no original value to replay"))
+        elif dl.truncated:
+            where = f"{dl.source_topic}[{dl.source_partition}]@{dl.source_offset}"
+            refused.append((letter, f"only the start of the record is quoted; the whole record is at {where}"))
         elif record in sent:
             repeats += 1
         else:
@@ -192,19 +201,33 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
         return result
     producer = make_producer(cfg, "replay")
     try:
-        futures = [producer.send(
-            x.event.source_topic,
-            key=base64.b64decode(x.event.key_b64) if x.event.key_b64 is not None else None,
-            value=base64.b64decode(x.event.value_b64),
-            partition=x.event.source_partition,
-            headers=[(REPLAY_HEADER, f"{x.partition}:{x.offset}".encode())],
-        ) for x in go]
-        producer.flush()
-        for fut in futures:
-            fut.get(timeout=30)  # raises if a send failed: the operator must know
+        for wave in replay_waves(go, topics.feedback):
+            futures = [producer.send(
+                x.event.source_topic,
+                key=base64.b64decode(x.event.key_b64) if x.event.key_b64 is not None else None,
+                value=base64.b64decode(x.event.value_b64),
+                partition=x.event.source_partition,
+                headers=[(REPLAY_HEADER, f"{x.partition}:{x.offset}".encode())],
+            ) for x in wave]
+            producer.flush()
+            for fut in futures:
+                fut.get(timeout=30)  # raises if a send failed: the operator must know
     finally:
         producer.close()
     return result
+
+
+def replay_waves(go: list[Letter], feedback_topic: str) -> list[list[Letter]]:
+    """The letters to replay in the order they must land (pure): feedback first, then the rest.
+
+    A generation whose window has passed closes as soon as it arrives, folding only the feedback
+    already waiting for it; replayed feedback waits afresh for its generation. So orphaned
+    feedback replayed together with its dead-lettered generation joins it only if it lands
+    first: the first wave is acked before the second is sent.
+    """
+    first = [x for x in go if x.event.source_topic == feedback_topic]
+    rest = [x for x in go if x.event.source_topic != feedback_topic]
+    return [wave for wave in (first, rest) if wave]
 
 
 def read_letters(cfg: KafkaSettings, topic: str, timeout_s: float = 60.0) -> tuple[list[Letter], int]:

@@ -136,6 +136,7 @@ def _pipeline_env(env: dict[str, str]) -> dict[str, str]:
     return {
         **env,
         "FLYWHEEL_INGEST_WINDOW_S": "3",
+        "FLYWHEEL_INGEST_ORPHAN_WAIT_S": "3",
         "FLYWHEEL_INGEST_GRACE_S": "1",
         "FLYWHEEL_ARCHIVE_MAX_AGE_S": "10",  # `flywheel reward report` sees the demo's rewards soon
         "FLYWHEEL_INGEST_PORT": "0",

@@ -195,7 +195,12 @@ class IngestSettings(_Section):
     resumes from the offsets in the state store (see docs/exactly-once.md)."""
     window_s: float = Field(default=300.0, gt=0)
     """Join window: feedback counts when the user acted within this many seconds after the
-    generation completed; feedback waits this long for a generation before it is an orphan."""
+    generation completed."""
+    orphan_wait_s: float = Field(default=300.0, gt=0)
+    """How long feedback whose generation has not arrived waits for it (from when the feedback
+    arrived, so a replayed orphan waits afresh) before it is dead-lettered as ``orphan_feedback``.
+    Raise it when generations can trail their feedback by longer (the generation's own window
+    still decides whether the feedback counts)."""
     grace_s: float = Field(default=2.0, ge=0)
     """Extra wait after a window's deadline for clock skew and transport delay before closing."""
     closed_retention_s: float = Field(default=3600.0, gt=0)
@@ -257,6 +262,9 @@ class RewardSettings(_Section):
     """Shorter completions are too short to judge repetition."""
     repetition_penalty: float = Field(default=0.5, ge=0)
     """Reward subtracted from a ``repetition``-flagged sample."""
+    dedupe_retention_s: float = Field(default=86_400.0, gt=0)
+    """How long labeled generation ids are remembered: an episode seen again within it (an
+    upstream duplicate, a repeated replay) is dropped, later it would be labeled again."""
     guard_window_s: float = Field(default=3600.0, gt=0)
     """Tumbling window (by generation time) for per-user share and rate guards."""
     user_cap_share: float = Field(default=0.2, gt=0, le=1)

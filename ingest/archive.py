@@ -175,8 +175,12 @@ _EPISODE_JSON = pa.schema(
 
 def episode_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
     """:func:`episode_row` for a batch of one-line episode records, parsed by Arrow."""
-    parsed = pj.read_json(io.BytesIO(b"\n".join(values)), parse_options=pj.ParseOptions(
-        explicit_schema=_EPISODE_JSON, unexpected_field_behavior="ignore"))
+    # Arrow parses in blocks (1 MiB by default) and refuses a record that spans more than two of
+    # them: the block must be larger than the largest record (a valid episode can be several MiB).
+    block = max(1 << 20, 2 * max(map(len, values), default=0))
+    parsed = pj.read_json(io.BytesIO(b"\n".join(values)), read_options=pj.ReadOptions(block_size=block),
+                          parse_options=pj.ParseOptions(explicit_schema=_EPISODE_JSON,
+                                                        unexpected_field_behavior="ignore"))
     gen = parsed.column("generation")
     cols = {n: pc.struct_field(gen, n) for n in _GEN_COLUMNS}
     cols.update({n: parsed.column(n) for n in _EPISODE_COLUMNS})

@@ -55,7 +55,7 @@ partition), with two caveats: a request still in flight from the dead process co
 recovery scan (bounded by ``request.timeout.ms``; waiting that long before the scan closes it), and
 scale-out across machines needs the state tables in a shared database (the SQL is portable to
 PostgreSQL). There, Kafka transactions (``send_offsets_to_transaction`` + ``read_committed``
-consumers) can replace steps 3-4 and the recovery scan; the embedded broker cannot filter aborted
+consumers) can replace steps 2 and 4 and the recovery scan; the embedded broker cannot filter aborted
 records, which is why this design is the default here.
 """
 

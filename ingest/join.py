@@ -6,8 +6,12 @@ These functions hold no state and do no I/O, so every rule is table-tested on it
 **Window.** A generation's window closes ``window_s`` after its ``completed_at`` (serving's
 clock). Feedback counts for it when the user acted (``created_at``) no later than that deadline;
 feedback created later is ``late_feedback`` (dead-lettered: it is a real signal, kept for audit,
-never silently dropped). Feedback that arrives before its generation waits ``window_s`` after its
-own ``created_at``; if the generation has not come by then it is ``orphan_feedback``.
+never silently dropped). Feedback that arrives before its generation waits ``orphan_wait_s`` after
+it arrived (or after its ``created_at``, if that is later); if the generation has not come by then
+it is ``orphan_feedback``. The wait runs from arrival so that a replayed orphan waits afresh for a
+generation that is still to come: counted from ``created_at``, it would be an orphan again at once.
+A generation that arrives after its own window has passed still folds the feedback waiting for it
+(created within the window), and closes at once.
 
 **Clock skew.** A record stamped more than ``max_future_s`` ahead of the stage's clock is
 ``clock_skew`` (dead-lettered): its window would stay open, and hold join state, until then.
@@ -51,9 +55,9 @@ def generation_deadline(completed_at: float, window_s: float) -> float:
     return completed_at + window_s
 
 
-def orphan_deadline(feedback_created_at: float, window_s: float) -> float:
+def orphan_deadline(feedback_created_at: float, arrived_at: float, wait_s: float) -> float:
     """When feedback without its generation gives up waiting and becomes an orphan."""
-    return feedback_created_at + window_s
+    return max(feedback_created_at, arrived_at) + wait_s
 
 
 def is_from_future(stamped_at: float, now: float, max_future_s: float) -> bool:

@@ -27,6 +27,7 @@ from kafka.structs import OffsetAndMetadata
 from flywheel.bus import DeadLetters, LagGauge, partitions_of
 from flywheel.contracts import (
     CONTRACT_REASONS,
+    MAX_RECORD_BYTES,
     ContractError,
     EpisodeEvent,
     FeedbackEvent,
@@ -50,20 +51,21 @@ E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
 KEYED_DECODE_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, "wrong_key")
 
 
-def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters) -> E | None:
+def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters,
+                 max_bytes: int = MAX_RECORD_BYTES) -> E | None:
     """Decode ``rec`` as ``cls`` at the stage's edge, or dead-letter it and return None.
 
     Besides the contract, the record's key must be its ``generation_id``: both stages rely on
     a generation's records sharing a partition number (see docs/exactly-once.md).
     """
     try:
-        event = decode(cls, rec.value)
+        event = decode(cls, rec.value, max_bytes=max_bytes)
     except ContractError as exc:
         dead.send_record(rec, exc.reason, exc.detail)
         return None
-    key = rec.key.decode("utf-8", "replace") if rec.key is not None else None
-    if key != event.generation_id:
-        dead.send_record(rec, "wrong_key", f"key {key!r} is not the generation_id {event.generation_id!r}")
+    # bytes against bytes: a key that is not UTF-8 must not match by way of replacement characters
+    if rec.key != event.generation_id.encode("utf-8", "surrogatepass"):
+        dead.send_record(rec, "wrong_key", f"key {rec.key!r} is not the generation_id {event.generation_id!r}")
         return None
     return event
 

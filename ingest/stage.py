@@ -26,9 +26,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flywheel.bus import DeadLetters
 from flywheel.contracts import (
+    MAX_FEEDBACK_BYTES,
     FeedbackEvent,
     GenerationEvent,
     Topics,
+    decode,
     encode,
 )
 from flywheel.settings import IngestSettings
@@ -96,7 +98,8 @@ class IngestStage:
             self.sink.shard = rec.partition
             is_gen = rec.topic == self.topics.generations
             gens += is_gen
-            event = decode_keyed(GenerationEvent if is_gen else FeedbackEvent, rec, self.dead)
+            event = (decode_keyed(GenerationEvent, rec, self.dead) if is_gen
+                     else decode_keyed(FeedbackEvent, rec, self.dead, MAX_FEEDBACK_BYTES))
             if event is not None and not self._from_future(rec, event, now):
                 events.append((rec, event))
         self.m.records.labels("generation").inc(gens)  # per batch: labels() is a lookup and a lock
@@ -109,7 +112,7 @@ class IngestStage:
             if isinstance(event, GenerationEvent):
                 self._on_generation(rec, event, view)
             else:
-                self._on_feedback(rec, event, view)
+                self._on_feedback(rec, event, view, now)
         view.write(self.db)
 
     def _from_future(self, rec: ConsumerRecord, event: Any, now: float) -> bool:
@@ -137,7 +140,7 @@ class IngestStage:
                 self.dead.send("late_feedback", f"created {created - deadline:.3f}s after the window",
                                source_topic=topic, value=raw, key=key, partition=part, offset=off)
 
-    def _on_feedback(self, rec: ConsumerRecord, f: FeedbackEvent, view: _BatchView) -> None:
+    def _on_feedback(self, rec: ConsumerRecord, f: FeedbackEvent, view: _BatchView, now: float) -> None:
         closed = view.closed.get(f.generation_id)
         if closed is not None:
             if f.feedback_id in closed:
@@ -154,7 +157,7 @@ class IngestStage:
             return
         view.add_feedback(
             (f.feedback_id, f.generation_id, rec.partition, f.created_at,
-             orphan_deadline(f.created_at, self.cfg.window_s), rec.value,
+             orphan_deadline(f.created_at, now, self.cfg.orphan_wait_s), rec.value,
              rec.topic, rec.partition, rec.offset, rec.key),
         )
 
@@ -184,7 +187,8 @@ class IngestStage:
         for gid, raw in self.db.execute(
                 "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND deadline<?)",
                 (shard, cutoff)):
-            feedback.setdefault(gid, []).append(FeedbackEvent.model_validate_json(raw))
+            # decode(), not a parser of its own: the same function accepted these bytes on arrival
+            feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
         closed = []
         signals: dict[str, int] = {}
         for _, gid, raw in due:

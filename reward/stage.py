@@ -19,12 +19,14 @@ What becomes of each episode:
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from flywheel.bus import DeadLetters
-from flywheel.contracts import EpisodeEvent, Topics
+from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
 from ingest.exactly_once import StateStore
 from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
@@ -43,8 +45,6 @@ CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL,
 REWARDS_ARCHIVE = "rewards"
 #: Every reason this stage dead-letters a record for.
 DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "labeler_error")
-#: Labeled generation ids are remembered this long to drop upstream duplicates.
-DEDUPE_RETENTION_S = 86_400.0
 #: Position of each signal's count in a cached user_win row [n, kept, accept, reject, edit, ignore].
 _SIGNAL_COL = {"accept": 2, "reject": 3, "edit": 4, "ignore": 5}
 
@@ -52,8 +52,8 @@ _SIGNAL_COL = {"accept": 2, "reject": 3, "edit": 4, "ignore": 5}
 class RewardMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.rewards = Counter("reward_rewards_total", "Rewards emitted, by signal", ["signal"], registry=registry)
-        self.value = Histogram("reward_value_reward", "Scalar reward of emitted samples",
-                               buckets=(-1, -0.5, -0.25, 0, 0.25, 0.5, 0.75, 1), registry=registry)
+        self.value = Histogram("reward_value_reward", "Scalar reward of emitted samples, by signal",
+                               ["signal"], buckets=(-1, -0.5, -0.25, 0, 0.25, 0.5, 0.75, 1), registry=registry)
         self.guards = Counter("reward_guard_actions_total", "Samples flagged by a guard, by flag",
                               ["flag"], registry=registry)
         self.duplicates = Counter("reward_duplicates_total", "Episodes already labeled", registry=registry)
@@ -77,7 +77,7 @@ class RewardStage:
         store.on_rollback(self._load_counts)
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
-        episodes = [(rec, ep) for rec in records if (ep := decode_keyed(EpisodeEvent, rec, self.dead)) is not None]
+        episodes = [(rec, ep) for rec in records if (ep := decode_keyed(EpisodeEvent, rec, self.dead, MAX_EPISODE_BYTES)) is not None]
         seen = self._seen_of([ep.generation_id for _, ep in episodes])
         fresh: list[tuple[str, float]] = []
         for rec, ep in episodes:
@@ -125,10 +125,10 @@ class RewardStage:
         for flag in flags:
             self._child(self.m.guards, flag).inc()
         self._child(self.m.rewards, ep.signal).inc()
-        self.m.value.observe(reward)
+        self._child(self.m.value, ep.signal).observe(reward)
         return reward_bytes(ep, reward, components, verdict.weight, flags, now)
 
-    def _child(self, metric: Counter, label: str) -> Counter:
+    def _child(self, metric: Any, label: str) -> Any:
         """``metric.labels(label)``, cached: labels() takes a lock and builds a key per call."""
         child = self._children.get((metric, label))
         if child is None:
@@ -180,7 +180,7 @@ class RewardStage:
         if now - self._last_prune < 60:
             return
         self._last_prune = now
-        self.db.execute("DELETE FROM seen WHERE at<?", (now - DEDUPE_RETENTION_S,))
+        self.db.execute("DELETE FROM seen WHERE at<?", (now - self.cfg.dedupe_retention_s,))
         oldest = window_of(now, self.cfg) - 2
         self.db.execute("DELETE FROM user_win WHERE win<?", (oldest,))
         self.db.execute("DELETE FROM win_tot WHERE win<?", (oldest,))

@@ -1,12 +1,15 @@
 """`flywheel deadletters` on the real broker, against a running ingest stage.
 
-The story on-call meets: the serving tier's generations arrive late, so their feedback is
-dead-lettered as ``orphan_feedback``; once the generations are in, a replay joins the feedback
-after all, and replaying again changes nothing.
+The story on-call meets: a producer's clock runs ahead, so its generations are dead-lettered as
+``clock_skew`` and their feedback, waiting for them, as ``orphan_feedback``. Once the clock is
+fixed, one replay of both joins them after all (feedback goes first and waits afresh), and
+replaying again changes nothing. A generation that turned up by itself after its feedback was
+dead-lettered has closed as ``ignore``: its replayed feedback is ``late_feedback``.
 """
 
 from __future__ import annotations
 
+import base64
 import time
 from contextlib import closing
 
@@ -63,51 +66,72 @@ def episodes_of(kafka_settings, topics, gid: str) -> list[EpisodeEvent]:
     return [e for e in eps if e.generation_id == gid]
 
 
-def test_orphans_replayed_after_their_generations_join_once(kafka_settings, topics, tmp_path, capsys):
+def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topics, tmp_path, capsys):
     from ingest.main import run as run_ingest
 
     settings = stage_settings(kafka_settings, topics, tmp_path, FLYWHEEL_INGEST_WINDOW_S=str(WINDOW_S),
-                              FLYWHEEL_INGEST_GRACE_S="0")
+                              FLYWHEEL_INGEST_ORPHAN_WAIT_S=str(WINDOW_S), FLYWHEEL_INGEST_GRACE_S="0",
+                              FLYWHEEL_INGEST_MAX_FUTURE_S="1")
     with closing(make_producer(kafka_settings, "test")) as producer, running(run_ingest, settings):
         t = time.time()
-        producer.send(topics.feedback, key="late", value=encode(feedback("f-late", "late", t)))
         producer.send(topics.generations, key="ok", value=encode(generation("ok", t)))
         producer.send(topics.feedback, key="ok", value=encode(feedback("f-ok", "ok", t)))
+        producer.flush()
+        wait_for(lambda: episodes_of(kafka_settings, topics, "ok"))  # the stage is up and caught up
+        t = time.time()
+        producer.send(topics.feedback, key="late", value=encode(feedback("f-late", "late", t)))
+        # stamped by a clock 3 s ahead: clock_skew, and its feedback above becomes an orphan
+        producer.send(topics.generations, key="late", value=encode(generation("late", t + 3)))
+        producer.send(topics.feedback, key="gone", value=encode(feedback("f-gone", "gone", t)))
         producer.send(topics.generations, key="bad", value=b"{not json")
         # a dead letter from somewhere that is not a stage input: listed, never replayed
         producer.send(topics.deadletter, key="x", value=encode(DeadLetterEvent(
             stage="elsewhere", reason="manual", source_topic="other.topic", value_b64="eyJ9", failed_at=t)))
         producer.flush()
 
-        letters = wait_for(lambda: [x for x in read_letters(kafka_settings, topics.deadletter)[0]
-                                    if x.event.reason == "orphan_feedback"])
-        assert [x.event.source_topic for x in letters] == [topics.feedback]
+        def letters_of(reason: str, n: int = 1):
+            got = [x for x in read_letters(kafka_settings, topics.deadletter)[0] if x.event.reason == reason]
+            return got if len(got) >= n else None
+
+        letters = wait_for(lambda: letters_of("orphan_feedback", 2))
+        assert {x.event.source_topic for x in letters} == {topics.feedback}
         out = cli(settings, capsys, "summary")
-        assert "3 dead letters, 3 selected" in out
+        assert "5 dead letters, 5 selected" in out
         rows = {tuple(line.split()[:4]) for line in out.splitlines()[2:]}
-        assert rows == {("ingest", "orphan_feedback", topics.feedback, "1"),
+        assert rows == {("ingest", "orphan_feedback", topics.feedback, "2"),
+                        ("ingest", "clock_skew", topics.generations, "1"),
                         ("ingest", "undecodable", topics.generations, "1"),
                         ("elsewhere", "manual", "other.topic", "1")}
         assert "f-late" in cli(settings, capsys, "show", "--reason", "orphan_feedback")
 
-        # the generation arrives late; its feedback comes back from the dead-letter topic
-        producer.send(topics.generations, key="late", value=encode(generation("late", time.time())))
+        # "gone"'s generation turns up by itself, after its feedback was dead-lettered
+        producer.send(topics.generations, key="gone", value=encode(generation("gone", t - 0.5)))
         producer.flush()
-        out = cli(settings, capsys, "replay", "--reason", "orphan_feedback", "--dry-run")
-        assert "would replay 1 records" in out
-        assert len(read_all(kafka_settings.bootstrap, topics.feedback, timeout_s=1.5)) == 2  # nothing sent
-        out = cli(settings, capsys, "replay", "--source-topic", "feedback", "--since", "1h")
-        assert f"replayed 1 records\n        1  orphan_feedback    -> {topics.feedback}" in out
-        replayed = [r for r in read_all(kafka_settings.bootstrap, topics.feedback, expect=3) if r.headers]
-        assert [(r.key, dict(r.headers)[REPLAY_HEADER]) for r in replayed] == [
-            (b"late", f"{letters[0].partition}:{letters[0].offset}".encode())]
+        (ep,) = wait_for(lambda: episodes_of(kafka_settings, topics, "gone"))
+        assert (ep.signal, ep.timed_out) == ("ignore", True)
+
+        time.sleep(max(0.0, t + 3.2 - time.time()))  # the skewed clock's time has come
+        selection = ("--reason", "orphan_feedback", "--reason", "clock_skew")
+        out = cli(settings, capsys, "replay", *selection, "--dry-run")
+        assert "would replay 3 records" in out
+        assert len(read_all(kafka_settings.bootstrap, topics.feedback, timeout_s=1.5)) == 3  # nothing sent
+        out = cli(settings, capsys, "replay", *selection, "--since", "1h")
+        assert "replayed 3 records" in out
+        assert f"1  clock_skew         -> {topics.generations}" in out
+        assert f"2  orphan_feedback    -> {topics.feedback}" in out
+        replayed = [r for r in read_all(kafka_settings.bootstrap, topics.feedback, expect=5) if r.headers]
+        assert sorted((r.key, dict(r.headers)[REPLAY_HEADER]) for r in replayed) == sorted(
+            (base64.b64decode(x.event.key_b64), f"{x.partition}:{x.offset}".encode()) for x in letters)
 
         (ep,) = wait_for(lambda: episodes_of(kafka_settings, topics, "late"))
         assert (ep.signal, ep.feedback_ids, ep.timed_out) == ("accept", ("f-late",), False)
-        out = cli(settings, capsys, "replay", "--reason", "orphan_feedback", "--reason", "manual")
-        assert "replayed 1 records" in out and "refused" in out and "other.topic is not a stage input" in out
-        time.sleep(WINDOW_S + 1.5)  # the second replay is folded as a duplicate, not a new episode
-        assert len(episodes_of(kafka_settings, topics, "late")) == 1
-        assert len(episodes_of(kafka_settings, topics, "ok")) == 1
+        wait_for(lambda: letters_of("late_feedback"))
+        out = cli(settings, capsys, "replay", *selection, "--reason", "manual")
+        assert "replayed 3 records" in out and "refused" in out and "other.topic is not a stage input" in out
+        time.sleep(WINDOW_S + 1.5)  # the second replay is folded as duplicates, not new episodes
+        for gid in ("late", "gone", "ok"):
+            assert len(episodes_of(kafka_settings, topics, gid)) == 1, gid
         reasons = sorted(x.event.reason for x in read_letters(kafka_settings, topics.deadletter)[0])
-        assert reasons == ["manual", "orphan_feedback", "undecodable"]  # nothing failed again
+        # f-gone fails again on each replay (its generation is closed); nothing else does
+        assert reasons == ["clock_skew", "late_feedback", "late_feedback", "manual", "orphan_feedback",
+                           "orphan_feedback", "undecodable"]

@@ -203,6 +203,7 @@ def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
         kafka_settings, topics, data_dir,
         FLYWHEEL_KAFKA_PRODUCER_CLIENT=kafka_settings.producer_client,
         FLYWHEEL_INGEST_WINDOW_S=str(WINDOW_S),
+        FLYWHEEL_INGEST_ORPHAN_WAIT_S=str(WINDOW_S),
         FLYWHEEL_INGEST_GRACE_S=str(GRACE_S),
         FLYWHEEL_REWARD_LATENCY_BONUS=str(BONUS),
         FLYWHEEL_REWARD_LATENCY_REF_MS=str(REF_MS),

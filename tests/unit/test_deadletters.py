@@ -15,6 +15,7 @@ from flywheel.deadletters import (
     Summary,
     parse_age,
     plan_replay,
+    replay_waves,
     selection_from_args,
     show,
 )
@@ -76,13 +77,15 @@ def test_summary_counts_by_stage_reason_and_topic_with_time_span():
     assert Summary().render() == "no dead letters match"
 
 
-def test_plan_replay_refuses_foreign_topics_and_empty_values():
+def test_plan_replay_refuses_foreign_topics_empty_and_truncated_values():
     letters = [Letter(0, 1, dl()), Letter(0, 2, dl(topic="elsewhere")), Letter(1, 3, dl(value=b"")),
-               Letter(1, 4, dl(topic="p.generations", key=None))]
+               Letter(1, 4, dl(topic="p.generations", key=None)),
+               Letter(1, 5, dl().model_copy(update={"truncated": True, "source_partition": 2, "source_offset": 9}))]
     go, refused, repeats = plan_replay(letters, frozenset({"p.feedback", "p.generations"}))
     assert [x.offset for x in go] == [1, 4] and repeats == 0
     assert [(x.offset, why) for x, why in refused] == [
-        (2, "elsewhere is not a stage input of this deployment"), (3, "no original value to replay")]
+        (2, "elsewhere is not a stage input of this deployment"), (3, "no original value to replay"),
+        (5, "only the start of the record is quoted; the whole record is at p.feedback[2]@9")]
 
 
 def test_show_prints_where_why_and_the_original_bytes():
@@ -100,3 +103,16 @@ def test_plan_replay_sends_a_record_that_failed_again_once():
                Letter(1, 12, dl("orphan_feedback", at=70.0, value=b'{"x":2}'))]
     go, refused, repeats = plan_replay(letters, frozenset({"p.feedback"}))
     assert [x.offset for x in go] == [1, 9, 12] and refused == [] and repeats == 1
+
+
+@pytest.mark.parametrize("topics, waves", [
+    (["p.generations", "p.feedback", "p.generations", "p.feedback"], [[2, 4], [1, 3]]),
+    (["p.generations", "p.episodes"], [[1, 2]]),
+    (["p.feedback"], [[1]]),
+    ([], []),
+])
+def test_replay_sends_feedback_first_in_its_own_wave(topics, waves):
+    """Orphaned feedback must be waiting when its replayed generation arrives (a generation whose
+    window has passed closes at once): feedback is sent, and acked, before anything else."""
+    letters = [Letter(0, i, dl(topic=t)) for i, t in enumerate(topics, start=1)]
+    assert [[x.offset for x in wave] for wave in replay_waves(letters, T.feedback)] == waves

@@ -18,7 +18,14 @@ from flywheel.contracts import (
 )
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
-from ingest.join import generation_deadline, is_due, is_from_future, is_late, resolve
+from ingest.join import (
+    generation_deadline,
+    is_due,
+    is_from_future,
+    is_late,
+    orphan_deadline,
+    resolve,
+)
 from ingest.stage import DEADLETTER_REASONS, SCHEMA, IngestStage, episode_bytes
 
 
@@ -53,6 +60,15 @@ def test_resolve_carries_winner_decision_time():
 @pytest.mark.parametrize("created, deadline, late", [(10.0, 10.0, False), (10.001, 10.0, True), (3.0, 10.0, False)])
 def test_is_late(created, deadline, late):
     assert is_late(created, deadline) is late
+
+
+@pytest.mark.parametrize("created, arrived, wait, deadline", [
+    (100.0, 101.0, 10.0, 111.0),  # waits from arrival
+    (105.0, 101.0, 10.0, 115.0),  # stamped a little ahead (within max_future_s): from created_at
+    (100.0, 5000.0, 10.0, 5010.0),  # a replayed orphan waits afresh
+])
+def test_orphan_deadline(created, arrived, wait, deadline):
+    assert orphan_deadline(created, arrived, wait) == deadline
 
 
 @pytest.mark.parametrize("deadline, now, grace, due", [(10, 10.5, 1, False), (10, 11.01, 1, True), (10, 10.01, 0, True)])
@@ -101,7 +117,7 @@ def outputs(store: StateStore) -> tuple[list[EpisodeEvent], list[DeadLetterEvent
 @pytest.fixture
 def stage(tmp_path):
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
-    yield IngestStage(IngestSettings(window_s=10, grace_s=1), T, store, CollectorRegistry()), store
+    yield IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry()), store
     store.close()
 
 
@@ -142,11 +158,43 @@ def test_stage_dead_letters_late_orphan_and_bad_records(stage):
     run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.feedback, "g", encode(late), 0),
                 rec(T.feedback, "nope", encode(orphan), 1), rec(T.feedback, "g", b"{oops", 2),
                 rec(T.generations, "other", encode(gen("g2", 100)), 1)], now=101)
-    run(stage, [], now=112)
+    run(stage, [], now=112.5)  # the orphan arrived at 101: it waits until 111, + grace
     eps, dls = outputs(stage[1])
     assert [(e.generation_id, e.signal, e.timed_out) for e in eps] == [("g", "ignore", True)]
     assert sorted(d.reason for d in dls) == ["late_feedback", "orphan_feedback", "undecodable", "wrong_key"]
     assert {d.source_offset for d in dls if d.reason == "orphan_feedback"} == {1}
+
+
+def test_a_key_that_is_not_utf8_never_matches_a_generation_id(stage):
+    """Compared as text with replacement characters, key ``g\\xff`` would pass as the id ``g\ufffd``
+    and the record could land on another partition than its generation's other records."""
+    odd = rec(T.generations, None, encode(gen("g\ufffd", 100)), 0)._replace(key=b"g\xff")
+    run(stage, [odd, rec(T.generations, "g", encode(gen("g", 100)), 1)], now=101)
+    (dead,) = outputs(stage[1])[1]
+    assert (dead.reason, dead.source_offset) == ("wrong_key", 0)
+    assert "b'g\\xff'" in dead.detail
+
+
+def test_replayed_orphan_waits_afresh_and_joins_its_generation(stage):
+    """The replay story (dashboards/runbooks/dead-letters.md): feedback dead-lettered as an orphan
+    and replayed before its generation turns up joins it; feedback whose generation turned up
+    after it was dead-lettered cannot, because that generation closed at once as ``ignore``."""
+    f_wait, f_gone = fb("f1", "accept", 101), FeedbackEvent(
+        feedback_id="f2", generation_id="h", signal="reject", created_at=101, received_at=101)
+    run(stage, [rec(T.feedback, "g", encode(f_wait), 0), rec(T.feedback, "h", encode(f_gone), 1)], now=101)
+    run(stage, [], now=112.5)
+    assert sorted(d.reason for d in outputs(stage[1])[1]) == ["orphan_feedback", "orphan_feedback"]
+    # h's generation (completed before its feedback) arrives: its window is long past
+    run(stage, [rec(T.generations, "h", encode(gen("h", 100)), 2)], now=200)
+    # both orphans are replayed; g's generation arrives afterwards, as late as h's
+    run(stage, [rec(T.feedback, "g", encode(f_wait), 2), rec(T.feedback, "h", encode(f_gone), 3)], now=300)
+    run(stage, [], now=305)  # 101 + 10 would have orphaned the replay again here
+    run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 3)], now=306)
+    eps, dls = outputs(stage[1])
+    assert sorted((e.generation_id, e.signal, e.feedback_ids, e.timed_out) for e in eps) == [
+        ("g", "accept", ("f1",), False), ("h", "ignore", (), True)]
+    assert sorted((d.reason, d.source_offset) for d in dls) == [
+        ("late_feedback", 3), ("orphan_feedback", 0), ("orphan_feedback", 1)]
 
 
 def test_stage_dead_letters_records_stamped_far_ahead_and_keeps_no_state_for_them(stage):

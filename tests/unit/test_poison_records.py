@@ -10,6 +10,7 @@ over real SQLite stores and real Parquet files.
 
 from __future__ import annotations
 
+import base64
 import json
 import random
 from collections import Counter
@@ -21,6 +22,8 @@ from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
+    MAX_EPISODE_BYTES,
+    MAX_RECORD_BYTES,
     DeadLetterEvent,
     FeedbackEvent,
     GenerationEvent,
@@ -49,6 +52,8 @@ ODD_VALUES = [
     b"18446744073709551616", b"-9223372036854775809", b'"\\ud800"', b'"a\\udfffb"', b'"\\ud83d\\ude00"',
     b'"\\u0000"', b'"' + b"x" * 300 + b'"', b'"\xe2\x80\xa8"', b"1e-320", b'"1"', b'{"a": [1, {"b": null}]}',
     b"[" * 3000 + b"]" * 3000,  # deeper than Python's recursion limit
+    b"1" * 5000,  # past Python's integer digit limit: json.loads raises a plain ValueError
+    b'"\xed\xa0\x80"',  # a surrogate written as raw bytes, no escape: not UTF-8
 ]
 
 
@@ -116,7 +121,8 @@ class Pipeline:
     def __init__(self, root: Path) -> None:
         self.ingest_store = StateStore(root / "ingest.sqlite3", INGEST_SCHEMA)
         self.reward_store = StateStore(root / "reward.sqlite3", REWARD_SCHEMA_SQL)
-        self.ingest = IngestStage(IngestSettings(window_s=60, grace_s=0), T, self.ingest_store, CollectorRegistry())
+        self.ingest = IngestStage(IngestSettings(window_s=60, orphan_wait_s=60, grace_s=0), T, self.ingest_store,
+                                  CollectorRegistry())
         self.reward = RewardStage(RewardSettings(), T, self.reward_store, CollectorRegistry())
         self.episodes = ParquetArchive(root / "episodes", EPISODE_SCHEMA, episode_row, episode_table)
         self.rewards = ParquetArchive(root / "rewards", REWARD_SCHEMA, reward_row, reward_table)
@@ -132,6 +138,7 @@ class Pipeline:
         with self.ingest_store.txn():
             self.ingest.tick({0}, NOW + 120)  # every window is closed by then
         episodes = self._drain(self.ingest_store, self.episodes, T.episodes)
+        self.episode_values = [v for _, v in episodes]
         eps = [_record(T.episodes, k, v, i) for i, (k, v) in enumerate([*episodes, *extra_episodes])]
         with self.reward_store.txn():
             self.reward.process(eps, NOW + 121)
@@ -172,6 +179,75 @@ def test_each_known_poison_record_is_dead_lettered_and_the_rest_flows(tmp_path, 
     else:
         assert reasons == {("ingest", "invalid"): 1}
         assert len(p.reward_values) == 2  # g1 is closed with no signal: not labeled by default
+
+
+@pytest.mark.parametrize("target, mangle", [
+    ("feedback", lambda raw: b"\xef\xbb\xbf" + raw),  # a byte-order mark
+    ("feedback", lambda raw: raw.decode().encode("utf-16")),
+    ("feedback", lambda raw: raw.decode().encode("utf-32")),
+    ("feedback", lambda raw: raw.replace(b'"the answers"', b'"the \xed\xa0\x80answers"')),
+    ("feedback", lambda raw: raw.replace(b'"decision_ms":800.0', b'"decision_ms":' + b"9" * 5000)),
+    ("generation", lambda raw: raw.replace(b'"the answer"', b'"the \xed\xa0\x80answer"')),
+    ("generation", lambda raw: raw.replace(b'"model_version":3', b'"model_version":' + b"1" * 5000)),
+    ("generation", lambda raw: raw.decode().encode("utf-16")),
+])
+def test_records_that_are_not_utf8_json_are_undecodable(tmp_path, target, mangle):
+    """Each of these passed the edge (json.loads of bytes guesses UTF-16/32, skips a byte-order
+    mark and lets raw surrogate bytes through) and then failed the stage: at the window's close,
+    at the re-encode, or (digits) at the edge itself with an error the decoder did not expect."""
+    generations = [encode(_generation(f"g{i}")) for i in range(3)]
+    feedback = [encode(_feedback(f"f{i}", f"g{i}")) for i in range(3)]
+    batch = generations if target == "generation" else feedback
+    batch[1] = mangle(batch[1])
+    valid = episode_bytes(encode(_generation("e0")), resolve([_feedback("x0", "e0")]), NOW)
+    for_reward = [(b"e0", mangle(valid))]
+    p = Pipeline(tmp_path)
+    p.run(generations, feedback, for_reward)
+    reasons = Counter((d.stage, d.reason) for d in p.dead)
+    expect = {("ingest", "undecodable"): 1, ("reward", "undecodable"): 1}
+    if target == "generation":  # its feedback then waits for it, and becomes an orphan
+        expect[("ingest", "orphan_feedback")] = 1
+    assert reasons == expect
+    assert len(p.reward_values) == 2
+
+
+def test_valid_records_of_several_mib_reach_both_archives(tmp_path):
+    """Arrow's JSON reader refused a record spanning more than two of its 1 MiB blocks, and the
+    archive write failed the loop after every restart: the block now outgrows the largest row.
+    The episode joins a 3.5 MB generation with a 0.9 MB edit: larger than any one input record
+    may be, and still taken by the reward stage (MAX_EPISODE_BYTES)."""
+    big = _generation("g1").model_copy(update={"prompt_text": "p" * 3_500_000})
+    generations = [encode(_generation("g0")), encode(big), encode(_generation("g2"))]
+    feedback = [encode(_feedback(f"f{i}", f"g{i}")) for i in range(3)]
+    feedback[1] = feedback[1].replace(b'"the answers"', b'"' + b"e" * 900_000 + b'"')
+    p = Pipeline(tmp_path)
+    p.run(generations, feedback)
+    assert p.dead == [] and len(p.reward_values) == 3
+    assert MAX_RECORD_BYTES < max(len(v) for v in p.episode_values) <= MAX_EPISODE_BYTES
+    episodes = pq.read_table(p.episodes.files()).to_pandas().set_index("generation_id")
+    assert len(episodes.loc["g1", "prompt_text"]) == 3_500_000
+    assert len(episodes.loc["g1", "edited_text"]) == 900_000
+    assert sum(len(pq.read_table(f)) for f in p.rewards.files()) == 3
+
+
+def test_records_too_large_to_quote_get_a_dead_letter_that_can_be_sent(tmp_path):
+    """A dead letter quotes its record in base64 (4/3 of it): quoted whole, a record of 6.3 MB made
+    one over the 8 MiB produce limit, its send failed, and the outbox retried it forever."""
+    generations = [encode(_generation(f"g{i}")) for i in range(3)]
+    feedback = [encode(_feedback(f"f{i}", f"g{i}")) for i in range(3)]
+    generations[1] = generations[1].replace(b'"prompt_text":"p"', b'"prompt_text":"' + b"p" * 9_000_000 + b'"')
+    feedback[2] = feedback[2].replace(b'"the answers"', b'"' + b"e" * 1_100_000 + b'"')  # over MAX_FEEDBACK_BYTES
+    p = Pipeline(tmp_path)
+    p.run(generations, feedback)
+    reasons = sorted((d.reason, d.source_topic, d.truncated) for d in p.dead)
+    assert reasons == [("orphan_feedback", T.feedback, False), ("oversized", T.feedback, False),
+                       ("oversized", T.generations, True)]
+    assert len(p.reward_values) == 1  # g0; g2 closed with no signal
+    (big,) = [d for d in p.dead if d.truncated]
+    assert len(encode(big)) < 8 * 1024 * 1024 - 64 * 1024
+    assert "value 9000" in big.detail and base64.b64decode(big.value_b64) == generations[1][:64 * 1024]
+    (whole,) = [d for d in p.dead if d.reason == "oversized" and not d.truncated]
+    assert base64.b64decode(whole.value_b64) == feedback[2]  # a record a stage could accept is quoted whole
 
 
 def test_thousands_of_mangled_records_never_fail_a_batch(tmp_path):

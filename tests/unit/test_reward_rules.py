@@ -321,6 +321,29 @@ def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_repla
     assert registry.get_sample_value("reward_duplicates_total") == 1.0
 
 
+def test_labeled_ids_are_remembered_for_dedupe_retention_s(tmp_path):
+    """Inside ``reward.dedupe_retention_s`` a repeated episode is dropped; past it the id is
+    forgotten (the limit the dead-letter runbook gives for repeating a replay)."""
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import Topics
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    registry = CollectorRegistry()
+    stage = RewardStage(G.model_copy(update={"dedupe_retention_s": 100.0}), Topics("t."), store, registry)
+    (rec,) = _records(1)
+    for now in (1000.0, 1099.0, 1161.0, 1170.0):  # ids are pruned on tick, at most once a minute
+        with store.txn():
+            stage.process([rec], now)
+            stage.tick({0}, now)
+    # dropped at 1099 and 1161 (the tick after it forgets the id), labeled again at 1170
+    assert registry.get_sample_value("reward_duplicates_total") == 2.0
+    assert sum(r.topic == "t.rewards" for r in store.pending([0], limit=100)) == 2
+    store.close()
+
+
 def test_a_labeler_message_that_cannot_be_encoded_still_makes_a_dead_letter(tmp_path):
     """A labeler's message may quote text no UTF-8 encoder takes; the dead letter escapes it
     instead of failing the batch."""
