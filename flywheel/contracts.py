@@ -21,9 +21,11 @@ from pydantic_core import PydanticSerializationError
 
 #: Largest record any consumer accepts before dead-lettering it as ``oversized`` (but see below).
 MAX_RECORD_BYTES = 4 * 1024 * 1024
-#: Largest feedback record ingest accepts: an edit's text is its only large field, and serving's
-#: API takes request bodies up to ``serve.max_body_bytes`` (1 MiB by default).
-MAX_FEEDBACK_BYTES = 1024 * 1024
+#: Largest feedback body serving's API takes, whatever ``serve.max_body_bytes`` allows (a 413
+#: there beats a record ingest would refuse): an edit's text is feedback's only large field.
+MAX_FEEDBACK_BODY_BYTES = 1024 * 1024
+#: Largest feedback record ingest accepts: such a body plus the fields serving adds.
+MAX_FEEDBACK_BYTES = MAX_FEEDBACK_BODY_BYTES + 64 * 1024
 #: Largest episode reward accepts: a generation (re-encoded, so allow some slack) joined with the
 #: text of an edit. Bounded so that every episode, and every dead letter quoting one, fits a
 #: produce request (``kafka.max_request_bytes``, 8 MiB by default).

@@ -87,7 +87,7 @@ class ServeSettings(_Section):
     rate_limit_burst: int = Field(default=60, ge=1)
     """Requests one user may make at once before the sustained rate applies."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    """Larger request bodies get 413."""
+    """Larger request bodies get 413 (feedback bodies also above 1 MiB: see MAX_FEEDBACK_BODY_BYTES)."""
     max_tokens_limit: int = Field(default=1024, ge=1)
     """Upper bound on ``max_tokens`` a client may ask for."""
     max_n: int = Field(default=8, ge=1)

@@ -30,7 +30,7 @@ from prometheus_client import (
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from flywheel.contracts import FeedbackEvent, Topics
+from flywheel.contracts import MAX_FEEDBACK_BODY_BYTES, FeedbackEvent, Topics
 from flywheel.settings import Settings
 from serving import generate as gen
 from serving.engine import Engine
@@ -157,7 +157,8 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
     @app.post("/v1/feedback")
     async def feedback(request: Request) -> Response:
         key = gate.key(request)
-        body = parse(FeedbackRequest, await read_body(request, settings.serve.max_body_bytes))
+        limit = min(settings.serve.max_body_bytes, MAX_FEEDBACK_BODY_BYTES)
+        body = parse(FeedbackRequest, await read_body(request, limit))
         return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
 
     @app.get("/health")

@@ -277,6 +277,15 @@ def test_oversized_body_is_refused_without_content_length(serve):
     assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
 
 
+def test_feedback_body_is_capped_below_what_ingest_accepts(serve):
+    """A larger serve.max_body_bytes (for long prompts) must not let through feedback that ingest
+    would dead-letter as oversized after the API had answered 202."""
+    s = serve(max_body_bytes=4 << 20)
+    text = "e" * (1 << 20)
+    r = s.post("/v1/feedback", {"feedback_id": "big", "generation_id": "g", "signal": "edit", "edited_text": text})
+    assert r.status_code == 413 and "limit of 1048576 bytes" in r.json()["error"]["message"]
+
+
 def test_broker_stall_loses_no_accepted_feedback(serve, broker):
     s = serve(ack_timeout_s=0.5)
     accepted: list[str] = []

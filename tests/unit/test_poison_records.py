@@ -236,7 +236,7 @@ def test_records_too_large_to_quote_get_a_dead_letter_that_can_be_sent(tmp_path)
     generations = [encode(_generation(f"g{i}")) for i in range(3)]
     feedback = [encode(_feedback(f"f{i}", f"g{i}")) for i in range(3)]
     generations[1] = generations[1].replace(b'"prompt_text":"p"', b'"prompt_text":"' + b"p" * 9_000_000 + b'"')
-    feedback[2] = feedback[2].replace(b'"the answers"', b'"' + b"e" * 1_100_000 + b'"')  # over MAX_FEEDBACK_BYTES
+    feedback[2] = feedback[2].replace(b'"the answers"', b'"' + b"e" * 1_200_000 + b'"')  # over MAX_FEEDBACK_BYTES
     p = Pipeline(tmp_path)
     p.run(generations, feedback)
     reasons = sorted((d.reason, d.source_topic, d.truncated) for d in p.dead)

@@ -312,6 +312,8 @@ def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_repla
     assert (dead.reason, dead.source_offset) == ("labeler_error", 3)
     assert dead.detail == f"labeler 'verifier:{name}': ZeroDivisionError: division by zero"
     assert registry.get_sample_value("reward_deadletters_total", {"reason": "labeler_error"}) == 1.0
+    # the reward histogram by signal (the dashboard's "Reward p50 by signal"): g0 reject, g1-g5 accept
+    assert [registry.get_sample_value("reward_value_reward_count", {"signal": s}) for s in ("accept", "reject")] == [4, 1]
 
     broken.clear()  # fixed; the dead letter is replayed, along with an already-labeled episode
     with store.txn():
