@@ -33,9 +33,14 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flywheel.contracts import MAX_EPISODE_BYTES, DeadLetterEvent, Topics, encode, now
+from flywheel.kafka_headers import tolerate_bad_header_keys
 from flywheel.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
+
+# Every process that reads Kafka imports this module: none of its readers may be stopped by a
+# record whose header key is not UTF-8 (flywheel/kafka_headers.py).
+tolerate_bad_header_keys()
 
 
 class EventSink(Protocol):

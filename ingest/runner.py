@@ -34,6 +34,7 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
+from flywheel.kafka_headers import unreadable_header
 from flywheel.settings import SettingsError
 from ingest.exactly_once import Archive, Outbox, StateStore
 
@@ -56,8 +57,13 @@ def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters,
     """Decode ``rec`` as ``cls`` at the stage's edge, or dead-letter it and return None.
 
     Besides the contract, the record's key must be its ``generation_id``: both stages rely on
-    a generation's records sharing a partition number (see docs/exactly-once.md).
+    a generation's records sharing a partition number (see docs/exactly-once.md). A header key
+    that is not UTF-8 breaks the Kafka protocol: its producer is broken, so the record is
+    ``undecodable`` even when its value is fine.
     """
+    if rec.headers and (bad := unreadable_header(rec.headers)) is not None:
+        dead.send_record(rec, "undecodable", f"header key {bad.raw!r} is not UTF-8")
+        return None
     try:
         event = decode(cls, rec.value, max_bytes=max_bytes)
     except ContractError as exc:

@@ -77,6 +77,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return init_model(tmp_path_factory.mktemp("model"), ModelSpec())
 
 
+def small_generation(gid: str, t: float):
+    """A two-token generation by user ``u1``, created and completed at ``t``."""
+    from flywheel.contracts import GenerationEvent, SamplingParams
+
+    return GenerationEvent(
+        generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id="u1", endpoint="chat",
+        created_at=t, completed_at=t, latency_ms=5, prompt_text="p", prompt_token_ids=(1, 2),
+        completion_text="c", completion_token_ids=(3, 4), logprobs=(-0.1, -0.2),
+        sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), finish_reason="stop")
+
+
+def accept_feedback(fid: str, gid: str, t: float):
+    """An ``accept`` of generation ``gid`` given at ``t``."""
+    from flywheel.contracts import FeedbackEvent
+
+    return FeedbackEvent(feedback_id=fid, generation_id=gid, signal="accept", decision_ms=800.0,
+                         created_at=t, received_at=t)
+
+
 def read_all(bootstrap: str, topic: str, *, expect: int | None = None, timeout_s: float = 20.0):
     """Every record on ``topic`` (from the start), waiting until ``expect`` arrived or timeout."""
     import time

@@ -14,16 +14,15 @@ import time
 from contextlib import closing
 
 import pytest
+from conftest import accept_feedback as feedback
 from conftest import read_all, running, stage_settings
+from conftest import small_generation as generation
 
 from flywheel.bus import make_producer
 from flywheel.cli import build_parser
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
-    FeedbackEvent,
-    GenerationEvent,
-    SamplingParams,
     decode,
     encode,
 )
@@ -32,19 +31,6 @@ from flywheel.deadletters import run as deadletters
 
 pytestmark = pytest.mark.integration
 WINDOW_S = 2.0
-
-
-def generation(gid: str, t: float) -> GenerationEvent:
-    return GenerationEvent(
-        generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id="u1", endpoint="chat",
-        created_at=t, completed_at=t, latency_ms=5, prompt_text="p", prompt_token_ids=(1, 2),
-        completion_text="c", completion_token_ids=(3, 4), logprobs=(-0.1, -0.2),
-        sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), finish_reason="stop")
-
-
-def feedback(fid: str, gid: str, t: float) -> FeedbackEvent:
-    return FeedbackEvent(feedback_id=fid, generation_id=gid, signal="accept", decision_ms=800.0,
-                         created_at=t, received_at=t)
 
 
 def cli(settings, capsys, *argv: str) -> str:
