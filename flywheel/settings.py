@@ -254,6 +254,10 @@ class RewardSettings(_Section):
     """Completions longer than this pay ``length_penalty`` per target-length of excess."""
     length_penalty: float = Field(default=0.1, ge=0)
     """Length penalty slope (guard against reward hacking by verbosity); 0 turns it off."""
+    length_penalty_max: float = Field(default=1.0, gt=0)
+    """Most length penalty one sample pays. Past the span of the signal values (1.0 between the
+    default accept and reject) a runaway completion's penalty would drown its user's verdict, and
+    with it the advantage of every other sample in its batch."""
     repetition_ngram: int = Field(default=3, ge=1)
     """n-gram size for the repetition/degeneration detector."""
     repetition_min_distinct: float = Field(default=0.5, gt=0, le=1)

@@ -15,7 +15,7 @@ shards, when the stage runs as several shard processes):
 Reward hacking (what the model produced), judged per sample:
 
 - ``length_penalty`` component: ``-length_penalty`` per target length of excess tokens, so a
-  policy cannot buy reward with verbosity; flag ``long``.
+  policy cannot buy reward with verbosity, down to ``-length_penalty_max``; flag ``long``.
 - ``repetition``: a completion whose distinct n-gram ratio is below ``repetition_min_distinct``
   is degenerate; it is flagged and pays ``repetition_penalty``.
 
@@ -70,7 +70,7 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
 
 def length_penalty(n_tokens: int, cfg: RewardSettings) -> float:
     excess = max(0, n_tokens - cfg.length_target_tokens)
-    return -cfg.length_penalty * excess / cfg.length_target_tokens
+    return -min(cfg.length_penalty * excess / cfg.length_target_tokens, cfg.length_penalty_max)
 
 
 def distinct_ngram_ratio(tokens: tuple[int, ...], n: int) -> float:

@@ -193,9 +193,18 @@ def test_constant_accept_user_is_flagged_and_down_weighted():
     assert weights[:3] == [1.0, 1.0, 1.0] and all(w == pytest.approx(0.2) for w in weights[3:])
 
 
-@pytest.mark.parametrize("n, penalty", [(10, 0.0), (256, 0.0), (512, -0.1), (384, -0.05)])
+@pytest.mark.parametrize("n, penalty", [
+    (10, 0.0), (256, 0.0), (512, -0.1), (384, -0.05),
+    (256 * 11, -1.0), (256 * 11 + 1, -1.0), (10**7, -1.0),  # capped at length_penalty_max
+])
 def test_length_penalty(n, penalty):
     assert length_penalty(n, CFG) == pytest.approx(penalty)
+
+
+def test_length_penalty_cap_is_a_setting():
+    cfg = RewardSettings(length_penalty_max=0.25)
+    assert [length_penalty(n, cfg) for n in (384, 1024, 10**6)] == pytest.approx([-0.05, -0.25, -0.25])
+    assert length_penalty(10**6, RewardSettings(length_penalty=0)) == 0.0
 
 
 @pytest.mark.parametrize("tokens, ratio", [((1, 2, 3, 4), 1.0), ((7,) * 10, 1 / 8), ((1, 2), 1.0), ((1, 2, 1, 2, 1, 2), 0.5)])
