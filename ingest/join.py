@@ -21,7 +21,9 @@ and transport delay), not on the first feedback: waiting lets late duplicates an
 signals fold into the one episode instead of producing a second, contradictory one. The cost is
 ``window_s`` of latency per episode.
 
-**Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once. Decisive signals
+**Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once; an id already
+waiting on another generation is no duplicate but a collision, dead-lettered as
+``reused_feedback_id`` by the stage. Decisive signals
 (accept, reject, edit) beat an explicit ``ignore``. Among decisive signals the latest by
 ``created_at`` wins (ties: the larger ``feedback_id``, so the result never depends on arrival
 order); an ``edit`` winner carries its text. ``conflicted`` is True when the decisive signals

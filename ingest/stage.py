@@ -61,7 +61,8 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 
 EPISODES_ARCHIVE = "episodes"
 #: Every reason this stage dead-letters a record for (dashboards/runbooks/dead-letters.md).
-DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "clock_skew", "late_feedback", "orphan_feedback")
+DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "clock_skew", "late_feedback", "orphan_feedback",
+                                       "reused_feedback_id")
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -148,8 +149,13 @@ class IngestStage:
             else:
                 self.dead.send_record(rec, "late_feedback", "generation's window already closed")
             return
-        if f.feedback_id in view.fids:
+        owner = view.fids.get(f.feedback_id)
+        if owner == f.generation_id:
             self.m.duplicates.labels("feedback").inc()
+            return
+        if owner is not None:  # not a repeat: another signal under an id already taken
+            self.dead.send_record(rec, "reused_feedback_id",
+                                  f"feedback_id {f.feedback_id!r} already names feedback on generation {owner!r}")
             return
         deadline = view.gens.get(f.generation_id)
         if deadline is not None and is_late(f.created_at, deadline):
@@ -236,7 +242,7 @@ class _BatchView:
     """The join state one batch touches, read in a few queries and written back in a few.
 
     ``gens``/``closed`` map the batch's generation ids to their deadline / folded feedback ids;
-    ``fids`` holds the waiting feedback ids the batch mentions; ``_waiting`` the waiting feedback
+    ``fids`` maps the waiting feedback ids the batch mentions to their generation; ``_waiting`` the waiting feedback
     rows of the batch's generations. Rules see the batch's own inserts and drops, in order.
     """
 
@@ -247,7 +253,7 @@ class _BatchView:
         self.gens: dict[str, float] = dict(_select_in(db, "SELECT gid, deadline FROM gens WHERE gid IN ({})", gids))
         self.closed: dict[str, list[str]] = {
             gid: json.loads(f) for gid, f in _select_in(db, "SELECT gid, fids FROM closed WHERE gid IN ({})", gids)}
-        self.fids: set[str] = {r[0] for r in _select_in(db, "SELECT fid FROM fbs WHERE fid IN ({})", fids)}
+        self.fids: dict[str, str] = dict(_select_in(db, "SELECT fid, gid FROM fbs WHERE fid IN ({})", fids))
         self._waiting: dict[str, dict[str, tuple]] = {}
         for gid, *row in _select_in(
                 db, "SELECT gid, fid, created, raw, topic, part, off, key FROM fbs WHERE gid IN ({})", gen_ids):
@@ -265,12 +271,12 @@ class _BatchView:
 
     def add_feedback(self, row: tuple) -> None:
         fid, gid, created, raw, topic, part, off, key = row[0], row[1], row[3], row[5], row[6], row[7], row[8], row[9]
-        self.fids.add(fid)
+        self.fids[fid] = gid
         self._new_fbs[fid] = row
         self._waiting.setdefault(gid, {})[fid] = (fid, created, raw, topic, part, off, key)
 
     def drop_feedback(self, gid: str, fid: str) -> None:
-        self.fids.discard(fid)
+        self.fids.pop(fid, None)
         self._waiting.get(gid, {}).pop(fid, None)
         if self._new_fbs.pop(fid, None) is None:
             self._dropped.append(fid)

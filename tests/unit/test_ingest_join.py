@@ -175,6 +175,28 @@ def test_a_key_that_is_not_utf8_never_matches_a_generation_id(stage):
     assert "b'g\\xff'" in dead.detail
 
 
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_a_feedback_id_reused_for_another_generation_is_dead_lettered_not_folded(stage, one_batch):
+    """Folded as a repeat, the second signal was lost without a trace: it is not a repeat (its
+    generation differs), and its producer mints ids that collide."""
+    first = fb("f1", "accept", 101)
+    reused = FeedbackEvent(feedback_id="f1", generation_id="h", signal="reject", created_at=101, received_at=101)
+    batches = [[rec(T.feedback, "g", encode(first), 0), rec(T.feedback, "h", encode(reused), 1),
+                rec(T.feedback, "g", encode(first), 2)]]
+    if not one_batch:
+        batches = [[b] for b in batches[0]]
+    for batch in batches:
+        run(stage, batch, now=101)
+    run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.generations, "h", encode(gen("h", 100)), 1)],
+        now=102)
+    run(stage, [], now=112.5)
+    eps, dls = outputs(stage[1])
+    assert sorted((e.generation_id, e.signal, e.feedback_ids) for e in eps) == [
+        ("g", "accept", ("f1",)), ("h", "ignore", ())]
+    assert [(d.reason, d.source_offset) for d in dls] == [("reused_feedback_id", 1)]
+    assert "already names feedback on generation 'g'" in dls[0].detail
+
+
 def test_replayed_orphan_waits_afresh_and_joins_its_generation(stage):
     """The replay story (dashboards/runbooks/dead-letters.md): feedback dead-lettered as an orphan
     and replayed before its generation turns up joins it; feedback whose generation turned up
