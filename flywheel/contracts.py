@@ -154,6 +154,16 @@ class EpisodeEvent(_Event):
     conflicted: bool = False
     resolved_at: EpochSeconds
 
+    @model_validator(mode="after")
+    def _signal_fits_how_it_resolved(self) -> EpisodeEvent:
+        # What ingest's resolution (ingest/join.py) can produce: reward relies on it, e.g. a
+        # timed-out episode is skipped as having no signal, whatever its ``signal`` says.
+        if self.timed_out and (self.signal != "ignore" or self.feedback_ids):
+            raise ValueError("a timed-out episode had no feedback: its signal is 'ignore' and feedback_ids empty")
+        if self.signal == "edit" and self.edited_text is None:
+            raise ValueError("signal 'edit' needs edited_text")
+        return self
+
     @property
     def generation_id(self) -> str:
         return self.generation.generation_id

@@ -7,6 +7,7 @@ import pytest
 from flywheel.contracts import (
     CONTRACT_REASONS,
     ContractError,
+    EpisodeEvent,
     FeedbackEvent,
     GenerationEvent,
     SamplingParams,
@@ -52,6 +53,27 @@ def test_logprobs_must_match_tokens():
 def test_edit_needs_text():
     with pytest.raises(ValueError, match="edited_text"):
         FeedbackEvent(feedback_id="f", generation_id="g", signal="edit", created_at=1, received_at=1)
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"signal": "ignore", "timed_out": True}, None),
+    ({"signal": "ignore", "feedback_ids": ("f",)}, None),  # an explicit ignore
+    ({"signal": "accept", "feedback_ids": ("f",)}, None),
+    ({"signal": "edit", "edited_text": "x", "feedback_ids": ("f",)}, None),
+    ({"signal": "accept", "timed_out": True}, "timed-out episode"),
+    ({"signal": "ignore", "timed_out": True, "feedback_ids": ("f",)}, "timed-out episode"),
+    ({"signal": "edit", "feedback_ids": ("f",)}, "edited_text"),
+])
+def test_an_episode_signal_must_fit_how_it_resolved(fields, error):
+    """Episodes ingest cannot produce are invalid at reward's edge: a timed-out ``accept`` was
+    skipped there as having no signal, an ``edit`` without text labeled as no edit at all."""
+    raw = encode(EpisodeEvent.model_construct(generation=_generation(), resolved_at=3.0, **fields))
+    if error is None:
+        assert decode(EpisodeEvent, raw).signal == fields["signal"]
+    else:
+        with pytest.raises(ContractError, match=error) as exc:
+            decode(EpisodeEvent, raw)
+        assert exc.value.reason == "invalid"
 
 
 _DECODE_CASES = [
