@@ -35,9 +35,16 @@ class Sample:
 
 #: Every reason :func:`reject_reason` gives.
 REJECT_REASONS: tuple[str, ...] = ("length_mismatch", "empty_completion", "unknown_version", "nan_reward",
-                                   "bad_logprob", "too_long", "token_out_of_range")
-#: Every reason the trainer dead-letters a reward record for: its contract, then the checks above.
-DEADLETTER_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, *REJECT_REASONS)
+                                   "reward_out_of_range", "bad_logprob", "too_long", "token_out_of_range")
+#: The trainer computes in float32, where a reward of 1e308 is infinite and so is every
+#: advantage normalised with it: no labeler means a reward this large.
+MAX_ABS_REWARD = 1e6
+#: Lowest behaviour logprob trained on. float32 holds nothing below about -3.4e38, and a sampler's
+#: logprob of the token it drew is far above this (float32 probabilities end near e^-104).
+MIN_LOGPROB = -1e4
+#: Every reason the trainer dead-letters a reward record for: its contract, the checks above, and
+#: a batch whose loss was not finite (trainer/loop.py; no step is taken on it).
+DEADLETTER_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, *REJECT_REASONS, "nonfinite_loss")
 
 
 def reject_reason(ev: RewardEvent, *, trainer_version: int, max_seq_len: int, vocab_size: int) -> tuple[str, str] | None:
@@ -50,8 +57,10 @@ def reject_reason(ev: RewardEvent, *, trainer_version: int, max_seq_len: int, vo
         return "unknown_version", f"model_version {ev.model_version} is newer than the trainer's {trainer_version}"
     if not math.isfinite(ev.reward):
         return "nan_reward", f"reward {ev.reward!r} is not finite"
-    if not all(math.isfinite(x) and x <= 1e-6 for x in ev.logprobs):
-        return "bad_logprob", "logprobs must be finite and <= 0"
+    if abs(ev.reward) > MAX_ABS_REWARD:
+        return "reward_out_of_range", f"reward {ev.reward!r} is beyond +-{MAX_ABS_REWARD:g}"
+    if not all(MIN_LOGPROB <= x <= 1e-6 for x in ev.logprobs):  # NaN fails both comparisons
+        return "bad_logprob", f"logprobs must be finite and within [{MIN_LOGPROB:g}, 0]"
     n = len(ev.prompt_token_ids) + len(ev.completion_token_ids)
     if n > max_seq_len:
         return "too_long", f"{n} tokens > max_seq_len {max_seq_len}"

@@ -56,6 +56,19 @@ def broadcast(obj: object, rank: int, world: int) -> object:
     return box[0]
 
 
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any (just ``flag`` in a world of one)."""
+    import torch
+    import torch.distributed as tdist
+
+    if not tdist.is_available() or not tdist.is_initialized() or tdist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else None
+    box = torch.tensor([float(flag)], device=device)
+    tdist.all_reduce(box, op=tdist.ReduceOp.MAX)
+    return bool(box.item())
+
+
 def barrier(world: int) -> None:
     if world > 1:
         import torch.distributed as tdist

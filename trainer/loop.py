@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -224,6 +225,10 @@ class Trainer:
         shard, real = self._shard(events)
         scale = None if real else (lambda inp, cfg: (inp.logp.sum() * 0.0, {}))
         stats = self.policy.forward_backward(shard, loss_fn=scale)
+        if stats.get("nonfinite"):  # no backward ran on any rank: no step either
+            if self.rank == 0:
+                self._reject_batch(events, pos)
+            return
         self.policy.step()
         self.step += 1
         if self.rank != 0:
@@ -237,6 +242,20 @@ class Trainer:
         for e, p in zip(events, pos):
             self.ledger.trained.append(e.generation_id)
             self.book.settle(*p)
+
+    def _reject_batch(self, events: list[RewardEvent], pos: list[tuple[str, int, int]]) -> None:
+        """Dead-letter a batch whose loss was not finite: none of its records is trained on, and
+        each can be replayed once the cause (see the trainer runbook) is found."""
+        log.error("loss of a batch of %d samples is not finite; no step taken, its records are dead letters",
+                  len(events))
+        for ev, (topic, part, offset) in zip(events, pos):
+            if self.deadletters is not None:
+                self.deadletters.send("nonfinite_loss", "the loss of this record's batch was not finite",
+                                      source_topic=topic, value=encode(ev), key=ev.generation_id.encode(),
+                                      partition=part, offset=offset)
+            self.m.dropped.labels("nonfinite_loss").inc()
+            self.book.settle(topic, part, offset)
+            self.ledger.drop("nonfinite_loss", ev.generation_id)
 
     # ------------------------------------------------------------ publish
     def publish(self) -> None:
@@ -265,7 +284,8 @@ class Trainer:
             "step": self.step,
             "samples": len(self.ledger.trained),
             "samples_total": self.samples,
-            "metrics": {k: float(v) for k, v in self.last_stats.items()},
+            # JSON has no NaN: one would be written as null and break the checkpoint's contract
+            "metrics": {k: float(v) for k, v in self.last_stats.items() if math.isfinite(v)},
             "offsets": self.book.to_json(),
         }
         sha, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra, ledger=self.ledger.to_json())

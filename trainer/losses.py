@@ -32,6 +32,16 @@ from dataclasses import dataclass
 import torch
 
 EPS = 1e-6
+#: Log-ratios are clamped here before exp(). e^20 (5e8) is far past every clip and cap, so no
+#: objective's value changes; but a ratio that overflows float32 (a behaviour logprob of -100 on
+#: a token the trainer finds likely) is infinite, its gradient 0 x inf = NaN, and one such token
+#: made every weight NaN for good.
+LOG_RATIO_MAX = 20.0
+
+
+def ratio_of(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio), finite: see :data:`LOG_RATIO_MAX`."""
+    return log_ratio.clamp(max=LOG_RATIO_MAX).exp()
 
 
 @dataclass(frozen=True)
@@ -108,7 +118,7 @@ def _weighted(adv: torch.Tensor, inp: LossInputs) -> torch.Tensor:
 
 
 def _ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> Stats:
-    ratio = log_ratio.detach().exp()
+    ratio = ratio_of(log_ratio.detach())
     m = mask.bool()
     r = ratio[m] if m.any() else torch.ones(1)
     return {
@@ -123,7 +133,7 @@ def _ratio_stats(log_ratio: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -
 def _reinforce_like(inp: LossInputs, cfg: LossConfig, adv: torch.Tensor) -> tuple[torch.Tensor, Stats]:
     """-w * A * logp with w = min(ratio, cap), detached: the truncated-IS policy gradient."""
     log_ratio = inp.logp - inp.old_logp
-    w = log_ratio.detach().exp().clamp(max=cfg.tis_cap)
+    w = ratio_of(log_ratio.detach()).clamp(max=cfg.tis_cap)
     pg = -(w * adv[:, None] * inp.logp)
     stats = _ratio_stats(log_ratio, inp.mask, cfg)
     stats["clip_frac"] = stats["tis_frac"]
@@ -148,7 +158,7 @@ def reinforce(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, Stats]:
 
 def _ppo_family(inp: LossInputs, cfg: LossConfig, adv: torch.Tensor, hi: float, per_token: bool) -> tuple[torch.Tensor, Stats]:
     log_ratio = inp.logp - inp.old_logp
-    obj, was_clipped = _clipped(log_ratio.exp(), adv[:, None], cfg.clip_low, hi, cfg.tis_cap)
+    obj, was_clipped = _clipped(ratio_of(log_ratio), adv[:, None], cfg.clip_low, hi, cfg.tis_cap)
     loss = -(token_mean(obj, inp.mask) if per_token else seq_mean(obj, inp.mask).mean())
     stats = _ratio_stats(log_ratio, inp.mask, cfg)
     stats["clip_frac"] = float(token_mean(was_clipped.float(), inp.mask))
@@ -177,7 +187,7 @@ def gspo(inp: LossInputs, cfg: LossConfig) -> tuple[torch.Tensor, Stats]:
     """Sequence-level ratio exp(mean_t log ratio): one clip decision per completion."""
     adv = _weighted(group_advantages(inp.rewards, inp.group_ids), inp)
     log_ratio = inp.logp - inp.old_logp
-    seq_ratio = seq_mean(log_ratio, inp.mask).exp()
+    seq_ratio = ratio_of(seq_mean(log_ratio, inp.mask))
     obj, was_clipped = _clipped(seq_ratio, adv, cfg.clip_low, cfg.clip_high, cfg.tis_cap)
     stats = _ratio_stats(log_ratio, inp.mask, cfg)
     stats["clip_frac"] = float(was_clipped.float().mean())

@@ -26,9 +26,13 @@ from typing import Any
 import torch
 
 from flywheel.contracts import RewardEvent
+from trainer.dist import any_rank
 from trainer.losses import LossConfig, LossFn, LossInputs, total_loss
 
 log = logging.getLogger(__name__)
+
+#: Below this temperature a sampler picks the most likely token (vLLM's own threshold).
+GREEDY_TEMPERATURE = 1e-5
 
 
 def default_ds_config(batch_size: int, world_size: int) -> dict[str, Any]:
@@ -72,7 +76,9 @@ def collate(events: Sequence[RewardEvent], pad_id: int) -> Batch:
         att[i, : p + c] = 1
         mask[i, p - 1 : p - 1 + c] = 1.0  # logits at position p-1 predict the first completion token
         old[i, p - 1 : p - 1 + c] = torch.tensor(e.logprobs, dtype=torch.float32)
-    temps = torch.tensor([e.sampling.temperature if e.sampling.temperature > 0 else 1.0 for e in events])
+    # Greedy samples (vLLM samples greedily below GREEDY_TEMPERATURE) are scored at temperature 1:
+    # dividing the logits by 1e-300, which is 0 in float32, made every weight NaN.
+    temps = torch.tensor([t if (t := e.sampling.temperature) >= GREEDY_TEMPERATURE else 1.0 for e in events])
     return Batch(
         input_ids=ids,
         attention_mask=att,
@@ -138,7 +144,13 @@ class Policy:
 
     # ------------------------------------------------------------ primitives
     def forward_backward(self, events: Sequence[RewardEvent], loss_fn: LossFn | None = None) -> dict[str, float]:
-        """One forward and backward pass; gradients accumulate until :meth:`step`."""
+        """One forward and backward pass; gradients accumulate until :meth:`step`.
+
+        A loss that is not finite on any rank is not backpropagated on any (DeepSpeed's
+        collectives stay in step): the stats then hold only ``nonfinite`` = 1, and the caller
+        must not :meth:`step` on that batch. One NaN gradient would make every weight NaN, in
+        this version and every later one.
+        """
         self.engine.train()
         b = collate(events, self.pad_id)
         logp, entropy = token_logprobs(self.engine, b, with_entropy=True)
@@ -151,6 +163,8 @@ class Policy:
             weights=b.weights, entropy=entropy, ref_logp=ref,
         )
         loss, stats = total_loss(inputs, self.loss_cfg, loss_fn)
+        if any_rank(not bool(torch.isfinite(loss.detach()))):
+            return {"nonfinite": 1.0}
         self.engine.backward(loss)
         stats["tokens"] = float(b.mask.sum())
         stats["reward_mean"] = float(b.rewards.mean())

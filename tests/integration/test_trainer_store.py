@@ -15,30 +15,15 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import reward_event
+from trainer_helpers import make_trainer, reward_event
 
 from flywheel import manifest
 from flywheel.manifest import ManifestError
 from flywheel.metrics import new_registry
-from flywheel.settings import Settings, TrainerSettings
 
 pytestmark = pytest.mark.integration
 
 
-def make_trainer(model_dir: Path, data_dir: Path, **cfg):
-    from trainer import dist
-    from trainer.loop import Trainer
-    from trainer.losses import LossConfig
-    from trainer.main import ds_config, store_for
-    from trainer.metrics import TrainerMetrics
-    from trainer.policy import Policy
-
-    dist.init()
-    settings = Settings(model_dir=model_dir, data_dir=data_dir, trainer=TrainerSettings(**cfg))
-    t = settings.trainer
-    loss = LossConfig(t.loss, t.clip_low, t.clip_high, t.tis_cap, t.entropy_coef, t.kl_coef)
-    policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr)
-    return Trainer(settings, policy, store_for(settings), TrainerMetrics(new_registry()))
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 from flywheel.contracts import RewardEvent, SamplingParams
+from flywheel.metrics import new_registry
+from flywheel.settings import Settings, TrainerSettings
 
 
 def reward_event(i: int, *, group: str | None = None, reward: float | None = None, version: int = 0,
@@ -50,3 +52,22 @@ def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **
 
 
 PYTHON = sys.executable
+
+
+def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None, **cfg):
+    """A :class:`trainer.loop.Trainer` in this process on the CPU, no broker: its steps and
+    publishes are driven directly. ``cfg``: trainer settings; ``trainer_kw``: extra Trainer
+    arguments (``deadletters``, ``sink``)."""
+    from trainer import dist
+    from trainer.loop import Trainer
+    from trainer.losses import LossConfig
+    from trainer.main import ds_config, store_for
+    from trainer.metrics import TrainerMetrics
+    from trainer.policy import Policy
+
+    dist.init()
+    settings = Settings(model_dir=model_dir, data_dir=data_dir, trainer=TrainerSettings(**cfg))
+    t = settings.trainer
+    loss = LossConfig(t.loss, t.clip_low, t.clip_high, t.tis_cap, t.entropy_coef, t.kl_coef)
+    policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr)
+    return Trainer(settings, policy, store_for(settings), TrainerMetrics(new_registry()), **(trainer_kw or {}))

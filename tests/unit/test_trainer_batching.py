@@ -27,6 +27,12 @@ _REJECT_CASES = [
     (ev(completion=(5, 9999), logprobs=(-1.0, -1.0)), "token_out_of_range"),
     (ev(completion=(5, 6), logprobs=(-1.0, float("nan"))), "bad_logprob"),
     (ev(completion=(5, 6), logprobs=(-1.0, 0.5)), "bad_logprob"),
+    (ev(completion=(5, 6), logprobs=(-1.0, -1e308)), "bad_logprob"),  # -inf in float32
+    (ev(completion=(5, 6), logprobs=(-1.0, -1e4 - 1)), "bad_logprob"),
+    (ev(completion=(5, 6), logprobs=(-1e4, -100.0)), None),  # unlikely, and trainable
+    (ev(reward=1e308), "reward_out_of_range"),  # inf in float32
+    (ev(reward=-2e6), "reward_out_of_range"),
+    (ev(reward=-1e6), None),
     (ev(completion=(), logprobs=()), "empty_completion"),
 ]
 

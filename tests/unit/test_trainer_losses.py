@@ -120,3 +120,22 @@ def test_kl_penalty_pulls_towards_reference():
 
 def test_token_mean_ignores_padding():
     assert float(token_mean(torch.tensor([[1.0, 100.0]]), torch.tensor([[1.0, 0.0]]))) == 1.0
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+@pytest.mark.parametrize("old", [-100.0, -1e4])
+def test_a_huge_ratio_gives_the_clipped_loss_and_finite_gradients(name, old):
+    """exp(-0.5 - old) overflows float32: unclamped, the loss's gradient was NaN (0 x inf) and one
+    such token made every weight NaN. The value is what a clip at any ratio past the cap gives."""
+    def loss_and_grad(old_logp):
+        inp = inputs([[-0.5, -1.0], [-1.0, -1.0]], [[old_logp, -1.0], [-1.0, -1.0]], [0.0, 1.0], groups=["a", "a"])
+        loss, stats = LOSSES[name](inp, LossConfig(name=name))
+        loss.backward()
+        return loss, inp.logp.grad, stats
+
+    loss, grad, stats = loss_and_grad(old)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in stats.values())
+    moderate, moderate_grad, _ = loss_and_grad(-10.0)  # a ratio of e^9.5: past every clip already
+    assert float(loss.detach()) == pytest.approx(float(moderate.detach()), rel=1e-5)
+    assert torch.allclose(grad, moderate_grad)
