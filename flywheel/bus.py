@@ -314,6 +314,8 @@ def topics_for(prefix: str) -> Topics:
 DEADLETTER_QUOTE_BYTES = MAX_EPISODE_BYTES
 #: How much of the key and of the value a dead letter keeps of a record larger than that.
 DEADLETTER_PREFIX_BYTES = 64 * 1024
+#: Largest dead letter: a quoted record in base64 (4/3 of its size) with the letter's own fields.
+MAX_DEADLETTER_BYTES = DEADLETTER_QUOTE_BYTES * 4 // 3 + 64 * 1024
 
 
 class DeadLetters:

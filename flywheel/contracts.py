@@ -11,12 +11,14 @@ Direction of each record is noted beside its class.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 from dataclasses import dataclass
 from typing import Annotated, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
 
 #: Largest record any consumer accepts before dead-lettering it as ``oversized`` (but see below).
@@ -235,8 +237,8 @@ class DeadLetterEvent(_Event):
     reason: str
     detail: str = ""
     source_topic: str
-    source_partition: int | None = None
-    source_offset: int | None = None
+    source_partition: Int64 | None = None
+    source_offset: Int64 | None = None
     #: Original key and value, base64 so arbitrary bytes survive JSON.
     key_b64: str | None = None
     value_b64: str = ""
@@ -245,6 +247,18 @@ class DeadLetterEvent(_Event):
     #: topic at ``source_partition``/``source_offset`` until the topic's retention removes it.
     truncated: bool = False
     failed_at: EpochSeconds
+
+    @field_validator("key_b64", "value_b64")
+    @classmethod
+    def _is_base64(cls, text: str | None) -> str | None:
+        # checked on arrival: `flywheel deadletters show/replay` decode it later, and a letter
+        # written by some other tool must be unreadable there, not a crash
+        if text is not None:
+            try:
+                base64.b64decode(text, validate=True)
+            except (binascii.Error, ValueError):
+                raise ValueError("not base64") from None
+        return text
 
 
 Event = Annotated[

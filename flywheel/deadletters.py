@@ -39,12 +39,12 @@ import base64
 import re
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from flywheel.bus import make_producer, partitions_of, read_to_end
+from flywheel.bus import MAX_DEADLETTER_BYTES, make_producer, partitions_of, read_to_end
 from flywheel.contracts import ContractError, DeadLetterEvent, Topics, decode
 from flywheel.settings import KafkaSettings, Settings
 
@@ -161,9 +161,11 @@ class ReplayResult:
         return "\n".join(lines)
 
 
-def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list[Letter], list[tuple[Letter, str]], int]:
+def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: Mapping[str, int] | None = None,
+                ) -> tuple[list[Letter], list[tuple[Letter, str]], int]:
     """Split the letters into those to replay, those refused (with the reason) and a count of
-    repeats (pure).
+    repeats (pure). ``partitions``: each input topic's partition count, where known; a letter
+    naming a partition its topic does not have is refused.
 
     A record that failed again after an earlier replay is in the topic twice, with the same
     source, key and value: it is sent once. Otherwise every replay of a record that still fails
@@ -180,6 +182,10 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list
             refused.append((letter, f"{dl.source_topic} is not a stage input of this deployment"))
         elif not dl.value_b64:
             refused.append((letter, "no original value to replay"))
+        elif (partitions and dl.source_partition is not None
+              and dl.source_partition >= partitions.get(dl.source_topic, dl.source_partition + 1)):
+            have = partitions[dl.source_topic]
+            refused.append((letter, f"{dl.source_topic} has no partition {dl.source_partition} (it has {have})"))
         elif dl.truncated:
             where = f"{dl.source_topic}[{dl.source_partition}]@{dl.source_offset}"
             refused.append((letter, f"only the start of the record is quoted; the whole record is at {where}"))
@@ -194,7 +200,13 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str]) -> tuple[list
 def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool) -> ReplayResult:
     """Send the letters' original records back to their source topics (see the module doc)."""
     inputs = frozenset({topics.generations, topics.feedback, topics.episodes, topics.rewards})
-    go, refused, repeats = plan_replay(letters, inputs)
+    probe = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-deadletters")
+    try:
+        wanted = sorted({x.event.source_topic for x in letters} & inputs)
+        partitions = {t: len(partitions_of(probe, t)) for t in wanted}
+    finally:
+        probe.close()
+    go, refused, repeats = plan_replay(letters, inputs, partitions)
     result = ReplayResult(refused=refused, repeats=repeats)
     result.sent.update((x.event.source_topic, x.event.reason) for x in go)
     if dry_run:
@@ -243,7 +255,8 @@ def read_letters(cfg: KafkaSettings, topic: str, timeout_s: float = 60.0) -> tup
                                client_id=f"{cfg.client_id}-deadletters", timeout_s=timeout_s,
                                max_fetch_bytes=cfg.max_request_bytes):
         try:
-            letters.append(Letter(tp.partition, rec.offset, decode(DeadLetterEvent, rec.value)))
+            letters.append(Letter(tp.partition, rec.offset,
+                                  decode(DeadLetterEvent, rec.value, max_bytes=MAX_DEADLETTER_BYTES)))
         except ContractError:
             bad += 1
     letters.sort(key=lambda x: (x.event.failed_at, x.partition, x.offset))

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 
 import pytest
 
 from flywheel.cli import build_parser
-from flywheel.contracts import DeadLetterEvent, Topics
+from flywheel.contracts import (
+    MAX_RECORD_BYTES,
+    ContractError,
+    DeadLetterEvent,
+    Topics,
+    decode,
+    encode,
+)
 from flywheel.deadletters import (
     Letter,
     Selection,
@@ -116,3 +124,31 @@ def test_replay_sends_feedback_first_in_its_own_wave(topics, waves):
     window has passed closes at once): feedback is sent, and acked, before anything else."""
     letters = [Letter(0, i, dl(topic=t)) for i, t in enumerate(topics, start=1)]
     assert [[x.offset for x in wave] for wave in replay_waves(letters, T.feedback)] == waves
+
+
+def test_plan_replay_refuses_a_partition_its_topic_does_not_have():
+    letters = [Letter(0, 1, dl()), Letter(0, 2, dl().model_copy(update={"source_partition": 5}))]
+    go, refused, _ = plan_replay(letters, frozenset({"p.feedback"}), {"p.feedback": 2})
+    assert [x.offset for x in go] == [1]
+    assert [(x.offset, why) for x, why in refused] == [(2, "p.feedback has no partition 5 (it has 2)")]
+
+
+@pytest.mark.parametrize("change", [
+    {"value_b64": "abc"}, {"value_b64": "\u00e9\u00e9\u00e9\u00e9"}, {"key_b64": "a"},
+    {"source_partition": -5}, {"source_offset": -1},
+])
+def test_a_letter_the_cli_could_not_use_is_unreadable_not_a_crash(change):
+    """Written by some other tool, such a letter made `show` and `replay` exit with a traceback."""
+    raw = dl().model_dump(mode="json") | change
+    with pytest.raises(ContractError) as exc:
+        decode(DeadLetterEvent, json.dumps(raw).encode())
+    assert exc.value.reason == "invalid"
+
+
+def test_the_largest_letter_a_stage_writes_is_readable():
+    from flywheel.bus import DEADLETTER_QUOTE_BYTES, MAX_DEADLETTER_BYTES
+
+    big = dl(value=b"x" * (DEADLETTER_QUOTE_BYTES - 100), key=b"k" * 50)
+    raw = encode(big)
+    assert MAX_RECORD_BYTES < len(raw) <= MAX_DEADLETTER_BYTES
+    assert decode(DeadLetterEvent, raw, max_bytes=MAX_DEADLETTER_BYTES) == big
