@@ -12,9 +12,10 @@ kafka-python: a record whose header key is not UTF-8 is read with that key as an
 bytes. Readers that only look for their own headers go on; the stages' edge dead-letters such a
 record as ``undecodable`` (ingest/runner.py), because its producer is broken.
 
-The hook wraps a private method of kafka-python's record reader. tests/unit/test_poison_records.py
-reads such a record through a real broker, so a kafka-python release that moves the method fails
-that test rather than production.
+The hook wraps a private method of kafka-python's record reader. tests/unit/test_kafka_headers.py
+reads such records from batches built by kafka-python itself, and
+tests/integration/test_unreadable_headers.py through a real broker, so a kafka-python release
+that moves the method fails those tests rather than production.
 """
 
 from __future__ import annotations

@@ -245,7 +245,7 @@ class Trainer:
 
     def _reject_batch(self, events: list[RewardEvent], pos: list[tuple[str, int, int]]) -> None:
         """Dead-letter a batch whose loss was not finite: none of its records is trained on, and
-        each can be replayed once the cause (see the trainer runbook) is found."""
+        each can be replayed once the cause is found (docs/trainer.md, "What is dropped, and why")."""
         log.error("loss of a batch of %d samples is not finite; no step taken, its records are dead letters",
                   len(events))
         for ev, (topic, part, offset) in zip(events, pos):
