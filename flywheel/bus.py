@@ -77,7 +77,8 @@ class OutputProducer(Protocol):
     """Sends records to explicit partitions and reports each one's ack (the outbox's producer)."""
 
     def partitions(self, topic: str) -> int | None:
-        """Partition count of ``topic`` from the cluster metadata; None while it is unknown."""
+        """Partition count of ``topic`` from the cluster metadata; None while it is unknown
+        (the broker not answering included: the outbox retries on its next turn)."""
 
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
              headers: list[tuple[str, bytes]]) -> None:
@@ -87,7 +88,8 @@ class OutputProducer(Protocol):
         """Reports that arrived since the last call, without waiting for more."""
 
     def flush(self, timeout_s: float) -> None:
-        """Wait until every queued record is acked or failed; raise if ``timeout_s`` passes first."""
+        """Wait until every queued record is acked or failed; raise ``TimeoutError`` if
+        ``timeout_s`` passes first."""
 
     def close(self) -> None: ...
 
@@ -104,7 +106,11 @@ class KafkaPythonOutput:
         self._done: deque[Delivery] = deque()
 
     def partitions(self, topic: str) -> int | None:
-        parts = self.producer.partitions_for(topic)
+        try:
+            parts = self.producer.partitions_for(topic)  # waits up to max_block_ms for metadata
+        except KafkaError as exc:
+            log.debug("no metadata for %s: %s", topic, exc)
+            return None
         return len(parts) if parts else None
 
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
@@ -126,7 +132,10 @@ class KafkaPythonOutput:
         return done
 
     def flush(self, timeout_s: float) -> None:
-        self.producer.flush(timeout=timeout_s)
+        try:
+            self.producer.flush(timeout=timeout_s)
+        except KafkaError as exc:  # KafkaTimeoutError: the same condition as librdkafka's below
+            raise TimeoutError(f"records still unacknowledged after {timeout_s}s ({exc})") from exc
 
     def close(self) -> None:
         self.producer.close()
@@ -155,7 +164,13 @@ class ConfluentOutput:
         self._done: list[Delivery] = []
 
     def partitions(self, topic: str) -> int | None:
-        meta = self.producer.list_topics(topic, timeout=5.0).topics.get(topic)
+        from confluent_kafka import KafkaException
+
+        try:
+            meta = self.producer.list_topics(topic, timeout=5.0).topics.get(topic)
+        except KafkaException as exc:  # the broker did not answer in time
+            log.debug("no metadata for %s: %s", topic, exc)
+            return None
         if meta is None or meta.error is not None or not meta.partitions:
             return None
         return len(meta.partitions)
@@ -201,7 +216,9 @@ def make_output_producer(cfg: KafkaSettings, role: str) -> OutputProducer:
     """The producer for exactly-once stage outputs, by ``cfg.producer_client``."""
     if cfg.producer_client == "confluent":
         return ConfluentOutput(cfg, role)
-    return KafkaPythonOutput(make_producer(cfg, role))
+    # bounded like librdkafka's metadata wait above, so a broker that does not answer holds the
+    # stage's loop for seconds per turn, not a minute (kafka-python's default max_block_ms)
+    return KafkaPythonOutput(make_producer(cfg, role, max_block_ms=5000))
 
 
 def make_consumer(

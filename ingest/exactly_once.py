@@ -366,6 +366,11 @@ def out_partition(key: str | None, outbox_id: str, partitions: int) -> int:
     return (murmur2(data) & 0x7FFFFFFF) % partitions
 
 
+class OutputUnavailable(RuntimeError):
+    """An output topic's partition count is unknown: the broker does not answer (or the topic is
+    gone). Rows for it stay in the outbox until a later turn finds it."""
+
+
 class Outbox:
     """Delivers outbox rows to Kafka and the archive queue to the archives; settles both after a crash.
 
@@ -402,16 +407,28 @@ class Outbox:
         # have landed, and the recovery scan starts at the confirmed point. Advancing it past the
         # failed row (on a later row's ack) would hide that row from the scan and resend it.
         self._frozen: set[tuple[str, int]] = set()
+        #: Why the last delivery stopped short of the pending rows (None while nothing holds them).
+        self.blocked: str | None = None
+        self._progress = time.monotonic()  # the last ack or report, or when sending began after idle
 
     def partitions(self, topic: str) -> int:
+        """``topic``'s partition count (cached: it may only grow, and the outbox keys by it)."""
         if topic not in self._parts:
-            deadline = time.monotonic() + 30
-            while not (parts := self.producer.partitions(topic)):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no partitions for topic {topic}")
-                time.sleep(0.1)
+            parts = self.producer.partitions(topic)
+            if not parts:
+                raise OutputUnavailable(f"no partition metadata for {topic}: the broker does not answer")
             self._parts[topic] = parts
         return self._parts[topic]
+
+    def stuck_s(self) -> float:
+        """Seconds owed outputs have waited without any ack or report (0 with none owed).
+
+        Rows in flight are acked continuously while the broker is healthy; a stalled or
+        unreachable broker leaves them waiting, or holds the pending rows back, and this grows.
+        """
+        if not self._in_flight and self.blocked is None:
+            return 0.0
+        return time.monotonic() - self._progress
 
     @property
     def in_flight(self) -> int:
@@ -432,16 +449,39 @@ class Outbox:
         # rows are appended in seq order, so new work is above the highest seq in flight
         after = max(self._in_flight) if self._in_flight else -1
         rows = self.store.pending(shards, limit=max(0, self.max_in_flight - len(self._in_flight)), after=after)
+        blocked = None
         if rows:
+            if not self._in_flight and self.blocked is None:
+                self._progress = time.monotonic()  # owed from now on
             send, epoch, header = self.producer.send, self.store.epoch, OUTBOX_HEADER
             for row in rows:
                 oid = f"{epoch}:{row.seq}"  # StateStore.outbox_id, inlined: once per output record
-                part = out_partition(row.key, oid, self.partitions(row.topic))
-                self._in_flight[row.seq] = row.shard
+                try:
+                    n = self.partitions(row.topic)
+                except OutputUnavailable as exc:
+                    # stop here, in seq order: this row and the ones after it go on a later turn
+                    blocked = str(exc)
+                    break
+                part = out_partition(row.key, oid, n)
                 send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])
+                self._in_flight[row.seq] = row.shard  # after: a send that raised is still pending
+        self._set_blocked(blocked)
         if wait or len(self._in_flight) >= self.max_in_flight:
-            self.producer.flush(self.flush_timeout_s)
+            try:
+                self.producer.flush(self.flush_timeout_s)
+            except TimeoutError:
+                if wait:
+                    raise
+                # the broker is slow to ack: keep the loop turning, the acks are reaped later
+                log.debug("%d sends still unacknowledged after %ss", len(self._in_flight), self.flush_timeout_s)
         return self._reap()
+
+    def _set_blocked(self, reason: str | None) -> None:
+        if reason is not None and self.blocked is None:
+            log.warning("outputs held in the outbox: %s; retrying every loop turn", reason)
+        elif reason is None and self.blocked is not None:
+            log.info("outputs flowing again")
+        self.blocked = reason
 
     def flush(self) -> int:
         """Wait for every send in flight and settle it (before shards move, and at shutdown)."""
@@ -452,7 +492,10 @@ class Outbox:
         done: list[int] = []
         marks: dict[tuple[int, str, int], int] = {}
         failed: list[int] = []
-        for seq, topic, part, offset, error in self.producer.reports():
+        reports = self.producer.reports()
+        if reports:
+            self._progress = time.monotonic()
+        for seq, topic, part, offset, error in reports:
             shard = self._in_flight.pop(seq, None)
             if shard is None:
                 continue  # not ours any more (cannot happen while one Outbox owns the producer)

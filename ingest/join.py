@@ -10,8 +10,15 @@ never silently dropped). Feedback that arrives before its generation waits ``orp
 it arrived (or after its ``created_at``, if that is later); if the generation has not come by then
 it is ``orphan_feedback``. The wait runs from arrival so that a replayed orphan waits afresh for a
 generation that is still to come: counted from ``created_at``, it would be an orphan again at once.
-A generation that arrives after its own window has passed still folds the feedback waiting for it
-(created within the window), and closes at once.
+
+**Closing** (:func:`closes_at`). A window closes ``grace_s`` after its deadline, and never sooner
+than ``window_s`` after its generation reached the stage. The second bound is for generations
+that arrive late: after a broker outage, serving replays its journal, and a generation and its
+feedback (often recorded by different replicas) reach the stage minutes late and seconds or
+minutes apart. Closed at once, such a generation turned the in-time feedback behind it into
+``late_feedback``. The wait is measured on the stage's clock from arrival, as the orphan wait is;
+which feedback counts is still decided by ``created_at`` against the deadline, so a late
+generation only holds its window open longer, it never admits feedback acted on too late.
 
 **Clock skew.** A record stamped more than ``max_future_s`` ahead of the stage's clock is
 ``clock_skew`` (dead-lettered): its window would stay open, and hold join state, until then.
@@ -19,7 +26,8 @@ A generation that arrives after its own window has passed still folds the feedba
 **Emission.** An episode is emitted once, when the window closes (plus ``grace_s`` for clock skew
 and transport delay), not on the first feedback: waiting lets late duplicates and conflicting
 signals fold into the one episode instead of producing a second, contradictory one. The cost is
-``window_s`` of latency per episode.
+``window_s`` of latency per episode (measured from whichever is later, the generation's
+completion or its arrival).
 
 **Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once; an id already
 waiting on another generation is no duplicate but a collision, dead-lettered as
@@ -71,9 +79,10 @@ def is_late(feedback_created_at: float, deadline: float) -> bool:
     return feedback_created_at > deadline
 
 
-def is_due(deadline: float, now: float, grace_s: float) -> bool:
-    """A window is closed once ``now`` passed its deadline plus the grace period."""
-    return now > deadline + grace_s
+def closes_at(deadline: float, arrived_at: float, window_s: float, grace_s: float) -> float:
+    """When a generation's window closes, on the stage's clock: ``grace_s`` after its deadline,
+    and no sooner than ``window_s`` after the generation arrived (``arrived_at``)."""
+    return max(deadline + grace_s, arrived_at + window_s)
 
 
 def _order(fb: FeedbackEvent) -> tuple[float, str]:

@@ -5,6 +5,14 @@ protocol of ingest/exactly_once.py: on partition assignment it seeks to the stor
 settles the outbox (recovery), then per poll it runs ``stage.process`` and ``stage.tick`` inside
 one state-store transaction together with the input offsets, delivers the outbox, writes the
 archive queue out when it is due, and commits the offsets to the consumer group for lag tools.
+
+**When the broker does not answer** (an outage, a stall, a partition without a leader) the loop
+keeps turning instead of exiting: a failed turn is retried after a pause, outputs wait in the
+outbox, and ``<stage>_stalled_seconds`` and ``/health`` say how long nothing has moved. Nothing
+is skipped: broker calls happen outside the state-store transaction (poll before it, delivery
+after its commit), so a failed turn leaves the stored state as the last good turn left it.
+Errors that are not the broker's (the state store, a bug) still stop the process, whose restart
+resumes from the stored state.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import IO, TYPE_CHECKING, Protocol, TypeVar
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
+from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
 from flywheel.bus import DeadLetters, LagGauge, partitions_of
@@ -36,7 +45,7 @@ from flywheel.contracts import (
 )
 from flywheel.kafka_headers import unreadable_header
 from flywheel.settings import SettingsError
-from ingest.exactly_once import Archive, Outbox, StateStore
+from ingest.exactly_once import Archive, Outbox, OutputUnavailable, StateStore
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -44,6 +53,18 @@ if TYPE_CHECKING:
     from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: Errors of a broker that does not answer (or answers with an error): the loop retries them.
+BROKER_ERRORS: tuple[type[BaseException], ...] = (KafkaError, TimeoutError, OutputUnavailable)
+try:
+    from confluent_kafka import KafkaException
+
+    BROKER_ERRORS += (KafkaException,)
+except ImportError:  # pragma: no cover - confluent-kafka is a dependency; kafka-python alone works too
+    pass
+
+#: Pause before retrying a turn that failed on the broker.
+RETRY_PAUSE_S = 1.0
 
 #: The keyed records the stages consume (each carries a generation_id).
 E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
@@ -126,6 +147,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.last_loop = time.monotonic()
         self.records_in = 0
         self.delivered = 0
+        self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
         store.bind_shards(self.shards)
         if self.shards:
             self._assign_static()
@@ -167,6 +189,15 @@ class StreamRunner(ConsumerRebalanceListener):
         with self._lock:
             revoked, self._revoked = self._revoked, set()
             assigned, self._assigned = self._assigned, set()
+        try:
+            self._settle(revoked, assigned)
+        except BaseException:
+            with self._lock:  # settled again on the next turn: every step of it can be repeated
+                self._revoked |= revoked
+                self._assigned |= assigned
+            raise
+
+    def _settle(self, revoked: set[int], assigned: set[TopicPartition]) -> None:
         if revoked:
             self.outbox.flush()  # settle what is in flight while these shards are still ours
         self.owned -= revoked
@@ -222,11 +253,18 @@ class StreamRunner(ConsumerRebalanceListener):
         now = time.time()
         ready = self.caught_up()
         with gc_paused():
-            with self.store.txn():
-                if records:
-                    self.stage.process(records, now)
-                    self.store.set_offsets(offsets)
-                self.stage.tick(ready, now)
+            try:
+                with self.store.txn():
+                    if records:
+                        self.stage.process(records, now)
+                        self.store.set_offsets(offsets)
+                    self.stage.tick(ready, now)
+            except BaseException:
+                # rolled back: read the batch again, whether the turn is retried or the process ends
+                for tp, recs in batches.items():
+                    if recs:
+                        self.consumer.seek(tp, recs[0].offset)
+                raise
             self.delivered += self.outbox.deliver(self.owned)
             self.outbox.archive()
         if offsets:
@@ -244,20 +282,52 @@ class StreamRunner(ConsumerRebalanceListener):
         while not stop.is_set():
             if check is not None:
                 check()
-            self.step()
+            try:
+                self.step()
+            except BROKER_ERRORS as exc:
+                self._failed_turn(exc, stop)
+            else:
+                if self._failing_since is not None:
+                    log.info("the broker answers again after %.0fs", time.monotonic() - self._failing_since)
+                self._failing_since = None
         self.finish()
+
+    def _failed_turn(self, exc: BaseException, stop: StopFlag) -> None:
+        now = time.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+            log.warning("a turn failed on the broker (%s: %s); retrying every %.0fs until it answers",
+                        type(exc).__name__, exc, RETRY_PAUSE_S)
+        else:
+            log.debug("still failing on the broker: %s: %s", type(exc).__name__, exc)
+        self.last_loop = now  # the loop is alive; stalled_s() says that it is not getting anywhere
+        end = now + RETRY_PAUSE_S
+        while not stop.is_set() and time.monotonic() < end:
+            time.sleep(0.05)
+
+    def stalled_s(self) -> float:
+        """Seconds the stage has made no progress with the broker: turns failing in a row, or
+        outputs owed with no ack (0 while it is fine)."""
+        failing = 0.0 if self._failing_since is None else time.monotonic() - self._failing_since
+        return max(failing, self.outbox.stuck_s())
 
     def finish(self) -> None:
         """Deliver what is in flight and write the archive queue out: a clean stop leaves
-        nothing behind in the outbox or the queue."""
+        nothing behind in the outbox or the queue (but for sends the broker did not ack, which
+        the next start settles by its recovery scan)."""
         with gc_paused():
-            self.delivered += self.outbox.flush()
+            try:
+                self.delivered += self.outbox.flush()
+            except BROKER_ERRORS as exc:
+                log.warning("stopping with %d sends unacknowledged (%s); the next start settles them",
+                            self.outbox.in_flight, exc)
             self.outbox.archive(force=True)
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
-        age = time.monotonic() - self.last_loop
-        return age < stale_s, {"loop_age_s": round(age, 3), "shards": sorted(self.owned),
-                               "records_in": self.records_in, "delivered": self.delivered}
+        age, stalled = time.monotonic() - self.last_loop, self.stalled_s()
+        return age < stale_s and stalled < stale_s, {
+            "loop_age_s": round(age, 3), "stalled_s": round(stalled, 3), "shards": sorted(self.owned),
+            "records_in": self.records_in, "delivered": self.delivered}
 
 
 @contextmanager
@@ -330,6 +400,7 @@ def serve_stage(
         held.callback(consumer.close, autocommit=False)
         runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
                               max_batch, poll_ms, shards)
+        stalled_gauge(name, runner, registry)
         # nothing is processed before the claims group grants this process its shards
         claims = ShardClaims(settings.kafka, name, group_id, inputs, store.epoch, tuple(shards))
         held.callback(claims.close)
@@ -344,6 +415,15 @@ def serve_stage(
         log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
                  list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
         runner.run(stop, claims.check)
+
+
+def stalled_gauge(stage: str, runner: StreamRunner, registry: CollectorRegistry) -> None:
+    """``<stage>_stalled_seconds``: how long the stage has made no progress with the broker, read
+    at scrape time (dashboards/runbooks/stage-stalled.md)."""
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_stalled_seconds", "Seconds without progress with the broker: turns failing in a row, "
+          "or outputs owed with no ack (0 while it is fine)", registry=registry).set_function(runner.stalled_s)
 
 
 def archive_queue_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:

@@ -3,7 +3,8 @@
 Join state lives in the stage's SQLite store (ingest/exactly_once.py) so that it commits in the
 same transaction as the input offsets and the outbox:
 
-- ``gens``   open generations (raw bytes, window deadline), one row per generation_id;
+- ``gens``   open generations (raw bytes, window deadline, when the window closes), one row per
+             generation_id;
 - ``fbs``    feedback waiting for its generation or for its generation's window to close;
 - ``closed`` recently closed generations with the feedback ids they folded, to tell a late
              duplicate (dropped, counted) from late new feedback (dead-lettered ``late_feedback``).
@@ -37,6 +38,7 @@ from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import (
     Resolution,
+    closes_at,
     generation_deadline,
     is_from_future,
     is_late,
@@ -47,8 +49,7 @@ from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
-    deadline REAL NOT NULL, raw BLOB NOT NULL);
-CREATE INDEX IF NOT EXISTS gens_due ON gens (shard, deadline);
+    deadline REAL NOT NULL, raw BLOB NOT NULL, close_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS fbs (fid TEXT PRIMARY KEY, gid TEXT NOT NULL, shard INTEGER NOT NULL,
     created REAL NOT NULL, deadline REAL NOT NULL, raw BLOB NOT NULL,
     topic TEXT NOT NULL, part INTEGER NOT NULL, off INTEGER NOT NULL, key BLOB);
@@ -90,6 +91,7 @@ class IngestStage:
         self.dead = DeadLetters(self.sink, topics.deadletter, "ingest", registry, DEADLETTER_REASONS)
         self.m = IngestMetrics(registry)
         self._last_prune = 0.0
+        _migrate(store, cfg)
 
     # -- records --------------------------------------------------------------------------
     def process(self, records: list[ConsumerRecord], now: float) -> None:
@@ -111,7 +113,7 @@ class IngestStage:
         for rec, event in events:
             self.sink.shard = rec.partition
             if isinstance(event, GenerationEvent):
-                self._on_generation(rec, event, view)
+                self._on_generation(rec, event, view, now)
             else:
                 self._on_feedback(rec, event, view, now)
         view.write(self.db)
@@ -126,7 +128,7 @@ class IngestStage:
                                                  f"(ingest.max_future_s is {self.cfg.max_future_s:g})")
         return True
 
-    def _on_generation(self, rec: ConsumerRecord, g: GenerationEvent, view: _BatchView) -> None:
+    def _on_generation(self, rec: ConsumerRecord, g: GenerationEvent, view: _BatchView, now: float) -> None:
         gid = g.generation_id
         if gid in view.gens or gid in view.closed:
             self.m.duplicates.labels("generation").inc()
@@ -134,7 +136,8 @@ class IngestStage:
         deadline = generation_deadline(g.completed_at, self.cfg.window_s)
         # store the canonical encoding of the validated event: the episode splices these bytes
         # in when the window closes, without validating the generation a second time
-        view.add_generation((gid, rec.partition, deadline, encode(g)))
+        view.add_generation((gid, rec.partition, deadline, encode(g),
+                             closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s)))
         for fid, created, raw, topic, part, off, key in view.waiting(gid):
             if is_late(created, deadline):
                 view.drop_feedback(gid, fid)
@@ -169,21 +172,20 @@ class IngestStage:
 
     # -- windows --------------------------------------------------------------------------
     def tick(self, shards: set[int], now: float) -> None:
-        cutoff = now - self.cfg.grace_s
         for shard in sorted(shards):
             self.sink.shard = shard
-            self._close_due(shard, cutoff, now)
-            self._orphans(shard, cutoff)
+            self._close_due(shard, now)
+            self._orphans(shard, now - self.cfg.grace_s)
         if now - self._last_prune > 10:
             self._last_prune = now
             self.db.execute("DELETE FROM closed WHERE closed_at<?", (now - self.cfg.closed_retention_s,))
             for kind, table in (("generation", "gens"), ("feedback", "fbs")):
                 self.m.window.labels(kind).set(self.db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
 
-    def _close_due(self, shard: int, cutoff: float, now: float) -> None:
+    def _close_due(self, shard: int, now: float) -> None:
         """Close every due window of ``shard``: a fixed number of statements, not four per window."""
         due = self.db.execute(
-            "SELECT deadline, gid, raw FROM gens WHERE shard=? AND deadline<?", (shard, cutoff)).fetchall()
+            "SELECT deadline, gid, raw FROM gens WHERE shard=? AND close_at<?", (shard, now)).fetchall()
         if not due:
             return
         # (deadline, gid) order, sorted here: ORDER BY in SQL sorts the rows, blobs included, in
@@ -191,8 +193,8 @@ class IngestStage:
         due.sort()
         feedback: dict[str, list[FeedbackEvent]] = {}
         for gid, raw in self.db.execute(
-                "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND deadline<?)",
-                (shard, cutoff)):
+                "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
+                (shard, now)):
             # decode(), not a parser of its own: the same function accepted these bytes on arrival
             feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
         closed = []
@@ -208,9 +210,9 @@ class IngestStage:
         for signal, count in signals.items():
             self.m.episodes.labels(signal).inc(count)
         self.db.executemany("INSERT INTO closed VALUES (?, ?, ?, ?)", closed)
-        self.db.execute("DELETE FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND deadline<?)",
-                        (shard, cutoff))
-        self.db.execute("DELETE FROM gens WHERE shard=? AND deadline<?", (shard, cutoff))
+        self.db.execute("DELETE FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
+                        (shard, now))
+        self.db.execute("DELETE FROM gens WHERE shard=? AND close_at<?", (shard, now))
 
     def _orphans(self, shard: int, cutoff: float) -> None:
         rows = self.db.execute(
@@ -283,8 +285,25 @@ class _BatchView:
 
     def write(self, db: Any) -> None:
         db.executemany("DELETE FROM fbs WHERE fid=?", [(f,) for f in self._dropped])
-        db.executemany("INSERT INTO gens VALUES (?, ?, ?, ?)", self._new_gens)
+        db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at) VALUES (?, ?, ?, ?, ?)",
+                       self._new_gens)
         db.executemany("INSERT INTO fbs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", list(self._new_fbs.values()))
+
+
+def _migrate(store: StateStore, cfg: IngestSettings) -> None:
+    """Bring a store written by an earlier version up to this one's tables.
+
+    Stores from before ``gens.close_at`` close their open windows by the old rule (``grace_s``
+    after the deadline): when those generations arrived is not recorded. The index is created
+    here rather than in SCHEMA because on such a store the column exists only after this runs.
+    """
+    db = store.db
+    if "close_at" not in {row[1] for row in db.execute("PRAGMA table_info(gens)")}:
+        with store.txn():
+            db.execute("ALTER TABLE gens ADD COLUMN close_at REAL NOT NULL DEFAULT 0")
+            db.execute("UPDATE gens SET close_at = deadline + ?", (cfg.grace_s,))
+            db.execute("DROP INDEX IF EXISTS gens_due")
+    db.execute("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 
 def _select_in(db: Any, sql: str, keys: list[str], chunk: int = 500) -> list[tuple]:

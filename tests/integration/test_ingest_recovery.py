@@ -8,6 +8,8 @@ them again.
 
 from __future__ import annotations
 
+import time
+
 import pyarrow as pa
 import pytest
 from conftest import read_all
@@ -190,3 +192,96 @@ def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings
     assert second.deliver({1}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
     assert len(values) == 10 and len(set(values)) == 10
+
+
+def test_a_broker_that_does_not_answer_holds_outputs_back_without_failing(broker, kafka_settings, out_settings,
+                                                                         topics, tmp_path):
+    """With the broker stalled, the partition lookup of a topic not yet sent to once raised out
+    of the stage's loop and the process exited (a crash loop for as long as the outage lasted).
+    Now delivery stops short, in order, says why and for how long, and resumes once it answers."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.episodes, 20)
+    outbox = Outbox(store, make_output_producer(out_settings, "t"), kafka_settings.bootstrap)
+    assert outbox.stuck_s() == 0.0
+    broker.pause()
+    try:
+        assert outbox.deliver({0, 1}) == 0
+        # librdkafka asks the broker for the topic and gets no answer: held back, with the reason;
+        # kafka-python knew every topic from its first metadata: the sends wait in flight
+        if out_settings.producer_client == "confluent":
+            assert outbox.blocked is not None and topics.episodes in outbox.blocked and outbox.in_flight == 0
+        else:
+            assert outbox.in_flight == 40
+        assert len(store.pending({0, 1}, limit=100)) == 40
+        time.sleep(0.2)
+        assert outbox.stuck_s() >= 0.2
+    finally:
+        broker.resume()
+    delivered, deadline = 0, time.monotonic() + 30
+    while delivered < 40 and time.monotonic() < deadline:  # as the stage's loop turns
+        delivered += outbox.deliver({0, 1})
+        time.sleep(0.05)
+    assert delivered == 40 and outbox.blocked is None and outbox.stuck_s() == 0.0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)]
+    assert len(values) == 40 and len(set(values)) == 40
+    outbox.producer.close()
+
+
+class _FailsOnce:
+    """A stage that relays every record, and whose first batch fails as a broker timeout would."""
+
+    def __init__(self, store: StateStore, out: str) -> None:
+        self.store, self.out, self.failed = store, out, False
+
+    def process(self, records, now: float) -> None:
+        for rec in records:
+            self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
+        if not self.failed:
+            self.failed = True
+            raise TimeoutError("the broker did not answer in time")
+
+    def tick(self, shards: set[int], now: float) -> None:
+        return None
+
+
+def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_settings, out_settings, topics, tmp_path):
+    """The loop retries a turn that failed with a broker error instead of exiting; the records
+    that turn had polled are read again (its transaction rolled back), so each is relayed once."""
+    import threading
+
+    from kafka import KafkaProducer
+
+    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.metrics import new_registry
+    from ingest.runner import StreamRunner
+
+    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(30):
+        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
+    feed.flush()
+    feed.close()
+    stop, made = threading.Event(), {}
+
+    def run() -> None:  # SQLite objects belong to the thread that made them: the loop's, here
+        store = StateStore(tmp_path / "s.sqlite3")
+        made["stage"] = _FailsOnce(store, topics.episodes)
+        outbox = Outbox(store, make_output_producer(out_settings, "t"), kafka_settings.bootstrap)
+        consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
+        made["runner"] = StreamRunner(made["stage"], store, outbox, consumer, [topics.generations],
+                                      LagGauge("ingest", new_registry()), 100, 100)
+        try:
+            made["runner"].run(stop)
+        finally:
+            consumer.close()
+            outbox.producer.close()
+            store.close()
+
+    loop = threading.Thread(target=run, daemon=True)
+    loop.start()
+    try:
+        values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=30, timeout_s=30)]
+        assert sorted(values) == sorted(f"v{i}".encode() for i in range(30))
+        assert made["stage"].failed and loop.is_alive() and made["runner"].stalled_s() == 0.0
+    finally:
+        stop.set()
+        loop.join(timeout=30)

@@ -49,6 +49,9 @@ WINDOW_S, GRACE_S = 2.0, 0.5
 ACCEPT, REJECT, BONUS, REF_MS = 0.75, -0.25, 0.1, 10_000.0
 REPEAT_PENALTY = 0.5
 CONSTANT_USER, CONSTANT_MIN = "u-constant", 20
+STALL_S = 6.0  # three of the tests' consumer sessions: every group membership expires
+STALL_AFTER_CHUNK = 3
+REPLAY_GAP_S = 1.0  # feedback behind its generation in a replay: longer than GRACE_S, within WINDOW_S
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -373,3 +376,42 @@ def test_pipeline_survives_sigkill(kafka_settings, topics, tmp_path):
 def test_pipeline_survives_sigkill_soak(kafka_settings, topics, tmp_path):
     """The same with more data and a kill every chunk."""
     run_with_kills(kafka_settings, topics, tmp_path, chunks=30, per_chunk=300, kill_every=1)
+
+
+def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker):
+    """The broker stops answering mid-stream for longer than a consumer session: both stages
+    lose their group membership and their sends wait. Then, as serving replays what it journaled,
+    each chunk's generations arrive after their windows' deadlines and their feedback a second
+    later. The stages keep running, every in-time signal still counts, and the outcome is still
+    exactly once."""
+    env = stage_env(kafka_settings, topics, tmp_path)
+    t0 = time.time() + 3.0
+    ds = build_dataset(topics, chunks=8, per_chunk=200, t0=t0)
+    stages = Stages(env, tmp_path)
+    stages.start("ingest")
+    stages.start("reward")
+    producer = make_producer(kafka_settings, "test-feed")
+    try:
+        for c, chunk in enumerate(ds.chunks):
+            time.sleep(max(0.0, t0 + c * 1.0 - time.time()))
+            replayed = c > STALL_AFTER_CHUNK
+            waves = ([[r for r in chunk if r[0] == topics.generations], [r for r in chunk if r[0] != topics.generations]]
+                     if replayed else [chunk])
+            for wave in waves:
+                for topic, key, value in wave:
+                    producer.send(topic, key=key, value=value)
+                producer.flush()
+                if replayed:
+                    time.sleep(REPLAY_GAP_S)
+            if c == STALL_AFTER_CHUNK:
+                time.sleep(0.3)  # into the processing of the chunk just sent
+                broker.pause()
+                try:
+                    time.sleep(STALL_S)
+                finally:
+                    broker.resume()
+        check_outcome(kafka_settings, topics, ds, tmp_path)
+        assert {name: p.poll() for name, p in stages.procs.items()} == {"ingest": None, "reward": None}
+    finally:
+        producer.close()
+        stages.stop()

@@ -21,8 +21,8 @@ def _registered() -> set[str]:
             names.update(re.findall(r'"((?:serving|ingest|reward|trainer)_[a-z0-9_]+)"', path.read_text()))
     for stage in ("ingest", "reward", "trainer"):  # flywheel/bus.py builds these from the stage name
         names.update({f"{stage}_deadletters_total", f"{stage}_consumer_lag_records"})
-    for stage in ("ingest", "reward"):  # ingest/runner.py builds this from the stage name
-        names.add(f"{stage}_archive_queue_rows")
+    for stage in ("ingest", "reward"):  # ingest/runner.py builds these from the stage name
+        names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds"})
     return names
 
 

@@ -120,8 +120,8 @@ def test_plan_replay_sends_a_record_that_failed_again_once():
     ([], []),
 ])
 def test_replay_sends_feedback_first_in_its_own_wave(topics, waves):
-    """Orphaned feedback must be waiting when its replayed generation arrives (a generation whose
-    window has passed closes at once): feedback is sent, and acked, before anything else."""
+    """Orphaned feedback must be waiting when its replayed generation arrives (the generation's
+    window is long past, so it closes soon after): feedback is sent, and acked, before anything else."""
     letters = [Letter(0, i, dl(topic=t)) for i, t in enumerate(topics, start=1)]
     assert [[x.offset for x in wave] for wave in replay_waves(letters, T.feedback)] == waves
 

@@ -19,8 +19,8 @@ from flywheel.contracts import (
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import (
+    closes_at,
     generation_deadline,
-    is_due,
     is_from_future,
     is_late,
     orphan_deadline,
@@ -71,9 +71,15 @@ def test_orphan_deadline(created, arrived, wait, deadline):
     assert orphan_deadline(created, arrived, wait) == deadline
 
 
-@pytest.mark.parametrize("deadline, now, grace, due", [(10, 10.5, 1, False), (10, 11.01, 1, True), (10, 10.01, 0, True)])
-def test_is_due(deadline, now, grace, due):
-    assert is_due(deadline, now, grace) is due
+@pytest.mark.parametrize("deadline, arrived, window, grace, closes", [
+    (110.0, 101.0, 10.0, 1.0, 111.0),  # on time: grace after the deadline
+    (110.0, 100.5, 10.0, 1.0, 111.0),
+    (110.0, 103.0, 10.0, 1.0, 113.0),  # transport took longer than grace: the window counts from arrival
+    (110.0, 500.0, 10.0, 1.0, 510.0),  # arrived long after its deadline (a replayed journal): waits afresh
+    (110.0, 90.0, 10.0, 0.0, 110.0),  # arrived "before" it completed (clock skew): the deadline rules
+])
+def test_closes_at(deadline, arrived, window, grace, closes):
+    assert closes_at(deadline, arrived, window, grace) == closes
 
 
 @pytest.mark.parametrize("stamped, now, limit, future", [
@@ -144,11 +150,12 @@ def test_stage_joins_feedback_before_generation_and_emits_once_at_close(stage):
     f = fb("f1", "accept", 101)
     run(stage, [rec(T.feedback, "g", encode(f), 0), rec(T.generations, "g", encode(gen("g", 100)), 0),
                 rec(T.feedback, "g", encode(f), 1)], now=102)
-    assert outputs(stage[1]) == ([], [])  # window still open
     run(stage, [], now=111.5)
+    assert outputs(stage[1]) == ([], [])  # window still open: 10 s from the generation's arrival at 102
+    run(stage, [], now=112.5)
     eps, dls = outputs(stage[1])
     assert [(e.generation_id, e.signal, e.feedback_ids) for e in eps] == [("g", "accept", ("f1",))] and not dls
-    run(stage, [rec(T.feedback, "g", encode(f), 2), rec(T.generations, "g", encode(gen("g", 100)), 1)], now=112)
+    run(stage, [rec(T.feedback, "g", encode(f), 2), rec(T.generations, "g", encode(gen("g", 100)), 1)], now=113)
     assert len(outputs(stage[1])[0]) == 1  # late duplicate feedback and generation fold away
 
 
@@ -200,7 +207,8 @@ def test_a_feedback_id_reused_for_another_generation_is_dead_lettered_not_folded
 def test_replayed_orphan_waits_afresh_and_joins_its_generation(stage):
     """The replay story (dashboards/runbooks/dead-letters.md): feedback dead-lettered as an orphan
     and replayed before its generation turns up joins it; feedback whose generation turned up
-    after it was dead-lettered cannot, because that generation closed at once as ``ignore``."""
+    after it was dead-lettered cannot, because that generation closed, ``window_s`` after it
+    arrived, as ``ignore``."""
     f_wait, f_gone = fb("f1", "accept", 101), FeedbackEvent(
         feedback_id="f2", generation_id="h", signal="reject", created_at=101, received_at=101)
     run(stage, [rec(T.feedback, "g", encode(f_wait), 0), rec(T.feedback, "h", encode(f_gone), 1)], now=101)
@@ -208,10 +216,12 @@ def test_replayed_orphan_waits_afresh_and_joins_its_generation(stage):
     assert sorted(d.reason for d in outputs(stage[1])[1]) == ["orphan_feedback", "orphan_feedback"]
     # h's generation (completed before its feedback) arrives: its window is long past
     run(stage, [rec(T.generations, "h", encode(gen("h", 100)), 2)], now=200)
+    run(stage, [], now=210.5)  # and closes window_s later, no feedback having come
     # both orphans are replayed; g's generation arrives afterwards, as late as h's
     run(stage, [rec(T.feedback, "g", encode(f_wait), 2), rec(T.feedback, "h", encode(f_gone), 3)], now=300)
     run(stage, [], now=305)  # 101 + 10 would have orphaned the replay again here
     run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 3)], now=306)
+    run(stage, [], now=316.5)
     eps, dls = outputs(stage[1])
     assert sorted((e.generation_id, e.signal, e.feedback_ids, e.timed_out) for e in eps) == [
         ("g", "accept", ("f1",), False), ("h", "ignore", (), True)]
@@ -264,6 +274,44 @@ def test_stage_dead_letters_a_token_id_its_archive_cannot_hold(stage):
     eps, dls = outputs(stage[1])
     assert [e.generation_id for e in eps] == ["g"]
     assert [(d.reason, d.source_offset) for d in dls] == [("invalid", 1)]
+
+
+def test_a_generation_that_arrives_after_its_window_waits_for_the_feedback_behind_it(stage):
+    """After a broker outage serving replays its journal: a generation reaches the stage long
+    after its deadline, its in-time feedback a few seconds later. Closed at once, the generation
+    had made that feedback ``late_feedback``; feedback acted on after the deadline is still late."""
+    run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0)], now=500)
+    run(stage, [], now=503)  # caught up, nothing else yet: the window must stay open
+    assert outputs(stage[1]) == ([], [])
+    in_time, too_late = fb("f1", "accept", 105), fb("f2", "reject", 111)
+    run(stage, [rec(T.feedback, "g", encode(in_time), 0), rec(T.feedback, "g", encode(too_late), 1)], now=504)
+    run(stage, [], now=509.5)
+    assert outputs(stage[1])[0] == []
+    run(stage, [], now=510.5)
+    eps, dls = outputs(stage[1])
+    assert [(e.generation_id, e.signal, e.feedback_ids) for e in eps] == [("g", "accept", ("f1",))]
+    assert [(d.reason, d.source_offset) for d in dls] == [("late_feedback", 1)]
+
+
+def test_a_store_from_before_close_at_keeps_its_open_windows(tmp_path):
+    """A data_dir written before ``gens.close_at`` existed: its open windows close by the old rule
+    (grace after the deadline) and new generations take the new one."""
+    old = SCHEMA.replace("raw BLOB NOT NULL, close_at REAL NOT NULL);", "raw BLOB NOT NULL);\n"
+                         "CREATE INDEX IF NOT EXISTS gens_due ON gens (shard, deadline);")
+    assert old != SCHEMA
+    store = StateStore(tmp_path / "s.sqlite3", old)
+    with store.txn():
+        store.db.execute("INSERT INTO gens VALUES ('g', 0, 110.0, ?)", (encode(gen("g", 100)),))
+    store.close()
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry())
+    assert "gens_due" not in {r[0] for r in store.db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    run((stage, store), [rec(T.generations, "h", encode(gen("h", 100)), 0)], now=110.5)
+    run((stage, store), [], now=111.5)
+    assert [e.generation_id for e in outputs(store)[0]] == ["g"]  # h arrived at 110.5: open until 120.5
+    run((stage, store), [], now=121)
+    assert [e.generation_id for e in outputs(store)[0]] == ["g", "h"]
+    store.close()
 
 
 def test_stage_waits_for_caught_up_shards(stage):
