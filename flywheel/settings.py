@@ -195,7 +195,8 @@ class IngestSettings(_Section):
     resumes from the offsets in the state store (see docs/exactly-once.md)."""
     window_s: float = Field(default=300.0, gt=0)
     """Join window: feedback counts when the user acted within this many seconds after the
-    generation completed."""
+    generation completed. The window also stays open this long after the generation reached the
+    stage, for feedback delayed along with a late generation (ingest/join.py)."""
     orphan_wait_s: float = Field(default=300.0, gt=0)
     """How long feedback whose generation has not arrived waits for it (from when the feedback
     arrived, so a replayed orphan waits afresh) before it is dead-lettered as ``orphan_feedback``.
