@@ -48,7 +48,8 @@ ROWS = [
         ("Archive queue: rows not yet in Parquet", "short", [
             ('sum(ingest_archive_queue_rows)', "episodes"), ('sum(reward_archive_queue_rows)', "rewards")]),
         ("Seconds without progress with Kafka (0: fine)", "s", [
-            ('max(ingest_stalled_seconds)', "ingest"), ('max(reward_stalled_seconds)', "reward")]),
+            ('max(ingest_stalled_seconds)', "ingest"), ('max(reward_stalled_seconds)', "reward"),
+            ('max(trainer_stalled_seconds)', "trainer")]),
     ]),
     ("Trainer", [
         ("Loss and mean reward", "short", [

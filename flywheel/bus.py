@@ -287,19 +287,91 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
 
 
 class KafkaSink:
-    """:class:`EventSink` over an idempotent producer."""
+    """:class:`EventSink` over an idempotent producer that keeps each record until Kafka acks it.
+
+    For callers that must not go on before what they wrote is in Kafka: the trainer commits a
+    version, which settles the offsets of the records it dead-lettered, only once :meth:`settle`
+    says those letters are acked. Nothing here blocks on a broker that does not answer: a send
+    that cannot even be queued, or that the producer gave up on, is kept and sent again.
+    """
 
     def __init__(self, producer: KafkaProducer) -> None:
         self.producer = producer
+        # (future or None while not queued, topic, key, value), in write order
+        self._unacked: list[tuple[object | None, str, str | None, bytes]] = []
+        self._progress = time.monotonic()  # the last ack seen, or when records began to be owed
+        self._queueing = True  # False after a send could not be queued, until the next settle
 
     def write(self, topic: str, key: str | None, value: bytes) -> None:
-        self.producer.send(topic, key=key, value=value)
+        if not self._unacked:
+            self._progress = time.monotonic()
+        # after a send that could not be queued, later ones wait for the next settle: each try
+        # blocks for the producer's max_block_ms
+        fut = self._send(topic, key, value) if self._queueing else None
+        self._queueing = fut is not None
+        self._unacked.append((fut, topic, key, value))
+
+    def _send(self, topic: str, key: str | None, value: bytes) -> object | None:
+        try:
+            return self.producer.send(topic, key=key, value=value)
+        except KafkaError as exc:  # no metadata, or the buffer is full: the broker does not answer
+            log.debug("send to %s not queued (%s); retried on the next settle", topic, exc)
+            return None
+
+    def settle(self, timeout_s: float = 0.0) -> bool:
+        """Whether every record written so far is acked, waiting up to ``timeout_s`` for it.
+
+        Records whose send failed (or never got queued) are sent again; they count as unacked
+        until that send is acked. Call it every loop turn: it is what notices acks.
+        """
+        if self._unacked and timeout_s > 0:
+            try:
+                self.producer.flush(timeout=timeout_s)
+            except KafkaError:  # KafkaTimeoutError: still owed, and reported below
+                pass
+        left: list[tuple[object | None, str, str | None, bytes]] = []
+        acked, queueing = False, True
+        for fut, topic, key, value in self._unacked:
+            if fut is not None and not fut.is_done:  # type: ignore[attr-defined]
+                left.append((fut, topic, key, value))
+            elif fut is None or fut.failed():  # type: ignore[attr-defined]
+                if fut is not None:
+                    log.warning("send to %s failed (%s); sending it again", topic, fut.exception)  # type: ignore[attr-defined]
+                fut = self._send(topic, key, value) if queueing else None
+                queueing = fut is not None
+                left.append((fut, topic, key, value))
+            else:
+                acked = True
+        if acked:
+            self._progress = time.monotonic()
+        self._unacked, self._queueing = left, queueing
+        return not left
+
+    @property
+    def unacked(self) -> int:
+        return len(self._unacked)
+
+    def stuck_s(self) -> float:
+        """Seconds records have been owed with no ack seen (0 with none owed)."""
+        return time.monotonic() - self._progress if self._unacked else 0.0
 
     def flush(self, timeout_s: float | None = None) -> None:
-        self.producer.flush(timeout=timeout_s)
+        if not self.settle(30.0 if timeout_s is None else timeout_s):
+            raise TimeoutError(f"{len(self._unacked)} records still unacknowledged after {timeout_s}s")
 
-    def close(self) -> None:
-        self.producer.close()
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Bounded, whatever the broker does: records still unacked then are given up, which
+        the caller's own protocol must allow for (the trainer's does: docs/trainer.md)."""
+        if self.settle(timeout_s):
+            self.producer.close(timeout=timeout_s)
+            return
+        # kafka-python's close() flushes first and raises when that times out, before closing
+        # anything: its sender is a daemon thread, left to the process's exit
+        log.warning("closing with %d records unacknowledged by Kafka", len(self._unacked))
+        try:
+            self.producer.close(timeout=0)
+        except KafkaError:
+            pass
 
 
 def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | None = None) -> None:

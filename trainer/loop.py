@@ -11,6 +11,12 @@ durable by an atomic rename. A restart loads the newest version's DeepSpeed chec
 every partition to its stored floor, skipping offsets listed as already settled above it. Work
 done after the last durable version died with the process, so training it again is its first
 effect. Group commits happen after a version is durable and serve lag monitoring only.
+
+A broker that does not answer stops nothing but the data: the loop trains what it has fetched,
+and a version that settles offsets of dead-lettered records is committed only once Kafka has
+acked those letters (a commit before would lose them in a crash). Announcements follow versions
+as the broker allows (trainer/announce.py). ``trainer_stalled_seconds`` says how long records
+have been owed to Kafka with no ack.
 """
 
 from __future__ import annotations
@@ -28,25 +34,27 @@ import torch
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from safetensors.torch import save_file
 
-from flywheel.bus import DeadLetters, EventSink, LagGauge
+from flywheel.bus import DeadLetters, KafkaSink, LagGauge
 from flywheel.contracts import (
-    CheckpointEvent,
     ContractError,
     RewardEvent,
     Topics,
     decode,
     encode,
-    now,
 )
 from flywheel.settings import Settings
 from trainer import dist
+from trainer.announce import announced, checkpoint_event, mark_announced
 from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
 from trainer.losses import GROUPED
 from trainer.metrics import TrainerMetrics
 from trainer.policy import Policy
-from trainer.store import WEIGHTS, CheckpointStore, mirror
+from trainer.store import WEIGHTS, CheckpointStore
 
 log = logging.getLogger(__name__)
+
+#: How long a stop waits for Kafka to ack what it is owed (dead letters, announcements).
+STOP_WAIT_S = 5.0
 
 
 @dataclass
@@ -94,7 +102,7 @@ class Trainer:
         rank: int = 0,
         world: int = 1,
         consumer: Any = None,
-        sink: EventSink | None = None,
+        sink: KafkaSink | None = None,
         deadletters: DeadLetters | None = None,
         lag: LagGauge | None = None,
     ) -> None:
@@ -115,11 +123,23 @@ class Trainer:
         self.last_stats: dict[str, float] = {}
         self.stop_event = threading.Event()
         self.vocab = int(policy.module.config.vocab_size)
+        # announcements (rank 0): versions committed but not yet written to the sink, the
+        # highest written, and the highest through which every one was acked (trainer/announce.py)
+        self._owed: list[int] = []
+        self._announcing = self._announced = -1
+        self._held_since: float | None = None  # monotonic: a due publish waits for acks since then
+        metrics.stalled.set_function(self.stalled_s)
 
     # ------------------------------------------------------------ start / resume
     def start(self) -> None:
         """Resume from the newest durable version, or publish version 0 (the initial model)."""
         latest = dist.broadcast(self.store.latest() if self.rank == 0 else None, self.rank, self.world)
+        if self.rank == 0 and self.sink is not None:
+            # versions a previous run committed but could not announce go out first
+            self._announcing = self._announced = announced(self.store)
+            self._owed = [v for v in self.store.versions() if v > self._announced]
+            if self._owed:
+                log.info("versions %s were never announced; announcing them now", self._owed)
         if latest is None:
             self.publish()
             return
@@ -150,19 +170,80 @@ class Trainer:
                 self._train([RewardEvent.model_validate(e) for e in payload["events"]], payload["pos"])
             elif kind == "publish":
                 self.publish()
+        if self.rank == 0:
+            self._settle_outputs(STOP_WAIT_S)  # the last version's announcement; else the next start's
 
     def _decide(self) -> tuple[str, Any]:
+        settled = self._settle_outputs()
         if self.stop_event.is_set():
-            return ("stop", not self.ledger.empty())
-        if self._publish_due():
+            return ("stop", self._publish_at_stop(settled))
+        if self._publish_due() and self._may_publish(settled):
             return ("publish", None)
         batch = self.batcher.next_batch()
         if batch is None:
             self._poll()
             batch = self.batcher.next_batch()
         if batch is None:
-            return ("publish", None) if self._publish_due() else ("idle", None)
+            return ("publish", None) if self._publish_due() and self._may_publish(settled) else ("idle", None)
         return ("train", {"events": [s.event.model_dump(mode="json") for s in batch], "pos": [s.pos for s in batch]})
+
+    def _settle_outputs(self, timeout_s: float = 0.0) -> bool:
+        """Whether Kafka has acked everything the trainer wrote to it, waiting up to ``timeout_s``.
+
+        Writes the announcements of versions committed since the last turn first, and moves the
+        store's announced mark once they are acked.
+        """
+        if self.sink is None:
+            return True
+        while self._owed:
+            version = self._owed[0]
+            self.sink.write(self.topics.checkpoints, str(version), encode(checkpoint_event(self.store, version, self._mirror_url)))
+            self._announcing = self._owed.pop(0)
+        if not self.sink.settle(timeout_s):
+            return False
+        if self._announcing > self._announced:
+            mark_announced(self.store, self._announcing)
+            self._announced = self._announcing
+        return True
+
+    @property
+    def _mirror_url(self) -> str | None:
+        return self.cfg.store if self.cfg.store and "://" in self.cfg.store else None
+
+    def _may_publish(self, settled: bool) -> bool:
+        """A due version waits while Kafka has not acked the dead letters whose offsets it would
+        settle: committed first, a crash would lose them."""
+        if settled:
+            if self._held_since is not None:
+                log.info("Kafka acked what it was owed after %.0fs; publishing", time.monotonic() - self._held_since)
+                self._held_since = None
+            return True
+        if self._held_since is None:
+            self._held_since = time.monotonic()
+            log.warning("a version is due, but %d records sent to Kafka are not acked yet; it waits for them "
+                        "(training goes on)", self.sink.unacked if self.sink is not None else 0)
+        return False
+
+    def _publish_at_stop(self, settled: bool) -> bool:
+        """A stop publishes the work since the last version, if Kafka acks what it is owed in time."""
+        if self.ledger.empty():
+            return False
+        if settled or self._settle_outputs(STOP_WAIT_S):
+            return True
+        log.warning("stopping without publishing: Kafka has not acked %d records; the %d steps since "
+                    "version %d are trained again after the restart", self.sink.unacked if self.sink else 0,
+                    self.ledger.steps, self.version)
+        return False
+
+    def stalled_s(self) -> float:
+        """Seconds records have been owed to Kafka with no ack (0 while it is fine)."""
+        return self.sink.stuck_s() if self.sink is not None else 0.0
+
+    def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
+        stalled = self.stalled_s()
+        return stalled < stale_s, {
+            "version": self.version, "step": self.step, "samples": self.samples,
+            "stalled_s": round(stalled, 3), "unannounced": len(self._owed) + self._announcing - self._announced}
 
     def _publish_due(self) -> bool:
         if self.ledger.steps >= self.cfg.publish_every_steps:
@@ -288,30 +369,23 @@ class Trainer:
             "metrics": {k: float(v) for k, v in self.last_stats.items() if math.isfinite(v)},
             "offsets": self.book.to_json(),
         }
-        sha, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra, ledger=self.ledger.to_json())
-        uri = str(self.store.path(version).resolve())
-        if self.cfg.store and "://" in self.cfg.store:
-            uri = mirror(self.store.path(version), self.cfg.store)
+        _, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra, ledger=self.ledger.to_json())
+        self._owed.append(version)  # announced from the next loop turn on
         self.m.version.set(version)
         if "delta_bytes" in man:
             self.m.delta_bytes.set(man["delta_bytes"])
             self.m.delta_ratio.set(man["delta_ratio"])
-        self._announce(version, parent, sha, man, uri, str(dtype).removeprefix("torch."))
+        self._commit_offsets()
         self.ledger = Ledger()
         log.info("published version %d (step %d, %d samples, %s)", version, self.step, extra["samples"], "full" if man["full_snapshot"] else f"delta {man.get('delta_ratio', 0):.1f}x")
 
-    def _announce(self, version: int, parent: int | None, sha: str, man: dict, uri: str, dtype: str) -> None:
-        if self.sink is not None:
-            ev = CheckpointEvent(
-                version=version, parent=parent, step=self.step, uri=uri, manifest_sha256=sha, dtype=dtype,
-                full_snapshot=man["full_snapshot"], samples=man["samples"], metrics=man["metrics"], created_at=now(),
-            )
-            self.sink.write(self.topics.checkpoints, str(version), encode(ev))
-            self.sink.flush(10.0)
-        if self.consumer is not None:  # monitoring only: restarts resume from the manifest's offsets
+    def _commit_offsets(self) -> None:
+        """Commit the durable floors to the group: for lag monitoring only (restarts resume from
+        the manifest's offsets), so asynchronously, never waiting on the broker."""
+        if self.consumer is not None:
             offsets = {TopicPartition(t, p): OffsetAndMetadata(f, "", -1) for (t, p), f in self.book.floors.items()}
             try:
-                self.consumer.commit(offsets)
+                self.consumer.commit_async(offsets)
             except Exception as exc:  # noqa: BLE001 - a rebalance in progress; the next version commits again
                 log.warning("offset commit for monitoring failed: %s", exc)
 

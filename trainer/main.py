@@ -80,7 +80,9 @@ def build(settings: Settings):
     if rank == 0:
         topics = Topics(settings.topic_prefix)
         ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
-        sink = KafkaSink(make_producer(settings.kafka, "trainer"))
+        # bounded like the stages' output producer: a broker that does not answer holds a send
+        # for seconds, and the sink retries it later (flywheel/bus.py, KafkaSink)
+        sink = KafkaSink(make_producer(settings.kafka, "trainer", max_block_ms=5000))
         kw = {
             "consumer": make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
             "sink": sink,
@@ -99,17 +101,14 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: trainer.stop_event.set())
     trainer.start()
     if trainer.rank == 0:
-        server = serve_ops(registry, lambda: _health(trainer), settings.trainer.host, settings.trainer.port)
+        server = serve_ops(registry, trainer.healthy, settings.trainer.host, settings.trainer.port)
         log.info("trainer ops on %s:%d, version %d", settings.trainer.host, server.server_port, trainer.version)
         trainer.subscribe()
     try:
         trainer.run()
     finally:
         if trainer.rank == 0:
-            trainer.consumer.close()
+            trainer.consumer.close(autocommit=False, timeout_ms=5000)
             trainer.sink.close()
     return 0
 
-
-def _health(trainer) -> tuple[bool, dict[str, object]]:
-    return True, {"version": trainer.version, "step": trainer.step, "samples": trainer.samples}

@@ -36,6 +36,8 @@ class TrainerMetrics:
         )
         self.publish_time = Histogram("trainer_publish_seconds", "Time to publish a version", registry=r)
         self.version = Gauge("trainer_version", "Latest published version", registry=r)
+        self.stalled = Gauge("trainer_stalled_seconds", "Seconds records have been owed to Kafka (dead letters, "
+                             "announcements) with no ack; 0 while it is fine", registry=r)
         self.delta_bytes = Gauge("trainer_delta_bytes", "Size of the last published delta", registry=r)
         self.delta_ratio = Gauge("trainer_delta_compression_ratio", "Full weight bytes / delta bytes, last version", registry=r)
 

@@ -11,7 +11,10 @@ pytestmark = pytest.mark.integration
 
 
 def test_demo_runs_the_loop_and_stops(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    # nor the process-group variables an in-process trainer test left here: the demo's trainer
+    # would try to listen on this process's rendezvous port
+    dist_vars = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") and k not in dist_vars}
     env.update(FLYWHEEL_DATA_DIR=str(tmp_path), FLYWHEEL_MODEL_DIR=str(tmp_path / "model"))
     out = subprocess.run(
         [sys.executable, "-m", "flywheel.cli", "demo", "--users", "8", "--wait", "240"],

@@ -54,10 +54,11 @@ def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **
 PYTHON = sys.executable
 
 
-def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None, **cfg):
-    """A :class:`trainer.loop.Trainer` in this process on the CPU, no broker: its steps and
-    publishes are driven directly. ``cfg``: trainer settings; ``trainer_kw``: extra Trainer
-    arguments (``deadletters``, ``sink``)."""
+def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None, topic_prefix: str = "flywheel.",
+                 **cfg):
+    """A :class:`trainer.loop.Trainer` in this process on the CPU, with no Kafka clients unless
+    ``trainer_kw`` gives them (``consumer``, ``sink``, ``deadletters``): its steps and publishes
+    can be driven directly. ``cfg``: trainer settings."""
     from trainer import dist
     from trainer.loop import Trainer
     from trainer.losses import LossConfig
@@ -66,7 +67,8 @@ def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None
     from trainer.policy import Policy
 
     dist.init()
-    settings = Settings(model_dir=model_dir, data_dir=data_dir, trainer=TrainerSettings(**cfg))
+    settings = Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=topic_prefix,
+                        trainer=TrainerSettings(**cfg))
     t = settings.trainer
     loss = LossConfig(t.loss, t.clip_low, t.clip_high, t.tis_cap, t.entropy_coef, t.kl_coef)
     policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr)
