@@ -23,8 +23,8 @@ import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -60,12 +60,33 @@ def make_producer(cfg: KafkaSettings, role: str, **overrides: object) -> KafkaPr
         "acks": "all",
         "enable_idempotence": True,
         "linger_ms": cfg.linger_ms,
+        "request_timeout_ms": cfg.request_timeout_ms,
+        "delivery_timeout_ms": cfg.delivery_timeout_ms,
         "batch_size": 256 * 1024,
         "max_request_size": cfg.max_request_bytes,
         "key_serializer": lambda k: k.encode("utf-8") if isinstance(k, str) else k,
     }
     opts.update(overrides)
     return KafkaProducer(**opts)
+
+
+def force_close(producer: KafkaProducer) -> None:
+    """Close a kafka-python producer now, failing its unsent batches rather than waiting on them.
+
+    kafka-python's ``close(timeout=0)`` flushes first and raises when batches are pending, so it
+    never reaches its own force-close step; do that step here (the sender then fails the pending
+    futures) and mark the producer closed so its finaliser does not try to flush again.
+    """
+    try:
+        producer.close(timeout=0)
+        return
+    except Exception:
+        log.debug("producer close(timeout=0) raised; forcing", exc_info=True)
+    sender = getattr(producer, "_sender", None)
+    if sender is not None:
+        sender.force_close()
+    if hasattr(producer, "_closed"):
+        producer._closed = True
 
 
 #: One delivery report: (token, topic, partition, offset, error). ``error`` is None when the
@@ -94,20 +115,63 @@ class OutputProducer(Protocol):
     def close(self) -> None: ...
 
 
+class RenewableProducer:
+    """A kafka-python producer that is made when first needed and replaced after a failed send.
+
+    kafka-python's idempotent producer sends nothing more after it gives up on a batch that was
+    already on the wire (a broker stall longer than ``delivery_timeout_ms``): it drops its
+    producer id and never asks for a new one, so every later send waits forever. The senders
+    below therefore :meth:`retire` a producer whose send failed; the next :meth:`get` makes a new
+    one. Making one needs the broker: while it does not answer, :meth:`get` raises
+    :class:`~kafka.errors.KafkaError` (after the factory's ``bootstrap_timeout_ms``).
+    """
+
+    def __init__(self, factory: Callable[[], KafkaProducer]) -> None:
+        self._factory = factory
+        self.current: KafkaProducer | None = None
+        self.made = 0  # producers made so far
+        self.retired = 0  # producers retired after a failed send
+
+    def get(self) -> KafkaProducer:
+        if self.current is None:
+            self.current = self._factory()
+            self.made += 1
+        return self.current
+
+    def retire(self) -> None:
+        """Close the current producer now, failing what it still holds (its senders resend)."""
+        if self.current is not None:
+            old, self.current = self.current, None
+            self.retired += 1
+            force_close(old)
+
+    def close(self, timeout_s: float) -> None:
+        """Deliver what the current producer holds within ``timeout_s``, else fail it."""
+        if self.current is not None:
+            try:
+                self.current.close(timeout=timeout_s)
+            except KafkaError:  # its close() flushes first and raises on the timeout, closing nothing
+                force_close(self.current)
+            self.current = None
+
+
 class KafkaPythonOutput:
     """:class:`OutputProducer` over kafka-python (:func:`make_producer`).
 
     Acks arrive on kafka-python's I/O thread; they are handed over through a deque, whose
-    append and popleft are atomic, so no report is lost between the two threads.
+    append and popleft are atomic, so no report is lost between the two threads. A failed send
+    retires the producer (:class:`RenewableProducer`); its other pending sends fail with it, and
+    the outbox settles their shard before it sends them again.
     """
 
-    def __init__(self, producer: KafkaProducer) -> None:
-        self.producer = producer
+    def __init__(self, factory: Callable[[], KafkaProducer]) -> None:
+        self.producer = RenewableProducer(factory)
         self._done: deque[Delivery] = deque()
+        self._failed_current = False  # a send of the current producer failed: retire it
 
     def partitions(self, topic: str) -> int | None:
         try:
-            parts = self.producer.partitions_for(topic)  # waits up to max_block_ms for metadata
+            parts = self.producer.get().partitions_for(topic)  # waits up to max_block_ms for metadata
         except KafkaError as exc:
             log.debug("no metadata for %s: %s", topic, exc)
             return None
@@ -115,30 +179,40 @@ class KafkaPythonOutput:
 
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
              headers: list[tuple[str, bytes]]) -> None:
-        fut = self.producer.send(topic, key=key, value=value, partition=partition, headers=headers)
+        producer = self.producer.get()  # KafkaError while none can be made: the turn is retried
+        fut = producer.send(topic, key=key, value=value, partition=partition, headers=headers)
         fut.add_callback(self._acked, token)
-        fut.add_errback(self._failed, token, topic, partition)
+        fut.add_errback(self._failed, producer, token, topic, partition)
 
     def _acked(self, token: int, md: object) -> None:
         self._done.append((token, md.topic, md.partition, md.offset, None))  # type: ignore[attr-defined]
 
-    def _failed(self, token: int, topic: str, partition: int, exc: BaseException) -> None:
+    def _failed(self, producer: KafkaProducer, token: int, topic: str, partition: int,
+                exc: BaseException) -> None:
+        if producer is self.producer.current:  # not the failures a retired producer's close causes
+            self._failed_current = True
         self._done.append((token, topic, partition, -1, exc))
 
     def reports(self) -> list[Delivery]:
+        if self._failed_current:  # retired here, on the caller's thread, not on the I/O thread
+            self._failed_current = False
+            log.warning("a send failed; replacing the producer (its pending sends fail and are settled)")
+            self.producer.retire()
         done, pop = [], self._done.popleft
         for _ in range(len(self._done)):
             done.append(pop())
         return done
 
     def flush(self, timeout_s: float) -> None:
+        if self.producer.current is None:  # a retired producer's sends are failed, not flushed
+            return
         try:
-            self.producer.flush(timeout=timeout_s)
+            self.producer.current.flush(timeout=timeout_s)
         except KafkaError as exc:  # KafkaTimeoutError: the same condition as librdkafka's below
             raise TimeoutError(f"records still unacknowledged after {timeout_s}s ({exc})") from exc
 
     def close(self) -> None:
-        self.producer.close()
+        self.producer.close(5.0)
 
 
 class ConfluentOutput:
@@ -147,21 +221,36 @@ class ConfluentOutput:
     librdkafka batches, sends and retries on its own C threads; delivery callbacks run on this
     thread inside ``poll``/``flush``, so reports need no lock. Idempotence (``acks=all``,
     sequence numbers per partition) is librdkafka's, as in kafka-python.
+
+    A failed send retires the producer for a new one, as in :class:`KafkaPythonOutput`. After
+    giving up on a send, librdkafka bumps its producer epoch to go on; the embedded broker answers
+    that bump by fencing the producer, which then fails every later send with PRODUCER_FENCED
+    (not even flagged fatal). The retired producer's pending sends are purged and reported failed,
+    and the outbox settles their shard before it sends them again.
     """
 
     def __init__(self, cfg: KafkaSettings, role: str) -> None:
-        from confluent_kafka import Producer  # imported here: only stage outputs need it
-
-        self.producer = Producer({
+        self._conf = {
             "bootstrap.servers": cfg.bootstrap,
             "client.id": f"{cfg.client_id}-{role}",
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": cfg.linger_ms,
+            "request.timeout.ms": cfg.request_timeout_ms,
+            "message.timeout.ms": cfg.delivery_timeout_ms,
             "message.max.bytes": cfg.max_request_bytes,
             "logger": logging.getLogger("confluent_kafka"),
-        })
+        }
         self._done: list[Delivery] = []
+        self.made = self.retired = 0
+        self._failed_current = False  # a send of the current producer failed: retire it
+        self.producer = self._make()
+
+    def _make(self) -> Any:
+        from confluent_kafka import Producer  # imported here: only stage outputs need it
+
+        self.made += 1
+        return Producer(self._conf)  # connects in the background: never blocks here
 
     def partitions(self, topic: str) -> int | None:
         from confluent_kafka import KafkaException
@@ -177,7 +266,7 @@ class ConfluentOutput:
 
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
              headers: list[tuple[str, bytes]]) -> None:
-        report = functools.partial(self._report, token, topic, partition)
+        report = functools.partial(self._report, self.made, token, topic, partition)
         while True:
             try:
                 self.producer.produce(topic, value, key, partition=partition, headers=headers,
@@ -186,18 +275,31 @@ class ConfluentOutput:
             except BufferError:  # librdkafka's local queue is full: serve acks, then retry
                 self.producer.poll(0.05)
 
-    def _report(self, token: int, topic: str, partition: int, err: object, msg: object) -> None:
+    def _report(self, made: int, token: int, topic: str, partition: int, err: object, msg: object) -> None:
         if err is None:
             self._done.append((token, topic, partition, msg.offset(), None))  # type: ignore[attr-defined]
         else:
             from confluent_kafka import KafkaException
 
+            if made == self.made:  # not the purged sends of a retired producer
+                self._failed_current = True
             self._done.append((token, topic, partition, -1, KafkaException(err)))
 
     def reports(self) -> list[Delivery]:
         self.producer.poll(0)
+        if self._failed_current:
+            self._retire()
         done, self._done = self._done, []
         return done
+
+    def _retire(self) -> None:
+        old, self.producer = self.producer, self._make()
+        self.retired += 1
+        self._failed_current = False
+        log.warning("a send failed; replacing the producer (its pending sends fail and are settled)")
+        old.purge()  # what it still holds is reported failed, by the poll below
+        old.poll(0)
+        old.close()
 
     def flush(self, timeout_s: float) -> None:
         left = self.producer.flush(timeout_s)
@@ -218,7 +320,7 @@ def make_output_producer(cfg: KafkaSettings, role: str) -> OutputProducer:
         return ConfluentOutput(cfg, role)
     # bounded like librdkafka's metadata wait above, so a broker that does not answer holds the
     # stage's loop for seconds per turn, not a minute (kafka-python's default max_block_ms)
-    return KafkaPythonOutput(make_producer(cfg, role, max_block_ms=5000))
+    return KafkaPythonOutput(lambda: make_producer(cfg, role, max_block_ms=5000, bootstrap_timeout_ms=5000))
 
 
 def make_consumer(
@@ -293,10 +395,14 @@ class KafkaSink:
     version, which settles the offsets of the records it dead-lettered, only once :meth:`settle`
     says those letters are acked. Nothing here blocks on a broker that does not answer: a send
     that cannot even be queued, or that the producer gave up on, is kept and sent again.
+
+    A send the producer gave up on also retires that producer (:class:`RenewableProducer`), and
+    every record still owed goes out again through the next one ``factory`` makes: delivery is
+    at least once.
     """
 
-    def __init__(self, producer: KafkaProducer) -> None:
-        self.producer = producer
+    def __init__(self, factory: Callable[[], KafkaProducer]) -> None:
+        self.producer = RenewableProducer(factory)
         # (future or None while not queued, topic, key, value), in write order
         self._unacked: list[tuple[object | None, str, str | None, bytes]] = []
         self._progress = time.monotonic()  # the last ack seen, or when records began to be owed
@@ -313,8 +419,8 @@ class KafkaSink:
 
     def _send(self, topic: str, key: str | None, value: bytes) -> object | None:
         try:
-            return self.producer.send(topic, key=key, value=value)
-        except KafkaError as exc:  # no metadata, or the buffer is full: the broker does not answer
+            return self.producer.get().send(topic, key=key, value=value)
+        except KafkaError as exc:  # no producer, no metadata or a full buffer: the broker does not answer
             log.debug("send to %s not queued (%s); retried on the next settle", topic, exc)
             return None
 
@@ -324,26 +430,35 @@ class KafkaSink:
         Records whose send failed (or never got queued) are sent again; they count as unacked
         until that send is acked. Call it every loop turn: it is what notices acks.
         """
-        if self._unacked and timeout_s > 0:
+        if self._unacked and timeout_s > 0 and self.producer.current is not None:
             try:
-                self.producer.flush(timeout=timeout_s)
+                self.producer.current.flush(timeout=timeout_s)
             except KafkaError:  # KafkaTimeoutError: still owed, and reported below
                 pass
-        left: list[tuple[object | None, str, str | None, bytes]] = []
-        acked, queueing = False, True
+        owed: list[tuple[object | None, str, str | None, bytes]] = []
+        acked, failed = False, None
         for fut, topic, key, value in self._unacked:
-            if fut is not None and not fut.is_done:  # type: ignore[attr-defined]
-                left.append((fut, topic, key, value))
-            elif fut is None or fut.failed():  # type: ignore[attr-defined]
-                if fut is not None:
-                    log.warning("send to %s failed (%s); sending it again", topic, fut.exception)  # type: ignore[attr-defined]
-                fut = self._send(topic, key, value) if queueing else None
-                queueing = fut is not None
-                left.append((fut, topic, key, value))
-            else:
+            if fut is not None and fut.is_done and not fut.failed():  # type: ignore[attr-defined]
                 acked = True
+                continue
+            if fut is not None and fut.failed():  # type: ignore[attr-defined]
+                failed, fut = failed or fut.exception, None  # type: ignore[attr-defined]
+            owed.append((fut, topic, key, value))
+        if failed is not None:  # what the old producer still held is failed by its close: all of it again
+            log.warning("a send failed (%s); replacing the producer, the %d records owed go out through "
+                        "the new one", failed, len(owed))
+            self.producer.retire()
+            owed = [(None, topic, key, value) for _, topic, key, value in owed]
         if acked:
             self._progress = time.monotonic()
+        # (re)send what is not queued, in write order, until one cannot be queued
+        left: list[tuple[object | None, str, str | None, bytes]] = []
+        queueing = True
+        for fut, topic, key, value in owed:
+            if fut is None and queueing:
+                fut = self._send(topic, key, value)
+                queueing = fut is not None
+            left.append((fut, topic, key, value))
         self._unacked, self._queueing = left, queueing
         return not left
 
@@ -363,15 +478,10 @@ class KafkaSink:
         """Bounded, whatever the broker does: records still unacked then are given up, which
         the caller's own protocol must allow for (the trainer's does: docs/trainer.md)."""
         if self.settle(timeout_s):
-            self.producer.close(timeout=timeout_s)
+            self.producer.close(timeout_s)
             return
-        # kafka-python's close() flushes first and raises when that times out, before closing
-        # anything: its sender is a daemon thread, left to the process's exit
         log.warning("closing with %d records unacknowledged by Kafka", len(self._unacked))
-        try:
-            self.producer.close(timeout=0)
-        except KafkaError:
-            pass
+        self.producer.retire()
 
 
 def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | None = None) -> None:

@@ -53,11 +53,26 @@ class KafkaSettings(_Section):
     """Largest produce request; records hold token ids and logprobs, so allow a few MB."""
     linger_ms: int = Field(default=5, ge=0)
     """Producer batching delay: trades a few ms of latency for far fewer requests."""
+    request_timeout_ms: int = Field(default=30_000, ge=500)
+    """How long a producer waits for the broker to answer one request before retrying it."""
+    delivery_timeout_ms: int = Field(default=120_000, ge=1_000)
+    """How long a producer keeps retrying a record before it reports the send failed. Nothing is
+    lost when that happens: the sender keeps the record, replaces the producer and sends it again
+    (at least once; the stages' outbox settles its shard first and stays exactly once). Must be at
+    least ``request_timeout_ms + linger_ms``."""
     producer_client: Literal["confluent", "kafka-python"] = "confluent"
     """Client library for the ingest and reward stages' exactly-once outputs (their outbox):
     ``confluent`` (librdkafka; a third or less of kafka-python's CPU per record in
     bench/ingest_throughput.py) or ``kafka-python``. Both are idempotent with ``acks=all``; every
     other Kafka client (consumers, serving's producer) is kafka-python either way."""
+
+    @field_validator("delivery_timeout_ms")
+    @classmethod
+    def _delivery_covers_a_request(cls, v: int, info: Any) -> int:
+        floor = info.data.get("request_timeout_ms", 30_000) + info.data.get("linger_ms", 5)
+        if v < floor:
+            raise ValueError(f"delivery_timeout_ms={v} must be at least request_timeout_ms + linger_ms ({floor})")
+        return v
 
     @field_validator("heartbeat_interval_ms")
     @classmethod

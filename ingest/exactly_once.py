@@ -500,7 +500,8 @@ class Outbox:
             if shard is None:
                 continue  # not ours any more (cannot happen while one Outbox owns the producer)
             if error is not None:
-                log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
+                if not failed:  # one line per turn: a stall fails every send in flight at once
+                    log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
                 self._suspect.add(shard)
                 self._frozen.add((topic, part))
                 failed.append(seq)
@@ -510,6 +511,9 @@ class Outbox:
                 marks[(shard, topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
+        if len(failed) > 1:
+            log.warning("%d sends failed in all (rows %d-%d), shards %s to settle", len(failed), min(failed),
+                        max(failed), sorted(self._suspect))
         if failed and self._in_flight:
             # drain, so the failed rows (below the highest seq in flight) are read again
             self.producer.flush(self.flush_timeout_s)

@@ -41,7 +41,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from flywheel.bus import make_producer
+from flywheel.bus import force_close, make_producer
 from flywheel.contracts import FeedbackEvent, GenerationEvent, encode
 from flywheel.settings import KafkaSettings
 from serving.journal import Journal, JournalFull
@@ -71,25 +71,6 @@ def _resolve(done: Future | None, exc: BaseException | None = None) -> None:
             done.set_exception(exc)
     except InvalidStateError:  # cancelled between the check and the set
         pass
-
-
-def force_close(producer: Any) -> None:
-    """Close a producer now, aborting unsent batches rather than delivering them much later.
-
-    kafka-python's ``close(timeout=0)`` flushes first and raises when batches are pending, so it
-    never reaches its own force-close step; do that step here (the sender then fails the pending
-    futures) and mark the producer closed so its finaliser does not try to flush again.
-    """
-    try:
-        producer.close(timeout=0)
-        return
-    except Exception:
-        log.debug("producer close(timeout=0) raised; forcing", exc_info=True)
-    sender = getattr(producer, "_sender", None)
-    if sender is not None:
-        sender.force_close()
-    if hasattr(producer, "_closed"):
-        producer._closed = True
 
 
 class RecorderMetrics:

@@ -82,7 +82,8 @@ def build(settings: Settings):
         ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
         # bounded like the stages' output producer: a broker that does not answer holds a send
         # for seconds, and the sink retries it later (flywheel/bus.py, KafkaSink)
-        sink = KafkaSink(make_producer(settings.kafka, "trainer", max_block_ms=5000))
+        sink = KafkaSink(lambda: make_producer(settings.kafka, "trainer", max_block_ms=5000,
+                                               bootstrap_timeout_ms=5000))
         kw = {
             "consumer": make_consumer(settings.kafka, "trainer", cfg.group_id, max_poll_records=max(256, 4 * cfg.batch_size)),
             "sink": sink,

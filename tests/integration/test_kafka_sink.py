@@ -19,11 +19,15 @@ pytestmark = pytest.mark.integration
 
 
 def test_sends_that_fail_or_cannot_be_queued_are_kept_and_sent_again(broker, kafka_settings, topics):
-    producer = make_producer(kafka_settings, "sink-test", max_block_ms=1000, linger_ms=0)
     sends = []
-    real_send = producer.send
-    producer.send = lambda topic, **kw: sends.append(topic) or real_send(topic, **kw)
-    sink = KafkaSink(producer)
+
+    def counted_producer():
+        producer = make_producer(kafka_settings, "sink-test", max_block_ms=1000, linger_ms=0)
+        real_send = producer.send
+        producer.send = lambda topic, **kw: sends.append(topic) or real_send(topic, **kw)
+        return producer
+
+    sink = KafkaSink(counted_producer)
     sink.write(topics.deadletter, "k0", b"v0")
     assert sink.settle(10) and sink.stuck_s() == 0
     fresh = f"{topics.prefix}fresh"  # created after the producer's last metadata: unknown to it

@@ -383,8 +383,13 @@ def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker
     lose their group membership and their sends wait. Then, as serving replays what it journaled,
     each chunk's generations arrive after their windows' deadlines and their feedback a second
     later. The stages keep running, every in-time signal still counts, and the outcome is still
-    exactly once."""
+    exactly once.
+
+    The stages' producers give up on a send after 3 s here, so the sends in flight when the
+    broker stopped fail during the stall: each stage replaces its producer, settles the shard
+    and sends again (a producer that gave up once delivered nothing more, against this broker)."""
     env = stage_env(kafka_settings, topics, tmp_path)
+    env.update(FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS="1000", FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS="3000")
     t0 = time.time() + 3.0
     ds = build_dataset(topics, chunks=8, per_chunk=200, t0=t0)
     stages = Stages(env, tmp_path)
@@ -412,6 +417,8 @@ def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker
                     broker.resume()
         check_outcome(kafka_settings, topics, ds, tmp_path)
         assert {name: p.poll() for name, p in stages.procs.items()} == {"ingest": None, "reward": None}
+        # the stall did outlast a send (ingest closes windows during it): the path above ran
+        assert "a send failed; replacing the producer" in (tmp_path / "ingest.log").read_text(errors="replace")
     finally:
         producer.close()
         stages.stop()

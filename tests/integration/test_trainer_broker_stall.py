@@ -44,7 +44,7 @@ def produce(kafka_settings, topics, records: dict[str, bytes]) -> None:
 
 
 def trainer(kafka_settings, topics, model_dir: Path, data_dir: Path, **cfg):
-    sink = KafkaSink(make_producer(kafka_settings, "trainer"))
+    sink = KafkaSink(lambda: make_producer(kafka_settings, "trainer"))
     consumer = make_consumer(kafka_settings, "trainer", f"{topics.prefix}trainer", max_poll_records=256)
     dead = DeadLetters(sink, topics.deadletter, "trainer", new_registry(), DEADLETTER_REASONS)
     tr = make_trainer(model_dir, data_dir, {"consumer": consumer, "sink": sink, "deadletters": dead},

@@ -89,3 +89,17 @@ def test_every_expression_is_valid_promql():
         except ValueError as exc:
             bad.append(f"{expr.strip()!r}: {exc}")
     assert not bad, "\n".join(bad)
+
+
+def test_every_deployed_scrape_job_is_watched_for_being_down():
+    """FlywheelProcessDown selects jobs by a regex: a job added to the deployment under another
+    name would never page when its process dies."""
+    rules = {r["alert"]: r for g in yaml.safe_load((DASH / "prometheus" / "alerts.yml").read_text())["groups"]
+             for r in g["rules"]}
+    selector = re.fullmatch(r'up\{job=~"([^"]+)"\} == 0', rules["FlywheelProcessDown"]["expr"].strip())
+    assert selector, rules["FlywheelProcessDown"]["expr"]
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    jobs = [j["job_name"] for j in scrape["scrape_configs"]]
+    assert len(jobs) == 4  # serve, ingest, reward, trainer
+    unwatched = [j for j in jobs if not re.fullmatch(selector.group(1), j)]
+    assert not unwatched, f"scrape jobs FlywheelProcessDown does not cover: {unwatched}"

@@ -22,6 +22,10 @@ class Producer:
     def __init__(self) -> None:
         self.sent: list[tuple[str, str, Future]] = []
         self.refuse = False
+        self.closed = False
+
+    def close(self, timeout=None):
+        self.closed = True
 
     def send(self, topic, key=None, value=None):
         if self.refuse:
@@ -39,23 +43,30 @@ def fail(fut: Future) -> None:
     fut.is_done, fut.exception = True, KafkaTimeoutError("expired")
 
 
-def test_a_failed_send_is_sent_again_and_owed_until_that_one_is_acked():
-    producer = Producer()
-    sink = KafkaSink(producer)
+def test_a_failed_send_retires_the_producer_and_what_is_owed_goes_out_again_through_a_new_one():
+    made = [Producer()]
+    sink = KafkaSink(lambda: made[-1])
     sink.write("t", "a", b"1")
     sink.write("t", "b", b"2")
-    ack(producer.sent[0][2])
-    fail(producer.sent[1][2])
+    sink.write("t", "c", b"3")
+    old = made[0]
+    ack(old.sent[0][2])
+    made.append(Producer())  # the next one the factory makes
+    fail(old.sent[1][2])  # "c" is still pending on the old producer
     assert not sink.settle()
-    assert [k for _, k, _ in producer.sent] == ["a", "b", "b"]  # only the failed one again
-    assert sink.unacked == 1
-    ack(producer.sent[2][2])
+    assert old.closed and sink.producer.retired == 1
+    assert [k for _, k, _ in made[1].sent] == ["b", "c"]  # the acked "a" is not sent again
+    assert sink.unacked == 2
+    ack(made[1].sent[0][2])
+    assert not sink.settle() and sink.unacked == 1
+    ack(made[1].sent[1][2])
     assert sink.settle() and sink.unacked == 0 and sink.stuck_s() == 0
+    assert sink.producer.made == 2 and sink.producer.retired == 1
 
 
 def test_sends_that_cannot_be_queued_wait_and_go_out_in_order_once_one_can():
     producer = Producer()
-    sink = KafkaSink(producer)
+    sink = KafkaSink(lambda: producer)
     producer.refuse = True
     sink.write("t", "a", b"1")
     sink.write("t", "b", b"2")  # not tried: the one before could not be queued
@@ -66,3 +77,4 @@ def test_sends_that_cannot_be_queued_wait_and_go_out_in_order_once_one_can():
     for _, _, fut in producer.sent:
         ack(fut)
     assert sink.settle() and sink.unacked == 0
+    assert sink.producer.retired == 0 and not producer.closed  # refusals are no failure of the producer

@@ -52,3 +52,10 @@ def test_bad_value_names_the_field():
 def test_heartbeat_must_be_below_session_timeout():
     with pytest.raises(SettingsError, match="heartbeat_interval_ms"):
         load_settings(env={"FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000", "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "1500"})
+
+
+def test_delivery_timeout_must_cover_a_request_and_the_linger():
+    env = {"FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS": "1000", "FLYWHEEL_KAFKA_LINGER_MS": "5"}
+    with pytest.raises(SettingsError, match=r"delivery_timeout_ms=1004 must be at least .*\(1005\)"):
+        load_settings(env={**env, "FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS": "1004"})
+    assert load_settings(env={**env, "FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS": "1005"}).kafka.delivery_timeout_ms == 1005
