@@ -11,6 +11,11 @@ from pathlib import Path
 
 # (row title, [(panel title, unit, [(expr, legend)])])
 ROWS = [
+    ("Processes", [
+        ("Processes up by job, of their scrape targets", "short", [
+            ('sum by (job) (up{job=~"flywheel-.+"})', "{{job}} up"),
+            ('count by (job) (up{job=~"flywheel-.+"})', "{{job}} targets")]),
+    ]),
     ("Serving", [
         ("Requests/s by route and status", "reqps", [
             ('sum by (route, status) (rate(serving_requests_total[5m]))', "{{route}} {{status}}")]),
