@@ -49,7 +49,10 @@ WINDOW_S, GRACE_S = 2.0, 0.5
 ACCEPT, REJECT, BONUS, REF_MS = 0.75, -0.25, 0.1, 10_000.0
 REPEAT_PENALTY = 0.5
 CONSTANT_USER, CONSTANT_MIN = "u-constant", 20
-STALL_S = 6.0  # three of the tests' consumer sessions: every group membership expires
+#: Four of the tests' consumer sessions (every group membership expires), and longer than a send
+#: made early in the stall takes to fail (the stall test's 3 s delivery timeout, plus librdkafka's
+#: once-a-second scan for timed-out sends).
+STALL_S = 8.0
 STALL_AFTER_CHUNK = 3
 REPLAY_GAP_S = 1.0  # feedback behind its generation in a replay: longer than GRACE_S, within WINDOW_S
 
@@ -378,6 +381,26 @@ def test_pipeline_survives_sigkill_soak(kafka_settings, topics, tmp_path):
     run_with_kills(kafka_settings, topics, tmp_path, chunks=30, per_chunk=300, kill_every=1)
 
 
+def wait_consumed(kafka_settings, group_id: str, sent: list, timeout_s: float = 30.0) -> None:
+    """Wait until ``group_id`` has committed offsets past every record in ``sent`` (their
+    ``RecordMetadata``): the stage has processed them."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    want: dict[TopicPartition, int] = {}
+    for md in sent:
+        tp = TopicPartition(md.topic, md.partition)
+        want[tp] = max(want.get(tp, 0), md.offset + 1)
+    consumer = KafkaConsumer(bootstrap_servers=kafka_settings.bootstrap, group_id=group_id,
+                             enable_auto_commit=False)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any((consumer.committed(tp) or 0) < end for tp, end in want.items()):
+            assert time.monotonic() < deadline, f"{group_id} did not consume {want} in {timeout_s}s"
+            time.sleep(0.05)
+    finally:
+        consumer.close(autocommit=False)
+
+
 def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker):
     """The broker stops answering mid-stream for longer than a consumer session: both stages
     lose their group membership and their sends wait. Then, as serving replays what it journaled,
@@ -400,16 +423,22 @@ def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker
         for c, chunk in enumerate(ds.chunks):
             time.sleep(max(0.0, t0 + c * 1.0 - time.time()))
             replayed = c > STALL_AFTER_CHUNK
+            if c == STALL_AFTER_CHUNK:
+                # Ingest has sent an episode, so it knows where episodes go: the stall's windows
+                # are sent and fail, rather than wait for partition metadata (a slow start).
+                assert read_all(kafka_settings.bootstrap, topics.episodes, expect=1, timeout_s=60), \
+                    "ingest delivered no episode before the stall"
             waves = ([[r for r in chunk if r[0] == topics.generations], [r for r in chunk if r[0] != topics.generations]]
                      if replayed else [chunk])
             for wave in waves:
-                for topic, key, value in wave:
-                    producer.send(topic, key=key, value=value)
+                sent = [producer.send(topic, key=key, value=value) for topic, key, value in wave]
                 producer.flush()
                 if replayed:
                     time.sleep(REPLAY_GAP_S)
             if c == STALL_AFTER_CHUNK:
-                time.sleep(0.3)  # into the processing of the chunk just sent
+                # Stop the broker once ingest has read this chunk: its windows then close (and
+                # their episodes are sent) window_s after ingest read them, inside the stall.
+                wait_consumed(kafka_settings, f"{topics.prefix}ingest", [f.get() for f in sent])
                 broker.pause()
                 try:
                     time.sleep(STALL_S)
