@@ -22,7 +22,6 @@ It imports no stage code: stages are processes talking over the broker, as in pr
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import secrets
 import signal
@@ -32,13 +31,22 @@ import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import httpx
 
 from flywheel.broker import EmbeddedBroker, free_port
 from flywheel.bus import ensure_topics
-from flywheel.contracts import Topics
+from flywheel.contracts import (
+    CheckpointEvent,
+    DeadLetterEvent,
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    RewardEvent,
+    Topics,
+    decode,
+)
 from flywheel.settings import Settings
 
 PROMPTS = (
@@ -182,39 +190,34 @@ def _synthetic_users(base: str, key: str, prompts: int) -> dict[str, str]:
 
 def _show_pipeline(bootstrap: str, topics: Topics, judged: dict[str, str], timeout_s: float) -> None:
     """Wait for every judged generation's reward and the first published checkpoint."""
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(
-        topics.episodes, topics.rewards, topics.checkpoints, topics.deadletter,
-        bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
-    )
-    seen: dict[str, list[dict]] = {t: [] for t in (topics.episodes, topics.rewards, topics.checkpoints, topics.deadletter)}
+    reader = _TopicReader(bootstrap, {topics.episodes: EpisodeEvent, topics.rewards: RewardEvent,
+                                      topics.checkpoints: CheckpointEvent, topics.deadletter: DeadLetterEvent})
+    episodes: list[EpisodeEvent] = reader.seen[topics.episodes]
+    rewards: list[RewardEvent] = reader.seen[topics.rewards]
+    checkpoints: list[CheckpointEvent] = reader.seen[topics.checkpoints]
+    dead: list[DeadLetterEvent] = reader.seen[topics.deadletter]
     deadline = time.monotonic() + timeout_s
-    rewarded: set[str] = set()
-    def trained() -> bool:  # v0 is the base model the trainer announces at start
-        return any(c["version"] > 0 for c in seen[topics.checkpoints])
 
-    while time.monotonic() < deadline and not (judged.keys() <= rewarded and trained()):
-        for recs in consumer.poll(timeout_ms=500).values():
-            for r in recs:
-                seen[r.topic].append(json.loads(r.value))
-                if r.topic == topics.rewards:
-                    rewarded.add(seen[r.topic][-1]["generation_id"])
-    consumer.close()
+    def trained() -> bool:  # v0 is the base model the trainer announces at start
+        return any(c.version > 0 for c in checkpoints)
+
+    while time.monotonic() < deadline and not (judged.keys() <= {r.generation_id for r in rewards} and trained()):
+        reader.poll()
+    reader.close()
     by_signal: dict[str, list[float]] = {}
-    for r in seen[topics.rewards]:
-        by_signal.setdefault(r["signal"], []).append(r["reward"])
-    _say(f"episodes: {len(seen[topics.episodes])}, rewards: {len(seen[topics.rewards])}, dead letters: {len(seen[topics.deadletter])}")
+    for r in rewards:
+        by_signal.setdefault(r.signal, []).append(r.reward)
+    _say(f"episodes: {len(episodes)}, rewards: {len(rewards)}, dead letters: {len(dead)}")
     for signal_, values in sorted(by_signal.items()):
         _say(f"  reward for {signal_:>6}: n={len(values):3d} mean={sum(values) / len(values):+.3f}")
-    for d in seen[topics.deadletter][:5]:
-        _say(f"  dead letter from {d['stage']}: {d['reason']} ({d['detail'][:80]})")
+    for d in dead[:5]:
+        _say(f"  dead letter from {d.stage}: {d.reason} ({d.detail[:80]})")
     if not trained():
         _say(f"no trained checkpoint published within {timeout_s:.0f}s (see data_dir/logs/train.log)")
-    for c in seen[topics.checkpoints]:
+    for c in checkpoints:
         _say(
-            f"  checkpoint v{c['version']} (parent {c['parent']}, step {c['step']}, {c['samples']} samples, "
-            f"{'full' if c['full_snapshot'] else 'delta'}) at {c['uri']}"
+            f"  checkpoint v{c.version} (parent {c.parent}, step {c.step}, {c.samples} samples, "
+            f"{'full' if c.full_snapshot else 'delta'}) at {c.uri}"
         )
 
 
@@ -273,25 +276,43 @@ def _client_session(base: str, key: str) -> list[str]:
 
 
 def _show_topics(bootstrap: str, topics: Topics, expect_generations: int) -> None:
-    from kafka import KafkaConsumer
-
-    consumer = KafkaConsumer(
-        topics.generations, topics.feedback,
-        bootstrap_servers=bootstrap, group_id=None, auto_offset_reset="earliest", enable_auto_commit=False,
-    )
-    seen: dict[str, list[dict]] = {topics.generations: [], topics.feedback: []}
+    reader = _TopicReader(bootstrap, {topics.generations: GenerationEvent, topics.feedback: FeedbackEvent})
+    generations: list[GenerationEvent] = reader.seen[topics.generations]
+    feedback: list[FeedbackEvent] = reader.seen[topics.feedback]
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (len(seen[topics.generations]) < expect_generations or len(seen[topics.feedback]) < 5):
-        for recs in consumer.poll(timeout_ms=500).values():
-            for r in recs:
-                seen[r.topic].append(json.loads(r.value))
-    consumer.close()
-    for g in seen[topics.generations]:
+    while time.monotonic() < deadline and (len(generations) < expect_generations or len(feedback) < 5):
+        reader.poll()
+    reader.close()
+    for g in generations:
         _say(
-            f"  {topics.generations}: {g['generation_id']} v{g['model_version']} user={g['user_id'][:8]} "
-            f"prompt_tokens={len(g['prompt_token_ids'])} completion_tokens={len(g['completion_token_ids'])} "
-            f"logprobs={len(g['logprobs'])} mean_logprob={sum(g['logprobs']) / max(1, len(g['logprobs'])):.2f} "
-            f"finish={g['finish_reason']} latency={g['latency_ms']:.0f}ms"
+            f"  {topics.generations}: {g.generation_id} v{g.model_version} user={g.user_id[:8]} "
+            f"prompt_tokens={len(g.prompt_token_ids)} completion_tokens={len(g.completion_token_ids)} "
+            f"logprobs={len(g.logprobs)} mean_logprob={sum(g.logprobs) / max(1, len(g.logprobs)):.2f} "
+            f"finish={g.finish_reason} latency={g.latency_ms:.0f}ms"
         )
-    for f in seen[topics.feedback]:
-        _say(f"  {topics.feedback}: {f['feedback_id'][:8]} -> {f['generation_id']} {f['signal']}")
+    for f in feedback:
+        _say(f"  {topics.feedback}: {f.feedback_id[:8]} -> {f.generation_id} {f.signal}")
+
+
+class _TopicReader:
+    """Reads topics from the start, decoding each record with its contract as a consumer would.
+
+    A record that fails its contract is a bug in the demo's own pipeline: it stops the demo
+    with the contract's reason rather than being shown as if it were fine.
+    """
+
+    def __init__(self, bootstrap: str, contracts: dict[str, type]) -> None:
+        from kafka import KafkaConsumer
+
+        self.contracts = contracts
+        self.seen: dict[str, list[Any]] = {t: [] for t in contracts}
+        self.consumer = KafkaConsumer(*contracts, bootstrap_servers=bootstrap, group_id=None,
+                                      auto_offset_reset="earliest", enable_auto_commit=False)
+
+    def poll(self) -> None:
+        for recs in self.consumer.poll(timeout_ms=500).values():
+            for r in recs:
+                self.seen[r.topic].append(decode(self.contracts[r.topic], r.value))
+
+    def close(self) -> None:
+        self.consumer.close()
