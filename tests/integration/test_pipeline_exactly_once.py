@@ -408,9 +408,9 @@ def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker
     later. The stages keep running, every in-time signal still counts, and the outcome is still
     exactly once.
 
-    The stages' producers give up on a send after 3 s here, so the sends in flight when the
-    broker stopped fail during the stall: each stage replaces its producer, settles the shard
-    and sends again (a producer that gave up once delivered nothing more, against this broker)."""
+    The stages' producers give up on a send after 3 s here, so the episodes ingest sends early
+    in the stall fail before it ends: it replaces its producer, settles the shard and sends
+    again (a producer that gave up once delivered nothing more, against this broker)."""
     env = stage_env(kafka_settings, topics, tmp_path)
     env.update(FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS="1000", FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS="3000")
     t0 = time.time() + 3.0
