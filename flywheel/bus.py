@@ -360,11 +360,17 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
                 ) -> Iterator[tuple[TopicPartition, ConsumerRecord]]:
     """Every record of each partition from its start offset (None: its beginning) up to the high
     watermark the reads see; RuntimeError if a partition is not read to its end in ``timeout_s``.
+    A start the partition no longer holds reads from its oldest record.
 
     No consumer group: a one-off read (the outbox recovery scan, ``flywheel deadletters``).
     """
+    # A start offset the partition no longer holds reads from the oldest record left, never from
+    # the end: skipping what is there would hide rows that landed from the recovery scan, which
+    # would send them again. earliest covers a start that retention deleted (kafka-python's
+    # default is the end); the loop below covers a start past the end.
     consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
-                             enable_auto_commit=False, max_partition_fetch_bytes=max_fetch_bytes)
+                             enable_auto_commit=False, max_partition_fetch_bytes=max_fetch_bytes,
+                             auto_offset_reset="earliest")
     try:
         consumer.assign(list(starts))
         for tp, offset in starts.items():
@@ -382,7 +388,16 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
                     yield tp, rec
             for tp in list(remaining):
                 high = consumer.highwater(tp)
-                if high is not None and consumer.position(tp) >= high:
+                if high is None:
+                    continue
+                position = consumer.position(tp)
+                if position > high:
+                    # a start past the end: the topic was recreated since the offset was kept, so
+                    # every record in it is newer than that offset
+                    log.warning("%s ends at offset %d, before the start %d: reading it from its beginning",
+                                tp, high, position)
+                    consumer.seek_to_beginning(tp)
+                elif position >= high:
                     remaining.discard(tp)
     finally:
         consumer.close()

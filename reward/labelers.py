@@ -189,6 +189,11 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
                 if not math.isfinite(number):
                     raise LabelerError(name, f"component {key!r} is {value!r}, not a finite number")
                 out[key] = number
+        # finite parts can still add up to infinity (two of 1e308): JSON writes that reward as
+        # null, which the archive and the trainer refuse, so it fails here, on its one episode
+        if out and not math.isfinite(total := sum(out.values())):
+            raise LabelerError(" + ".join(name for name, _ in parts),
+                               f"components add up to {total}, not a finite reward")
         return out
     return label
 

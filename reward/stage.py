@@ -77,7 +77,13 @@ class RewardStage:
         store.on_rollback(self._load_counts)
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
-        episodes = [(rec, ep) for rec in records if (ep := decode_keyed(EpisodeEvent, rec, self.dead, MAX_EPISODE_BYTES)) is not None]
+        episodes = []
+        for rec in records:
+            # the shard before the decode: a dead letter for this record is owed by its shard,
+            # and only that shard's process delivers (and after a crash recovers) its outbox rows
+            self.sink.shard = rec.partition
+            if (ep := decode_keyed(EpisodeEvent, rec, self.dead, MAX_EPISODE_BYTES)) is not None:
+                episodes.append((rec, ep))
         seen = self._seen_of([ep.generation_id for _, ep in episodes])
         fresh: list[tuple[str, float]] = []
         for rec, ep in episodes:

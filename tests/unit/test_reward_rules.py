@@ -151,6 +151,20 @@ def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
     assert str(exc.value) == detail.format(name, name)
 
 
+def test_finite_components_that_add_up_to_infinity_fail_the_episode():
+    a, b = (f"v{uuid.uuid4().hex[:6]}" for _ in range(2))
+    register_verifier(a, lambda ep: 1e308)
+    register_verifier(b, lambda ep: 1e308)
+    label = build_labeler(RewardSettings(labelers=("signal", f"verifier:{a}", f"verifier:{b}")))
+    with pytest.raises(LabelerError) as exc:
+        label(episode())
+    assert str(exc.value) == (f"labeler 'signal + verifier:{a} + verifier:{b}': "
+                              "components add up to inf, not a finite reward")
+    register_verifier(b, lambda ep: -1e308)  # huge but finite in sum: labeled
+    label = build_labeler(RewardSettings(labelers=("signal", f"verifier:{a}", f"verifier:{b}")))
+    assert label(episode()) == {"signal": 0.75, f"verifier_{a}": 1e308, f"verifier_{b}": -1e308}
+
+
 # -- guards -------------------------------------------------------------------------------
 G = RewardSettings(user_cap_share=0.2, user_cap_min=5, constant_min_signals=4, constant_weight=0.2,
                    rate_factor=3.0, rate_min=10, rate_weight=0.5)
@@ -377,3 +391,27 @@ def test_a_labeler_message_that_cannot_be_encoded_still_makes_a_dead_letter(tmp_
     (dead,) = [decode(DeadLetterEvent, r.value) for r in store.pending([0]) if r.topic == "t.deadletter"]
     assert dead.reason == "labeler_error" and dead.detail.endswith("ValueError: cannot score \\ud800 here")
 
+
+
+def test_a_bad_episode_is_dead_lettered_by_its_own_shard(tmp_path):
+    """The dead letter for an undecodable episode belongs to the partition it came from: a process
+    serving other shards would never deliver it, nor recover it after a crash."""
+    from kafka.consumer.fetcher import ConsumerRecord
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import DeadLetterEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = RewardStage(G, Topics("t."), store, CollectorRegistry())
+    bad = ConsumerRecord(topic="t.episodes", partition=2, leader_epoch=-1, offset=7, timestamp=0, timestamp_type=0,
+                         key=b"g", value=b"{not json", headers=[], checksum=None, serialized_key_size=1,
+                         serialized_value_size=9, serialized_header_size=0)
+    with store.txn():  # first in the batch and in the process's life: no earlier record set a shard
+        stage.process([bad, *_records(1)], 10.0)
+    assert store.pending([0, 1, 3]) and not any(r.topic == "t.deadletter" for r in store.pending([0, 1, 3]))
+    (row,) = store.pending([2])
+    dead = decode(DeadLetterEvent, row.value)
+    assert (row.topic, dead.reason, dead.source_partition, dead.source_offset) == ("t.deadletter", "undecodable", 2, 7)
+    store.close()
