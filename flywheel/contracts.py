@@ -28,9 +28,10 @@ MAX_RECORD_BYTES = 4 * 1024 * 1024
 MAX_FEEDBACK_BODY_BYTES = 1024 * 1024
 #: Largest feedback record ingest accepts: such a body plus the fields serving adds.
 MAX_FEEDBACK_BYTES = MAX_FEEDBACK_BODY_BYTES + 64 * 1024
-#: Largest episode reward accepts: a generation (re-encoded, so allow some slack) joined with the
-#: text of an edit. Bounded so that every episode, and every dead letter quoting one, fits a
-#: produce request (``kafka.max_request_bytes``, 8 MiB by default).
+#: Largest episode reward accepts: a generation (at most MAX_RECORD_BYTES re-encoded: ingest
+#: checks) joined with the text of an edit. Bounded so that every episode, and every dead letter
+#: quoting one, fits a produce request (``kafka.max_request_bytes``, 8 MiB by default); ingest
+#: dead-letters a generation whose episode would be larger.
 MAX_EPISODE_BYTES = MAX_RECORD_BYTES + MAX_FEEDBACK_BYTES + 64 * 1024
 
 Signal = Literal["accept", "reject", "edit", "ignore"]

@@ -27,7 +27,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from flywheel.bus import DeadLetters
 from flywheel.contracts import (
+    MAX_EPISODE_BYTES,
     MAX_FEEDBACK_BYTES,
+    MAX_RECORD_BYTES,
     FeedbackEvent,
     GenerationEvent,
     Topics,
@@ -133,10 +135,17 @@ class IngestStage:
         if gid in view.gens or gid in view.closed:
             self.m.duplicates.labels("generation").inc()
             return
-        deadline = generation_deadline(g.completed_at, self.cfg.window_s)
         # store the canonical encoding of the validated event: the episode splices these bytes
         # in when the window closes, without validating the generation a second time
-        view.add_generation((gid, rec.partition, deadline, encode(g),
+        raw = encode(g)
+        if len(raw) > MAX_RECORD_BYTES:
+            # Numbers written out in full can grow a record a lot (-1e9 is -1000000000.0): over the
+            # limit, its episode might not fit a produce request and would hold the outbox back.
+            self.dead.send_record(rec, "oversized", f"{len(raw)} bytes once re-encoded (numbers written "
+                                                    f"out in full) > limit {MAX_RECORD_BYTES}")
+            return
+        deadline = generation_deadline(g.completed_at, self.cfg.window_s)
+        view.add_generation((gid, rec.partition, deadline, raw,
                              closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s)))
         for fid, created, raw, topic, part, off, key in view.waiting(gid):
             if is_late(created, deadline):
@@ -201,9 +210,16 @@ class IngestStage:
         signals: dict[str, int] = {}
         for _, gid, raw in due:
             res = resolve(feedback.get(gid, []))
-            self.store.append(shard, self.topics.episodes, gid, episode_bytes(raw, res, now),
-                              archive=EPISODES_ARCHIVE)
             closed.append((gid, shard, now, _encode_json(res.feedback_ids).decode()))
+            episode = episode_bytes(raw, res, now)
+            if len(episode) > MAX_EPISODE_BYTES:
+                # a generation near its limit with thousands of feedback ids: reward would refuse
+                # the episode, and one too large for a produce request would hold the outbox back
+                self.dead.send("oversized", f"episode of {len(episode)} bytes ({len(res.feedback_ids)} feedback "
+                                            f"ids) > limit {MAX_EPISODE_BYTES}; the value is its generation",
+                               source_topic=self.topics.generations, value=raw, key=gid.encode(), partition=shard)
+                continue
+            self.store.append(shard, self.topics.episodes, gid, episode, archive=EPISODES_ARCHIVE)
             signals[res.signal] = signals.get(res.signal, 0) + 1
             if res.conflicted:
                 self.m.conflicts.inc()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
+    MAX_RECORD_BYTES,
     DeadLetterEvent,
     EpisodeEvent,
     FeedbackEvent,
@@ -16,6 +19,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.deadletters import MAX_DEADLETTER_BYTES
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import (
@@ -116,7 +120,7 @@ def gen(gid: str, t: float) -> GenerationEvent:
 def outputs(store: StateStore) -> tuple[list[EpisodeEvent], list[DeadLetterEvent]]:
     rows = store.pending([0])
     eps = [decode(EpisodeEvent, r.value) for r in rows if r.topic == T.episodes]
-    dls = [decode(DeadLetterEvent, r.value) for r in rows if r.topic == T.deadletter]
+    dls = [decode(DeadLetterEvent, r.value, max_bytes=MAX_DEADLETTER_BYTES) for r in rows if r.topic == T.deadletter]
     return eps, dls
 
 
@@ -170,6 +174,25 @@ def test_stage_dead_letters_late_orphan_and_bad_records(stage):
     assert [(e.generation_id, e.signal, e.timed_out) for e in eps] == [("g", "ignore", True)]
     assert sorted(d.reason for d in dls) == ["late_feedback", "orphan_feedback", "undecodable", "wrong_key"]
     assert {d.source_offset for d in dls if d.reason == "orphan_feedback"} == {1}
+
+
+def test_an_episode_over_its_limit_is_dead_lettered_at_close(stage):
+    """Every input within its limit can still add up to an episode over MAX_EPISODE_BYTES: a
+    generation near its limit, an edit near its limit and thousands of distinct feedback ids
+    folded in. Reward would refuse that episode; so ingest dead-letters its generation."""
+    big = gen("g", 100).model_copy(update={"prompt_text": "p" * (MAX_RECORD_BYTES - 10_000)})
+    edit = fb("e" * 128, "edit", 101, text="x" * 1_000_000)
+    votes = [fb(f"{i:0128d}", "accept", 101) for i in range(2_000)]
+    run(stage, [rec(T.generations, "g", encode(big), 0), rec(T.generations, "h", encode(gen("h", 100)), 1),
+                *(rec(T.feedback, "g", encode(f), i) for i, f in enumerate([edit, *votes]))], now=101)
+    run(stage, [], now=112.5)
+    eps, dls = outputs(stage[1])
+    assert [e.generation_id for e in eps] == ["h"]
+    (dead,) = dls
+    assert (dead.reason, dead.source_topic, dead.source_partition, dead.truncated) == ("oversized", T.generations, 0, False)
+    assert "2001 feedback ids" in dead.detail and base64.b64decode(dead.value_b64) == encode(big)
+    run(stage, [rec(T.feedback, "g", encode(votes[0]), 3000)], now=113)  # its window is closed: a duplicate
+    assert outputs(stage[1]) == (eps, dls)
 
 
 def test_a_key_that_is_not_utf8_never_matches_a_generation_id(stage):

@@ -230,6 +230,27 @@ def test_valid_records_of_several_mib_reach_both_archives(tmp_path):
     assert sum(len(pq.read_table(f)) for f in p.rewards.files()) == 3
 
 
+def test_a_generation_that_outgrows_its_limit_when_re_encoded_is_dead_lettered(tmp_path):
+    """The stage stores a generation re-encoded, and numbers written out in full grow: a logprob
+    of -1e9 is 13 bytes then. A 2.8 MB generation made a 6.4 MB episode, one over its limit (and,
+    larger still, over the produce limit: its send failed on every turn and held the outbox back)."""
+    n = 400_000
+    generations = [encode(_generation(f"g{i}")) for i in range(3)]
+    feedback = [encode(_feedback(f"f{i}", f"g{i}")) for i in range(3)]
+    old = b'"completion_token_ids":[5,6,7],"logprobs":[-0.5,-1.0,-0.1]'
+    assert old in generations[1]
+    generations[1] = generations[1].replace(old, b'"completion_token_ids":[' + b",".join([b"1"] * n)
+                                            + b'],"logprobs":[' + b",".join([b"-1e9"] * n) + b"]")
+    assert len(generations[1]) < MAX_RECORD_BYTES < len(encode(decode(GenerationEvent, generations[1])))
+    p = Pipeline(tmp_path)
+    p.run(generations, feedback)
+    assert Counter((d.stage, d.reason) for d in p.dead) == {("ingest", "oversized"): 1, ("ingest", "orphan_feedback"): 1}
+    (big,) = [d for d in p.dead if d.reason == "oversized"]
+    assert (big.source_topic, big.source_offset, big.truncated) == (T.generations, 1, False)
+    assert "once re-encoded" in big.detail and base64.b64decode(big.value_b64) == generations[1]
+    assert len(p.reward_values) == 2 and all(len(v) <= MAX_EPISODE_BYTES for v in p.episode_values)
+
+
 def test_records_too_large_to_quote_get_a_dead_letter_that_can_be_sent(tmp_path):
     """A dead letter quotes its record in base64 (4/3 of it): quoted whole, a record of 6.3 MB made
     one over the 8 MiB produce limit, its send failed, and the outbox retried it forever."""
