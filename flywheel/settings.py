@@ -288,7 +288,8 @@ class RewardSettings(_Section):
     guard_window_s: float = Field(default=3600.0, gt=0)
     """Tumbling window (by generation time) for per-user share and rate guards."""
     user_cap_share: float = Field(default=0.2, gt=0, le=1)
-    """Most of a window's samples one user may contribute; samples beyond get weight 0."""
+    """Most of a window's kept samples (those that reach training) one user may own; their
+    samples beyond it get weight 0."""
     user_cap_min: int = Field(default=50, ge=1)
     """A user may always contribute this many samples per window, whatever the share."""
     constant_min_signals: int = Field(default=20, ge=2)
@@ -296,7 +297,8 @@ class RewardSettings(_Section):
     constant_weight: float = Field(default=0.2, ge=0, le=1)
     """Weight multiplier for ``constant_user`` samples."""
     rate_factor: float = Field(default=10.0, gt=1)
-    """A user with more than this times the window's mean per-user count is ``rate_anomaly``."""
+    """A user with more than this times the mean count of the window's other users is
+    ``rate_anomaly``."""
     rate_min: int = Field(default=100, ge=1)
     """... and at least this many samples in the window."""
     rate_weight: float = Field(default=0.5, ge=0, le=1)

@@ -5,12 +5,15 @@ Abuse (who sent the signal), judged per user over a tumbling window of generatio
 shards, when the stage runs as several shard processes):
 
 - ``user_cap``      a sample that would take the user's kept samples beyond
-                    ``max(user_cap_min, user_cap_share x window total)`` gets weight 0: one user
-                    cannot own more than their share of a window's kept samples.
+                    ``max(user_cap_min, user_cap_share x the window's kept samples)`` (this one
+                    included) gets weight 0: one user cannot own more than their share of what a
+                    window sends to training, however many samples they flood it with.
 - ``constant_user`` a user with at least ``constant_min_signals`` signals in the window, all the
                     same (accept on everything), is down-weighted by ``constant_weight``.
-- ``rate_anomaly``  a user with more than ``rate_factor`` x the window's mean per-user count (and
-                    at least ``rate_min``) is down-weighted by ``rate_weight``.
+- ``rate_anomaly``  a user with more than ``rate_factor`` x the mean count of the window's other
+                    users (and at least ``rate_min``) is down-weighted by ``rate_weight``. The
+                    others only: counted in the mean, a flooder raises the bar they are judged by,
+                    and among ``rate_factor`` users or fewer could never pass it.
 
 Reward hacking (what the model produced), judged per sample:
 
@@ -33,13 +36,15 @@ from flywheel.settings import RewardSettings
 @dataclass(frozen=True)
 class UserWindow:
     """Counts for one user in one guard window, including the sample being judged, except
-    ``user_kept``: the user's samples kept (not capped) before this one."""
+    ``user_kept`` and ``window_kept``: the user's and the window's samples kept (not capped)
+    before this one."""
 
     user_count: int
     user_kept: int
     window_total: int
     window_users: int
     signal_counts: dict[str, int]
+    window_kept: int
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,7 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     """Weight and flags for a sample given its user's counts in the window."""
     flags: list[str] = []
     weight = 1.0
-    allowed = max(cfg.user_cap_min, int(cfg.user_cap_share * stats.window_total))
+    allowed = max(cfg.user_cap_min, int(cfg.user_cap_share * (stats.window_kept + 1)))
     if stats.user_kept + 1 > allowed:
         flags.append("user_cap")
         weight = 0.0
@@ -61,7 +66,8 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     if n_signals >= cfg.constant_min_signals and distinct == 1:
         flags.append("constant_user")
         weight *= cfg.constant_weight
-    mean = stats.window_total / max(1, stats.window_users)
+    others = stats.window_users - 1
+    mean = (stats.window_total - stats.user_count) / others if others else float("inf")
     if stats.user_count >= cfg.rate_min and stats.user_count > cfg.rate_factor * mean:
         flags.append("rate_anomaly")
         weight *= cfg.rate_weight

@@ -126,6 +126,7 @@ class RewardStage:
         verdict = judge_user(self._count_user(g.user_id, win, ep.signal), self.cfg)
         if "user_cap" not in verdict.flags:
             self._users[(win, g.user_id)][1] += 1
+            self._wins[win][2] += 1
         flags = sample_flags + verdict.flags
         reward = float(sum(components.values()))
         for flag in flags:
@@ -150,15 +151,17 @@ class RewardStage:
         self._users: dict[tuple[int, str], list[int]] = {
             (w, u): list(rest) for w, u, *rest in self.db.execute(
                 "SELECT win, user, n, kept, accept, reject, edit, ignore FROM user_win")}
+        # [samples, users, kept samples]; the kept total is the sum of the users' kept counts
+        kept = dict(self.db.execute("SELECT win, sum(kept) FROM user_win GROUP BY win"))
         self._wins: dict[int, list[int]] = {
-            w: [n, users] for w, n, users in self.db.execute("SELECT win, n, users FROM win_tot")}
+            w: [n, users, kept.get(w, 0)] for w, n, users in self.db.execute("SELECT win, n, users FROM win_tot")}
         self._dirty: set[tuple[int, str]] = set()
 
     def _count_user(self, user: str, win: int, signal: str) -> UserWindow:
         """Add this sample to the user's and the window's counts; return the counts after it."""
         col = _SIGNAL_COL.get(signal, _SIGNAL_COL["ignore"])
         counts = self._users.get((win, user))
-        tot = self._wins.setdefault(win, [0, 0])
+        tot = self._wins.setdefault(win, [0, 0, 0])
         if counts is None:
             counts = self._users[(win, user)] = [0, 0, 0, 0, 0, 0]
             tot[1] += 1
@@ -167,7 +170,7 @@ class RewardStage:
         tot[0] += 1
         self._dirty.add((win, user))
         n, kept, a, r, e, i = counts
-        return UserWindow(n, kept, tot[0], tot[1], {"accept": a, "reject": r, "edit": e, "ignore": i})
+        return UserWindow(n, kept, tot[0], tot[1], {"accept": a, "reject": r, "edit": e, "ignore": i}, tot[2])
 
     def _write_counts(self) -> None:
         if not self._dirty:
@@ -179,7 +182,7 @@ class RewardStage:
             [(w, u, *self._users[(w, u)]) for w, u in self._dirty])
         self.db.executemany(
             "INSERT INTO win_tot VALUES (?, ?, ?) ON CONFLICT (win) DO UPDATE SET n=excluded.n, users=excluded.users",
-            [(w, *self._wins[w]) for w in {w for w, _ in self._dirty}])
+            [(w, *self._wins[w][:2]) for w in {w for w, _ in self._dirty}])
         self._dirty.clear()
 
     def tick(self, shards: set[int], now: float) -> None:

@@ -171,39 +171,47 @@ G = RewardSettings(user_cap_share=0.2, user_cap_min=5, constant_min_signals=4, c
 
 
 @pytest.mark.parametrize("stats, weight, flags", [
-    (UserWindow(3, 2, 10, 5, {"accept": 2, "reject": 1}), 1.0, ()),
-    (UserWindow(6, 5, 10, 5, {"accept": 3, "reject": 3}), 0.0, ("user_cap",)),       # 6th kept > max(5, 2)
-    (UserWindow(9, 4, 10, 5, {"accept": 4, "reject": 5}), 1.0, ()),                  # capped ones do not count
-    (UserWindow(6, 5, 100, 20, {"accept": 3, "reject": 3}), 1.0, ()),                # within 20%
-    (UserWindow(4, 3, 100, 50, {"accept": 4}), 0.2, ("constant_user",)),             # accepts everything
-    (UserWindow(3, 2, 100, 50, {"accept": 3}), 1.0, ()),                             # too few to judge
-    (UserWindow(12, 11, 100, 50, {"accept": 6, "reject": 6}), 0.5, ("rate_anomaly",)),  # 12 > 3 x mean 2
-    (UserWindow(30, 20, 100, 20, {"accept": 30}), 0.0, ("user_cap", "constant_user", "rate_anomaly")),
+    (UserWindow(3, 2, 10, 5, {"accept": 2, "reject": 1}, 9), 1.0, ()),
+    (UserWindow(6, 5, 10, 5, {"accept": 3, "reject": 3}, 9), 0.0, ("user_cap",)),       # 6th kept > max(5, 2)
+    (UserWindow(9, 4, 10, 5, {"accept": 4, "reject": 5}, 9), 1.0, ()),                  # capped ones do not count
+    (UserWindow(6, 5, 100, 20, {"accept": 3, "reject": 3}, 99), 1.0, ()),               # within 20%
+    (UserWindow(50, 19, 200, 10, {"accept": 25, "reject": 25}, 60), 0.0, ("user_cap",)),  # 20 > 20% of 61 kept
+    (UserWindow(50, 11, 200, 10, {"accept": 25, "reject": 25}, 60), 1.0, ()),           # 12 of 61 kept: within
+    (UserWindow(4, 3, 100, 50, {"accept": 4}, 99), 0.2, ("constant_user",)),            # accepts everything
+    (UserWindow(3, 2, 100, 50, {"accept": 3}, 99), 1.0, ()),                            # too few to judge
+    (UserWindow(12, 11, 100, 50, {"accept": 6, "reject": 6}, 99), 0.5, ("rate_anomaly",)),  # 12 > 3 x 88/49
+    (UserWindow(10, 4, 13, 2, {"accept": 5, "reject": 5}, 12), 0.5, ("rate_anomaly",)),  # 10 > 3 x the other's 3
+    (UserWindow(10, 4, 10, 1, {"accept": 5, "reject": 5}, 9), 1.0, ()),                 # alone: no one to compare with
+    (UserWindow(30, 20, 100, 20, {"accept": 30}, 99), 0.0, ("user_cap", "constant_user", "rate_anomaly")),
 ])
 def test_judge_user(stats, weight, flags):
     v = judge_user(stats, G)
     assert (v.weight, v.flags) == (pytest.approx(weight), flags)
 
 
-def test_flooding_user_share_is_capped():
-    """A user sending half the traffic keeps at most max(cap_min, 20%) of the window's weight."""
+@pytest.mark.parametrize("every", [2, 20])  # half the traffic, and 95% of it
+def test_flooding_user_share_is_capped(every):
+    """A flooding user owns at most their share (20%) of the samples the window keeps, however
+    much of the traffic they send; measured against all samples, 95% of them bought 80% of the
+    kept ones."""
     counts: dict[str, int] = {}
     kept: dict[str, int] = {}
-    total = users = 0
-    for i in range(1000):
-        user = "flood" if i % 2 == 0 else f"u{i % 37}"
+    users = 0
+    for i in range(4000):
+        user = f"u{i % 37}" if i % every == 0 else "flood"
         counts.setdefault(user, 0)
         users += counts[user] == 0
         counts[user] += 1
-        total += 1
-        stats = UserWindow(counts[user], kept.get(user, 0), total, users, {"accept": 1, "reject": 1})
+        stats = UserWindow(counts[user], kept.get(user, 0), i + 1, users, {"accept": 1, "reject": 1},
+                           sum(kept.values()))
         kept[user] = kept.get(user, 0) + (judge_user(stats, G).weight > 0)
-    # half the traffic, but at most a fifth of the kept samples (and close to it: not over-capped)
-    assert counts["flood"] == 500 and 0.19 * total <= kept["flood"] <= 0.2 * total
+    # at most a fifth of the kept samples, and close to it: not over-capped
+    assert counts["flood"] == 4000 - 4000 // every
+    assert 0.19 * sum(kept.values()) <= kept["flood"] <= 0.2 * sum(kept.values())
 
 
 def test_constant_accept_user_is_flagged_and_down_weighted():
-    weights = [judge_user(UserWindow(n, n - 1, 10 * n, 20, {"accept": n}), G).weight for n in range(1, 8)]
+    weights = [judge_user(UserWindow(n, n - 1, 10 * n, 20, {"accept": n}, 10 * n - 1), G).weight for n in range(1, 8)]
     assert weights[:3] == [1.0, 1.0, 1.0] and all(w == pytest.approx(0.2) for w in weights[3:])
 
 
