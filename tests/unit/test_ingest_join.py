@@ -163,6 +163,32 @@ def test_stage_joins_feedback_before_generation_and_emits_once_at_close(stage):
     assert len(outputs(stage[1])[0]) == 1  # late duplicate feedback and generation fold away
 
 
+def test_stage_metrics_count_episodes_by_signal_and_what_waits_in_the_window(tmp_path):
+    registry = CollectorRegistry()
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, registry)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, labels)
+
+    def on(gid: str, fid: str, signal: str, t: float) -> ConsumerRecord:
+        return rec(T.feedback, gid, encode(fb(fid, signal, t).model_copy(update={"generation_id": gid})), 0)
+
+    records = [rec(T.generations, g, encode(gen(g, 100)), i) for i, g in enumerate(("a", "b", "c"))]
+    records += [on("a", "fa", "accept", 101), on("b", "fb1", "accept", 101), on("b", "fb2", "reject", 102),
+                on("b", "fb2", "reject", 102),  # a repeat: folded
+                on("x", "fx", "accept", 101)]  # its generation has not come (yet)
+    run((stage, store), records, now=102)
+    assert (value("ingest_window_open_records", kind="generation"), value("ingest_window_open_records", kind="feedback")) == (3, 4)
+    assert value("ingest_duplicates_total", kind="feedback") == 1
+    run((stage, store), [], now=113)  # the three windows close (a prune of the gauge is due 10 s on)
+    assert (value("ingest_window_open_records", kind="generation"), value("ingest_window_open_records", kind="feedback")) == (0, 1)
+    signals = {s: value("ingest_episodes_total", signal=s) for s in ("accept", "reject", "ignore")}
+    assert signals == {"accept": 1, "reject": 1, "ignore": 1}  # b's conflict resolved to reject (the later)
+    assert value("ingest_conflicts_total") == 1
+    store.close()
+
+
 def test_stage_dead_letters_late_orphan_and_bad_records(stage):
     late = fb("late", "reject", 111)  # acted after the window (deadline 110)
     orphan = FeedbackEvent(feedback_id="o", generation_id="nope", signal="accept", created_at=100, received_at=100)

@@ -423,3 +423,24 @@ def test_a_bad_episode_is_dead_lettered_by_its_own_shard(tmp_path):
     dead = decode(DeadLetterEvent, row.value)
     assert (row.topic, dead.reason, dead.source_partition, dead.source_offset) == ("t.deadletter", "undecodable", 2, 7)
     store.close()
+
+
+def test_every_guard_action_is_counted_by_flag(tmp_path):
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import RewardEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    registry = CollectorRegistry()
+    stage = RewardStage(G, Topics("t."), store, registry)
+    with store.txn():
+        stage.process(_records(120), 10.0)
+    flags = [f for r in store.pending([0], limit=1000) for f in decode(RewardEvent, r.value).flags]
+    assert {"user_cap", "rate_anomaly"} <= set(flags)  # the flooding user (every other episode)
+    for flag in ("user_cap", "constant_user", "rate_anomaly", "long", "repetition"):  # unraised: no series
+        assert registry.get_sample_value("reward_guard_actions_total", {"flag": flag}) == (flags.count(flag) or None)
+    assert registry.get_sample_value("reward_rewards_total", {"signal": "accept"}) + registry.get_sample_value(
+        "reward_rewards_total", {"signal": "reject"}) == 120
+    store.close()
