@@ -137,15 +137,15 @@ class IngestStage:
             return
         # store the canonical encoding of the validated event: the episode splices these bytes
         # in when the window closes, without validating the generation a second time
-        raw = encode(g)
-        if len(raw) > MAX_RECORD_BYTES:
+        stored = encode(g)
+        if len(stored) > MAX_RECORD_BYTES:
             # Numbers written out in full can grow a record a lot (-1e9 is -1000000000.0): over the
             # limit, its episode might not fit a produce request and would hold the outbox back.
-            self.dead.send_record(rec, "oversized", f"{len(raw)} bytes once re-encoded (numbers written "
+            self.dead.send_record(rec, "oversized", f"{len(stored)} bytes once re-encoded (numbers written "
                                                     f"out in full) > limit {MAX_RECORD_BYTES}")
             return
         deadline = generation_deadline(g.completed_at, self.cfg.window_s)
-        view.add_generation((gid, rec.partition, deadline, raw,
+        view.add_generation((gid, rec.partition, deadline, stored,
                              closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s)))
         for fid, created, raw, topic, part, off, key in view.waiting(gid):
             if is_late(created, deadline):
