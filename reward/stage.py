@@ -72,18 +72,23 @@ class RewardStage:
         self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
+        #: shard -> (latest guard window its episodes reached, when): see :meth:`tick`
+        self._reached: dict[int, tuple[int, float]] = {}
         self._children: dict[tuple[Counter, str], Counter] = {}
         self._load_counts()
         store.on_rollback(self._load_counts)
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
         episodes = []
+        latest: dict[int, float] = {}  # shard -> latest generation time in this batch
         for rec in records:
             # the shard before the decode: a dead letter for this record is owed by its shard,
             # and only that shard's process delivers (and after a crash recovers) its outbox rows
             self.sink.shard = rec.partition
             if (ep := decode_keyed(EpisodeEvent, rec, self.dead, MAX_EPISODE_BYTES)) is not None:
                 episodes.append((rec, ep))
+                latest[rec.partition] = max(latest.get(rec.partition, 0.0), ep.generation.created_at)
+        self._note_reached(latest, now)
         seen = self._seen_of([ep.generation_id for _, ep in episodes])
         fresh: list[tuple[str, float]] = []
         for rec, ep in episodes:
@@ -185,12 +190,37 @@ class RewardStage:
             [(w, *self._wins[w][:2]) for w in {w for w, _ in self._dirty}])
         self._dirty.clear()
 
+    def _note_reached(self, latest: dict[int, float], now: float) -> None:
+        # never past the wall clock's window: one generation stamped by a clock far in the future
+        # would otherwise prune every window still filling
+        ceiling = window_of(now, self.cfg)
+        for shard, generated_at in latest.items():
+            win = min(window_of(generated_at, self.cfg), ceiling)
+            last = self._reached.get(shard)
+            self._reached[shard] = (win if last is None else max(win, last[0]), now)
+
     def tick(self, shards: set[int], now: float) -> None:
         if now - self._last_prune < 60:
             return
         self._last_prune = now
         self.db.execute("DELETE FROM seen WHERE at<?", (now - self.cfg.dedupe_retention_s,))
-        oldest = window_of(now, self.cfg) - 2
+        self._prune_counts(now)
+
+    def _prune_counts(self, now: float) -> None:
+        """Forget guard counts of windows no episode will fall in any more.
+
+        Judged by event time, not the wall clock: a backlog hours old (after an outage, or a
+        replay) is judged against counts that accumulate as they did live, rather than restart
+        at every prune. A window is done once every shard in flight has moved more than two
+        windows past it (episodes come late by up to ingest's join window); a shard is in flight while it has
+        sent an episode within the last guard window, so a revoked or idle shard stops holding
+        counts back. With none in flight (just started, or idle) nothing is pruned: an idle
+        process's counts do not grow, and a restart mid-backlog keeps what it had.
+        """
+        self._reached = {s: r for s, r in self._reached.items() if now - r[1] < self.cfg.guard_window_s}
+        if not self._reached:
+            return
+        oldest = min(win for win, _ in self._reached.values()) - 2
         self.db.execute("DELETE FROM user_win WHERE win<?", (oldest,))
         self.db.execute("DELETE FROM win_tot WHERE win<?", (oldest,))
         self._users = {k: v for k, v in self._users.items() if k[0] >= oldest}

@@ -444,3 +444,118 @@ def test_every_guard_action_is_counted_by_flag(tmp_path):
     assert registry.get_sample_value("reward_rewards_total", {"signal": "accept"}) + registry.get_sample_value(
         "reward_rewards_total", {"signal": "reject"}) == 120
     store.close()
+
+
+# -- guard counts are kept by event time: a backlog is judged as it was live -----------------
+HOUR = 3600.0
+LIVE = 1_800_000_000.0  # the wall clock in these tests: a window boundary (3600 divides it)
+
+
+def _episodes_at(n: int, created_at: float, shard: int = 0, start: int = 0) -> list:
+    """``n`` episodes generated at ``created_at`` on ``shard``, every other one the flooder's."""
+    from kafka.consumer.fetcher import ConsumerRecord
+
+    from flywheel.contracts import encode
+
+    out = []
+    for i in range(start, start + n):
+        g = episode().generation.model_copy(update={
+            "generation_id": f"g{shard}-{i}", "user_id": "flood" if i % 2 else f"u{i % 5}",
+            "created_at": created_at, "completed_at": created_at})
+        value = encode(EpisodeEvent(generation=g, signal=("accept", "reject")[i % 3 == 0], resolved_at=created_at))
+        out.append(ConsumerRecord(topic="e", partition=shard, leader_epoch=-1, offset=i, timestamp=0, timestamp_type=0,
+                                  key=g.generation_id.encode(), value=value, headers=[], checksum=None,
+                                  serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0))
+    return out
+
+
+def _reward_stage(tmp_path, name: str):
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import Topics
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    store = StateStore(tmp_path / name / "s.sqlite3", SCHEMA)
+    return store, RewardStage(G, Topics("t."), store, CollectorRegistry())
+
+
+def _flags(store, shards=(0, 1)) -> dict[str, tuple[str, ...]]:
+    from flywheel.contracts import RewardEvent, decode
+
+    rows = [decode(RewardEvent, r.value) for r in store.pending(list(shards), limit=10**6) if r.topic == "t.rewards"]
+    return {r.generation_id: r.flags for r in rows}
+
+
+def _backlog_judged_live(tmp_path) -> tuple[list, dict[str, tuple[str, ...]]]:
+    """200 episodes of six hours ago, and their flags when labeled as they came in, at once."""
+    old = LIVE - 6 * HOUR
+    recs = _episodes_at(200, old)
+    store, stage = _reward_stage(tmp_path, "live")
+    with store.txn():
+        stage.process(recs, old + 60)
+    return recs, _flags(store)
+
+
+def test_a_backlog_is_judged_with_the_counts_it_would_have_had_live(tmp_path):
+    """Six hours of backlog, read in batches a minute or more apart with a prune on each: the
+    flooder's counts carry over from batch to batch, as they did when all came at once. Pruned by
+    the wall clock, the counts of a window hours old restarted at every prune."""
+    recs, at_once = _backlog_judged_live(tmp_path)
+    store, stage = _reward_stage(tmp_path, "backlog")
+    for i in range(0, 200, 20):
+        now = LIVE + 61 * i
+        with store.txn():
+            stage.process(recs[i:i + 20], now)
+            stage.tick({0}, now)
+    assert _flags(store) == at_once
+    assert sum("user_cap" in f for f in at_once.values()) >= 50  # the cap fired all along
+
+
+def test_guard_counts_of_a_window_are_pruned_once_every_shard_is_past_it_by_more_than_two(tmp_path):
+    store, stage = _reward_stage(tmp_path, "s")
+
+    def step(recs, now):
+        with store.txn():
+            stage.process(recs, now)
+            stage.tick({0, 1}, now)
+
+    def windows():
+        return sorted({w for (w,) in store.db.execute("SELECT win FROM user_win")})
+
+    w = int(LIVE // HOUR)
+    step(_episodes_at(4, LIVE - 5 * HOUR, shard=1) + _episodes_at(4, LIVE - 5 * HOUR, shard=0), LIVE)
+    step(_episodes_at(4, LIVE, shard=0, start=10), LIVE + 100)  # shard 0 is live, shard 1 still behind
+    assert windows() == [w - 5, w]
+    step(_episodes_at(4, LIVE - 3 * HOUR + 1, shard=1, start=10), LIVE + 200)  # shard 1 moves on
+    assert windows() == [w - 5, w - 3, w]  # w-5 is only two windows behind shard 1
+    step(_episodes_at(4, LIVE - 2 * HOUR + 1, shard=1, start=20), LIVE + 300)
+    assert windows() == [w - 3, w - 2, w]  # now it is three behind both shards
+    # a clock far in the future moves its shard only as far as now: the windows before stay
+    step(_episodes_at(4, LIVE + 50 * HOUR, shard=1, start=30), LIVE + 400)
+    assert windows() == [w - 2, w, w + 50]
+    step(_episodes_at(2, LIVE - 1 * HOUR, shard=0, start=40), LIVE + 500)  # a late one, still counted
+    assert windows() == [w - 2, w - 1, w, w + 50]
+    # a shard that sends nothing for a guard window stops holding counts back; with no shard in
+    # flight nothing is pruned, not even by the wall clock
+    step([], LIVE + 10 * HOUR)
+    assert windows() == [w - 2, w - 1, w, w + 50]
+    step(_episodes_at(2, LIVE + 10 * HOUR, shard=0, start=50), LIVE + 10 * HOUR + 100)
+    assert windows() == [w + 10, w + 50]
+    store.close()
+
+
+def test_a_restart_mid_backlog_keeps_the_counts_of_the_windows_it_was_filling(tmp_path):
+    """Restarted and idle (no episode yet), the stage has no shard in flight: its first prune
+    must not judge the backlog's windows by the wall clock."""
+    recs, at_once = _backlog_judged_live(tmp_path)
+    store, stage = _reward_stage(tmp_path, "restarted")
+    with store.txn():
+        stage.process(recs[:100], LIVE)
+    store.close()
+    store, stage = _reward_stage(tmp_path, "restarted")
+    with store.txn():
+        stage.tick({0}, LIVE + 120)  # the first turn after the restart polled nothing
+    with store.txn():
+        stage.process(recs[100:], LIVE + 180)
+    assert _flags(store) == at_once
