@@ -155,14 +155,20 @@ class EpisodeEvent(_Event):
     timed_out: bool = False
     #: True when feedback for this generation disagreed and the resolution rule picked one.
     conflicted: bool = False
+    #: ``user_id`` of the feedback whose signal won: the user who judged the generation, whom
+    #: reward's abuse guards count. None when no feedback came or it named no user (the guards
+    #: then count the generation's user). Usually that same user; not when one account rates
+    #: other users' generations, which is what the guards must see.
+    rater_id: str | None = Field(default=None, max_length=128)
     resolved_at: EpochSeconds
 
     @model_validator(mode="after")
     def _signal_fits_how_it_resolved(self) -> EpisodeEvent:
         # What ingest's resolution (ingest/join.py) can produce: reward relies on it, e.g. a
         # timed-out episode is skipped as having no signal, whatever its ``signal`` says.
-        if self.timed_out and (self.signal != "ignore" or self.feedback_ids):
-            raise ValueError("a timed-out episode had no feedback: its signal is 'ignore' and feedback_ids empty")
+        if self.timed_out and (self.signal != "ignore" or self.feedback_ids or self.rater_id is not None):
+            raise ValueError("a timed-out episode had no feedback: its signal is 'ignore', "
+                             "feedback_ids empty and rater_id null")
         if self.signal == "edit" and self.edited_text is None:
             raise ValueError("signal 'edit' needs edited_text")
         return self
@@ -179,7 +185,11 @@ class RewardEvent(_Event):
     kind: Literal["reward"] = "reward"
     generation_id: str = Field(min_length=1, max_length=128)
     group_id: str
+    #: The generation's user.
     user_id: str
+    #: The user whose signal this is, as in ``EpisodeEvent.rater_id``: the one the abuse guards
+    #: judged (``user_id`` when None).
+    rater_id: str | None = Field(default=None, max_length=128)
     model_version: Int64
     signal: Signal
     prompt_token_ids: tuple[TokenId, ...] = Field(min_length=1)

@@ -136,6 +136,7 @@ EPISODE_SCHEMA = pa.schema([
     pa.field("feedback_ids", pa.list_(pa.string())),
     pa.field("timed_out", pa.bool_()),
     pa.field("conflicted", pa.bool_()),
+    pa.field("rater_id", pa.string()),
     pa.field("created_at", pa.float64()),
     pa.field("completed_at", pa.float64()),
     pa.field("resolved_at", pa.float64()),
@@ -158,7 +159,8 @@ def episode_row(value: bytes) -> tuple[float, dict[str, Any]]:
         "endpoint", "created_at", "completed_at", "latency_ms", "finish_reason", "prompt_text",
         "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")}
     row.update({k: ep.get(k) for k in (
-        "signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted", "resolved_at")})
+        "signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted", "rater_id",
+        "resolved_at")})
     return ep["resolved_at"], row
 
 
@@ -166,7 +168,7 @@ _GEN_COLUMNS = ("generation_id", "group_id", "choice_index", "user_id", "model_n
                 "endpoint", "created_at", "completed_at", "latency_ms", "finish_reason", "prompt_text",
                 "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")
 _EPISODE_COLUMNS = ("signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted",
-                    "resolved_at")
+                    "rater_id", "resolved_at")
 # the episode record's shape, typed as the archive columns, for Arrow's JSON reader
 _EPISODE_JSON = pa.schema(
     [pa.field("generation", pa.struct([EPISODE_SCHEMA.field(n) for n in _GEN_COLUMNS]))]

@@ -34,7 +34,8 @@ waiting on another generation is no duplicate but a collision, dead-lettered as
 ``reused_feedback_id`` by the stage. Decisive signals
 (accept, reject, edit) beat an explicit ``ignore``. Among decisive signals the latest by
 ``created_at`` wins (ties: the larger ``feedback_id``, so the result never depends on arrival
-order); an ``edit`` winner carries its text. ``conflicted`` is True when the decisive signals
+order); an ``edit`` winner carries its text, and the winner's ``user_id`` is the episode's
+``rater_id``. ``conflicted`` is True when the decisive signals
 disagree (different signals, or edits with different texts). With no feedback at all the
 episode is ``ignore`` with ``timed_out=True``.
 """
@@ -58,6 +59,8 @@ class Resolution:
     feedback_ids: tuple[str, ...]
     timed_out: bool
     conflicted: bool
+    #: ``user_id`` of the winning feedback: who judged the generation.
+    rater_id: str | None = None
 
 
 def generation_deadline(completed_at: float, window_s: float) -> float:
@@ -108,4 +111,5 @@ def resolve(feedback: list[FeedbackEvent]) -> Resolution:
         feedback_ids=ids,
         timed_out=False,
         conflicted=len(opinions) > 1,
+        rater_id=winner.user_id,
     )

@@ -184,7 +184,7 @@ class IngestStage:
         for shard in sorted(shards):
             self.sink.shard = shard
             self._close_due(shard, now)
-            self._orphans(shard, now - self.cfg.grace_s)
+            self._orphans(shard, now)
         if now - self._last_prune > 10:
             self._last_prune = now
             self.db.execute("DELETE FROM closed WHERE closed_at<?", (now - self.cfg.closed_retention_s,))
@@ -230,13 +230,21 @@ class IngestStage:
                         (shard, now))
         self.db.execute("DELETE FROM gens WHERE shard=? AND close_at<?", (shard, now))
 
-    def _orphans(self, shard: int, cutoff: float) -> None:
+    def _orphans(self, shard: int, now: float) -> None:
         rows = self.db.execute(
-            "SELECT fid, gid, raw, topic, part, off, key FROM fbs f WHERE shard=? AND deadline<? "
-            "AND NOT EXISTS (SELECT 1 FROM gens g WHERE g.gid=f.gid)", (shard, cutoff)).fetchall()
-        for fid, gid, raw, topic, part, off, key in rows:
+            "SELECT fid, gid, created, raw, topic, part, off, key FROM fbs f WHERE shard=? AND deadline<? "
+            "AND NOT EXISTS (SELECT 1 FROM gens g WHERE g.gid=f.gid)", (shard, now - self.cfg.grace_s)).fetchall()
+        # Feedback this old may belong to a generation whose window closed longer ago than the stage
+        # remembers closed windows: it is no orphan but too late, and the letter should say so.
+        forgotten = self.cfg.window_s + self.cfg.closed_retention_s
+        for fid, gid, created, raw, topic, part, off, key in rows:
             self.db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
-            self.dead.send("orphan_feedback", f"generation {gid} never arrived",
+            detail = f"generation {gid} never arrived"
+            if now - created > forgotten:
+                detail = (f"generation {gid} not seen; the feedback was created {now - created:.0f}s ago, so its "
+                          f"window may have closed longer ago than ingest.closed_retention_s "
+                          f"({self.cfg.closed_retention_s:.0f}s): too late to count either way")
+            self.dead.send("orphan_feedback", detail,
                            source_topic=topic, value=raw, key=key, partition=part, offset=off)
 
 
@@ -251,7 +259,7 @@ def episode_bytes(generation: bytes, res: Resolution, resolved_at: float) -> byt
     rest = _encode_json({
         "signal": res.signal, "edited_text": res.edited_text, "decision_ms": res.decision_ms,
         "feedback_ids": res.feedback_ids, "timed_out": res.timed_out,
-        "conflicted": res.conflicted, "resolved_at": resolved_at,
+        "conflicted": res.conflicted, "rater_id": res.rater_id, "resolved_at": resolved_at,
     })
     return b'{"schema_version":1,"kind":"episode","generation":' + generation + b"," + rest[1:]
 

@@ -1,8 +1,9 @@
 """Guards against abuse and reward hacking: pure judging functions, table-tested.
 
-Abuse (who sent the signal), judged per user over a tumbling window of generation time
-(``guard_window_s``) from counts the reward stage keeps in its state store (per process, over its
-shards, when the stage runs as several shard processes):
+Abuse, judged per user who sent the signal (the episode's ``rater_id``: the winning feedback's
+user, or the generation's user when the feedback named none), over a tumbling window of
+generation time (``guard_window_s``), from counts the reward stage keeps in its state store (per
+process, over its shards, when the stage runs as several shard processes):
 
 - ``user_cap``      a sample that would take the user's kept samples beyond
                     ``max(user_cap_min, user_cap_share x the window's kept samples)`` (this one

@@ -2,7 +2,8 @@
 
 Reads ``<data_dir>/archive/rewards`` (Parquet, partitioned by hour) and prints the reward
 distribution by model version, by signal and by guard flag, and the users with the most flagged
-samples. Run ``flywheel reward report [--archive DIR] [--top N]``.
+samples (the users who sent the signals, as the guards judged them). Run
+``flywheel reward report [--archive DIR] [--top N]``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ REWARD_SCHEMA = pa.schema([
     pa.field("generation_id", pa.string(), nullable=False),
     pa.field("group_id", pa.string()),
     pa.field("user_id", pa.string()),
+    pa.field("rater_id", pa.string()),
     pa.field("model_version", pa.int64()),
     pa.field("signal", pa.string()),
     pa.field("reward", pa.float64()),
@@ -47,6 +49,7 @@ class _RewardColumns(msgspec.Struct):
     completion_token_ids: list[int]
     generated_at: float
     labeled_at: float
+    rater_id: str | None = None
 
 
 # Plain typed parsing, not ``RewardEvent`` validation: the archive only sees outbox rows the
@@ -68,7 +71,8 @@ def reward_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
     stamps = [r.labeled_at for r in rs]
     table = pa.Table.from_pydict({
         "generation_id": [r.generation_id for r in rs], "group_id": [r.group_id for r in rs],
-        "user_id": [r.user_id for r in rs], "model_version": [r.model_version for r in rs],
+        "user_id": [r.user_id for r in rs], "rater_id": [r.rater_id for r in rs],
+        "model_version": [r.model_version for r in rs],
         "signal": [r.signal for r in rs], "reward": [r.reward for r in rs],
         "weight": [r.weight for r in rs], "flags": [r.flags for r in rs],
         "components": [list(r.components.items()) for r in rs],
@@ -88,12 +92,16 @@ def _dist(df: pd.DataFrame, by: str) -> pd.DataFrame:
 
 def summarise(df: pd.DataFrame, top: int = 10) -> dict[str, pd.DataFrame]:
     """The report's tables, keyed by title (pure: a DataFrame in, DataFrames out)."""
+    # a sample's user is whoever sent its signal, as the guards judged it; archives written
+    # before rewards carried ``rater_id`` have no such column: their raters are the generations' users
+    rater = df["rater_id"].fillna(df["user_id"]) if "rater_id" in df else df["user_id"]
+    df = df.assign(user=rater)
     flags = df.assign(flag=df["flags"].map(lambda f: list(f) if len(f) else ["none"])).explode("flag")
     flagged = flags[flags["flag"] != "none"]
     users = (
-        flagged.groupby("user_id")
+        flagged.groupby("user")
         .agg(flagged=("generation_id", "nunique"), flags=("flag", lambda s: ",".join(sorted(set(s)))))
-        .join(df.groupby("user_id").agg(samples=("reward", "size"), mean_weight=("weight", "mean")))
+        .join(df.groupby("user").agg(samples=("reward", "size"), mean_weight=("weight", "mean")))
         .sort_values(["flagged", "samples"], ascending=False)
         .head(top)
     )

@@ -128,9 +128,10 @@ class RewardStage:
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
         components.update(extra)
         win = window_of(g.created_at, self.cfg)
-        verdict = judge_user(self._count_user(g.user_id, win, ep.signal), self.cfg)
+        rater = ep.rater_id or g.user_id  # the guards judge whoever sent the signal
+        verdict = judge_user(self._count_user(rater, win, ep.signal), self.cfg)
         if "user_cap" not in verdict.flags:
-            self._users[(win, g.user_id)][1] += 1
+            self._users[(win, rater)][1] += 1
             self._wins[win][2] += 1
         flags = sample_flags + verdict.flags
         reward = float(sum(components.values()))
@@ -242,7 +243,7 @@ def reward_bytes(ep: EpisodeEvent, reward: float, components: dict[str, float], 
     g = ep.generation
     return _encode_json({
         "schema_version": 1, "kind": "reward", "generation_id": g.generation_id,
-        "group_id": g.group_id, "user_id": g.user_id, "model_version": g.model_version,
+        "group_id": g.group_id, "user_id": g.user_id, "rater_id": ep.rater_id, "model_version": g.model_version,
         "signal": ep.signal, "prompt_token_ids": g.prompt_token_ids,
         "completion_token_ids": g.completion_token_ids, "logprobs": g.logprobs,
         "sampling": g.sampling.__dict__, "reward": reward, "components": components,

@@ -81,6 +81,7 @@ class Dataset:
     chunks: list[list[tuple[str, str | None, bytes]]] = field(default_factory=list)
     generations: set[str] = field(default_factory=set)
     rewards: dict[str, tuple[str, float, bool]] = field(default_factory=dict)  # gid -> signal, value, conflicted
+    raters: dict[str, str] = field(default_factory=dict)  # gid -> the user whose signal won
     dead: Counter = field(default_factory=Counter)  # reason -> count
     dead_values: set[bytes] = field(default_factory=set)
     constant_gids: list[str] = field(default_factory=list)  # the constant user's rewarded generations
@@ -98,9 +99,9 @@ def _generation(gid: str, user: str, t: float, rng: random.Random, repetitive: b
     )
 
 
-def _feedback(fid: str, gid: str, signal: str, t: float, text: str | None = None) -> FeedbackEvent:
+def _feedback(fid: str, gid: str, signal: str, t: float, user: str, text: str | None = None) -> FeedbackEvent:
     return FeedbackEvent(feedback_id=fid, generation_id=gid, signal=signal, edited_text=text,
-                         decision_ms=1000.0, created_at=t, received_at=t + 0.01)
+                         decision_ms=1000.0, user_id=user, created_at=t, received_at=t + 0.01)
 
 
 def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Random) -> None:
@@ -121,14 +122,15 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
         fbs: list[FeedbackEvent] = []
         if signal is not None:
             text = g.completion_text[: len(g.completion_text) // 2] + "xy" if signal == "edit" else None
-            fbs.append(_feedback(f"f-{gid}", gid, signal, t + rng.uniform(0.01, 0.5), text))
+            fbs.append(_feedback(f"f-{gid}", gid, signal, t + rng.uniform(0.01, 0.5), user, text))
             if signal in ("accept", "reject") and user != CONSTANT_USER and rng.random() < 0.08:
-                other = "reject" if signal == "accept" else "accept"  # a later change of mind
-                fbs.append(_feedback(f"f2-{gid}", gid, other, t + 0.9))
+                other = "reject" if signal == "accept" else "accept"  # a reviewer's later change of mind
+                fbs.append(_feedback(f"f2-{gid}", gid, other, t + 0.9, f"{user}-reviewer"))
         winner = fbs[-1] if fbs else None
         if winner is not None:
             ds.rewards[gid] = (winner.signal, expected_reward(
                 winner.signal, g.completion_text, winner.edited_text, 1000.0, repetitive), len(fbs) > 1)
+            ds.raters[gid] = winner.user_id
             if user == CONSTANT_USER:
                 ds.constant_gids.append(gid)
         for fb in fbs:
@@ -136,12 +138,12 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
             if rng.random() < 0.1:  # a duplicate delivery of the same feedback_id
                 out.append((topics.feedback, gid, encode(fb)))
         if rng.random() < 0.03:  # feedback the user sent after the window closed
-            late = encode(_feedback(f"late-{gid}", gid, "reject", t + WINDOW_S + 1.0))
+            late = encode(_feedback(f"late-{gid}", gid, "reject", t + WINDOW_S + 1.0, user))
             out.append((topics.feedback, gid, late))
             ds.dead["late_feedback"] += 1
             ds.dead_values.add(late)
     for i in range(per_chunk // 40):  # feedback whose generation never arrives
-        orphan = encode(_feedback(f"orphan-{c}-{i}", f"missing-{c}-{i}", "accept", t))
+        orphan = encode(_feedback(f"orphan-{c}-{i}", f"missing-{c}-{i}", "accept", t, "u0"))
         out.append((topics.feedback, f"missing-{c}-{i}", orphan))
         ds.dead["orphan_feedback"] += 1
         ds.dead_values.add(orphan)
@@ -157,7 +159,7 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
 
 
 def _malformed(topics, c: int, t: float) -> list[tuple[str, str, str | None, bytes]]:
-    good = json.loads(encode(_feedback(f"bad-{c}", f"g{c:03d}-0000", "accept", t)))
+    good = json.loads(encode(_feedback(f"bad-{c}", f"g{c:03d}-0000", "accept", t, "u0")))
     return [
         ("undecodable", topics.feedback, "x", b"\xff\xfe not json"),
         ("undecodable", topics.generations, None, b"[1, 2, 3]"),
@@ -242,6 +244,7 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Pat
     for r in got:
         signal, value, _ = ds.rewards[r.generation_id]
         assert r.signal == signal, r.generation_id
+        assert r.rater_id == ds.raters[r.generation_id], r.generation_id
         assert r.reward == pytest.approx(value, abs=1e-9), (r.generation_id, r.components)
     conflicted = {decode(EpisodeEvent, r.value).generation_id for r in episodes
                   if decode(EpisodeEvent, r.value).conflicted}

@@ -62,6 +62,9 @@ def test_edit_needs_text():
     ({"signal": "edit", "edited_text": "x", "feedback_ids": ("f",)}, None),
     ({"signal": "accept", "timed_out": True}, "timed-out episode"),
     ({"signal": "ignore", "timed_out": True, "feedback_ids": ("f",)}, "timed-out episode"),
+    ({"signal": "ignore", "timed_out": True, "rater_id": "r"}, "timed-out episode"),
+    ({"signal": "accept", "rater_id": "r"}, None),
+    ({"signal": "accept", "rater_id": "r" * 129}, "rater_id"),
     ({"signal": "edit", "feedback_ids": ("f",)}, "edited_text"),
 ])
 def test_an_episode_signal_must_fit_how_it_resolved(fields, error):

@@ -33,9 +33,10 @@ from ingest.join import (
 from ingest.stage import DEADLETTER_REASONS, SCHEMA, IngestStage, episode_bytes
 
 
-def fb(fid: str, signal: str, t: float, text: str | None = None, ms: float | None = None) -> FeedbackEvent:
+def fb(fid: str, signal: str, t: float, text: str | None = None, ms: float | None = None,
+       user: str | None = None) -> FeedbackEvent:
     return FeedbackEvent(feedback_id=fid, generation_id="g", signal=signal, edited_text=text,
-                         decision_ms=ms, created_at=t, received_at=t)
+                         decision_ms=ms, user_id=user, created_at=t, received_at=t)
 
 
 @pytest.mark.parametrize("feedback, signal, text, ids, timed_out, conflicted", [
@@ -59,6 +60,17 @@ def test_resolve(feedback, signal, text, ids, timed_out, conflicted):
 
 def test_resolve_carries_winner_decision_time():
     assert resolve([fb("a", "accept", 1, ms=10), fb("b", "reject", 2, ms=99)]).decision_ms == 99
+
+
+@pytest.mark.parametrize("feedback, rater", [
+    ([], None),
+    ([fb("a", "accept", 1)], None),  # feedback that named no user
+    ([fb("a", "accept", 1, user="r1")], "r1"),
+    ([fb("a", "accept", 1, user="r1"), fb("b", "reject", 2, user="r2")], "r2"),  # the winner's user
+    ([fb("a", "accept", 1, user="r1"), fb("b", "ignore", 5, user="r2")], "r1"),  # decisive beats ignore
+])
+def test_resolve_names_the_winner_as_rater(feedback, rater):
+    assert resolve(feedback).rater_id == rater
 
 
 @pytest.mark.parametrize("created, deadline, late", [(10.0, 10.0, False), (10.001, 10.0, True), (3.0, 10.0, False)])
@@ -151,14 +163,15 @@ def run(stage_store, records, now):
 
 
 def test_stage_joins_feedback_before_generation_and_emits_once_at_close(stage):
-    f = fb("f1", "accept", 101)
+    f = fb("f1", "accept", 101, user="r1")
     run(stage, [rec(T.feedback, "g", encode(f), 0), rec(T.generations, "g", encode(gen("g", 100)), 0),
                 rec(T.feedback, "g", encode(f), 1)], now=102)
     run(stage, [], now=111.5)
     assert outputs(stage[1]) == ([], [])  # window still open: 10 s from the generation's arrival at 102
     run(stage, [], now=112.5)
     eps, dls = outputs(stage[1])
-    assert [(e.generation_id, e.signal, e.feedback_ids) for e in eps] == [("g", "accept", ("f1",))] and not dls
+    assert [(e.generation_id, e.signal, e.feedback_ids, e.rater_id) for e in eps] == [("g", "accept", ("f1",), "r1")]
+    assert not dls
     run(stage, [rec(T.feedback, "g", encode(f), 2), rec(T.generations, "g", encode(gen("g", 100)), 1)], now=113)
     assert len(outputs(stage[1])[0]) == 1  # late duplicate feedback and generation fold away
 
@@ -200,6 +213,29 @@ def test_stage_dead_letters_late_orphan_and_bad_records(stage):
     assert [(e.generation_id, e.signal, e.timed_out) for e in eps] == [("g", "ignore", True)]
     assert sorted(d.reason for d in dls) == ["late_feedback", "orphan_feedback", "undecodable", "wrong_key"]
     assert {d.source_offset for d in dls if d.reason == "orphan_feedback"} == {1}
+
+
+def test_feedback_for_a_window_closed_before_the_stage_remembers_is_an_orphan_that_says_so(tmp_path):
+    """Past ``closed_retention_s`` a closed generation is forgotten: its feedback can no longer be
+    told from an orphan's, so the dead letter's detail says it may be very late instead."""
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage_store = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1, closed_retention_s=20),
+                              T, store, CollectorRegistry()), store
+    run(stage_store, [rec(T.generations, "g", encode(gen("g", 100)), 0)], now=100)
+    run(stage_store, [], now=112)  # closed: the episode is out
+    run(stage_store, [rec(T.feedback, "g", encode(fb("f1", "accept", 101)), 0)], now=125)  # late, plainly
+    run(stage_store, [], now=137)  # closed 25 s ago: forgotten
+    very_late = FeedbackEvent(feedback_id="f2", generation_id="g", signal="reject", created_at=105, received_at=150)
+    orphan = FeedbackEvent(feedback_id="o", generation_id="nope", signal="accept", created_at=150, received_at=150)
+    run(stage_store, [rec(T.feedback, "g", encode(very_late), 1), rec(T.feedback, "nope", encode(orphan), 2)], now=150)
+    run(stage_store, [], now=162)
+    eps, dls = outputs(store)
+    assert [e.generation_id for e in eps] == ["g"]
+    assert [(d.reason, d.source_offset) for d in dls] == [
+        ("late_feedback", 0), ("orphan_feedback", 1), ("orphan_feedback", 2)]
+    assert "window may have closed longer ago than ingest.closed_retention_s (20s)" in dls[1].detail
+    assert dls[2].detail == "generation nope never arrived"
+    store.close()
 
 
 def test_an_episode_over_its_limit_is_dead_lettered_at_close(stage):
@@ -388,7 +424,7 @@ def test_stage_dead_letters_early_feedback_that_turns_out_late(stage):
 @pytest.mark.parametrize("feedback", [
     [],
     [fb("a", "accept", 1, ms=12.5)],
-    [fb("a", "edit", 1, text="é \"quoted\"\n"), fb("b", "reject", 0.1)],
+    [fb("a", "edit", 1, text="é \"quoted\"\n", user="r"), fb("b", "reject", 0.1)],
 ])
 def test_spliced_episode_is_the_encoded_episode(feedback):
     g = gen("g", 1700000000.123456)
@@ -396,7 +432,8 @@ def test_spliced_episode_is_the_encoded_episode(feedback):
     spliced = episode_bytes(encode(g), res, 1700000010.987654)
     built = EpisodeEvent(generation=g, signal=res.signal, edited_text=res.edited_text,
                          decision_ms=res.decision_ms, feedback_ids=res.feedback_ids,
-                         timed_out=res.timed_out, conflicted=res.conflicted, resolved_at=1700000010.987654)
+                         timed_out=res.timed_out, conflicted=res.conflicted, rater_id=res.rater_id,
+                         resolved_at=1700000010.987654)
     assert decode(EpisodeEvent, spliced) == built
     assert spliced == encode(built)
 
@@ -414,7 +451,7 @@ def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path, monkeypa
     values = [
         episode_bytes(encode(gen("a", 100)), resolve([]), 1000.0),
         episode_bytes(encode(gen("b", 100)), resolve([fb("x", "edit", 1, 'é "q"\nz', ms=3.5)]), 1001.5),
-        episode_bytes(encode(gen("c", 100)), resolve([fb("y", "accept", 1), fb("z", "reject", 2)]), 5000.0),
+        episode_bytes(encode(gen("c", 100)), resolve([fb("y", "accept", 1), fb("z", "reject", 2, user="r")]), 5000.0),
     ]  # resolved in two different hours: two files each
     rows = [ArchiveRow(10 + i, "episodes", v) for i, v in enumerate(values)]
     batches = []
@@ -428,6 +465,7 @@ def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path, monkeypa
     for a, b in zip(fast.files(), slow.files()):
         assert pq.read_table(a).equals(pq.read_table(b))
     assert batches == parses and fast.archived_seqs("e", 0, 99) == {10, 11, 12}
+    assert [r for p in fast.files() for r in pq.read_table(p).column("rater_id").to_pylist()] == [None, None, "r"]
 
 
 def test_hours_of_formats_each_stamp_like_hour_of():

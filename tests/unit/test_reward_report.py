@@ -10,9 +10,9 @@ from ingest.exactly_once import ArchiveRow
 from reward.report import REWARD_SCHEMA, report, reward_row, reward_table, summarise
 
 
-def reward(i: int, user: str, signal: str, value: float, flags=(), version=0) -> RewardEvent:
+def reward(i: int, user: str, signal: str, value: float, flags=(), version=0, rater=None) -> RewardEvent:
     return RewardEvent(
-        generation_id=f"g{i}", group_id="grp", user_id=user, model_version=version, signal=signal,
+        generation_id=f"g{i}", group_id="grp", user_id=user, rater_id=rater, model_version=version, signal=signal,
         prompt_token_ids=(1,), completion_token_ids=(2, 3), logprobs=(-1.0, -1.0),
         sampling=SamplingParams(temperature=1, top_p=1, max_tokens=4), reward=value,
         components={"signal": value}, weight=0.2 if flags else 1.0, flags=flags,
@@ -38,7 +38,7 @@ def test_report_tables_from_archive(tmp_path):
 
 
 def test_archive_rows_hold_the_reward_fields_on_both_paths(tmp_path):
-    events = [reward(0, "a", "edit", 0.5), reward(1, "b", "accept", 0.75, ("constant_user", "long")),
+    events = [reward(0, "a", "edit", 0.5), reward(1, "b", "accept", 0.75, ("constant_user", "long"), rater="r"),
               reward(2, "c", "reject", -0.25, version=3)]
     rows = [ArchiveRow(7 + i, "rewards", encode(e)) for i, e in enumerate(events)]
     for name, table_fn in (("batch", reward_table), ("row", None)):
@@ -51,6 +51,20 @@ def test_archive_rows_hold_the_reward_fields_on_both_paths(tmp_path):
             assert (row["reward"], row["weight"], tuple(row["flags"])) == (e.reward, e.weight, e.flags)
             assert dict(row["components"]) == e.components and row["completion_tokens"] == 2
             assert (row["generated_at"], row["labeled_at"]) == (e.generated_at, e.labeled_at)
+        assert got["rater_id"].fillna("-").tolist() == ["-", "r", "-"]
+
+
+def test_flagged_users_are_the_raters_the_guards_judged(tmp_path):
+    """One account rating other users' generations is the flagged user, not those users. An
+    archive written before rewards carried ``rater_id`` still reports, by generation user."""
+    events = [reward(i, f"owner{i}", "accept", 0.75, ("constant_user",), rater="rater") for i in range(3)]
+    events.append(reward(3, "d", "accept", 0.75, ("user_cap",)))  # no rater: the generation's user
+    ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write("e0", [ArchiveRow(i, "rewards", encode(e))
+                                                                     for i, e in enumerate(events)])
+    users = summarise(pd.read_parquet(tmp_path))["top 10 flagged users"]
+    assert list(users.index) == ["rater", "d"] and list(users["flagged"]) == [3, 1]
+    old = summarise(pd.read_parquet(tmp_path).drop(columns="rater_id"))["top 10 flagged users"]
+    assert sorted(old.index) == ["d", "owner0", "owner1", "owner2"]
 
 
 def test_report_without_archive(tmp_path):

@@ -559,3 +559,32 @@ def test_a_restart_mid_backlog_keeps_the_counts_of_the_windows_it_was_filling(tm
     with store.txn():
         stage.process(recs[100:], LIVE + 180)
     assert _flags(store) == at_once
+
+
+def test_the_guards_judge_the_user_who_sent_the_signal(tmp_path):
+    """One account accepting 60 generations of 60 other users is capped and flagged as constant:
+    counted by the generations' users, each of them had sent one signal."""
+    from kafka.consumer.fetcher import ConsumerRecord
+
+    from flywheel.contracts import RewardEvent, decode, encode
+
+    recs = []
+    for i in range(120):
+        g = episode().generation.model_copy(update={"generation_id": f"g{i}", "user_id": f"owner{i}"})
+        rater = "rater" if i % 2 else f"owner{i}"  # every other signal is the one account's
+        value = encode(EpisodeEvent(generation=g, signal="accept", feedback_ids=(f"f{i}",), rater_id=rater,
+                                    resolved_at=2))
+        recs.append(ConsumerRecord(topic="e", partition=0, leader_epoch=-1, offset=i, timestamp=0, timestamp_type=0,
+                                   key=g.generation_id.encode(), value=value, headers=[], checksum=None,
+                                   serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0))
+    store, stage = _reward_stage(tmp_path, "s")
+    with store.txn():
+        stage.process(recs, 10.0)
+    rewards = [decode(RewardEvent, r.value) for r in store.pending([0], limit=1000) if r.topic == "t.rewards"]
+    mine = [r for r in rewards if r.rater_id == "rater"]
+    assert len(mine) == 60 and all(r.user_id != "rater" for r in mine)
+    assert all("constant_user" in r.flags for r in mine[G.constant_min_signals - 1:])
+    assert sum("user_cap" in r.flags for r in mine) >= 30 and sum(r.weight > 0 for r in mine) <= 0.2 * sum(
+        r.weight > 0 for r in rewards)
+    others = [r for r in rewards if r.rater_id != "rater"]
+    assert not any({"user_cap", "constant_user"} & set(r.flags) for r in others)
