@@ -1,9 +1,15 @@
 """Parquet archive of a stage's output, partitioned by hour, written atomically.
 
 Layout: ``<root>/hour=YYYY-MM-DDTHH/part-<epoch>-<first seq>-<last seq>.parquet`` with an explicit
-pyarrow schema, so pandas (``pd.read_parquet(root)``), DuckDB, Spark or any Parquet reader sees the
-same columns and the ``hour`` partition column. Each file is written to a temporary name in the
-same directory and renamed into place: a reader (or a crash) sees a whole file or none.
+pyarrow schema, readable by pandas, DuckDB, Spark or any Parquet reader, with an ``hour``
+partition column. Each file is written to a temporary name in the same directory and renamed into
+place: a reader (or a crash) sees a whole file or none.
+
+Columns are only ever added (optional fields of the records), so files written before a column
+existed lack it. A reader that takes its columns from the first file it opens, as
+``pd.read_parquet(root)`` does, then drops the new column from every row: read with the
+archive's whole schema, ``pd.read_parquet(root, schema=read_schema(EPISODE_SCHEMA))`` (or
+``REWARD_SCHEMA``), and older files read as nulls in it.
 
 The stage writes its archive queue out in batches (``archive.max_rows`` rows, or every
 ``archive.max_age_s``; ingest/exactly_once.py), so an hour holds a few large files rather than
@@ -38,6 +44,16 @@ TABLE_CHUNK = 4096
 _NAME = re.compile(r"part-(?P<epoch>[0-9a-f]+)-(?P<lo>\d+)-(?P<hi>\d+)\.parquet$")
 
 
+#: The column every archive row carries besides its record's: its outbox sequence number.
+OUTBOX_SEQ = pa.field("outbox_seq", pa.int64(), nullable=False)
+
+
+def read_schema(columns: pa.Schema) -> pa.Schema:
+    """What a reader of an archive with record ``columns`` should ask for: those, the outbox
+    sequence number and the ``hour`` partition (see the module docstring)."""
+    return columns.append(OUTBOX_SEQ).append(pa.field("hour", pa.string()))
+
+
 def hour_of(ts: float) -> str:
     return time.strftime("%Y-%m-%dT%H", time.gmtime(ts))
 
@@ -66,7 +82,7 @@ class ParquetArchive:
     def __init__(self, root: Path, schema: pa.Schema, row_fn: RowFn, table_fn: TableFn | None = None) -> None:
         self.root = root
         self.columns = schema
-        self.schema = schema.append(pa.field("outbox_seq", pa.int64(), nullable=False))
+        self.schema = schema.append(OUTBOX_SEQ)
         self.row_fn = row_fn
         self.table_fn = table_fn
         root.mkdir(parents=True, exist_ok=True)

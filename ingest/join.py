@@ -111,5 +111,5 @@ def resolve(feedback: list[FeedbackEvent]) -> Resolution:
         feedback_ids=ids,
         timed_out=False,
         conflicted=len(opinions) > 1,
-        rater_id=winner.user_id,
+        rater_id=winner.user_id or None,  # (an empty user names no one)
     )

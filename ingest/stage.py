@@ -232,18 +232,21 @@ class IngestStage:
 
     def _orphans(self, shard: int, now: float) -> None:
         rows = self.db.execute(
-            "SELECT fid, gid, created, raw, topic, part, off, key FROM fbs f WHERE shard=? AND deadline<? "
+            "SELECT fid, gid, created, deadline, raw, topic, part, off, key FROM fbs f WHERE shard=? AND deadline<? "
             "AND NOT EXISTS (SELECT 1 FROM gens g WHERE g.gid=f.gid)", (shard, now - self.cfg.grace_s)).fetchall()
-        # Feedback this old may belong to a generation whose window closed longer ago than the stage
-        # remembers closed windows: it is no orphan but too late, and the letter should say so.
-        forgotten = self.cfg.window_s + self.cfg.closed_retention_s
-        for fid, gid, created, raw, topic, part, off, key in rows:
+        retention = self.cfg.closed_retention_s
+        for fid, gid, created, deadline, raw, topic, part, off, key in rows:
             self.db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
+            # Delivered longer after it was made than closed windows are remembered, the feedback
+            # may be for a generation whose window closed and was forgotten before it came: no
+            # orphan but very late, and the letter should say so. (Its arrival is its orphan
+            # deadline less the wait, when it came after it was made.)
+            delay = deadline - self.cfg.orphan_wait_s - created
             detail = f"generation {gid} never arrived"
-            if now - created > forgotten:
-                detail = (f"generation {gid} not seen; the feedback was created {now - created:.0f}s ago, so its "
-                          f"window may have closed longer ago than ingest.closed_retention_s "
-                          f"({self.cfg.closed_retention_s:.0f}s): too late to count either way")
+            if delay > retention:
+                detail = (f"generation {gid} not seen; the feedback came {delay:.0f}s after it was made, so its "
+                          f"generation's window may have closed longer ago than ingest.closed_retention_s "
+                          f"({retention:.0f}s) and been forgotten: too late to count either way")
             self.dead.send("orphan_feedback", detail,
                            source_topic=topic, value=raw, key=key, partition=part, offset=off)
 

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import pyarrow as pa
 
+from ingest.archive import read_schema
+
 if TYPE_CHECKING:  # pandas is imported by the report only: the stage starts faster without it
     import pandas as pd
 
@@ -92,8 +94,8 @@ def _dist(df: pd.DataFrame, by: str) -> pd.DataFrame:
 
 def summarise(df: pd.DataFrame, top: int = 10) -> dict[str, pd.DataFrame]:
     """The report's tables, keyed by title (pure: a DataFrame in, DataFrames out)."""
-    # a sample's user is whoever sent its signal, as the guards judged it; archives written
-    # before rewards carried ``rater_id`` have no such column: their raters are the generations' users
+    # a sample's user is whoever sent its signal, as the guards judged it; rows written before
+    # rewards carried ``rater_id`` have none: their raters were the generations' users
     rater = df["rater_id"].fillna(df["user_id"]) if "rater_id" in df else df["user_id"]
     df = df.assign(user=rater)
     flags = df.assign(flag=df["flags"].map(lambda f: list(f) if len(f) else ["none"])).explode("flag")
@@ -113,12 +115,18 @@ def summarise(df: pd.DataFrame, top: int = 10) -> dict[str, pd.DataFrame]:
     }
 
 
+def read_rewards(archive: Path) -> pd.DataFrame:
+    """The whole archive, every column of the current schema (files older than a column read
+    as nulls in it, not as the column missing from every row)."""
+    import pandas as pd
+
+    return pd.read_parquet(archive, schema=read_schema(REWARD_SCHEMA))
+
+
 def report(archive: Path, top: int = 10) -> str:
     if not archive.exists() or not any(archive.glob("hour=*/*.parquet")):
         return f"no reward archive at {archive}"
-    import pandas as pd
-
-    df = pd.read_parquet(archive)
+    df = read_rewards(archive)
     parts = [f"{len(df)} rewards in {archive}"]
     for title, table in summarise(df, top).items():
         parts.append(f"\n== {title} ==\n{table.to_string() if len(table) else '(none)'}")

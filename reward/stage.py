@@ -40,6 +40,7 @@ CREATE TABLE IF NOT EXISTS user_win (win INTEGER NOT NULL, user TEXT NOT NULL, n
     kept INTEGER NOT NULL, accept INTEGER NOT NULL, reject INTEGER NOT NULL, edit INTEGER NOT NULL, ignore INTEGER NOT NULL,
     PRIMARY KEY (win, user));
 CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL, users INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT NULL);
 """
 
 REWARDS_ARCHIVE = "rewards"
@@ -72,8 +73,6 @@ class RewardStage:
         self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
-        #: shard -> (latest guard window its episodes reached, when): see :meth:`tick`
-        self._reached: dict[int, tuple[int, float]] = {}
         self._children: dict[tuple[Counter, str], Counter] = {}
         self._load_counts()
         store.on_rollback(self._load_counts)
@@ -154,6 +153,10 @@ class RewardStage:
     # after a rolled-back batch, and the rows a batch changed are written back in its transaction,
     # so a restart or a failed batch sees exactly the committed counts.
     def _load_counts(self) -> None:
+        #: shard -> (latest guard window its episodes reached, when; None: not since loading).
+        #: See :meth:`_prune_counts`.
+        self._reached: dict[int, tuple[int, float | None]] = {
+            shard: (win, None) for shard, win in self.db.execute("SELECT shard, win FROM reached")}
         self._users: dict[tuple[int, str], list[int]] = {
             (w, u): list(rest) for w, u, *rest in self.db.execute(
                 "SELECT win, user, n, kept, accept, reject, edit, ignore FROM user_win")}
@@ -199,6 +202,9 @@ class RewardStage:
             win = min(window_of(generated_at, self.cfg), ceiling)
             last = self._reached.get(shard)
             self._reached[shard] = (win if last is None else max(win, last[0]), now)
+        if latest:
+            self.db.executemany("INSERT INTO reached VALUES (?, ?) ON CONFLICT (shard) DO UPDATE SET win=excluded.win",
+                                [(shard, self._reached[shard][0]) for shard in latest])
 
     def tick(self, shards: set[int], now: float) -> None:
         if now - self._last_prune < 60:
@@ -213,12 +219,18 @@ class RewardStage:
         Judged by event time, not the wall clock: a backlog hours old (after an outage, or a
         replay) is judged against counts that accumulate as they did live, rather than restart
         at every prune. A window is done once every shard in flight has moved more than two
-        windows past it (episodes come late by up to ingest's join window); a shard is in flight while it has
-        sent an episode within the last guard window, so a revoked or idle shard stops holding
-        counts back. With none in flight (just started, or idle) nothing is pruned: an idle
-        process's counts do not grow, and a restart mid-backlog keeps what it had.
+        windows past it (episodes come late by up to ingest's join window). How far each shard has
+        moved is kept in the state store (table ``reached``), so a restart knows of a shard still
+        behind before it reads from it. A shard is in flight until it has sent no episode for a
+        guard window while this process ran (the clock of a shard loaded from the store starts at
+        the first turn after loading): a revoked or idle shard stops holding counts back. With
+        none in flight nothing is pruned: an idle process's counts do not grow.
         """
-        self._reached = {s: r for s, r in self._reached.items() if now - r[1] < self.cfg.guard_window_s}
+        limit = self.cfg.guard_window_s
+        live = {s: (win, now if at is None else at) for s, (win, at) in self._reached.items()}
+        self._reached = {s: r for s, r in live.items() if now - r[1] < limit}
+        if len(self._reached) < len(live):
+            self.db.executemany("DELETE FROM reached WHERE shard=?", [(s,) for s in live.keys() - self._reached.keys()])
         if not self._reached:
             return
         oldest = min(win for win, _ in self._reached.values()) - 2

@@ -65,6 +65,7 @@ def test_resolve_carries_winner_decision_time():
 @pytest.mark.parametrize("feedback, rater", [
     ([], None),
     ([fb("a", "accept", 1)], None),  # feedback that named no user
+    ([fb("a", "accept", 1, user="")], None),
     ([fb("a", "accept", 1, user="r1")], "r1"),
     ([fb("a", "accept", 1, user="r1"), fb("b", "reject", 2, user="r2")], "r2"),  # the winner's user
     ([fb("a", "accept", 1, user="r1"), fb("b", "ignore", 5, user="r2")], "r1"),  # decisive beats ignore
@@ -216,10 +217,12 @@ def test_stage_dead_letters_late_orphan_and_bad_records(stage):
 
 
 def test_feedback_for_a_window_closed_before_the_stage_remembers_is_an_orphan_that_says_so(tmp_path):
-    """Past ``closed_retention_s`` a closed generation is forgotten: its feedback can no longer be
-    told from an orphan's, so the dead letter's detail says it may be very late instead."""
+    """Past ``closed_retention_s`` a closed generation is forgotten: feedback delivered that long
+    after it was made can no longer be told from an orphan, so its dead letter's detail says it
+    may be very late. A fresh orphan's does not, however long it waited (``orphan_wait_s`` here
+    exceeds window and retention together)."""
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
-    stage_store = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1, closed_retention_s=20),
+    stage_store = IngestStage(IngestSettings(window_s=10, orphan_wait_s=40, grace_s=1, closed_retention_s=20),
                               T, store, CollectorRegistry()), store
     run(stage_store, [rec(T.generations, "g", encode(gen("g", 100)), 0)], now=100)
     run(stage_store, [], now=112)  # closed: the episode is out
@@ -228,12 +231,13 @@ def test_feedback_for_a_window_closed_before_the_stage_remembers_is_an_orphan_th
     very_late = FeedbackEvent(feedback_id="f2", generation_id="g", signal="reject", created_at=105, received_at=150)
     orphan = FeedbackEvent(feedback_id="o", generation_id="nope", signal="accept", created_at=150, received_at=150)
     run(stage_store, [rec(T.feedback, "g", encode(very_late), 1), rec(T.feedback, "nope", encode(orphan), 2)], now=150)
-    run(stage_store, [], now=162)
+    run(stage_store, [], now=192)
     eps, dls = outputs(store)
     assert [e.generation_id for e in eps] == ["g"]
     assert [(d.reason, d.source_offset) for d in dls] == [
         ("late_feedback", 0), ("orphan_feedback", 1), ("orphan_feedback", 2)]
-    assert "window may have closed longer ago than ingest.closed_retention_s (20s)" in dls[1].detail
+    assert "came 45s after it was made" in dls[1].detail
+    assert "longer ago than ingest.closed_retention_s (20s)" in dls[1].detail
     assert dls[2].detail == "generation nope never arrived"
     store.close()
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
 
 from flywheel.contracts import RewardEvent, SamplingParams, encode
 from ingest.archive import ParquetArchive
 from ingest.exactly_once import ArchiveRow
-from reward.report import REWARD_SCHEMA, report, reward_row, reward_table, summarise
+from reward.report import REWARD_SCHEMA, read_rewards, report, reward_row, reward_table, summarise
 
 
 def reward(i: int, user: str, signal: str, value: float, flags=(), version=0, rater=None) -> RewardEvent:
@@ -61,10 +62,30 @@ def test_flagged_users_are_the_raters_the_guards_judged(tmp_path):
     events.append(reward(3, "d", "accept", 0.75, ("user_cap",)))  # no rater: the generation's user
     ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write("e0", [ArchiveRow(i, "rewards", encode(e))
                                                                      for i, e in enumerate(events)])
-    users = summarise(pd.read_parquet(tmp_path))["top 10 flagged users"]
+    users = summarise(read_rewards(tmp_path))["top 10 flagged users"]
     assert list(users.index) == ["rater", "d"] and list(users["flagged"]) == [3, 1]
-    old = summarise(pd.read_parquet(tmp_path).drop(columns="rater_id"))["top 10 flagged users"]
+    old = summarise(read_rewards(tmp_path).drop(columns="rater_id"))["top 10 flagged users"]
     assert sorted(old.index) == ["d", "owner0", "owner1", "owner2"]
+
+
+def test_files_from_before_rater_id_read_with_the_newer_ones(tmp_path):
+    """An archive upgraded in place: its oldest hour lacks the column. Read by the first file's
+    columns, every row lost its rater; read by the schema, only the old rows have none."""
+    import pyarrow.parquet as pq
+
+    new = [reward(i, f"owner{i}", "accept", 0.75, ("constant_user",), rater="rater") for i in range(2)]
+    ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write("e1", [ArchiveRow(10 + i, "rewards", encode(e))
+                                                                     for i, e in enumerate(new)])
+    _, table = reward_table([encode(reward(9, "d", "accept", 0.75, ("user_cap",)))])
+    old_hour = tmp_path / "hour=2000-01-01T00"
+    old_hour.mkdir()
+    pq.write_table(table.drop_columns(["rater_id"]).append_column("outbox_seq", pa.array([1], pa.int64())),
+                   old_hour / "part-e0-000000000001-000000000001.parquet")
+    assert "rater_id" not in pd.read_parquet(tmp_path)  # what a schema-less read does
+    df = read_rewards(tmp_path)
+    assert len(df) == 3 and df["rater_id"].fillna("-").tolist() == ["-", "rater", "rater"]
+    users = summarise(df)["top 10 flagged users"]
+    assert list(users.index) == ["rater", "d"]
 
 
 def test_report_without_archive(tmp_path):

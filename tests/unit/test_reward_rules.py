@@ -299,6 +299,7 @@ def test_stage_guard_counts_survive_rollback_and_restart(tmp_path):
      {"signal": 0.5, "edit": -0.1875, "length_penalty": -0.0}, 0.2, ("long", "constant_user")),
     (episode("reject", text=""), -1.25, {"signal": -0.25, "verifier_nonempty": -1.0}, 0.0, ("user_cap",)),
     (episode("ignore", tokens=()), 0.0, {}, 1.0, ()),
+    (episode().model_copy(update={"rater_id": "r"}), 0.75, {"signal": 0.75}, 1.0, ()),
     (episode().model_copy(update={"generation": episode().generation.model_copy(update={"sampling": SamplingParams(
         temperature=0.7, top_p=0.9, top_k=40, max_tokens=8, seed=7, stop=("\n", "END"), logprobs_mode="raw")})}),
      1.0, {"signal": 1.0}, 1.0, ()),
@@ -309,7 +310,7 @@ def test_reward_bytes_are_the_encoded_reward_event(ep, reward, components, weigh
 
     g = ep.generation
     built = RewardEvent(
-        generation_id=g.generation_id, group_id=g.group_id, user_id=g.user_id,
+        generation_id=g.generation_id, group_id=g.group_id, user_id=g.user_id, rater_id=ep.rater_id,
         model_version=g.model_version, signal=ep.signal, prompt_token_ids=g.prompt_token_ids,
         completion_token_ids=g.completion_token_ids, logprobs=g.logprobs, sampling=g.sampling,
         reward=reward, components=components, weight=weight, flags=flags,
@@ -497,6 +498,10 @@ def _backlog_judged_live(tmp_path) -> tuple[list, dict[str, tuple[str, ...]]]:
     return recs, _flags(store)
 
 
+def _windows(store) -> list[int]:
+    return sorted({w for (w,) in store.db.execute("SELECT win FROM user_win")})
+
+
 def test_a_backlog_is_judged_with_the_counts_it_would_have_had_live(tmp_path):
     """Six hours of backlog, read in batches a minute or more apart with a prune on each: the
     flooder's counts carry over from batch to batch, as they did when all came at once. Pruned by
@@ -521,7 +526,7 @@ def test_guard_counts_of_a_window_are_pruned_once_every_shard_is_past_it_by_more
             stage.tick({0, 1}, now)
 
     def windows():
-        return sorted({w for (w,) in store.db.execute("SELECT win FROM user_win")})
+        return _windows(store)
 
     w = int(LIVE // HOUR)
     step(_episodes_at(4, LIVE - 5 * HOUR, shard=1) + _episodes_at(4, LIVE - 5 * HOUR, shard=0), LIVE)
@@ -588,3 +593,22 @@ def test_the_guards_judge_the_user_who_sent_the_signal(tmp_path):
         r.weight > 0 for r in rewards)
     others = [r for r in rewards if r.rater_id != "rater"]
     assert not any({"user_cap", "constant_user"} & set(r.flags) for r in others)
+
+
+def test_a_restart_remembers_a_shard_that_is_behind(tmp_path):
+    """Shard 1 is hours behind when the stage restarts, and its first turn reads only shard 0:
+    the counts shard 1 is still filling stay, until it has sent nothing for a guard window."""
+    w = int(LIVE // HOUR)
+    store, stage = _reward_stage(tmp_path, "s")
+    with store.txn():
+        stage.process(_episodes_at(4, LIVE - 5 * HOUR, shard=1) + _episodes_at(4, LIVE, shard=0), LIVE)
+    store.close()
+    store, stage = _reward_stage(tmp_path, "s")
+    for i, now in enumerate((LIVE + 120, LIVE + 200, LIVE + 120 + HOUR)):  # restarted, then running
+        with store.txn():
+            stage.process(_episodes_at(2, LIVE + 1, shard=0, start=10 * i), now)
+            stage.tick({0, 1}, now)
+        if i == 1:
+            assert _windows(store) == [w - 5, w]
+    assert _windows(store) == [w]  # (shard 1 was loaded at LIVE+120 and sent nothing since)
+    assert store.db.execute("SELECT shard, win FROM reached").fetchall() == [(0, w)]
