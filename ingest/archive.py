@@ -35,6 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from flywheel.durable import fsync_dir
 from ingest.exactly_once import ArchiveRow
 
 RowFn = Callable[[bytes], tuple[float, dict[str, Any]]]
@@ -99,13 +100,18 @@ class ParquetArchive:
             part = table if len(idx) == len(rows) else table.take(idx)
             seqs = [rows[i].seq for i in idx]
             folder = self.root / f"hour={hour}"
-            folder.mkdir(parents=True, exist_ok=True)
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                fsync_dir(self.root)  # the new hour's own name
             final = folder / f"part-{epoch}-{min(seqs):012d}-{max(seqs):012d}.parquet"
             tmp = folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
             pq.write_table(part, tmp, compression="zstd")
             with open(tmp, "rb") as fh:  # the bytes must be on disk before the name is
                 os.fsync(fh.fileno())
             os.replace(tmp, final)
+            # and the name before the caller drops the rows from its queue: after a node loss an
+            # un-fsynced rename may be undone, and the rows would be in neither place
+            fsync_dir(folder)
 
     def _table(self, values: list[bytes]) -> tuple[list[float], pa.Table]:
         # the batch reader takes one record per line: a value spanning lines takes the row path

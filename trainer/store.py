@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel import manifest
+from flywheel.durable import fsync_dir, fsync_tree
 from flywheel.manifest import ManifestError
 from trainer import delta as deltas
 
@@ -41,26 +42,6 @@ DELTA = "delta.fwd"
 LEDGER = "ledger.json"
 DS_DIR = "ds"
 _SKIP_COPY = {WEIGHTS, manifest.MANIFEST_NAME, "model.safetensors.index.json"}
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` and every directory, so a rename publishes durable bytes."""
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def vname(version: int) -> str:

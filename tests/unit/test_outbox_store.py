@@ -138,3 +138,22 @@ def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
     assert "reward_archive_queue_rows 4.0" in generate_latest(registry).decode()
     store.archived(first for first, _ in store.queued_batches(10))
     assert "reward_archive_queue_rows 0.0" in generate_latest(registry).decode()
+
+
+def test_an_archive_file_is_named_durably_before_it_is_written_off(tmp_path, monkeypatch):
+    """After the rename the folder is fsynced (and the root, for a new hour's folder): the queue
+    rows are dropped next, and an un-fsynced rename may not survive a node loss."""
+    from ingest import archive
+    from ingest.exactly_once import ArchiveRow
+
+    synced: list = []
+    monkeypatch.setattr(archive, "fsync_dir", lambda path: synced.append((path, sorted(p.name for p in path.iterdir()))))
+    arch = _archive(tmp_path / "a")
+    arch.write("e", [ArchiveRow(1, "a", b"x")])
+    arch.write("e", [ArchiveRow(2, "a", b"y")])
+    hour = tmp_path / "a" / "hour=1970-01-01T00"
+    assert synced == [
+        (tmp_path / "a", ["hour=1970-01-01T00"]),
+        (hour, ["part-e-000000000001-000000000001.parquet"]),  # the file is in place when synced
+        (hour, ["part-e-000000000001-000000000001.parquet", "part-e-000000000002-000000000002.parquet"]),
+    ]
