@@ -359,7 +359,8 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
                 timeout_s: float = 60.0, max_fetch_bytes: int = 8 * 1024 * 1024,
                 ) -> Iterator[tuple[TopicPartition, ConsumerRecord]]:
     """Every record of each partition from its start offset (None: its beginning) up to the high
-    watermark the reads see; RuntimeError if a partition is not read to its end in ``timeout_s``.
+    watermark the reads see; TimeoutError if the reads get no further for ``timeout_s`` (a
+    partition without a leader, a broker that does not answer: the stages retry that turn).
     A start the partition no longer holds reads from its oldest record.
 
     No consumer group: a one-off read (the outbox recovery scan, ``flywheel deadletters``).
@@ -379,11 +380,15 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
             else:
                 consumer.seek(tp, offset)
         remaining = set(starts)
+        # a limit on going nowhere, not on the whole read: a scan of a long partition (a store
+        # with no confirmed point yet starts at 0) takes as long as it takes while records come
         deadline = time.monotonic() + timeout_s
         while remaining:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"could not read {sorted(remaining)} to the end in {timeout_s:.0f}s")
+                raise TimeoutError(f"could not read {sorted(remaining)} to the end: no progress in {timeout_s:.0f}s")
             for tp, recs in consumer.poll(timeout_ms=200).items():
+                if recs:
+                    deadline = time.monotonic() + timeout_s
                 for rec in recs:
                     yield tp, rec
             for tp in list(remaining):
@@ -399,6 +404,31 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
                     consumer.seek_to_beginning(tp)
                 elif position >= high:
                     remaining.discard(tp)
+    finally:
+        consumer.close()
+
+
+def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id: str,
+                    timeout_s: float = 30.0) -> dict[TopicPartition, int]:
+    """Each partition's end (the offset its next record will get), from a fetch response.
+
+    A fetch's high watermark, not ``end_offsets``: it is what the brokers report to consumers
+    as they read, and the embedded development broker answers offset requests wrongly
+    (BROKER.md). TimeoutError if some partition gives none in ``timeout_s`` (no leader).
+    """
+    tps = list(tps)
+    # one byte per partition and fetch: the answer carries the watermark, the records are not read
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
+                             enable_auto_commit=False, max_partition_fetch_bytes=1)
+    try:
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + timeout_s
+        while (missing := [tp for tp in tps if consumer.highwater(tp) is None]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no high watermark for {sorted(missing)} in {timeout_s:.0f}s")
+            consumer.poll(timeout_ms=200)
+        return {tp: consumer.highwater(tp) for tp in tps}
     finally:
         consumer.close()
 
@@ -500,12 +530,19 @@ class KafkaSink:
 
 
 def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | None = None) -> None:
-    """Create the topics that do not exist yet; existing ones are left alone."""
+    """Create the topics that do not exist yet; existing ones are left alone.
+
+    Each takes records as large as a produce request (``kafka.max_request_bytes``): Kafka's
+    default ``max.message.bytes`` (about 1 MB) is below the largest valid episode, and a record
+    the broker refuses is refused at every try (the outbox then reports a stall). Topics created
+    by other means need the same setting (docs/exactly-once.md).
+    """
     admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-admin")
     try:
         existing = set(admin.list_topics())
         new = [
-            NewTopic(n, partitions or cfg.partitions, cfg.replication_factor)
+            NewTopic(n, partitions or cfg.partitions, cfg.replication_factor,
+                     topic_configs={"max.message.bytes": str(cfg.max_request_bytes)})
             for n in names
             if n not in existing
         ]
@@ -646,6 +683,7 @@ __all__ = [
     "OutputProducer",
     "TopicPartition",
     "ensure_topics",
+    "high_watermarks",
     "make_consumer",
     "make_output_producer",
     "make_producer",

@@ -72,9 +72,10 @@ from typing import NamedTuple, Protocol
 
 import msgspec
 from kafka import TopicPartition
+from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
-from flywheel.bus import OutputProducer, read_to_end
+from flywheel.bus import OutputProducer, high_watermarks, read_to_end
 from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -305,6 +306,17 @@ class StateStore:
                 [(sh, t, p, n) for (sh, t, p), n in marks.items()],
             )
 
+    def first_marks(self, marks: dict[tuple[int, str, int], int]) -> None:
+        """Confirmed points for ``(shard, topic, partition)``s that have none (see
+        :meth:`Outbox._mark_first_sends`); one that has a point keeps it."""
+        with self.txn():
+            self.db.executemany("INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) DO NOTHING",
+                                [(sh, t, p, n) for (sh, t, p), n in marks.items()])
+
+    def marked(self) -> set[tuple[int, str, int]]:
+        """Every ``(shard, topic, partition)`` with a confirmed point."""
+        return {(sh, t, p) for sh, t, p in self.db.execute("SELECT shard, topic, part FROM shard_marks")}
+
     def out_mark(self, shard: int, topic: str, part: int) -> int:
         """Where shard ``shard``'s unconfirmed records in ``topic[part]`` can start.
 
@@ -401,8 +413,12 @@ class Outbox:
         # asked); only a crash between a file's rename and its rows' dequeue leaves any
         self._done: set[int] | None = None
         self._parts: dict[str, int] = {}
+        self._marked = store.marked()
         self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
+        # seq -> (shard, first failure) of rows whose sends failed and that have not landed since:
+        # a row the broker refuses every time (too large for the topic) must show as a stall
+        self._failing: dict[int, tuple[int, float]] = {}
         # Output partitions whose confirmed point must not move: a failed send there may still
         # have landed, and the recovery scan starts at the confirmed point. Advancing it past the
         # failed row (on a later row's ack) would hide that row from the scan and resend it.
@@ -421,14 +437,19 @@ class Outbox:
         return self._parts[topic]
 
     def stuck_s(self) -> float:
-        """Seconds owed outputs have waited without any ack or report (0 with none owed).
+        """Seconds owed outputs have waited without any ack or report, or a row has failed to
+        land since its first failed send, whichever is longer (0 with none owed).
 
         Rows in flight are acked continuously while the broker is healthy; a stalled or
         unreachable broker leaves them waiting, or holds the pending rows back, and this grows.
+        So it does while the broker refuses one row at every try (MESSAGE_TOO_LARGE: the topic's
+        ``max.message.bytes`` is below the record), however well the other rows go.
         """
+        now = time.monotonic()
+        failing = now - min(since for _, since in self._failing.values()) if self._failing else 0.0
         if not self._in_flight and self.blocked is None:
-            return 0.0
-        return time.monotonic() - self._progress
+            return failing
+        return max(failing, now - self._progress)
 
     @property
     def in_flight(self) -> int:
@@ -443,6 +464,8 @@ class Outbox:
         batch. Returns how many rows were confirmed delivered by this call.
         """
         shards = set(shards)
+        if self._failing:  # rows of shards no longer ours are the new owner's to deliver
+            self._failing = {seq: f for seq, f in self._failing.items() if f[0] in shards}
         if self._suspect & shards:  # a send failed: it may still have landed, so settle first
             self.recover(self._suspect & shards)
             self._suspect -= shards
@@ -454,6 +477,7 @@ class Outbox:
             if not self._in_flight and self.blocked is None:
                 self._progress = time.monotonic()  # owed from now on
             send, epoch, header = self.producer.send, self.store.epoch, OUTBOX_HEADER
+            planned = []
             for row in rows:
                 oid = f"{epoch}:{row.seq}"  # StateStore.outbox_id, inlined: once per output record
                 try:
@@ -462,7 +486,12 @@ class Outbox:
                     # stop here, in seq order: this row and the ones after it go on a later turn
                     blocked = str(exc)
                     break
-                part = out_partition(row.key, oid, n)
+                planned.append((row, oid, out_partition(row.key, oid, n)))
+            try:
+                self._mark_first_sends({(row.shard, row.topic, part) for row, _, part in planned})
+            except (KafkaError, TimeoutError) as exc:
+                blocked, planned = f"no end offset for a partition this store has not written yet: {exc}", []
+            for row, oid, part in planned:
                 send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])
                 self._in_flight[row.seq] = row.shard  # after: a send that raised is still pending
         self._set_blocked(blocked)
@@ -475,6 +504,25 @@ class Outbox:
                 # the broker is slow to ack: keep the loop turning, the acks are reaped later
                 log.debug("%d sends still unacknowledged after %ss", len(self._in_flight), self.flush_timeout_s)
         return self._reap()
+
+    def _mark_first_sends(self, targets: set[tuple[int, str, int]]) -> None:
+        """Give each ``(shard, topic, partition)`` about to get its first record a confirmed point:
+        the partition's end now, stored before the send.
+
+        Without one, a recovery scan after a crash between that send and its ack would start at
+        offset 0 and read the whole partition, however long it is (a new store, a shard new to
+        this store, on topics holding months of records). Nothing of this shard can be in the
+        partition above its end today: none of its records has been sent there yet.
+        """
+        new = targets - self._marked
+        if not new:
+            return
+        # a short wait: the loop waits with it, and a broker that does not answer holds the rows
+        # back (blocked) until a later turn, as an unknown partition count does
+        ends = high_watermarks(self.bootstrap, {TopicPartition(t, p) for _, t, p in new},
+                               client_id="flywheel-outbox", timeout_s=5.0)
+        self.store.first_marks({(sh, t, p): ends[TopicPartition(t, p)] for sh, t, p in new})
+        self._marked |= new
 
     def _set_blocked(self, reason: str | None) -> None:
         if reason is not None and self.blocked is None:
@@ -502,6 +550,7 @@ class Outbox:
             if error is not None:
                 if not failed:  # one line per turn: a stall fails every send in flight at once
                     log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
+                self._failing.setdefault(seq, (shard, time.monotonic()))
                 self._suspect.add(shard)
                 self._frozen.add((topic, part))
                 failed.append(seq)
@@ -511,6 +560,9 @@ class Outbox:
                 marks[(shard, topic, part)] = offset + 1
         if done:
             self.store.mark_delivered(done, marks)
+            if self._failing:
+                for seq in done:
+                    self._failing.pop(seq, None)
         if len(failed) > 1:
             log.warning("%d sends failed in all (rows %d-%d), shards %s to settle", len(failed), min(failed),
                         max(failed), sorted(self._suspect))
@@ -588,6 +640,8 @@ class Outbox:
         found = self._scan(wanted, start)
         # The confirmed points do not move here: the next delivery advances them.
         self.store.mark_delivered([by_id[o] for o in found], {})
+        for oid in found:
+            self._failing.pop(by_id[oid], None)
         if not self._suspect - set(shards):  # no failed row is left unsettled anywhere
             self._frozen.clear()
         log.info("recovery: %d of %d outbox rows were already delivered", len(found), len(rows))

@@ -13,6 +13,7 @@ import time
 import pyarrow as pa
 import pytest
 from conftest import read_all
+from kafka.errors import MessageSizeTooLargeError
 
 from flywheel.bus import make_output_producer
 from ingest.archive import ParquetArchive
@@ -61,6 +62,38 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings
     assert len(values) == 100 and len(set(values)) == 100
     assert second.archive(force=True) == 50  # the archive queue is the store's, whatever Kafka got
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
+
+
+def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_history(
+        kafka_settings, out_settings, topics, tmp_path):
+    """A new store writing to partitions that hold other records: each (shard, partition) gets
+    the partition's end as its confirmed point before its first send. Without it, a crash
+    before the first ack left the recovery scan to read every partition from offset 0."""
+    from contextlib import closing
+
+    from flywheel.bus import make_producer
+
+    with closing(make_producer(kafka_settings, "history")) as producer:
+        for i in range(60):
+            producer.send(topics.episodes, key=f"old{i}", value=b"old", partition=i % 2)
+        producer.flush()
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.episodes, 20)
+    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap)
+    real_mark = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed before any ack counted
+    with pytest.raises(Crash):
+        first.deliver({0, 1}, wait=True)
+    store.mark_delivered = real_mark
+    first.producer.close()
+    marks = {(sh, p): store.out_mark(sh, topics.episodes, p) for sh in (0, 1) for p in (0, 1)}
+    assert set(marks.values()) == {30}  # where the partitions ended before the first send
+
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    assert second.recover({0, 1}) == 40 and second.deliver({0, 1}, wait=True) == 0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10)]
+    assert len(values) == 100 and len(set(values) - {b"old"}) == 40
+    second.producer.close()
 
 
 def test_crash_between_archive_files_and_dequeue_writes_nothing_twice(tmp_path):
@@ -239,6 +272,53 @@ class _FailsOnce:
 
     def tick(self, shards: set[int], now: float) -> None:
         return None
+
+
+class RefusesOne:
+    """Wraps a real producer; the broker "refuses" one record at every try, as Kafka refuses a
+    record larger than its topic's ``max.message.bytes`` (the embedded broker has no such limit)."""
+
+    def __init__(self, inner, value: bytes) -> None:
+        self.inner, self.value, self.refused = inner, value, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def send(self, token, topic, partition, key, value, headers):
+        if value == self.value:
+            self.refused.append((token, topic, partition, -1, MessageSizeTooLargeError("simulated")))
+        else:
+            self.inner.send(token, topic, partition, key, value, headers)
+
+    def reports(self):
+        out, self.refused = self.refused + self.inner.reports(), []
+        return out
+
+
+def test_a_row_the_broker_refuses_at_every_try_shows_as_a_stall(kafka_settings, out_settings, topics, tmp_path):
+    """Every other row flows, so acks keep coming: the stall clock must still see the one row that
+    never lands, or nothing would page while it waits forever. Once the topic takes it (its limit
+    raised), it lands once and the clock is back at 0."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(10):
+            store.append(0, topics.episodes, f"k{i}", b"too-big" if i == 3 else f"v{i}".encode())
+    producer = RefusesOne(make_output_producer(out_settings, "t"), b"too-big")
+    outbox = Outbox(store, producer, kafka_settings.bootstrap)
+    started, delivered = time.monotonic(), 0
+    while time.monotonic() - started < 1.5:  # as the stage's loop turns
+        delivered += outbox.deliver({0}, wait=True)
+        time.sleep(0.05)
+    assert delivered == 9 and [r.value for r in store.pending({0})] == [b"too-big"]
+    before = outbox.stuck_s()
+    outbox.deliver({0}, wait=True)  # refused once more: a report, but no progress
+    time.sleep(0.3)
+    assert before >= 0.5 and outbox.stuck_s() >= before + 0.3
+    producer.value = None  # the operator raised the topic's max.message.bytes
+    assert outbox.deliver({0}, wait=True) == 1 and outbox.stuck_s() == 0.0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=10, timeout_s=10)]
+    assert len(values) == 10 and len(set(values)) == 10
+    producer.close()
 
 
 def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_settings, out_settings, topics, tmp_path):
