@@ -164,6 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--until", type=_age, default=None, help="only those that failed more than AGE ago")
     dl.add_argument("--limit", type=int, default=20, help="show: how many records to print")
     dl.add_argument("--dry-run", action="store_true", help="replay: count what would be sent, send nothing")
+    dl.add_argument("--again", action="store_true",
+                    help="replay: also the letters an earlier replay sent (they count twice once the stages forget their ids)")
     dl.set_defaults(func=_role("flywheel.deadletters"))
 
     tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")

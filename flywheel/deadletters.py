@@ -18,12 +18,13 @@ and is acked before the rest is sent: orphaned feedback (``orphan_feedback``) wa
 its generation, so replayed with the generation it waited for, it joins it. Feedback whose
 generation arrived by itself after the feedback was dead-lettered cannot join any more (that
 generation closed as ``ignore``, one episode per generation): it comes back as
-``late_feedback``. A replay is safe to repeat while the stages still remember the ids it
-carries: ingest folds repeated ``feedback_id``\\ s and ``generation_id``\\ s of generations closed
-within ``ingest.closed_retention_s``, reward repeated episodes within
-``reward.dedupe_retention_s``, so a record replayed twice, or one that had been used after
-all, counts once. A replayed record carries the header ``flywheel-replay-of:
-<partition>:<offset>`` naming its dead letter. Only records from this deployment's stage inputs
+``late_feedback``. A replayed record carries the header ``flywheel-replay-of:
+<partition>:<offset>`` naming its dead letter, and a replay skips the letters whose records an
+earlier replay sent: it reads each source partition from the oldest selected letter's record on,
+for those headers. Sent again anyway (``--again``), a record still counts once while the stages
+remember the ids it carries: ingest folds repeated ``feedback_id``\\ s and ``generation_id``\\ s
+of generations closed within ``ingest.closed_retention_s``, reward repeated episodes within
+``reward.dedupe_retention_s``; past those, it would count twice. Only records from this deployment's stage inputs
 (generations, feedback, episodes, rewards) are replayed; anything else is listed as refused.
 A record that fails again is dead-lettered again, with its new reason; a later replay sends each
 distinct record once, however many dead letters it has by then.
@@ -49,6 +50,7 @@ from flywheel.contracts import ContractError, DeadLetterEvent, Topics, decode
 from flywheel.settings import KafkaSettings, Settings
 
 REPLAY_HEADER = "flywheel-replay-of"
+_REPLAY_OF = re.compile(rb"^(\d+):(\d+)$")
 _AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -148,11 +150,15 @@ class ReplayResult:
     sent: Counter[tuple[str, str]] = field(default_factory=Counter)  # (source topic, reason) -> n
     refused: list[tuple[Letter, str]] = field(default_factory=list)
     repeats: int = 0  # letters whose record is already in this replay
+    before: int = 0  # letters an earlier replay sent, skipped
 
     def render(self, dry_run: bool) -> str:
         verb = "would replay" if dry_run else "replayed"
         lines = [f"{verb} {sum(self.sent.values())} records"]
         lines += [f"  {n:>7}  {reason:<18} -> {topic}" for (topic, reason), n in sorted(self.sent.items())]
+        if self.before:
+            lines.append(f"  {self.before} dead letters were replayed before (their records are in the source "
+                         f"topic with {REPLAY_HEADER}): skipped; --again sends them anyway")
         if self.repeats:
             lines.append(f"  {self.repeats} more dead letters repeat a record above (it failed again "
                          "after a replay): sent once")
@@ -165,7 +171,8 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: M
                 ) -> tuple[list[Letter], list[tuple[Letter, str]], int]:
     """Split the letters into those to replay, those refused (with the reason) and a count of
     repeats (pure). ``partitions``: each input topic's partition count, where known; a letter
-    naming a partition its topic does not have is refused.
+    naming a partition its topic does not have is refused. (Letters replayed before are taken
+    out first: :func:`replayed_before`.)
 
     A record that failed again after an earlier replay is in the topic twice, with the same
     source, key and value: it is sent once. Otherwise every replay of a record that still fails
@@ -197,9 +204,44 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: M
     return go, refused, repeats
 
 
-def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool) -> ReplayResult:
-    """Send the letters' original records back to their source topics (see the module doc)."""
+def replayed_before(cfg: KafkaSettings, letters: Iterable[Letter], inputs: frozenset[str],
+                    timeout_s: float = 60.0) -> set[tuple[int, int]]:
+    """``(partition, offset)`` of the letters whose record an earlier replay sent back.
+
+    A replayed record lands in its source partition after the original, with a header naming
+    its letter: each source partition is read from the oldest selected letter's record (its
+    beginning, for a letter that names no offset) to its end. Letters that name no source
+    partition were replayed wherever their key hashed, and are not looked for.
+    """
+    starts: dict[TopicPartition, int | None] = {}
+    for x in letters:
+        dl = x.event
+        if dl.source_topic not in inputs or dl.source_partition is None:
+            continue
+        tp = TopicPartition(dl.source_topic, dl.source_partition)
+        have = starts.get(tp, dl.source_offset)
+        starts[tp] = None if have is None or dl.source_offset is None else min(have, dl.source_offset)
+    found: set[tuple[int, int]] = set()
+    if not starts:
+        return found
+    for _, rec in read_to_end(cfg.bootstrap, starts, client_id=f"{cfg.client_id}-deadletters",
+                              timeout_s=timeout_s, max_fetch_bytes=cfg.max_request_bytes):
+        for name, value in rec.headers or ():
+            if name == REPLAY_HEADER and (m := _REPLAY_OF.match(value)):
+                found.add((int(m[1]), int(m[2])))
+    return found
+
+
+def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: bool,
+           again: bool = False) -> ReplayResult:
+    """Send the letters' original records back to their source topics (see the module doc);
+    with ``again``, also those an earlier replay sent."""
     inputs = frozenset({topics.generations, topics.feedback, topics.episodes, topics.rewards})
+    before = 0
+    if not again:
+        done = replayed_before(cfg, letters, inputs)
+        kept = [x for x in letters if (x.partition, x.offset) not in done]
+        before, letters = len(letters) - len(kept), kept
     probe = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-deadletters")
     try:
         wanted = sorted({x.event.source_topic for x in letters} & inputs)
@@ -207,7 +249,7 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
     finally:
         probe.close()
     go, refused, repeats = plan_replay(letters, inputs, partitions)
-    result = ReplayResult(refused=refused, repeats=repeats)
+    result = ReplayResult(refused=refused, repeats=repeats, before=before)
     result.sent.update((x.event.source_topic, x.event.reason) for x in go)
     if dry_run:
         return result
@@ -282,5 +324,5 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     elif args.action == "show":
         print(show(chosen, args.limit))
     else:
-        print(replay(settings.kafka, topics, chosen, args.dry_run).render(args.dry_run))
+        print(replay(settings.kafka, topics, chosen, args.dry_run, args.again).render(args.dry_run))
     return 0

@@ -2,8 +2,8 @@
 
 The story on-call meets: a producer's clock runs ahead, so its generations are dead-lettered as
 ``clock_skew`` and their feedback, waiting for them, as ``orphan_feedback``. Once the clock is
-fixed, one replay of both joins them after all (feedback goes first and waits afresh), and
-replaying again changes nothing. A generation that turned up by itself after its feedback was
+fixed, one replay of both joins them after all (feedback goes first and waits afresh); a second
+replay skips the letters the first one sent, and one forced with ``--again`` changes nothing. A generation that turned up by itself after its feedback was
 dead-lettered has closed as ``ignore``: its replayed feedback is ``late_feedback``.
 """
 
@@ -113,7 +113,11 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
         assert (ep.signal, ep.feedback_ids, ep.timed_out) == ("accept", ("f-late",), False)
         wait_for(lambda: letters_of("late_feedback"))
         out = cli(settings, capsys, "replay", *selection, "--reason", "manual")
-        assert "replayed 3 records" in out and "refused" in out and "other.topic is not a stage input" in out
+        assert "replayed 0 records" in out and "3 dead letters were replayed before" in out
+        assert "other.topic is not a stage input" in out
+        assert len(read_all(kafka_settings.bootstrap, topics.feedback, timeout_s=1.5)) == 5  # nothing sent
+        out = cli(settings, capsys, "replay", *selection, "--again")
+        assert "replayed 3 records" in out and "replayed before" not in out
         time.sleep(WINDOW_S + 1.5)  # the second replay is folded as duplicates, not new episodes
         for gid in ("late", "gone", "ok"):
             assert len(episodes_of(kafka_settings, topics, gid)) == 1, gid
