@@ -17,9 +17,14 @@ stage process claims its shards:
   does not answer within ``CLAIM_WAIT_S`` does not keep the stage down: it runs unverified,
   says so in its log and in ``/health`` (``claims``), and still obeys a later verdict.
 
-Claims with the same epoch never collide: they are one store's processes, a restarted process
-and its predecessor whose session has not expired yet. Between different stores a holder of a
-grant beats a newcomer, then the earlier start wins. The data_dir lock covers one machine; this
+Claims with the same epoch on the same host never collide: they are one store's processes, a
+restarted process and its predecessor whose session has not expired yet (the data_dir lock
+keeps two live ones apart on one machine). The same epoch on two hosts is a copy of the store (a
+data_dir copied or restored elsewhere) and collides like another store: both would number their
+outputs alike, and each one's recovery could take the other's records for its own. (A store
+whose volume moved to another machine meets its dead predecessor's claim until that session
+expires, then starts.) Between different stores a holder of a grant beats a newcomer, then the
+earlier start wins. The data_dir lock covers one machine; this
 covers any number. It cannot stop a process that stalls past the claims group's session timeout
 and then carries on with the batch in hand before its next check (the classic zombie): only
 broker-side fencing (transactions) closes that, see docs/exactly-once.md.
@@ -72,6 +77,14 @@ class Claim:
     started: float
     where: str
 
+    @property
+    def host(self) -> str:
+        return self.where.rsplit(":", 1)[0]
+
+    def same_store(self, other: Claim) -> bool:
+        """One store's processes: its epoch, on one machine (see the module docstring)."""
+        return self.epoch == other.epoch and self.host == other.host
+
     def overlaps(self, other: Claim) -> bool:
         if self.shards is None or other.shards is None:
             return True
@@ -86,12 +99,13 @@ def judge(claims: list[Claim]) -> dict[str, list[Claim]]:
     """Each member's collisions: empty = granted. Pure, table-tested.
 
     Claims are considered holders of a grant first, then by start time (member id breaks ties);
-    one is granted unless it overlaps an already granted claim of another store.
+    one is granted unless it overlaps an already granted claim of another store, or of a copy of
+    its own store on another host.
     """
     granted: list[Claim] = []
     verdict: dict[str, list[Claim]] = {}
     for claim in sorted(claims, key=lambda c: (not c.granted, c.started, c.member)):
-        hits = [g for g in granted if g.epoch != claim.epoch and g.overlaps(claim)]
+        hits = [g for g in granted if not g.same_store(claim) and g.overlaps(claim)]
         verdict[claim.member] = hits
         if not hits:
             granted.append(claim)
@@ -199,11 +213,15 @@ class ShardClaims:
         """Raise :class:`ShardConflict` when the latest verdict denies this process."""
         denied = self.assignor.denied
         if denied:
+            copy = any(c.epoch == self.assignor.epoch for c in denied)
             raise ShardConflict(
                 f"{self.stage}: this process, {self._mine()}, collides with "
                 + "; ".join(c.describe() for c in denied)
                 + ". Each shard must run in exactly one process, with the data_dir that holds its "
-                "state: stop one of them (see docs/exactly-once.md, Scaling out)")
+                "state: stop one of them (see docs/exactly-once.md, Scaling out)"
+                + (". The same store runs on another machine: a copy of this data_dir (give this one "
+                   "a fresh data_dir), or this store's last process there, if its volume moved here "
+                   "(its claim lapses with its session, kafka.session_timeout_ms: start again then)" if copy else ""))
 
     def _mine(self) -> str:
         a = self.assignor

@@ -126,3 +126,25 @@ def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings,
         assert claims.state == "granted"
     finally:
         claims.close()
+
+
+def test_a_copy_of_a_store_on_another_machine_is_refused(kafka_settings, topics, monkeypatch):
+    """A data_dir copied (or restored) onto another host keeps its store's epoch: both copies
+    would number their outputs alike, so the second is refused like another store."""
+    from ingest import claims as claims_module
+    from ingest.claims import ShardClaims, ShardConflict
+
+    group = f"{topics.prefix}ingest"
+    first = ShardClaims(kafka_settings, "ingest", group, [topics.generations], "e1", (0, 1))
+    try:
+        first.wait_granted(timeout_s=60)
+        monkeypatch.setattr(claims_module.socket, "gethostname", lambda: "elsewhere")
+        copy = ShardClaims(kafka_settings, "ingest", group, [topics.generations], "e1", (1,))
+        try:
+            with pytest.raises(ShardConflict, match="The same store runs on another machine"):
+                copy.wait_granted(timeout_s=60)
+            assert first.state == "granted"
+        finally:
+            copy.close()
+    finally:
+        first.close()

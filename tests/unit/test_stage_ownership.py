@@ -66,8 +66,8 @@ def test_bad_shards_setting(raw, msg):
         load_settings(env={"FLYWHEEL_REWARD_SHARDS": raw})
 
 
-def _claim(member, epoch, shards, granted=False, started=0.0):
-    return Claim(member, epoch, None if shards is None else frozenset(shards), granted, started, "host:1")
+def _claim(member, epoch, shards, granted=False, started=0.0, where="host:1"):
+    return Claim(member, epoch, None if shards is None else frozenset(shards), granted, started, where)
 
 
 @pytest.mark.parametrize(("claims", "denied"), [
@@ -77,7 +77,11 @@ def _claim(member, epoch, shards, granted=False, started=0.0):
     # a holder of a grant keeps it against a newcomer that started earlier (clock skew, restarts)
     ([_claim("m1", "A", {0}, granted=True, started=5), _claim("m2", "B", {0}, started=1)], {"m2": ["m1"]}),
     # one store's processes never collide: a restart next to its predecessor's expiring session
-    ([_claim("m1", "A", {0}, granted=True, started=1), _claim("m2", "A", {0}, started=2)], {}),
+    ([_claim("m1", "A", {0}, granted=True, started=1), _claim("m2", "A", {0}, started=2, where="host:2")], {}),
+    # ... on one machine: the same store on another is a copy of its data_dir, which collides
+    ([_claim("m1", "A", {0}, granted=True, started=1), _claim("m2", "A", {0}, started=2, where="other:1")],
+     {"m2": ["m1"]}),
+    ([_claim("m1", "A", {0}, started=1, where="h:1"), _claim("m2", "A", {1}, started=2, where="k:1")], {}),
     # consumer-group mode claims every shard
     ([_claim("m1", "A", None, started=1), _claim("m2", "B", {3}, started=2)], {"m2": ["m1"]}),
     ([_claim("m1", "A", {3}, started=1), _claim("m2", "B", None, started=2)], {"m2": ["m1"]}),
