@@ -16,13 +16,14 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
    outputs land in partition ``p`` when partition counts match). Acks are collected on the next
    loop turns (pipelining: the loop does not stall on the broker); an acked row is deleted from
    the outbox in one transaction that also remembers each output partition's ``next offset``
-   (the *confirmed point*). A row whose send failed stays, and its shard is settled by the
-   recovery scan below before anything is resent; until then that output partition's confirmed
-   point is frozen, because the failed row may have landed and the scan starts at that point.
+   (the *confirmed point*; before a shard's first send to an output partition, the partition's
+   end then). A row whose send failed stays, and its shard is settled by the recovery scan below
+   before anything is resent; until then that output partition's confirmed point is frozen,
+   because the failed row may have landed and the scan starts at that point.
 3. **Archive** - queued rows are written out when ``archive_max_rows`` of them wait or the oldest
    has waited ``archive_max_age_s`` (and at shutdown): one Parquet file per archive and hour,
-   named after the store's epoch and the rows' sequence range, written atomically (temp file +
-   rename), then the rows leave the queue. Batching them is what keeps the archive to a few
+   named after the store's epoch and the rows' sequence range, written atomically (temp file,
+   fsync, rename, fsync of the folder), then the rows leave the queue. Batching them is what keeps the archive to a few
    files an hour: one file per loop turn made tens of thousands of tiny files an hour at a
    modest rate, which no Parquet reader lists and opens quickly. Before the first write after a
    start, the files are asked which queued rows they already hold (a crash between the rename
