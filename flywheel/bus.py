@@ -417,9 +417,11 @@ def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id:
     (BROKER.md). TimeoutError if some partition gives none in ``timeout_s`` (no leader).
     """
     tps = list(tps)
-    # one byte per partition and fetch: the answer carries the watermark, the records are not read
+    # One byte per partition and fetch: the answer carries the watermark, the records are not
+    # read. Short waits, broker and client side: an empty partition's fetch would otherwise be
+    # held for fetch_max_wait_ms (500 ms), and the stage's loop waits with this call.
     consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
-                             enable_auto_commit=False, max_partition_fetch_bytes=1)
+                             enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_wait_ms=5)
     try:
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
@@ -427,7 +429,7 @@ def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id:
         while (missing := [tp for tp in tps if consumer.highwater(tp) is None]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no high watermark for {sorted(missing)} in {timeout_s:.0f}s")
-            consumer.poll(timeout_ms=200)
+            consumer.poll(timeout_ms=10)
         return {tp: consumer.highwater(tp) for tp in tps}
     finally:
         consumer.close()
