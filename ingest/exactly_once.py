@@ -100,6 +100,9 @@ CREATE TABLE IF NOT EXISTS archive_queue (
 CREATE TABLE IF NOT EXISTS shard_marks (
     shard INTEGER NOT NULL, topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL,
     PRIMARY KEY (shard, topic, part));
+-- every partition count an output topic was sent to with: recovery looks for a row wherever
+-- any of them put it (partitions added to a topic move where keyed records hash)
+CREATE TABLE IF NOT EXISTS out_parts (topic TEXT NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (topic, n));
 """
 
 
@@ -314,6 +317,15 @@ class StateStore:
             self.db.executemany("INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) DO NOTHING",
                                 [(sh, t, p, n) for (sh, t, p), n in marks.items()])
 
+    def note_partitions(self, topic: str, n: int) -> None:
+        """Remember that rows are sent to ``topic`` keyed by ``n`` partitions (before they are)."""
+        with self.txn():
+            self.db.execute("INSERT INTO out_parts VALUES (?, ?) ON CONFLICT DO NOTHING", (topic, n))
+
+    def partition_counts(self, topic: str) -> set[int]:
+        """Every partition count rows were sent to ``topic`` with."""
+        return {n for (n,) in self.db.execute("SELECT n FROM out_parts WHERE topic=?", (topic,))}
+
     def marked(self) -> set[tuple[int, str, int]]:
         """Every ``(shard, topic, partition)`` with a confirmed point."""
         return {(sh, t, p) for sh, t, p in self.db.execute("SELECT shard, topic, part FROM shard_marks")}
@@ -429,11 +441,13 @@ class Outbox:
         self._progress = time.monotonic()  # the last ack or report, or when sending began after idle
 
     def partitions(self, topic: str) -> int:
-        """``topic``'s partition count (cached: it may only grow, and the outbox keys by it)."""
+        """``topic``'s partition count (cached: it may only grow, and the outbox keys by it; kept
+        in the store too, for :meth:`recover` after partitions are added)."""
         if topic not in self._parts:
             parts = self.producer.partitions(topic)
             if not parts:
                 raise OutputUnavailable(f"no partition metadata for {topic}: the broker does not answer")
+            self.store.note_partitions(topic, parts)
             self._parts[topic] = parts
         return self._parts[topic]
 
@@ -631,12 +645,15 @@ class Outbox:
         wanted: dict[tuple[str, int], set[str]] = {}
         start: dict[tuple[str, int], int] = {}
         by_id: dict[str, int] = {}
+        counts: dict[str, set[int]] = {}
         for row in rows:
             oid = self.store.outbox_id(row.seq)
-            tp = (row.topic, out_partition(row.key, oid, self.partitions(row.topic)))
-            wanted.setdefault(tp, set()).add(oid)
-            mark = self.store.out_mark(row.shard, *tp)
-            start[tp] = min(start.get(tp, mark), mark)
+            if row.topic not in counts:  # a row sent before partitions were added went by the old count
+                counts[row.topic] = self.store.partition_counts(row.topic) | {self.partitions(row.topic)}
+            for tp in {(row.topic, out_partition(row.key, oid, n)) for n in counts[row.topic]}:
+                wanted.setdefault(tp, set()).add(oid)
+                mark = self.store.out_mark(row.shard, *tp)
+                start[tp] = min(start.get(tp, mark), mark)
             by_id[oid] = row.seq
         found = self._scan(wanted, start)
         # The confirmed points do not move here: the next delivery advances them.

@@ -96,6 +96,42 @@ def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_
     second.producer.close()
 
 
+class OnePartition:
+    """Wraps a real producer that sees one partition in every topic: the topic before
+    partitions were added to it."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def partitions(self, topic):
+        return 1
+
+
+def test_rows_sent_before_partitions_were_added_are_found_where_they_went(
+        kafka_settings, out_settings, topics, tmp_path):
+    """Sent while the topic had one partition, unconfirmed at a crash, recovered once it has two:
+    keyed rows now hash elsewhere, and recovery must look where they went, not send them again."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.deadletter, 20)
+    first = Outbox(store, OnePartition(make_output_producer(out_settings, "t1")), kafka_settings.bootstrap)
+    real_mark = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed after the acks
+    with pytest.raises(Crash):
+        first.deliver({0, 1}, wait=True)
+    store.mark_delivered = real_mark
+    first.producer.close()
+
+    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    assert second.partitions(topics.deadletter) == 2
+    assert second.recover({0, 1}) == 40 and second.deliver({0, 1}, wait=True) == 0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=40, timeout_s=10)]
+    assert len(values) == 40 and len(set(values)) == 40
+    second.producer.close()
+
+
 def test_crash_between_archive_files_and_dequeue_writes_nothing_twice(tmp_path):
     """Killed after one archive's file was renamed into place, before the other's was written and
     before either left the queue: the next run writes only the missing rows."""
