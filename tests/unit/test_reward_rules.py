@@ -612,3 +612,18 @@ def test_a_restart_remembers_a_shard_that_is_behind(tmp_path):
             assert _windows(store) == [w - 5, w]
     assert _windows(store) == [w]  # (shard 1 was loaded at LIVE+120 and sent nothing since)
     assert store.db.execute("SELECT shard, win FROM reached").fetchall() == [(0, w)]
+
+
+def test_a_rolled_back_batch_does_not_move_its_shard_on(tmp_path):
+    """How far a shard has got is state like the counts: a batch that rolls back (to be read
+    again) must not leave its shard moved on, or the next prune forgets counts still in use."""
+    w = int(LIVE // HOUR)
+    store, stage = _reward_stage(tmp_path, "s")
+    with store.txn():
+        stage.process(_episodes_at(4, LIVE - 5 * HOUR), LIVE)
+    with pytest.raises(RuntimeError), store.txn():
+        stage.process(_episodes_at(4, LIVE, start=10), LIVE + 10)
+        raise RuntimeError("the turn failed before its commit")
+    with store.txn():
+        stage.tick({0}, LIVE + 20)
+    assert _windows(store) == [w - 5]
