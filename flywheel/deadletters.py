@@ -24,8 +24,9 @@ earlier replay sent: it reads each source partition from the oldest selected let
 for those headers. Sent again anyway (``--again``), a record still counts once while the stages
 remember the ids it carries: ingest folds repeated ``feedback_id``\\ s and ``generation_id``\\ s
 of generations closed within ``ingest.closed_retention_s``, reward repeated episodes within
-``reward.dedupe_retention_s``; past those, it would count twice. Only records from this deployment's stage inputs
-(generations, feedback, episodes, rewards) are replayed; anything else is listed as refused.
+``reward.dedupe_retention_s``; past those, it would count twice. Only records from this
+deployment's stage inputs (generations, feedback, episodes, rewards) are replayed; anything else
+is listed as refused.
 A record that fails again is dead-lettered again, with its new reason; a later replay sends each
 distinct record once, however many dead letters it has by then.
 

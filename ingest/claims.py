@@ -24,10 +24,10 @@ data_dir copied or restored elsewhere) and collides like another store: both wou
 outputs alike, and each one's recovery could take the other's records for its own. (A store
 whose volume moved to another machine meets its dead predecessor's claim until that session
 expires, then starts.) Between different stores a holder of a grant beats a newcomer, then the
-earlier start wins. The data_dir lock covers one machine; this
-covers any number. It cannot stop a process that stalls past the claims group's session timeout
-and then carries on with the batch in hand before its next check (the classic zombie): only
-broker-side fencing (transactions) closes that, see docs/exactly-once.md.
+earlier start wins. The data_dir lock covers one machine; this covers any number. It cannot
+stop a process that stalls past the claims group's session timeout and then carries on with the
+batch in hand before its next check (the classic zombie): only broker-side fencing
+(transactions) closes that, see docs/exactly-once.md.
 """
 
 from __future__ import annotations

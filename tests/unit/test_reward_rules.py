@@ -245,19 +245,23 @@ def test_judge_sample(tokens, components, flags):
 
 
 # -- the stage's guard counts: cached in memory, exact across rollbacks and restarts ----------
-def _records(n: int) -> list:
+def _record(ep: EpisodeEvent, offset: int, partition: int = 0):
+    """``ep`` as the reward stage reads it from the episodes topic."""
     from kafka.consumer.fetcher import ConsumerRecord
 
     from flywheel.contracts import encode
 
+    value = encode(ep)
+    return ConsumerRecord(topic="e", partition=partition, leader_epoch=-1, offset=offset, timestamp=0,
+                          timestamp_type=0, key=ep.generation_id.encode(), value=value, headers=[], checksum=None,
+                          serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0)
+
+
+def _records(n: int) -> list:
     out = []
     for i in range(n):
         g = episode().generation.model_copy(update={"generation_id": f"g{i}", "user_id": "flood" if i % 2 else f"u{i % 5}"})
-        ep = EpisodeEvent(generation=g, signal=("accept", "reject")[i % 3 == 0], resolved_at=2)
-        value = encode(ep)
-        out.append(ConsumerRecord(topic="e", partition=0, leader_epoch=-1, offset=i, timestamp=0, timestamp_type=0,
-                                  key=f"g{i}".encode(), value=value, headers=[], checksum=None,
-                                  serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0))
+        out.append(_record(EpisodeEvent(generation=g, signal=("accept", "reject")[i % 3 == 0], resolved_at=2), i))
     return out
 
 
@@ -454,19 +458,13 @@ LIVE = 1_800_000_000.0  # the wall clock in these tests: a window boundary (3600
 
 def _episodes_at(n: int, created_at: float, shard: int = 0, start: int = 0) -> list:
     """``n`` episodes generated at ``created_at`` on ``shard``, every other one the flooder's."""
-    from kafka.consumer.fetcher import ConsumerRecord
-
-    from flywheel.contracts import encode
-
     out = []
     for i in range(start, start + n):
         g = episode().generation.model_copy(update={
             "generation_id": f"g{shard}-{i}", "user_id": "flood" if i % 2 else f"u{i % 5}",
             "created_at": created_at, "completed_at": created_at})
-        value = encode(EpisodeEvent(generation=g, signal=("accept", "reject")[i % 3 == 0], resolved_at=created_at))
-        out.append(ConsumerRecord(topic="e", partition=shard, leader_epoch=-1, offset=i, timestamp=0, timestamp_type=0,
-                                  key=g.generation_id.encode(), value=value, headers=[], checksum=None,
-                                  serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0))
+        ep = EpisodeEvent(generation=g, signal=("accept", "reject")[i % 3 == 0], resolved_at=created_at)
+        out.append(_record(ep, i, shard))
     return out
 
 
@@ -569,19 +567,14 @@ def test_a_restart_mid_backlog_keeps_the_counts_of_the_windows_it_was_filling(tm
 def test_the_guards_judge_the_user_who_sent_the_signal(tmp_path):
     """One account accepting 60 generations of 60 other users is capped and flagged as constant:
     counted by the generations' users, each of them had sent one signal."""
-    from kafka.consumer.fetcher import ConsumerRecord
-
-    from flywheel.contracts import RewardEvent, decode, encode
+    from flywheel.contracts import RewardEvent, decode
 
     recs = []
     for i in range(120):
         g = episode().generation.model_copy(update={"generation_id": f"g{i}", "user_id": f"owner{i}"})
         rater = "rater" if i % 2 else f"owner{i}"  # every other signal is the one account's
-        value = encode(EpisodeEvent(generation=g, signal="accept", feedback_ids=(f"f{i}",), rater_id=rater,
-                                    resolved_at=2))
-        recs.append(ConsumerRecord(topic="e", partition=0, leader_epoch=-1, offset=i, timestamp=0, timestamp_type=0,
-                                   key=g.generation_id.encode(), value=value, headers=[], checksum=None,
-                                   serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0))
+        recs.append(_record(EpisodeEvent(generation=g, signal="accept", feedback_ids=(f"f{i}",), rater_id=rater,
+                                         resolved_at=2), i))
     store, stage = _reward_stage(tmp_path, "s")
     with store.txn():
         stage.process(recs, 10.0)
