@@ -22,8 +22,9 @@ restarted process and its predecessor whose session has not expired yet (the dat
 keeps two live ones apart on one machine). The same epoch on two hosts is a copy of the store (a
 data_dir copied or restored elsewhere) and collides like another store: both would number their
 outputs alike, and each one's recovery could take the other's records for its own. (A store
-whose volume moved to another machine meets its dead predecessor's claim until that session
-expires, then starts.) Between different stores a holder of a grant beats a newcomer, then the
+whose volume moved to another machine starts there once its dead predecessor's session has
+expired: a join waits for every member to rejoin or expire, so no verdict judges a claim that
+died before the join.) Between different stores a holder of a grant beats a newcomer, then the
 earlier start wins. The data_dir lock covers one machine; this covers any number. It cannot
 stop a process that stalls past the claims group's session timeout and then carries on with the
 batch in hand before its next check (the classic zombie): only broker-side fencing

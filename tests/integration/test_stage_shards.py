@@ -148,3 +148,41 @@ def test_a_copy_of_a_store_on_another_machine_is_refused(kafka_settings, topics,
             copy.close()
     finally:
         first.close()
+
+
+#: A claims-group member on a host named "elsewhere", run as its own process so that it can die
+#: without leaving the group: argv is the Kafka settings (JSON), the group and the input topic.
+_FAR_HOLDER = """
+import socket, sys, time
+from flywheel.settings import KafkaSettings
+from ingest.claims import ShardClaims
+socket.gethostname = lambda: "elsewhere"
+claims = ShardClaims(KafkaSettings.model_validate_json(sys.argv[1]), "ingest", sys.argv[2], [sys.argv[3]], "e1", (0, 1))
+claims.wait_granted(timeout_s=60)
+print(claims.state, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_moved_store_starts_once_its_dead_predecessors_session_expires(kafka_settings, topics):
+    """A store whose last process died on another machine (its volume moved here) is granted:
+    the group's join waits for every member to rejoin, so the verdict comes once the dead
+    member's session has expired, without its claim."""
+    from ingest.claims import ShardClaims
+
+    group = f"{topics.prefix}ingest"
+    far = subprocess.Popen([sys.executable, "-c", _FAR_HOLDER, kafka_settings.model_dump_json(), group,
+                            topics.generations], stdout=subprocess.PIPE, text=True)
+    try:
+        assert far.stdout.readline().strip() == "granted"
+        far.kill()  # no leave: the group keeps its claim until its session expires
+        far.wait(timeout=30)
+        moved = ShardClaims(kafka_settings, "ingest", group, [topics.generations], "e1", (1,))
+        try:
+            moved.wait_granted(timeout_s=60)  # raises ShardConflict if the dead claim is judged
+            assert moved.state == "granted"
+        finally:
+            moved.close()
+    finally:
+        far.kill()
+        far.wait(timeout=30)
