@@ -111,6 +111,14 @@ def _age(text: str) -> float:
     return parse_age(text)
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number, 0 or more."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, default=None, help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
@@ -151,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     rw = sub.add_parser("reward", help="label episodes with rewards; `reward report` summarises the archive")
     rw.add_argument("action", nargs="?", choices=["run", "report"], default="run")
     rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <data_dir>/archive/rewards)")
-    rw.add_argument("--top", type=int, default=10, help="report: how many flagged users to list")
+    rw.add_argument("--top", type=_count, default=10, help="report: how many flagged users to list")
     rw.set_defaults(func=_role("reward.main"))
 
     dl = sub.add_parser("deadletters", help="summarise, show or replay the dead-letter topic")

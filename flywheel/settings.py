@@ -32,7 +32,10 @@ Shards = Annotated[tuple[Annotated[int, Field(ge=0)], ...], AfterValidator(_dist
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    # No setting is meant to be infinite or NaN, and one that is would poison the arithmetic it
+    # feeds (an infinite penalty makes every reward null on the wire) rather than fail at start.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
+                              allow_inf_nan=False)
 
 
 class KafkaSettings(_Section):
@@ -285,7 +288,7 @@ class RewardSettings(_Section):
     dedupe_retention_s: float = Field(default=86_400.0, gt=0)
     """How long labeled generation ids are remembered: an episode seen again within it (an
     upstream duplicate, a repeated replay) is dropped, later it would be labeled again."""
-    guard_window_s: float = Field(default=3600.0, gt=0)
+    guard_window_s: float = Field(default=3600.0, ge=1)
     """Tumbling window (by generation time) for per-user share and rate guards."""
     user_cap_share: float = Field(default=0.2, gt=0, le=1)
     """Most of a window's kept samples (those that reach training) one user may own; their

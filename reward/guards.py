@@ -10,7 +10,9 @@ process, over its shards, when the stage runs as several shard processes):
                     included) gets weight 0: one user cannot own more than their share of what a
                     window sends to training, however many samples they flood it with.
 - ``constant_user`` a user with at least ``constant_min_signals`` signals in the window, all the
-                    same (accept on everything), is down-weighted by ``constant_weight``.
+                    same (accept on everything), is down-weighted by ``constant_weight``. Edits
+                    never make a user constant: each is graded by how much the user changed, so
+                    a user who only edits still tells samples apart.
 - ``rate_anomaly``  a user with more than ``rate_factor`` x the mean count of the window's other
                     users (and at least ``rate_min``) is down-weighted by ``rate_weight``. The
                     others only: counted in the mean, a flooder raises the bar they are judged by,
@@ -18,10 +20,14 @@ process, over its shards, when the stage runs as several shard processes):
 
 Reward hacking (what the model produced), judged per sample:
 
-- ``length_penalty`` component: ``-length_penalty`` per target length of excess tokens, so a
-  policy cannot buy reward with verbosity, down to ``-length_penalty_max``; flag ``long``.
+- ``long``: a completion past ``length_target_tokens``; it pays the ``length_penalty``
+  component, ``-length_penalty`` per target length of excess tokens, down to
+  ``-length_penalty_max``, so a policy cannot buy reward with verbosity.
 - ``repetition``: a completion whose distinct n-gram ratio is below ``repetition_min_distinct``
-  is degenerate; it is flagged and pays ``repetition_penalty``.
+  is degenerate; it pays ``repetition_penalty``.
+
+Each is flagged whether or not its penalty is set (a penalty of 0 turns the penalty off, not
+the guard's eyes): the flags still reach the metrics, the alerts and the archive.
 
 Flagged samples are still emitted (weight may be 0): the flags are visible downstream, in the
 metrics and in the archive, and the stream keeps one reward per episode.
@@ -32,6 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flywheel.settings import RewardSettings
+
+#: The components :func:`judge_sample` adds to a reward; labelers may not name their own so.
+GUARD_COMPONENTS: frozenset[str] = frozenset({"length_penalty", "repetition_penalty"})
+#: Flags judged per user (abuse) and per sample (reward hacking).
+ABUSE_FLAGS: tuple[str, ...] = ("user_cap", "constant_user", "rate_anomaly")
+HACKING_FLAGS: tuple[str, ...] = ("long", "repetition")
 
 
 @dataclass(frozen=True)
@@ -64,7 +76,7 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
         weight = 0.0
     n_signals = sum(stats.signal_counts.values())
     distinct = sum(1 for c in stats.signal_counts.values() if c > 0)
-    if n_signals >= cfg.constant_min_signals and distinct == 1:
+    if n_signals >= cfg.constant_min_signals and distinct == 1 and not stats.signal_counts.get("edit"):
         flags.append("constant_user")
         weight *= cfg.constant_weight
     others = stats.window_users - 1
@@ -93,10 +105,10 @@ def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings) -> tuple[dict[str
     """Reward-hacking guards for one completion: (extra components, flags)."""
     components: dict[str, float] = {}
     flags: list[str] = []
-    penalty = length_penalty(len(tokens), cfg)
-    if penalty < 0:
-        components["length_penalty"] = penalty
+    if len(tokens) > cfg.length_target_tokens:
         flags.append("long")
+        if cfg.length_penalty:
+            components["length_penalty"] = length_penalty(len(tokens), cfg)
     if (len(tokens) >= cfg.repetition_min_tokens
             and distinct_ngram_ratio(tokens, cfg.repetition_ngram) < cfg.repetition_min_distinct):
         flags.append("repetition")

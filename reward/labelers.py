@@ -20,7 +20,9 @@ Your own verifiers, reward models and labelers live in your own modules, named i
 ``reward.plugins``; the stage imports them at start-up, and they call the ``register_*``
 functions at import. A module that cannot be imported stops the stage before it consumes anything.
 
-A labeler that raises, or returns a component that is not a finite number, fails that episode
+A labeler that raises, returns something other than a dict of components, names a component
+with something other than a string (or with a name the guards use, ``length_penalty`` and
+``repetition_penalty``), or gives a component that is not a finite number, fails that episode
 only: the stage dead-letters it as ``labeler_error``, naming the labeler, and goes on. Replay it
 with ``flywheel deadletters replay --reason labeler_error`` once the labeler is fixed. A reward
 model behind a network call should retry transient errors itself: what it raises is final for
@@ -31,13 +33,14 @@ from __future__ import annotations
 
 import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from rapidfuzz.distance import Levenshtein
 
 from flywheel.contracts import EpisodeEvent
 from flywheel.settings import RewardSettings, SettingsError
+from reward.guards import GUARD_COMPONENTS
 
 Labeler = Callable[[EpisodeEvent], dict[str, float]]
 Verifier = Callable[[EpisodeEvent], float | None]
@@ -181,10 +184,16 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
                 got = part(ep)
             except Exception as exc:  # one episode fails, not the stage
                 raise LabelerError(name, f"{type(exc).__name__}: {exc}") from exc
+            if not isinstance(got, Mapping):
+                raise LabelerError(name, f"returned {type(got).__name__}, not a dict of components")
             for key, value in got.items():
+                if not _is_component_name(key):
+                    raise LabelerError(name, f"component name {key!r} is not a str that UTF-8 can encode")
+                if key in GUARD_COMPONENTS:
+                    raise LabelerError(name, f"component name {key!r} is the reward guards' own")
                 try:  # plain floats downstream, whatever number type the labeler used (numpy...)
                     number = float(value)
-                except (TypeError, ValueError):
+                except (TypeError, ValueError, OverflowError):  # (an int past float's range)
                     number = math.nan
                 if not math.isfinite(number):
                     raise LabelerError(name, f"component {key!r} is {value!r}, not a finite number")
@@ -196,6 +205,17 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
                                f"components add up to {total}, not a finite reward")
         return out
     return label
+
+
+def _is_component_name(key: object) -> bool:
+    """A name the reward record and the archive can carry: a str with no lone surrogate."""
+    if not isinstance(key, str):
+        return False
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _verifier_labeler(name: str, fn: Verifier) -> Labeler:

@@ -1,8 +1,8 @@
 """``flywheel reward report``: summary tables of the rewards archive, with pandas.
 
 Reads ``<data_dir>/archive/rewards`` (Parquet, partitioned by hour) and prints the reward
-distribution by model version, by signal and by guard flag, and the users with the most flagged
-samples (the users who sent the signals, as the guards judged them). Run
+distribution by model version, by signal and by guard flag, and the users with the most samples
+flagged by the abuse guards (the users who sent the signals, as the guards judged them). Run
 ``flywheel reward report [--archive DIR] [--top N]``.
 """
 
@@ -15,6 +15,7 @@ import msgspec
 import pyarrow as pa
 
 from ingest.archive import read_schema
+from reward.guards import ABUSE_FLAGS
 
 if TYPE_CHECKING:  # pandas is imported by the report only: the stage starts faster without it
     import pandas as pd
@@ -99,7 +100,9 @@ def summarise(df: pd.DataFrame, top: int = 10) -> dict[str, pd.DataFrame]:
     rater = df["rater_id"].fillna(df["user_id"]) if "rater_id" in df else df["user_id"]
     df = df.assign(user=rater)
     flags = df.assign(flag=df["flags"].map(lambda f: list(f) if len(f) else ["none"])).explode("flag")
-    flagged = flags[flags["flag"] != "none"]
+    # users are ranked by what the abuse guards said of them; long and repetition judge the
+    # completion the model wrote, not the user who rated it
+    flagged = flags[flags["flag"].isin(ABUSE_FLAGS)]
     users = (
         flagged.groupby("user")
         .agg(flagged=("generation_id", "nunique"), flags=("flag", lambda s: ",".join(sorted(set(s)))))

@@ -12,8 +12,9 @@ What becomes of each episode:
   ``labeler_error`` naming the labeler, not marked labeled, so its replay is labeled;
 - a generation_id already labeled: dropped and counted (``reward_duplicates_total``);
 - timed out (no user signal): counted as ``reward_skipped_total{reason="no_signal"}`` and not
-  emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``). Without a signal
-  there is nothing to learn from, and an ``ignore`` reward of 0 would only dilute the batch;
+  emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``, judged by the
+  reward-hacking guards only: no user sent it). Without a signal there is nothing to learn from,
+  and an ``ignore`` reward of 0 would only dilute the batch;
 - otherwise exactly one :class:`RewardEvent`, keyed by generation_id, also archived to Parquet.
 """
 
@@ -30,7 +31,15 @@ from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
 from ingest.exactly_once import StateStore
 from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
-from reward.guards import UserWindow, judge_sample, judge_user, window_of
+from reward.guards import (
+    ABUSE_FLAGS,
+    HACKING_FLAGS,
+    UserWindow,
+    Verdict,
+    judge_sample,
+    judge_user,
+    window_of,
+)
 from reward.labelers import LabelerError, build_labeler
 
 SCHEMA = """
@@ -46,6 +55,10 @@ CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT N
 REWARDS_ARCHIVE = "rewards"
 #: Every reason this stage dead-letters a record for.
 DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "labeler_error")
+#: The verdict on a timed-out episode (``reward.emit_ignored``): nobody sent a signal, so no user
+#: is counted or judged for it. Counted against the generation's user, a user whose generations
+#: time out would be capped and flagged ``constant_user`` for signals they never gave.
+_UNJUDGED = Verdict(1.0, ())
 #: Position of each signal's count in a cached user_win row [n, kept, accept, reject, edit, ignore].
 _SIGNAL_COL = {"accept": 2, "reject": 3, "edit": 4, "ignore": 5}
 
@@ -57,6 +70,15 @@ class RewardMetrics:
                                ["signal"], buckets=(-1, -0.5, -0.25, 0, 0.25, 0.5, 0.75, 1), registry=registry)
         self.guards = Counter("reward_guard_actions_total", "Samples flagged by a guard, by flag",
                               ["flag"], registry=registry)
+        # once per sample, however many of a kind's flags it carries: the alerts' share of samples
+        self.flagged = Counter("reward_flagged_samples_total",
+                               "Samples with at least one flag of a kind: abuse (the user) or hacking (the completion)",
+                               ["kind"], registry=registry)
+        # every series from the start, so that rate() sees a flag's first burst
+        for flag in (*ABUSE_FLAGS, *HACKING_FLAGS):
+            self.guards.labels(flag)
+        for kind in ("abuse", "hacking"):
+            self.flagged.labels(kind)
         self.duplicates = Counter("reward_duplicates_total", "Episodes already labeled", registry=registry)
         self.skipped = Counter("reward_skipped_total", "Episodes not labeled, by reason", ["reason"],
                                registry=registry)
@@ -125,20 +147,30 @@ class RewardStage:
         g = ep.generation
         components = self.label(ep)
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
-        components.update(extra)
-        win = window_of(g.created_at, self.cfg)
-        rater = ep.rater_id or g.user_id  # the guards judge whoever sent the signal
-        verdict = judge_user(self._count_user(rater, win, ep.signal), self.cfg)
-        if "user_cap" not in verdict.flags:
-            self._users[(win, rater)][1] += 1
-            self._wins[win][2] += 1
+        components.update(extra)  # (labelers may not use these names: reward/labelers.py)
+        verdict = _UNJUDGED if ep.timed_out else self._judge_rater(ep)
         flags = sample_flags + verdict.flags
         reward = float(sum(components.values()))
         for flag in flags:
             self._child(self.m.guards, flag).inc()
+        if sample_flags:
+            self._child(self.m.flagged, "hacking").inc()
+        if verdict.flags:
+            self._child(self.m.flagged, "abuse").inc()
         self._child(self.m.rewards, ep.signal).inc()
         self._child(self.m.value, ep.signal).observe(reward)
         return reward_bytes(ep, reward, components, verdict.weight, flags, now)
+
+    def _judge_rater(self, ep: EpisodeEvent) -> Verdict:
+        """Count the episode's signal against whoever sent it, and judge them (reward/guards.py)."""
+        g = ep.generation
+        win = window_of(g.created_at, self.cfg)
+        rater = ep.rater_id or g.user_id
+        verdict = judge_user(self._count_user(rater, win, ep.signal), self.cfg)
+        if "user_cap" not in verdict.flags:
+            self._users[(win, rater)][1] += 1
+            self._wins[win][2] += 1
+        return verdict
 
     def _child(self, metric: Any, label: str) -> Any:
         """``metric.labels(label)``, cached: labels() takes a lock and builds a key per call."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pyarrow as pa
+import pytest
 
 from flywheel.contracts import RewardEvent, SamplingParams, encode
 from ingest.archive import ParquetArchive
@@ -90,3 +91,25 @@ def test_files_from_before_rater_id_read_with_the_newer_ones(tmp_path):
 
 def test_report_without_archive(tmp_path):
     assert "no reward archive" in report(tmp_path / "missing")
+
+
+def test_flagged_users_are_ranked_by_abuse_flags_only(tmp_path):
+    """``long`` and ``repetition`` judge the completion the model wrote: a user who asks for
+    essays is not an abuser, and must not push one off the table the abuse runbook reads."""
+    events = [reward(i, "asks_for_essays", "accept", 0.65, ("long",)) for i in range(30)]
+    events += [reward(30 + i, "flooder", "accept", 0.75, ("user_cap", "rate_anomaly")) for i in range(20)]
+    ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write("e0", [ArchiveRow(i, "rewards", encode(e))
+                                                                     for i, e in enumerate(events)])
+    tables = summarise(read_rewards(tmp_path), top=1)
+    users = tables["top 1 flagged users"]
+    assert list(users.index) == ["flooder"] and users.loc["flooder", "flags"] == "rate_anomaly,user_cap"
+    assert tables["reward by guard flag"].loc["long", "samples"] == 30  # still reported, by flag
+
+
+def test_the_report_refuses_a_negative_top():
+    from flywheel.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["reward", "report", "--top", "-1"])
+    assert exc.value.code == 2
+    assert build_parser().parse_args(["reward", "report", "--top", "0"]).top == 0

@@ -151,6 +151,25 @@ def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
     assert str(exc.value) == detail.format(name, name)
 
 
+@pytest.mark.parametrize(("output", "detail"), [
+    (None, "returned NoneType, not a dict of components"),
+    ([("x", 1.0)], "returned list, not a dict of components"),
+    ({"x": 10**400}, "component 'x' is " + str(10**400) + ", not a finite number"),  # past float's range
+    ({("a", 1): 0.5}, "component name ('a', 1) is not a str that UTF-8 can encode"),
+    ({None: 0.5}, "component name None is not a str that UTF-8 can encode"),
+    ({"score_\ud800": 1.0}, "component name 'score_\\ud800' is not a str that UTF-8 can encode"),
+    ({"length_penalty": 0.5}, "component name 'length_penalty' is the reward guards' own"),
+], ids=["none", "list", "huge-int", "tuple-key", "none-key", "surrogate-key", "guard-name"])
+def test_a_labelers_output_the_reward_cannot_carry_fails_the_episode(output, detail):
+    """Each of these once passed the labeler's checks and crashed the stage on the next step
+    (reading the dict, converting the number, encoding the record), batch after batch."""
+    name = f"l{uuid.uuid4().hex[:6]}"
+    register_labeler(name)(lambda cfg: lambda ep: output)
+    with pytest.raises(LabelerError) as exc:
+        build_labeler(RewardSettings(labelers=("signal", name)))(episode())
+    assert str(exc.value) == f"labeler {name!r}: {detail}"
+
+
 def test_finite_components_that_add_up_to_infinity_fail_the_episode():
     a, b = (f"v{uuid.uuid4().hex[:6]}" for _ in range(2))
     register_verifier(a, lambda ep: 1e308)
@@ -179,6 +198,8 @@ G = RewardSettings(user_cap_share=0.2, user_cap_min=5, constant_min_signals=4, c
     (UserWindow(50, 11, 200, 10, {"accept": 25, "reject": 25}, 60), 1.0, ()),           # 12 of 61 kept: within
     (UserWindow(4, 3, 100, 50, {"accept": 4}, 99), 0.2, ("constant_user",)),            # accepts everything
     (UserWindow(3, 2, 100, 50, {"accept": 3}, 99), 1.0, ()),                            # too few to judge
+    (UserWindow(4, 3, 100, 50, {"edit": 4}, 99), 1.0, ()),                              # edits are graded
+    (UserWindow(4, 3, 100, 50, {"reject": 4}, 99), 0.2, ("constant_user",)),            # rejects everything
     (UserWindow(12, 11, 100, 50, {"accept": 6, "reject": 6}, 99), 0.5, ("rate_anomaly",)),  # 12 > 3 x 88/49
     (UserWindow(10, 4, 13, 2, {"accept": 5, "reject": 5}, 12), 0.5, ("rate_anomaly",)),  # 10 > 3 x the other's 3
     (UserWindow(10, 4, 10, 1, {"accept": 5, "reject": 5}, 9), 1.0, ()),                 # alone: no one to compare with
@@ -239,9 +260,18 @@ def test_distinct_ngram_ratio(tokens, ratio):
     ((5,) * 20, {"repetition_penalty": -0.5}, ("repetition",)),
     ((5,) * 10, {}, ()),  # too short to judge
     (tuple(range(512)), {"length_penalty": -0.1}, ("long",)),
+    (tuple(range(256)), {}, ()),  # at the target: not long
 ])
 def test_judge_sample(tokens, components, flags):
     assert judge_sample(tokens, CFG) == (pytest.approx(components), flags)
+
+
+def test_a_guard_whose_penalty_is_off_still_flags():
+    """A penalty of 0 stops the reward paying for it; the guard still says what it saw, so the
+    hacking alert and the report keep seeing long and degenerate completions."""
+    off = RewardSettings(length_penalty=0, repetition_penalty=0)
+    assert judge_sample(tuple(range(5000)), off) == ({}, ("long",))
+    assert judge_sample((5,) * 20, off) == ({}, ("repetition",))
 
 
 # -- the stage's guard counts: cached in memory, exact across rollbacks and restarts ----------
@@ -444,8 +474,8 @@ def test_every_guard_action_is_counted_by_flag(tmp_path):
         stage.process(_records(120), 10.0)
     flags = [f for r in store.pending([0], limit=1000) for f in decode(RewardEvent, r.value).flags]
     assert {"user_cap", "rate_anomaly"} <= set(flags)  # the flooding user (every other episode)
-    for flag in ("user_cap", "constant_user", "rate_anomaly", "long", "repetition"):  # unraised: no series
-        assert registry.get_sample_value("reward_guard_actions_total", {"flag": flag}) == (flags.count(flag) or None)
+    for flag in ("user_cap", "constant_user", "rate_anomaly", "long", "repetition"):  # unraised: at 0
+        assert registry.get_sample_value("reward_guard_actions_total", {"flag": flag}) == flags.count(flag)
     assert registry.get_sample_value("reward_rewards_total", {"signal": "accept"}) + registry.get_sample_value(
         "reward_rewards_total", {"signal": "reject"}) == 120
     store.close()
@@ -620,3 +650,51 @@ def test_a_rolled_back_batch_does_not_move_its_shard_on(tmp_path):
     with store.txn():
         stage.tick({0}, LIVE + 20)
     assert _windows(store) == [w - 5]
+
+
+def _stage_rewards(tmp_path, cfg: RewardSettings, episodes: list[EpisodeEvent]):
+    """The rewards one reward stage emits for ``episodes`` in one batch, and its registry."""
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import RewardEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.stage import SCHEMA, RewardStage
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    registry = CollectorRegistry()
+    stage = RewardStage(cfg, Topics("t."), store, registry)
+    with store.txn():
+        stage.process([_record(ep, i) for i, ep in enumerate(episodes)], 10.0)
+    rewards = [decode(RewardEvent, r.value) for r in store.pending([0], limit=10**6) if r.topic == "t.rewards"]
+    store.close()
+    return rewards, registry
+
+
+def _by(user: str, i: int, signal: str = "accept", tokens=(1, 2, 3), **episode_fields) -> EpisodeEvent:
+    ep = episode(signal, tokens=tokens)
+    g = ep.generation.model_copy(update={"generation_id": f"g{i}", "user_id": user})
+    return ep.model_copy(update={"generation": g, **episode_fields})
+
+
+def test_timed_out_episodes_are_nobodys_signal_to_the_user_guards(tmp_path):
+    """With ``emit_ignored``, a user whose generations time out sent no signal: the guards must
+    neither cap nor flag them for it, nor judge their one real signal by those timeouts."""
+    timeouts = [_by("alice", i, "ignore", timed_out=True) for i in range(60)]
+    real = _by("alice", 60, "accept", rater_id="alice")
+    rewards, registry = _stage_rewards(tmp_path, G.model_copy(update={"emit_ignored": True}), [*timeouts, real])
+    assert len(rewards) == 61 and all((r.weight, r.flags) == (1.0, ()) for r in rewards)
+    assert rewards[-1].reward == 0.75 and rewards[-1].rater_id == "alice"
+    assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "abuse"}) == 0
+
+
+def test_flagged_samples_are_counted_once_each_by_kind(tmp_path):
+    """The alerts' share of flagged samples: a sample with three abuse flags is one abuse sample."""
+    floods = [_by("flood", i) for i in range(40)]  # past the cap, constant and anomalous at once
+    others = [_by(f"u{i}", 100 + i, "reject", tokens=tuple(range(300)) if i < 3 else (1, 2, 3)) for i in range(10)]
+    rewards, registry = _stage_rewards(tmp_path, G, [*floods, *others])
+    abuse = sum(any(f in ("user_cap", "constant_user", "rate_anomaly") for f in r.flags) for r in rewards)
+    actions = sum(registry.get_sample_value("reward_guard_actions_total", {"flag": f})
+                  for f in ("user_cap", "constant_user", "rate_anomaly"))
+    assert 0 < abuse < actions  # samples carried several abuse flags
+    assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "abuse"}) == abuse
+    assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "hacking"}) == 3  # the long ones

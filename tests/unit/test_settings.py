@@ -59,3 +59,15 @@ def test_delivery_timeout_must_cover_a_request_and_the_linger():
     with pytest.raises(SettingsError, match=r"delivery_timeout_ms=1004 must be at least .*\(1005\)"):
         load_settings(env={**env, "FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS": "1004"})
     assert load_settings(env={**env, "FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS": "1005"}).kafka.delivery_timeout_ms == 1005
+
+
+@pytest.mark.parametrize("env", [
+    {"FLYWHEEL_REWARD_REPETITION_PENALTY": "inf"},  # every flagged reward would be null on the wire
+    {"FLYWHEEL_REWARD_ACCEPT_VALUE": "nan"},
+    {"FLYWHEEL_REWARD_LATENCY_BONUS": "Infinity"},
+    {"FLYWHEEL_REWARD_GUARD_WINDOW_S": "1e-10"},  # window numbers past SQLite's integers
+])
+def test_a_setting_that_would_poison_the_arithmetic_is_refused_at_start(env):
+    (name,) = env
+    with pytest.raises(SettingsError, match=name.removeprefix("FLYWHEEL_REWARD_").lower()):
+        load_settings(env=env)
