@@ -161,28 +161,30 @@ class ReplayResult:
             lines.append(f"  {self.before} dead letters were replayed before (their records are in the source "
                          f"topic with {REPLAY_HEADER}): skipped; --again sends them anyway")
         if self.repeats:
-            lines.append(f"  {self.repeats} more dead letters repeat a record above (it failed again "
-                         "after a replay): sent once")
+            lines.append(f"  {self.repeats} more dead letters hold a record above (it was dead-lettered more "
+                         "than once): sent once, marked as the replay of each")
         for letter, why in self.refused:
             lines.append(f"  refused [{letter.partition}:{letter.offset}] {letter.event.reason}: {why}")
         return "\n".join(lines)
 
 
 def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: Mapping[str, int] | None = None,
-                ) -> tuple[list[Letter], list[tuple[Letter, str]], int]:
-    """Split the letters into those to replay, those refused (with the reason) and a count of
-    repeats (pure). ``partitions``: each input topic's partition count, where known; a letter
-    naming a partition its topic does not have is refused. (Letters replayed before are taken
-    out first: :func:`replayed_before`.)
+                ) -> tuple[list[Letter], list[tuple[Letter, str]], dict[tuple[int, int], list[Letter]]]:
+    """Split the letters into those to replay, those refused (with the reason) and the repeats
+    of each letter to replay, by its ``(partition, offset)`` (pure). ``partitions``: each input
+    topic's partition count, where known; a letter naming a partition its topic does not have is
+    refused. (Letters replayed before are taken out first: :func:`replayed_before`.)
 
-    A record that failed again after an earlier replay is in the topic twice, with the same
-    source, key and value: it is sent once. Otherwise every replay of a record that still fails
-    would double its dead letters.
+    A record dead-lettered more than once (it failed again after an earlier replay, or its
+    producer sent it twice) is in the topic as several letters with the same source, key and
+    value: it is sent once, and marked as the replay of each of them, so that the next replay
+    skips them all. Otherwise every replay of a record that still fails would double its dead
+    letters.
     """
     go: list[Letter] = []
     refused: list[tuple[Letter, str]] = []
-    sent: set[tuple[str, str | None, str]] = set()
-    repeats = 0
+    sent: dict[tuple[str, str | None, str], Letter] = {}
+    repeats: dict[tuple[int, int], list[Letter]] = {}
     for letter in letters:
         dl = letter.event
         record = (dl.source_topic, dl.key_b64, dl.value_b64)
@@ -197,10 +199,10 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: M
         elif dl.truncated:
             where = f"{dl.source_topic}[{dl.source_partition}]@{dl.source_offset}"
             refused.append((letter, f"only the start of the record is quoted; the whole record is at {where}"))
-        elif record in sent:
-            repeats += 1
+        elif (first := sent.get(record)) is not None:
+            repeats.setdefault((first.partition, first.offset), []).append(letter)
         else:
-            sent.add(record)
+            sent[record] = letter
             go.append(letter)
     return go, refused, repeats
 
@@ -228,7 +230,8 @@ def replayed_before(cfg: KafkaSettings, letters: Iterable[Letter], inputs: froze
     for _, rec in read_to_end(cfg.bootstrap, starts, client_id=f"{cfg.client_id}-deadletters",
                               timeout_s=timeout_s, max_fetch_bytes=cfg.max_request_bytes):
         for name, value in rec.headers or ():
-            if name == REPLAY_HEADER and (m := _REPLAY_OF.match(value)):
+            # (a header may have no value at all: whatever wrote it, it names no letter)
+            if name == REPLAY_HEADER and value is not None and (m := _REPLAY_OF.match(value)):
                 found.add((int(m[1]), int(m[2])))
     return found
 
@@ -250,7 +253,7 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
     finally:
         probe.close()
     go, refused, repeats = plan_replay(letters, inputs, partitions)
-    result = ReplayResult(refused=refused, repeats=repeats, before=before)
+    result = ReplayResult(refused=refused, repeats=sum(map(len, repeats.values())), before=before)
     result.sent.update((x.event.source_topic, x.event.reason) for x in go)
     if dry_run:
         return result
@@ -262,7 +265,8 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
                 key=base64.b64decode(x.event.key_b64) if x.event.key_b64 is not None else None,
                 value=base64.b64decode(x.event.value_b64),
                 partition=x.event.source_partition,
-                headers=[(REPLAY_HEADER, f"{x.partition}:{x.offset}".encode())],
+                headers=[(REPLAY_HEADER, f"{y.partition}:{y.offset}".encode())
+                         for y in (x, *repeats.get((x.partition, x.offset), ()))],
             ) for x in wave]
             producer.flush()
             for fut in futures:

@@ -66,8 +66,11 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
         wait_for(lambda: episodes_of(kafka_settings, topics, "ok"))  # the stage is up and caught up
         t = time.time()
         producer.send(topics.feedback, key="late", value=encode(feedback("f-late", "late", t)))
-        # stamped by a clock 3 s ahead: clock_skew, and its feedback above becomes an orphan
-        producer.send(topics.generations, key="late", value=encode(generation("late", t + 3)))
+        # stamped by a clock 3 s ahead: clock_skew, and its feedback above becomes an orphan; its
+        # producer sends it twice (two letters, one record: sent once, and marked for both)
+        skewed = encode(generation("late", t + 3))
+        producer.send(topics.generations, key="late", value=skewed)
+        producer.send(topics.generations, key="late", value=skewed)
         producer.send(topics.feedback, key="gone", value=encode(feedback("f-gone", "gone", t)))
         producer.send(topics.generations, key="bad", value=b"{not json")
         # a dead letter from somewhere that is not a stage input: listed, never replayed
@@ -82,10 +85,10 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
         letters = wait_for(lambda: letters_of("orphan_feedback", 2))
         assert {x.event.source_topic for x in letters} == {topics.feedback}
         out = cli(settings, capsys, "summary")
-        assert "5 dead letters, 5 selected" in out
+        assert "6 dead letters, 6 selected" in out
         rows = {tuple(line.split()[:4]) for line in out.splitlines()[2:]}
         assert rows == {("ingest", "orphan_feedback", topics.feedback, "2"),
-                        ("ingest", "clock_skew", topics.generations, "1"),
+                        ("ingest", "clock_skew", topics.generations, "2"),
                         ("ingest", "undecodable", topics.generations, "1"),
                         ("elsewhere", "manual", "other.topic", "1")}
         assert "f-late" in cli(settings, capsys, "show", "--reason", "orphan_feedback")
@@ -102,7 +105,7 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
         assert "would replay 3 records" in out
         assert len(read_all(kafka_settings.bootstrap, topics.feedback, timeout_s=1.5)) == 3  # nothing sent
         out = cli(settings, capsys, "replay", *selection, "--since", "1h")
-        assert "replayed 3 records" in out
+        assert "replayed 3 records" in out and "1 more dead letters hold a record above" in out
         assert f"1  clock_skew         -> {topics.generations}" in out
         assert f"2  orphan_feedback    -> {topics.feedback}" in out
         replayed = [r for r in read_all(kafka_settings.bootstrap, topics.feedback, expect=5) if r.headers]
@@ -113,7 +116,7 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
         assert (ep.signal, ep.feedback_ids, ep.timed_out) == ("accept", ("f-late",), False)
         wait_for(lambda: letters_of("late_feedback"))
         out = cli(settings, capsys, "replay", *selection, "--reason", "manual")
-        assert "replayed 0 records" in out and "3 dead letters were replayed before" in out
+        assert "replayed 0 records" in out and "4 dead letters were replayed before" in out
         assert "other.topic is not a stage input" in out
         assert len(read_all(kafka_settings.bootstrap, topics.feedback, timeout_s=1.5)) == 5  # nothing sent
         out = cli(settings, capsys, "replay", *selection, "--again")
@@ -123,5 +126,5 @@ def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topic
             assert len(episodes_of(kafka_settings, topics, gid)) == 1, gid
         reasons = sorted(x.event.reason for x in read_letters(kafka_settings, topics.deadletter)[0])
         # f-gone fails again on each replay (its generation is closed); nothing else does
-        assert reasons == ["clock_skew", "late_feedback", "late_feedback", "manual", "orphan_feedback",
-                           "orphan_feedback", "undecodable"]
+        assert reasons == ["clock_skew", "clock_skew", "late_feedback", "late_feedback", "manual",
+                           "orphan_feedback", "orphan_feedback", "undecodable"]

@@ -90,7 +90,7 @@ def test_plan_replay_refuses_foreign_topics_empty_and_truncated_values():
                Letter(1, 4, dl(topic="p.generations", key=None)),
                Letter(1, 5, dl().model_copy(update={"truncated": True, "source_partition": 2, "source_offset": 9}))]
     go, refused, repeats = plan_replay(letters, frozenset({"p.feedback", "p.generations"}))
-    assert [x.offset for x in go] == [1, 4] and repeats == 0
+    assert [x.offset for x in go] == [1, 4] and repeats == {}
     assert [(x.offset, why) for x, why in refused] == [
         (2, "elsewhere is not a stage input of this deployment"), (3, "no original value to replay"),
         (5, "only the start of the record is quoted; the whole record is at p.feedback[2]@9")]
@@ -105,12 +105,14 @@ def test_show_prints_where_why_and_the_original_bytes():
 
 
 def test_plan_replay_sends_a_record_that_failed_again_once():
-    # the record failed, was replayed, failed again: two letters, one record
+    # the record failed, was replayed, failed again: two letters, one record (marked as the
+    # replay of both, so that the next replay skips both)
     letters = [Letter(0, 1, dl("orphan_feedback", at=1.0)), Letter(1, 8, dl("orphan_feedback", at=50.0)),
                Letter(0, 9, dl("orphan_feedback", at=60.0, key=b"g2")),  # same bytes, another key
                Letter(1, 12, dl("orphan_feedback", at=70.0, value=b'{"x":2}'))]
     go, refused, repeats = plan_replay(letters, frozenset({"p.feedback"}))
-    assert [x.offset for x in go] == [1, 9, 12] and refused == [] and repeats == 1
+    assert [x.offset for x in go] == [1, 9, 12] and refused == []
+    assert {at: [(x.partition, x.offset) for x in xs] for at, xs in repeats.items()} == {(0, 1): [(1, 8)]}
 
 
 @pytest.mark.parametrize("topics, waves", [
