@@ -97,7 +97,9 @@ class ParquetArchive:
         hours = hours_of(stamps)
         for hour in dict.fromkeys(hours):
             idx = [i for i, h in enumerate(hours) if h == hour]
-            part = table if len(idx) == len(rows) else table.take(idx)
+            # filter, not take: take joins each column's chunks into one array first, which fails
+            # once a string column passes 2 GiB (long prompts, a full queue), every restart alike
+            part = table if len(idx) == len(rows) else table.filter(pa.array([h == hour for h in hours]))
             seqs = [rows[i].seq for i in idx]
             folder = self.root / f"hour={hour}"
             if not folder.is_dir():

@@ -479,3 +479,25 @@ def test_hours_of_formats_each_stamp_like_hour_of():
     stamps = [1700000000.0, 1699999199.999, 1699999200.0, 1700006400.25, 1700000000.5, 0.0]
     assert hours_of(stamps) == [hour_of(t) for t in stamps]
     assert len(set(hours_of(stamps))) == 4
+
+
+@pytest.mark.slow  # about 2.3 GB of text through the archive: tens of seconds, several GB of memory
+def test_a_write_past_2_gib_of_text_across_an_hour_splits_into_its_hours(tmp_path):
+    """One write of the archive queue spanning an hour's edge, with more than 2 GiB in a string
+    column (50,000 queued episodes of long chat histories): splitting it by hour must not join
+    each column's chunks into one array, which Arrow cannot do past 2 GiB of string data."""
+    import pyarrow.parquet as pq
+
+    from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
+    from ingest.exactly_once import ArchiveRow
+
+    prompt = "x" * (4 * 1024 * 1024 - 4096)
+    g = gen("g", 100).model_copy(update={"prompt_text": prompt})
+    rows = [ArchiveRow(i, "episodes", episode_bytes(encode(g.model_copy(update={"generation_id": f"g{i}"})),
+                                                    resolve([]), 1699999199.0 + 2 * (i >= 300)))
+            for i in range(600)]
+    archive = ParquetArchive(tmp_path, EPISODE_SCHEMA, episode_row, episode_table)
+    archive.write("e", rows)
+    files = archive.files()
+    assert [p.parent.name for p in files] == ["hour=2023-11-14T21", "hour=2023-11-14T22"]
+    assert [pq.read_metadata(p).num_rows for p in files] == [300, 300]
