@@ -52,12 +52,15 @@ Why ``kill -9`` at any moment loses and duplicates nothing:
 Inputs are deduplicated by id in the stage's state, so an upstream duplicate is folded too.
 
 **On a real Kafka cluster** the same code is correct (it relies only on acks, headers and reading a
-partition), with two caveats: a request still in flight from the dead process could land after the
-recovery scan (bounded by ``request.timeout.ms``; waiting that long before the scan closes it), and
-scale-out across machines needs the state tables in a shared database (the SQL is portable to
-PostgreSQL). There, Kafka transactions (``send_offsets_to_transaction`` + ``read_committed``
-consumers) can replace steps 2 and 4 and the recovery scan; the embedded broker cannot filter aborted
-records, which is why this design is the default here.
+partition). One caveat: a request still in flight from the dead process could land after the
+recovery scan (bounded by ``request.timeout.ms``; waiting that long before the scan closes it).
+Scale-out across machines needs no shared database: each process owns fixed shards with a data_dir
+of its own, and shard claims (ingest/claims.py) refuse overlaps. Only automatic failover of a
+shard to another machine would need the state tables in a shared database (the SQL is portable to
+PostgreSQL) and fencing of the previous owner; that is not built. On a cluster, Kafka transactions
+(``send_offsets_to_transaction`` + ``read_committed`` consumers) can replace steps 2 and 4 and the
+recovery scan; the embedded broker cannot filter aborted records, which is why this design is the
+default here.
 """
 
 from __future__ import annotations
