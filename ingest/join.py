@@ -31,7 +31,8 @@ completion or its arrival).
 
 **Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once; an id already
 waiting on another generation is no duplicate but a collision, dead-lettered as
-``reused_feedback_id`` by the stage. Decisive signals
+``reused_feedback_id`` by the stage (as is, for generations, an id that names another open
+generation with different content: ``reused_generation_id``). Decisive signals
 (accept, reject, edit) beat an explicit ``ignore``. Among decisive signals the latest by
 ``created_at`` wins (ties: the larger ``feedback_id``, so the result never depends on arrival
 order); an ``edit`` winner carries its text, and the winner's ``user_id`` is the episode's

@@ -3,8 +3,8 @@
 Join state lives in the stage's SQLite store (ingest/exactly_once.py) so that it commits in the
 same transaction as the input offsets and the outbox:
 
-- ``gens``   open generations (raw bytes, window deadline, when the window closes), one row per
-             generation_id;
+- ``gens``   open generations (canonical bytes, window deadline, when the window closes, source
+             offset), one row per generation_id;
 - ``fbs``    feedback waiting for its generation or for its generation's window to close;
 - ``closed`` recently closed generations with the feedback ids they folded, to tell a late
              duplicate (dropped, counted) from late new feedback (dead-lettered ``late_feedback``).
@@ -51,7 +51,7 @@ from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
-    deadline REAL NOT NULL, raw BLOB NOT NULL, close_at REAL NOT NULL);
+    deadline REAL NOT NULL, raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER);
 CREATE TABLE IF NOT EXISTS fbs (fid TEXT PRIMARY KEY, gid TEXT NOT NULL, shard INTEGER NOT NULL,
     created REAL NOT NULL, deadline REAL NOT NULL, raw BLOB NOT NULL,
     topic TEXT NOT NULL, part INTEGER NOT NULL, off INTEGER NOT NULL, key BLOB);
@@ -65,7 +65,7 @@ CREATE INDEX IF NOT EXISTS closed_age ON closed (closed_at);
 EPISODES_ARCHIVE = "episodes"
 #: Every reason this stage dead-letters a record for (dashboards/runbooks/dead-letters.md).
 DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "clock_skew", "late_feedback", "orphan_feedback",
-                                       "reused_feedback_id")
+                                       "reused_feedback_id", "reused_generation_id")
 _encode_json = msgspec.json.Encoder().encode
 
 
@@ -132,12 +132,19 @@ class IngestStage:
 
     def _on_generation(self, rec: ConsumerRecord, g: GenerationEvent, view: _BatchView, now: float) -> None:
         gid = g.generation_id
-        if gid in view.gens or gid in view.closed:
+        if gid in view.closed:  # (its bytes are gone: only its feedback ids are remembered)
             self.m.duplicates.labels("generation").inc()
             return
         # store the canonical encoding of the validated event: the episode splices these bytes
         # in when the window closes, without validating the generation a second time
         stored = encode(g)
+        if gid in view.gens:
+            if view.stored(self.db, gid) == stored:
+                self.m.duplicates.labels("generation").inc()
+            else:  # not a repeat: another completion under an id already taken, as for feedback
+                self.dead.send_record(rec, "reused_generation_id",
+                                      f"generation_id {gid!r} already names another generation, still open")
+            return
         if len(stored) > MAX_RECORD_BYTES:
             # Numbers written out in full can grow a record a lot (-1e9 is -1000000000.0): over the
             # limit, its episode might not fit a produce request and would hold the outbox back.
@@ -146,7 +153,7 @@ class IngestStage:
             return
         deadline = generation_deadline(g.completed_at, self.cfg.window_s)
         view.add_generation((gid, rec.partition, deadline, stored,
-                             closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s)))
+                             closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s), rec.offset))
         for fid, created, raw, topic, part, off, key in view.waiting(gid):
             if is_late(created, deadline):
                 view.drop_feedback(gid, fid)
@@ -194,30 +201,28 @@ class IngestStage:
     def _close_due(self, shard: int, now: float) -> None:
         """Close every due window of ``shard``: a fixed number of statements, not four per window."""
         due = self.db.execute(
-            "SELECT deadline, gid, raw FROM gens WHERE shard=? AND close_at<?", (shard, now)).fetchall()
+            "SELECT deadline, gid, raw, off FROM gens WHERE shard=? AND close_at<?", (shard, now)).fetchall()
         if not due:
             return
         # (deadline, gid) order, sorted here: ORDER BY in SQL sorts the rows, blobs included, in
         # a temporary B-tree (several times the cost). gid is unique, so raw never compares.
         due.sort()
         feedback: dict[str, list[FeedbackEvent]] = {}
-        for gid, raw in self.db.execute(
-                "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
-                (shard, now)):
+        sources: dict[str, list[tuple]] = {}  # gid -> its feedback's (raw, topic, part, off, key)
+        for gid, raw, *source in self.db.execute(
+                "SELECT gid, raw, topic, part, off, key FROM fbs WHERE gid IN "
+                "(SELECT gid FROM gens WHERE shard=? AND close_at<?)", (shard, now)):
             # decode(), not a parser of its own: the same function accepted these bytes on arrival
             feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
+            sources.setdefault(gid, []).append((raw, *source))
         closed = []
         signals: dict[str, int] = {}
-        for _, gid, raw in due:
+        for _, gid, raw, off in due:
             res = resolve(feedback.get(gid, []))
             closed.append((gid, shard, now, _encode_json(res.feedback_ids).decode()))
             episode = episode_bytes(raw, res, now)
             if len(episode) > MAX_EPISODE_BYTES:
-                # a generation near its limit with thousands of feedback ids: reward would refuse
-                # the episode, and one too large for a produce request would hold the outbox back
-                self.dead.send("oversized", f"episode of {len(episode)} bytes ({len(res.feedback_ids)} feedback "
-                                            f"ids) > limit {MAX_EPISODE_BYTES}; the value is its generation",
-                               source_topic=self.topics.generations, value=raw, key=gid.encode(), partition=shard)
+                self._dead_letter_episode(gid, shard, raw, off, len(episode), sources.get(gid, []))
                 continue
             self.store.append(shard, self.topics.episodes, gid, episode, archive=EPISODES_ARCHIVE)
             signals[res.signal] = signals.get(res.signal, 0) + 1
@@ -229,6 +234,24 @@ class IngestStage:
         self.db.execute("DELETE FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
                         (shard, now))
         self.db.execute("DELETE FROM gens WHERE shard=? AND close_at<?", (shard, now))
+
+    def _dead_letter_episode(self, gid: str, shard: int, raw: bytes, off: int | None, size: int,
+                             folded: list[tuple]) -> None:
+        """An episode too large to send: its generation and every feedback record it folded.
+
+        A generation near its limit with thousands of feedback ids: reward would refuse the
+        episode, and one too large for a produce request would hold the outbox back. Every
+        input it was made of goes to the dead-letter topic, each naming where it came from, so
+        that no user signal disappears without a record of it.
+        """
+        why = f"episode of {size} bytes ({len(folded)} feedback records) > limit {MAX_EPISODE_BYTES}"
+        # the generation's stored bytes are its canonical encoding (the same event); the
+        # offset finds the record as it was sent
+        self.dead.send("oversized", f"{why}; the value is its generation, re-encoded",
+                       source_topic=self.topics.generations, value=raw, key=gid.encode(), partition=shard, offset=off)
+        for value, topic, part, offset, key in folded:
+            self.dead.send("oversized", f"{why}; this feedback was folded into it",
+                           source_topic=topic, value=value, key=key, partition=part, offset=offset)
 
     def _orphans(self, shard: int, now: float) -> None:
         rows = self.db.execute(
@@ -288,8 +311,15 @@ class _BatchView:
                 db, "SELECT gid, fid, created, raw, topic, part, off, key FROM fbs WHERE gid IN ({})", gen_ids):
             self._waiting.setdefault(gid, {})[row[0]] = tuple(row)
         self._new_gens: list[tuple] = []
+        self._new_raw: dict[str, bytes] = {}
         self._new_fbs: dict[str, tuple] = {}
         self._dropped: list[str] = []
+
+    def stored(self, db: Any, gid: str) -> bytes:
+        """The stored bytes of open generation ``gid``: looked up only for a repeated id."""
+        if (raw := self._new_raw.get(gid)) is not None:
+            return raw
+        return db.execute("SELECT raw FROM gens WHERE gid=?", (gid,)).fetchone()[0]
 
     def waiting(self, gid: str) -> list[tuple]:
         return list(self._waiting.get(gid, {}).values())
@@ -297,6 +327,7 @@ class _BatchView:
     def add_generation(self, row: tuple) -> None:
         self.gens[row[0]] = row[2]
         self._new_gens.append(row)
+        self._new_raw[row[0]] = row[3]
 
     def add_feedback(self, row: tuple) -> None:
         fid, gid, created, raw, topic, part, off, key = row[0], row[1], row[3], row[5], row[6], row[7], row[8], row[9]
@@ -312,7 +343,7 @@ class _BatchView:
 
     def write(self, db: Any) -> None:
         db.executemany("DELETE FROM fbs WHERE fid=?", [(f,) for f in self._dropped])
-        db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at) VALUES (?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at, off) VALUES (?, ?, ?, ?, ?, ?)",
                        self._new_gens)
         db.executemany("INSERT INTO fbs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", list(self._new_fbs.values()))
 
@@ -323,13 +354,18 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     Stores from before ``gens.close_at`` close their open windows by the old rule (``grace_s``
     after the deadline): when those generations arrived is not recorded. The index is created
     here rather than in SCHEMA because on such a store the column exists only after this runs.
+    Generations stored before ``gens.off`` have no source offset (a dead letter of one names none).
     """
     db = store.db
-    if "close_at" not in {row[1] for row in db.execute("PRAGMA table_info(gens)")}:
+    columns = {row[1] for row in db.execute("PRAGMA table_info(gens)")}
+    if "close_at" not in columns:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN close_at REAL NOT NULL DEFAULT 0")
             db.execute("UPDATE gens SET close_at = deadline + ?", (cfg.grace_s,))
             db.execute("DROP INDEX IF EXISTS gens_due")
+    if "off" not in columns:
+        with store.txn():
+            db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
     db.execute("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 

@@ -245,18 +245,23 @@ def test_feedback_for_a_window_closed_before_the_stage_remembers_is_an_orphan_th
 def test_an_episode_over_its_limit_is_dead_lettered_at_close(stage):
     """Every input within its limit can still add up to an episode over MAX_EPISODE_BYTES: a
     generation near its limit, an edit near its limit and thousands of distinct feedback ids
-    folded in. Reward would refuse that episode; so ingest dead-letters its generation."""
+    folded in. Reward would refuse that episode; so ingest dead-letters its generation, and every
+    feedback record folded into it: no user signal disappears without a letter saying where it was."""
     big = gen("g", 100).model_copy(update={"prompt_text": "p" * (MAX_RECORD_BYTES - 10_000)})
     edit = fb("e" * 128, "edit", 101, text="x" * 1_000_000)
     votes = [fb(f"{i:0128d}", "accept", 101) for i in range(2_000)]
-    run(stage, [rec(T.generations, "g", encode(big), 0), rec(T.generations, "h", encode(gen("h", 100)), 1),
+    run(stage, [rec(T.generations, "g", encode(big), 7), rec(T.generations, "h", encode(gen("h", 100)), 8),
                 *(rec(T.feedback, "g", encode(f), i) for i, f in enumerate([edit, *votes]))], now=101)
     run(stage, [], now=112.5)
     eps, dls = outputs(stage[1])
     assert [e.generation_id for e in eps] == ["h"]
-    (dead,) = dls
-    assert (dead.reason, dead.source_topic, dead.source_partition, dead.truncated) == ("oversized", T.generations, 0, False)
-    assert "2001 feedback ids" in dead.detail and base64.b64decode(dead.value_b64) == encode(big)
+    dead, *folded = dls
+    assert (dead.reason, dead.source_topic, dead.source_partition, dead.source_offset, dead.truncated) == (
+        "oversized", T.generations, 0, 7, False)
+    assert "2001 feedback records" in dead.detail and base64.b64decode(dead.value_b64) == encode(big)
+    assert {(d.reason, d.source_topic, d.key_b64) for d in folded} == {("oversized", T.feedback, "Zw==")}
+    assert sorted(d.source_offset for d in folded) == list(range(2001))
+    assert {base64.b64decode(d.value_b64) for d in folded} == {encode(f) for f in [edit, *votes]}
     run(stage, [rec(T.feedback, "g", encode(votes[0]), 3000)], now=113)  # its window is closed: a duplicate
     assert outputs(stage[1]) == (eps, dls)
 
@@ -269,6 +274,26 @@ def test_a_key_that_is_not_utf8_never_matches_a_generation_id(stage):
     (dead,) = outputs(stage[1])[1]
     assert (dead.reason, dead.source_offset) == ("wrong_key", 0)
     assert "b'g\\xff'" in dead.detail
+
+
+@pytest.mark.parametrize("one_batch", [True, False])
+def test_a_generation_id_reused_for_another_completion_is_dead_lettered_not_folded(stage, one_batch):
+    """Folded as a repeat, the second completion was lost without a trace, and its feedback
+    judged against the first one's text: a repeat with the same content still counts once."""
+    first = gen("g", 100)
+    other = first.model_copy(update={"completion_text": "another answer", "user_id": "v"})
+    batches = [[rec(T.generations, "g", encode(first), 0), rec(T.generations, "g", encode(other), 1),
+                rec(T.generations, "g", encode(first), 2)]]
+    if not one_batch:
+        batches = [[b] for b in batches[0]]
+    for batch in batches:
+        run(stage, batch, now=101)
+    run(stage, [], now=112.5)
+    eps, dls = outputs(stage[1])
+    assert [(e.generation_id, e.generation.completion_text) for e in eps] == [("g", "c")]
+    assert [(d.reason, d.source_offset) for d in dls] == [("reused_generation_id", 1)]
+    assert "already names another generation" in dls[0].detail
+    assert stage[0].m.duplicates.labels("generation")._value.get() == 1  # the third, a repeat
 
 
 @pytest.mark.parametrize("one_batch", [True, False])
@@ -385,7 +410,7 @@ def test_a_generation_that_arrives_after_its_window_waits_for_the_feedback_behin
 def test_a_store_from_before_close_at_keeps_its_open_windows(tmp_path):
     """A data_dir written before ``gens.close_at`` existed: its open windows close by the old rule
     (grace after the deadline) and new generations take the new one."""
-    old = SCHEMA.replace("raw BLOB NOT NULL, close_at REAL NOT NULL);", "raw BLOB NOT NULL);\n"
+    old = SCHEMA.replace("raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER);", "raw BLOB NOT NULL);\n"
                          "CREATE INDEX IF NOT EXISTS gens_due ON gens (shard, deadline);")
     assert old != SCHEMA
     store = StateStore(tmp_path / "s.sqlite3", old)
@@ -395,6 +420,7 @@ def test_a_store_from_before_close_at_keeps_its_open_windows(tmp_path):
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
     stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry())
     assert "gens_due" not in {r[0] for r in store.db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert {"close_at", "off"} <= {r[1] for r in store.db.execute("PRAGMA table_info(gens)")}
     run((stage, store), [rec(T.generations, "h", encode(gen("h", 100)), 0)], now=110.5)
     run((stage, store), [], now=111.5)
     assert [e.generation_id for e in outputs(store)[0]] == ["g"]  # h arrived at 110.5: open until 120.5
