@@ -656,12 +656,19 @@ class LagGauge:
             registry=registry,
         )
         self._last = 0.0
+        self._shown: set[TopicPartition] = set()
 
     def update(self, consumer: KafkaConsumer, every_s: float = 1.0) -> None:
         if time.monotonic() - self._last < every_s:
             return
         self._last = time.monotonic()
-        for tp in consumer.assignment():
+        assigned = set(consumer.assignment())
+        # a partition that moved to another member is that member's to report: its last value
+        # here would stay forever, and keep a lag alert firing for a partition long caught up
+        for tp in self._shown - assigned:
+            self.gauge.remove(tp.topic, str(tp.partition))
+        self._shown &= assigned
+        for tp in assigned:
             high = consumer.highwater(tp)
             if high is None:
                 continue
@@ -672,6 +679,7 @@ class LagGauge:
                 continue
             if pos is not None:
                 self.gauge.labels(tp.topic, str(tp.partition)).set(max(0, high - pos))
+                self._shown.add(tp)
 
 
 __all__ = [
