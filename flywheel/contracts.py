@@ -49,7 +49,9 @@ Duration = Annotated[float, Field(ge=0.0, allow_inf_nan=False)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 #: A log-probability as the sampler reports it: finite (the sampled token had a chance). JSON
 #: has no NaN or infinity: pydantic writes them as null, which the next consumer then rejects.
-Logprob = Annotated[float, Field(allow_inf_nan=False)]
+#: Within float32's range too, as samplers compute them and the episode archive stores them: a
+#: float64 beyond it would be archived as -inf.
+Logprob = Annotated[float, Field(allow_inf_nan=False, ge=-3.4e38, le=3.4e38)]
 #: A non-negative count or version that fits the int64 of SQLite and the archives.
 Int64 = Annotated[int, Field(ge=0, lt=2**63)]
 

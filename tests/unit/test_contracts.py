@@ -175,6 +175,7 @@ def test_times_must_be_finite_and_plausible(field, literal):
     ({"choice_index": 2**31}, "choice_index"),
     ({"latency_ms": float("inf")}, "latency_ms"),
     ({"logprobs": [-0.1, float("nan"), -0.3]}, "logprobs.1"),  # pydantic would write it as null
+    ({"logprobs": [-0.1, -0.2, -1e300]}, "logprobs.2"),  # the archive's float32 would make it -inf
     ({"sampling": {"temperature": float("inf"), "top_p": 1.0, "max_tokens": 8}}, "sampling.temperature"),
 ])
 def test_generation_numbers_fit_where_they_are_stored(change, field):
@@ -183,8 +184,9 @@ def test_generation_numbers_fit_where_they_are_stored(change, field):
         decode(GenerationEvent, json.dumps(obj).encode())
     assert (info.value.reason, info.value.detail.split(":")[0]) == ("invalid", field)
     largest = {**json.loads(encode(_generation())), "completion_token_ids": [3, 4, 2**31 - 1],
-               "model_version": 2**63 - 1}
-    assert decode(GenerationEvent, json.dumps(largest).encode()).completion_token_ids[-1] == 2**31 - 1
+               "model_version": 2**63 - 1, "logprobs": [-0.1, -0.2, -3.4e38]}
+    got = decode(GenerationEvent, json.dumps(largest).encode())
+    assert got.completion_token_ids[-1] == 2**31 - 1 and got.logprobs[-1] == -3.4e38
 
 
 @pytest.mark.parametrize("escape, ok", [
