@@ -276,18 +276,20 @@ def test_a_key_that_is_not_utf8_never_matches_a_generation_id(stage):
     assert "b'g\\xff'" in dead.detail
 
 
+def run_split(stage, records: list[ConsumerRecord], one_batch: bool, now: float) -> None:
+    """``records`` as one batch, or as a batch each."""
+    for batch in [records] if one_batch else [[r] for r in records]:
+        run(stage, batch, now=now)
+
+
 @pytest.mark.parametrize("one_batch", [True, False])
 def test_a_generation_id_reused_for_another_completion_is_dead_lettered_not_folded(stage, one_batch):
     """Folded as a repeat, the second completion was lost without a trace, and its feedback
     judged against the first one's text: a repeat with the same content still counts once."""
     first = gen("g", 100)
     other = first.model_copy(update={"completion_text": "another answer", "user_id": "v"})
-    batches = [[rec(T.generations, "g", encode(first), 0), rec(T.generations, "g", encode(other), 1),
-                rec(T.generations, "g", encode(first), 2)]]
-    if not one_batch:
-        batches = [[b] for b in batches[0]]
-    for batch in batches:
-        run(stage, batch, now=101)
+    run_split(stage, [rec(T.generations, "g", encode(first), 0), rec(T.generations, "g", encode(other), 1),
+                      rec(T.generations, "g", encode(first), 2)], one_batch, now=101)
     run(stage, [], now=112.5)
     eps, dls = outputs(stage[1])
     assert [(e.generation_id, e.generation.completion_text) for e in eps] == [("g", "c")]
@@ -302,12 +304,8 @@ def test_a_feedback_id_reused_for_another_generation_is_dead_lettered_not_folded
     generation differs), and its producer mints ids that collide."""
     first = fb("f1", "accept", 101)
     reused = FeedbackEvent(feedback_id="f1", generation_id="h", signal="reject", created_at=101, received_at=101)
-    batches = [[rec(T.feedback, "g", encode(first), 0), rec(T.feedback, "h", encode(reused), 1),
-                rec(T.feedback, "g", encode(first), 2)]]
-    if not one_batch:
-        batches = [[b] for b in batches[0]]
-    for batch in batches:
-        run(stage, batch, now=101)
+    run_split(stage, [rec(T.feedback, "g", encode(first), 0), rec(T.feedback, "h", encode(reused), 1),
+                      rec(T.feedback, "g", encode(first), 2)], one_batch, now=101)
     run(stage, [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.generations, "h", encode(gen("h", 100)), 1)],
         now=102)
     run(stage, [], now=112.5)
