@@ -337,6 +337,9 @@ class Trainer:
             self.m.dropped.labels("nonfinite_loss").inc()
             self.book.settle(topic, part, offset)
             self.ledger.drop("nonfinite_loss", ev.generation_id)
+            # not trained: a replay of it is new, not a duplicate (as after a restart, which
+            # rebuilds the seen ids from the versions' trained ids)
+            self.seen_ids.discard(ev.generation_id)
 
     # ------------------------------------------------------------ publish
     def publish(self) -> None:
