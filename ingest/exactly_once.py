@@ -675,6 +675,10 @@ class Outbox:
         starts = {TopicPartition(t, p): start[(t, p)] for t, p in wanted}
         for tp, rec in read_to_end(self.bootstrap, starts, client_id="flywheel-recovery", timeout_s=timeout_s):
             for name, val in rec.headers or ():
-                if name == OUTBOX_HEADER and val.decode() in wanted[(tp.topic, tp.partition)]:
-                    found.add(val.decode())
+                # (another client may write the header name with no value, or bytes that are
+                # no outbox id of ours: neither is a record this store sent)
+                if name == OUTBOX_HEADER and val is not None:
+                    oid = val.decode("utf-8", "replace")
+                    if oid in wanted[(tp.topic, tp.partition)]:
+                        found.add(oid)
         return found

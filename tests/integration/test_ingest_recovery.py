@@ -12,12 +12,13 @@ import time
 
 import pyarrow as pa
 import pytest
+from confluent_kafka import Producer as ConfluentProducer
 from conftest import read_all
 from kafka.errors import MessageSizeTooLargeError
 
 from flywheel.bus import make_output_producer
 from ingest.archive import ParquetArchive
-from ingest.exactly_once import Outbox, StateStore
+from ingest.exactly_once import OUTBOX_HEADER, Outbox, StateStore
 
 pytestmark = pytest.mark.integration
 SCHEMA = pa.schema([pa.field("v", pa.string())])
@@ -62,6 +63,32 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings
     assert len(values) == 100 and len(set(values)) == 100
     assert second.archive(force=True) == 50  # the archive queue is the store's, whatever Kafka got
     assert len(archive(tmp_path).archived_seqs(store.epoch, 0, 10**9)) == 50
+
+
+def test_recovery_passes_over_outbox_headers_another_client_wrote(kafka_settings, topics, tmp_path):
+    """An output topic is anyone's to write to: a header of the outbox's name with no value, or
+    with bytes that are not UTF-8, names no row of this store, and must not end every start's
+    recovery scan with an error."""
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.episodes, 10)
+    first = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    real_mark = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())
+    with pytest.raises(Crash):
+        first.deliver({0, 1}, wait=True)
+    store.mark_delivered = real_mark
+    first.producer.close()
+    other = ConfluentProducer({"bootstrap.servers": kafka_settings.bootstrap})
+    for partition in (0, 1):
+        for value in (None, b"\xff\xfe"):
+            other.produce(topics.episodes, b"foreign", partition=partition, headers=[(OUTBOX_HEADER, value)])
+    assert other.flush(30) == 0
+    del other  # its threads stop with it, before the broker does
+
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    assert second.recover({0, 1}) == 20 and second.deliver({0, 1}, wait=True) == 0
+    second.producer.close()
+    store.close()
 
 
 def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_history(
