@@ -139,7 +139,9 @@ class IngestStage:
         # in when the window closes, without validating the generation a second time
         stored = encode(g)
         if gid in view.gens:
-            if view.stored(self.db, gid) == stored:
+            # the stored bytes are compared as the events they hold: a store written by an
+            # earlier version may hold another encoding of the very same generation
+            if stored == (held := view.stored(self.db, gid)) or decode(GenerationEvent, held) == g:
                 self.m.duplicates.labels("generation").inc()
             else:  # not a repeat: another completion under an id already taken, as for feedback
                 self.dead.send_record(rec, "reused_generation_id",
@@ -208,13 +210,11 @@ class IngestStage:
         # a temporary B-tree (several times the cost). gid is unique, so raw never compares.
         due.sort()
         feedback: dict[str, list[FeedbackEvent]] = {}
-        sources: dict[str, list[tuple]] = {}  # gid -> its feedback's (raw, topic, part, off, key)
-        for gid, raw, *source in self.db.execute(
-                "SELECT gid, raw, topic, part, off, key FROM fbs WHERE gid IN "
-                "(SELECT gid FROM gens WHERE shard=? AND close_at<?)", (shard, now)):
+        for gid, raw in self.db.execute(
+                "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
+                (shard, now)):
             # decode(), not a parser of its own: the same function accepted these bytes on arrival
             feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
-            sources.setdefault(gid, []).append((raw, *source))
         closed = []
         signals: dict[str, int] = {}
         for _, gid, raw, off in due:
@@ -222,7 +222,7 @@ class IngestStage:
             closed.append((gid, shard, now, _encode_json(res.feedback_ids).decode()))
             episode = episode_bytes(raw, res, now)
             if len(episode) > MAX_EPISODE_BYTES:
-                self._dead_letter_episode(gid, shard, raw, off, len(episode), sources.get(gid, []))
+                self._dead_letter_episode(gid, shard, raw, off, len(episode))
                 continue
             self.store.append(shard, self.topics.episodes, gid, episode, archive=EPISODES_ARCHIVE)
             signals[res.signal] = signals.get(res.signal, 0) + 1
@@ -235,8 +235,7 @@ class IngestStage:
                         (shard, now))
         self.db.execute("DELETE FROM gens WHERE shard=? AND close_at<?", (shard, now))
 
-    def _dead_letter_episode(self, gid: str, shard: int, raw: bytes, off: int | None, size: int,
-                             folded: list[tuple]) -> None:
+    def _dead_letter_episode(self, gid: str, shard: int, raw: bytes, off: int | None, size: int) -> None:
         """An episode too large to send: its generation and every feedback record it folded.
 
         A generation near its limit with thousands of feedback ids: reward would refuse the
@@ -244,6 +243,8 @@ class IngestStage:
         input it was made of goes to the dead-letter topic, each naming where it came from, so
         that no user signal disappears without a record of it.
         """
+        # read again here, not kept from the close's read: only this rare path needs them
+        folded = self.db.execute("SELECT raw, topic, part, off, key FROM fbs WHERE gid=?", (gid,)).fetchall()
         why = f"episode of {size} bytes ({len(folded)} feedback records) > limit {MAX_EPISODE_BYTES}"
         # the generation's stored bytes are its canonical encoding (the same event); the
         # offset finds the record as it was sent

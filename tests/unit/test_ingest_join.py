@@ -298,6 +298,21 @@ def test_a_generation_id_reused_for_another_completion_is_dead_lettered_not_fold
     assert stage[0].m.duplicates.labels("generation")._value.get() == 1  # the third, a repeat
 
 
+def test_a_repeat_of_a_generation_stored_in_another_encoding_is_a_repeat(stage):
+    """Stores written by earlier versions hold generations as they were sent: the repeat of one
+    is the same event in other bytes, not another generation under its id."""
+    import json
+
+    g = gen("g", 100)
+    as_sent = json.dumps(json.loads(encode(g)), indent=1, sort_keys=True).encode()
+    assert as_sent != encode(g)
+    with stage[1].txn():
+        stage[1].db.execute("INSERT INTO gens (gid, shard, deadline, raw, close_at) VALUES ('g', 0, 110, ?, 111)",
+                            (as_sent,))
+    run(stage, [rec(T.generations, "g", encode(g), 3)], now=101)
+    assert outputs(stage[1])[1] == [] and stage[0].m.duplicates.labels("generation")._value.get() == 1
+
+
 @pytest.mark.parametrize("one_batch", [True, False])
 def test_a_feedback_id_reused_for_another_generation_is_dead_lettered_not_folded(stage, one_batch):
     """Folded as a repeat, the second signal was lost without a trace: it is not a repeat (its
