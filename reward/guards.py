@@ -8,7 +8,10 @@ process, over its shards, when the stage runs as several shard processes):
 - ``user_cap``      a sample that would take the user's kept samples beyond
                     ``max(user_cap_min, user_cap_share x the window's kept samples)`` (this one
                     included) gets weight 0: one user cannot own more than their share of what a
-                    window sends to training, however many samples they flood it with.
+                    window sends to training, however many samples they flood it with. A
+                    timed-out episode sent to training (``emit_ignored``) counts toward its
+                    generation user's kept samples and is capped with them, but is no signal:
+                    it never makes anyone constant or anomalous.
 - ``constant_user`` a user with at least ``constant_min_signals`` signals in the window, all the
                     same (accept on everything), is down-weighted by ``constant_weight``. Edits
                     never make a user constant: each is graded by how much the user changed, so
@@ -66,12 +69,16 @@ class Verdict:
     flags: tuple[str, ...]
 
 
+def within_cap(user_kept: int, window_kept: int, cfg: RewardSettings) -> bool:
+    """Whether one more kept sample of a user stays within ``user_cap`` (both counts before it)."""
+    return user_kept + 1 <= max(cfg.user_cap_min, int(cfg.user_cap_share * (window_kept + 1)))
+
+
 def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     """Weight and flags for a sample given its user's counts in the window."""
     flags: list[str] = []
     weight = 1.0
-    allowed = max(cfg.user_cap_min, int(cfg.user_cap_share * (stats.window_kept + 1)))
-    if stats.user_kept + 1 > allowed:
+    if not within_cap(stats.user_kept, stats.window_kept, cfg):
         flags.append("user_cap")
         weight = 0.0
     n_signals = sum(stats.signal_counts.values())
@@ -85,6 +92,15 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
         flags.append("rate_anomaly")
         weight *= cfg.rate_weight
     return Verdict(weight, tuple(flags))
+
+
+def judge_unrated(user_kept: int, window_kept: int, cfg: RewardSettings) -> Verdict:
+    """A timed-out episode sent to training (``reward.emit_ignored``), for its generation's user.
+
+    Nobody sent a signal, so nothing here says the user is constant or anomalous; but the sample
+    still goes to training, so it counts toward the user's share, and the cap applies.
+    """
+    return Verdict(1.0, ()) if within_cap(user_kept, window_kept, cfg) else Verdict(0.0, ("user_cap",))
 
 
 def length_penalty(n_tokens: int, cfg: RewardSettings) -> float:

@@ -12,9 +12,9 @@ What becomes of each episode:
   ``labeler_error`` naming the labeler, not marked labeled, so its replay is labeled;
 - a generation_id already labeled: dropped and counted (``reward_duplicates_total``);
 - timed out (no user signal): counted as ``reward_skipped_total{reason="no_signal"}`` and not
-  emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``, judged by the
-  reward-hacking guards only: no user sent it). Without a signal there is nothing to learn from,
-  and an ``ignore`` reward of 0 would only dilute the batch;
+  emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``; of the user
+  guards only the generation user's share cap applies: no user sent it). Without a signal there
+  is nothing to learn from, and an ``ignore`` reward of 0 would only dilute the batch;
 - otherwise exactly one :class:`RewardEvent`, keyed by generation_id, also archived to Parquet.
 """
 
@@ -37,6 +37,7 @@ from reward.guards import (
     UserWindow,
     Verdict,
     judge_sample,
+    judge_unrated,
     judge_user,
     window_of,
 )
@@ -55,10 +56,6 @@ CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT N
 REWARDS_ARCHIVE = "rewards"
 #: Every reason this stage dead-letters a record for.
 DEADLETTER_REASONS: tuple[str, ...] = (*KEYED_DECODE_REASONS, "labeler_error")
-#: The verdict on a timed-out episode (``reward.emit_ignored``): nobody sent a signal, so no user
-#: is counted or judged for it. Counted against the generation's user, a user whose generations
-#: time out would be capped and flagged ``constant_user`` for signals they never gave.
-_UNJUDGED = Verdict(1.0, ())
 #: Position of each signal's count in a cached user_win row [n, kept, accept, reject, edit, ignore].
 _SIGNAL_COL = {"accept": 2, "reject": 3, "edit": 4, "ignore": 5}
 
@@ -148,7 +145,7 @@ class RewardStage:
         components = self.label(ep)
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
         components.update(extra)  # (labelers may not use these names: reward/labelers.py)
-        verdict = _UNJUDGED if ep.timed_out else self._judge_rater(ep)
+        verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)
         flags = sample_flags + verdict.flags
         reward = float(sum(components.values()))
         for flag in flags:
@@ -170,6 +167,23 @@ class RewardStage:
         if "user_cap" not in verdict.flags:
             self._users[(win, rater)][1] += 1
             self._wins[win][2] += 1
+        return verdict
+
+    def _judge_unrated(self, ep: EpisodeEvent) -> Verdict:
+        """A timed-out episode: only its generation user's share cap (reward/guards.py). Counted
+        as a signal, a user whose generations time out would be flagged ``constant_user``, and
+        their real signals judged, for signals they never gave."""
+        g = ep.generation
+        win, user = window_of(g.created_at, self.cfg), g.user_id
+        counts = self._users.get((win, user))
+        tot = self._wins.setdefault(win, [0, 0, 0])
+        verdict = judge_unrated(counts[1] if counts else 0, tot[2], self.cfg)
+        if not verdict.flags:
+            if counts is None:  # kept samples only: not yet one of the window's signalling users
+                counts = self._users[(win, user)] = [0, 0, 0, 0, 0, 0]
+            counts[1] += 1
+            tot[2] += 1
+            self._dirty.add((win, user))
         return verdict
 
     def _child(self, metric: Any, label: str) -> Any:
@@ -205,6 +219,7 @@ class RewardStage:
         tot = self._wins.setdefault(win, [0, 0, 0])
         if counts is None:
             counts = self._users[(win, user)] = [0, 0, 0, 0, 0, 0]
+        if counts[0] == 0:  # the user's first signal in the window (timed-out samples are none)
             tot[1] += 1
         counts[0] += 1
         counts[col] += 1

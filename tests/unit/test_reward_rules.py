@@ -676,15 +676,34 @@ def _by(user: str, i: int, signal: str = "accept", tokens=(1, 2, 3), **episode_f
     return ep.model_copy(update={"generation": g, **episode_fields})
 
 
-def test_timed_out_episodes_are_nobodys_signal_to_the_user_guards(tmp_path):
+def test_timed_out_episodes_count_toward_the_cap_and_are_nobodys_signal(tmp_path):
     """With ``emit_ignored``, a user whose generations time out sent no signal: the guards must
-    neither cap nor flag them for it, nor judge their one real signal by those timeouts."""
+    not flag them constant or anomalous for it, nor judge their one real signal by those
+    timeouts; but the samples go to training, so they count toward the user's share cap."""
     timeouts = [_by("alice", i, "ignore", timed_out=True) for i in range(60)]
-    real = _by("alice", 60, "accept", rater_id="alice")
-    rewards, registry = _stage_rewards(tmp_path, G.model_copy(update={"emit_ignored": True}), [*timeouts, real])
-    assert len(rewards) == 61 and all((r.weight, r.flags) == (1.0, ()) for r in rewards)
-    assert rewards[-1].reward == 0.75 and rewards[-1].rater_id == "alice"
-    assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "abuse"}) == 0
+    others = [_by(f"u{i}", 100 + i, ("accept", "reject")[i % 2], rater_id=f"u{i}") for i in range(40)]
+    real = _by("alice", 60, "reject", rater_id="alice")
+    rewards, registry = _stage_rewards(tmp_path, G.model_copy(update={"emit_ignored": True}),
+                                       [*timeouts, *others, real])
+    flags = {f for r in rewards for f in r.flags}
+    assert len(rewards) == 101 and flags == {"user_cap"}  # no constant_user, no rate_anomaly
+    kept = [r for r in rewards if r.weight > 0]
+    alice = [r for r in kept if r.user_id == "alice"]
+    # user_cap_min (5) of her 60 timeouts, while the window had few kept samples; then her real
+    # signal, within a fifth of the 46 kept by then, judged by no flag her timeouts raised
+    assert [r.generation_id for r in alice] == ["g0", "g1", "g2", "g3", "g4", "g60"]
+    assert rewards[-1].flags == () and rewards[-1].reward == -0.25
+    assert registry.get_sample_value("reward_guard_actions_total", {"flag": "constant_user"}) == 0
+
+
+def test_a_flood_of_unrated_generations_gets_no_more_than_its_share(tmp_path):
+    """Nine in ten samples are one user's generations that time out: with ``emit_ignored`` they
+    go to training, and that user's share of what does stays within ``user_cap_share``."""
+    eps = [_by("flood", i, "ignore", timed_out=True) if i % 10 else
+           _by(f"u{i}", i, "accept", rater_id=f"u{i}") for i in range(1000)]
+    rewards, _ = _stage_rewards(tmp_path, G.model_copy(update={"emit_ignored": True}), eps)
+    kept = [r for r in rewards if r.weight > 0]
+    assert sum(r.user_id == "flood" for r in kept) <= 0.2 * len(kept) + 1
 
 
 def test_flagged_samples_are_counted_once_each_by_kind(tmp_path):
