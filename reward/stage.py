@@ -165,8 +165,7 @@ class RewardStage:
         rater = ep.rater_id or g.user_id
         verdict = judge_user(self._count_user(rater, win, ep.signal), self.cfg)
         if "user_cap" not in verdict.flags:
-            self._users[(win, rater)][1] += 1
-            self._wins[win][2] += 1
+            self._keep(win, rater)
         return verdict
 
     def _judge_unrated(self, ep: EpisodeEvent) -> Verdict:
@@ -176,15 +175,16 @@ class RewardStage:
         g = ep.generation
         win, user = window_of(g.created_at, self.cfg), g.user_id
         counts = self._users.get((win, user))
-        tot = self._wins.setdefault(win, [0, 0, 0])
-        verdict = judge_unrated(counts[1] if counts else 0, tot[2], self.cfg)
+        verdict = judge_unrated(counts[1] if counts else 0, self._wins.setdefault(win, [0, 0, 0])[2], self.cfg)
         if not verdict.flags:
-            if counts is None:  # kept samples only: not yet one of the window's signalling users
-                counts = self._users[(win, user)] = [0, 0, 0, 0, 0, 0]
-            counts[1] += 1
-            tot[2] += 1
-            self._dirty.add((win, user))
+            self._keep(win, user)  # a kept sample, no signal: not one of the window's signalling users
         return verdict
+
+    def _keep(self, win: int, user: str) -> None:
+        """Count a sample that reaches training toward its user's and its window's kept samples."""
+        self._users.setdefault((win, user), [0, 0, 0, 0, 0, 0])[1] += 1
+        self._wins[win][2] += 1
+        self._dirty.add((win, user))
 
     def _child(self, metric: Any, label: str) -> Any:
         """``metric.labels(label)``, cached: labels() takes a lock and builds a key per call."""
