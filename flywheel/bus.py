@@ -29,10 +29,16 @@ from typing import Any, Protocol
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, MessageSizeTooLargeError, TopicAlreadyExistsError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from flywheel.contracts import MAX_EPISODE_BYTES, DeadLetterEvent, Topics, encode, now
+from flywheel.contracts import (
+    DEADLETTER_QUOTE_BYTES,
+    DeadLetterEvent,
+    Topics,
+    encode,
+    now,
+)
 from flywheel.kafka_headers import tolerate_bad_header_keys
 from flywheel.settings import KafkaSettings
 
@@ -85,6 +91,11 @@ def force_close(producer: KafkaProducer) -> None:
     sender = getattr(producer, "_sender", None)
     if sender is not None:
         sender.force_close()
+        # Its I/O thread fails the pending sends on its way out. Wait for that: a send of the
+        # next producer must not be acked and counted before an older send to the same
+        # partition is reported failed (the outbox would confirm past a record that may have
+        # landed, and its recovery scan would then miss it).
+        sender.join(timeout=10.0)
     if hasattr(producer, "_closed"):
         producer._closed = True
 
@@ -92,6 +103,11 @@ def force_close(producer: KafkaProducer) -> None:
 #: One delivery report: (token, topic, partition, offset, error). ``error`` is None when the
 #: record was acked; then ``offset`` is its offset, else -1. Plain tuples: one per output record.
 Delivery = tuple[int, str, int, int, "BaseException | None"]
+
+
+class RecordRefused(Exception):
+    """The client refused a record before sending it (larger than ``kafka.max_request_bytes``):
+    it never reached the broker and will be refused again until the limit is raised."""
 
 
 class OutputProducer(Protocol):
@@ -103,7 +119,8 @@ class OutputProducer(Protocol):
 
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
              headers: list[tuple[str, bytes]]) -> None:
-        """Queue one record; its report (tagged with ``token``) comes from :meth:`reports`."""
+        """Queue one record; its report (tagged with ``token``) comes from :meth:`reports`.
+        Raises :class:`RecordRefused` for a record the client will not send at all."""
 
     def reports(self) -> list[Delivery]:
         """Reports that arrived since the last call, without waiting for more."""
@@ -180,7 +197,10 @@ class KafkaPythonOutput:
     def send(self, token: int, topic: str, partition: int, key: str | None, value: bytes,
              headers: list[tuple[str, bytes]]) -> None:
         producer = self.producer.get()  # KafkaError while none can be made: the turn is retried
-        fut = producer.send(topic, key=key, value=value, partition=partition, headers=headers)
+        try:
+            fut = producer.send(topic, key=key, value=value, partition=partition, headers=headers)
+        except MessageSizeTooLargeError as exc:
+            raise RecordRefused(str(exc)) from exc
         fut.add_callback(self._acked, token)
         fut.add_errback(self._failed, producer, token, topic, partition)
 
@@ -274,6 +294,12 @@ class ConfluentOutput:
                 return
             except BufferError:  # librdkafka's local queue is full: serve acks, then retry
                 self.producer.poll(0.05)
+            except Exception as exc:
+                from confluent_kafka import KafkaError as RdKafkaError
+
+                if exc.args and getattr(exc.args[0], "code", lambda: None)() == RdKafkaError.MSG_SIZE_TOO_LARGE:
+                    raise RecordRefused(str(exc)) from exc
+                raise
 
     def _report(self, made: int, token: int, topic: str, partition: int, err: object, msg: object) -> None:
         if err is None:
@@ -562,13 +588,9 @@ def topics_for(prefix: str) -> Topics:
     return Topics(prefix)
 
 
-#: Records up to this size (key and value) are quoted whole in their dead letter: every record a
-#: stage accepts, in base64 (4/3 of it) within the default 8 MiB produce request.
-DEADLETTER_QUOTE_BYTES = MAX_EPISODE_BYTES
-#: How much of the key and of the value a dead letter keeps of a record larger than that.
+#: How much of the key and of the value a dead letter keeps of a record larger than
+#: ``DEADLETTER_QUOTE_BYTES`` (flywheel/contracts.py).
 DEADLETTER_PREFIX_BYTES = 64 * 1024
-#: Largest dead letter: a quoted record in base64 (4/3 of its size) with the letter's own fields.
-MAX_DEADLETTER_BYTES = DEADLETTER_QUOTE_BYTES * 4 // 3 + 64 * 1024
 
 
 class DeadLetters:

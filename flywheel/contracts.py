@@ -33,6 +33,14 @@ MAX_FEEDBACK_BYTES = MAX_FEEDBACK_BODY_BYTES + 64 * 1024
 #: quoting one, fits a produce request (``kafka.max_request_bytes``, 8 MiB by default); ingest
 #: dead-letters a generation whose episode would be larger.
 MAX_EPISODE_BYTES = MAX_RECORD_BYTES + MAX_FEEDBACK_BYTES + 64 * 1024
+#: Records up to this size (key and value) are quoted whole in their dead letter: every record a
+#: stage accepts, in base64 (4/3 of it) within the default 8 MiB produce request.
+DEADLETTER_QUOTE_BYTES = MAX_EPISODE_BYTES
+#: Largest dead letter: a quoted record in base64 (4/3 of its size) with the letter's own fields.
+MAX_DEADLETTER_BYTES = DEADLETTER_QUOTE_BYTES * 4 // 3 + 64 * 1024
+#: Largest record a stage sends (its dead letters), with room for the produce request's own
+#: framing and headers: ``kafka.max_request_bytes`` may not be set below it.
+MAX_OUTPUT_REQUEST_BYTES = MAX_DEADLETTER_BYTES + 64 * 1024
 
 Signal = Literal["accept", "reject", "edit", "ignore"]
 SIGNALS: tuple[str, ...] = ("accept", "reject", "edit", "ignore")

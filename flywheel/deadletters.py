@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from flywheel.bus import MAX_DEADLETTER_BYTES, make_producer, partitions_of, read_to_end
-from flywheel.contracts import ContractError, DeadLetterEvent, Topics, decode
+from flywheel.bus import make_producer, partitions_of, read_to_end
+from flywheel.contracts import MAX_DEADLETTER_BYTES, ContractError, DeadLetterEvent, Topics, decode
 from flywheel.settings import KafkaSettings, Settings
 
 REPLAY_HEADER = "flywheel-replay-of"

@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
+
 
 def _distinct(shards: tuple[int, ...]) -> tuple[int, ...]:
     if len(set(shards)) != len(shards):
@@ -52,8 +54,10 @@ class KafkaSettings(_Section):
     """Partitions for topics Flywheel creates itself (existing topics are left as they are)."""
     replication_factor: int = Field(default=1, ge=1)
     """Replication for topics Flywheel creates; 3 on a production cluster."""
-    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    """Largest produce request; records hold token ids and logprobs, so allow a few MB."""
+    max_request_bytes: int = Field(default=8 * 1024 * 1024, ge=MAX_OUTPUT_REQUEST_BYTES)
+    """Largest produce request; records hold token ids and logprobs, so allow a few MB. It may
+    not be set below the largest record a stage sends (a dead letter quoting the largest valid
+    episode, about 7 MiB): a client refuses a larger record before it reaches the broker."""
     linger_ms: int = Field(default=5, ge=0)
     """Producer batching delay: trades a few ms of latency for far fewer requests."""
     request_timeout_ms: int = Field(default=30_000, ge=500)
@@ -229,7 +233,8 @@ class IngestSettings(_Section):
     ``completed_at``, feedback's ``created_at``) are dead-lettered as ``clock_skew``: a window
     that far in the future would hold its join state until then."""
     max_batch: int = Field(default=5000, ge=1)
-    """Most records processed in one state-store transaction."""
+    """Most records processed in one state-store transaction, and most windows (or orphaned
+    feedback records) closed per shard in one: a backlog of due windows closes over several."""
     poll_ms: int = Field(default=200, ge=1)
     """Longest wait for records in one poll."""
     shards: Shards = ()

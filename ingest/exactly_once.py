@@ -65,6 +65,8 @@ default here.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import sqlite3
 import time
@@ -79,7 +81,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
-from flywheel.bus import OutputProducer, high_watermarks, read_to_end
+from flywheel.bus import OutputProducer, RecordRefused, high_watermarks, read_to_end
 from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,13 @@ CREATE TABLE IF NOT EXISTS shard_marks (
 -- any of them put it (partitions added to a topic move where keyed records hash)
 CREATE TABLE IF NOT EXISTS out_parts (topic TEXT NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (topic, n));
 """
+
+
+#: An archive-queue entry holds at most about this many bytes of values (a batch's rows may take
+#: several entries), and an archive write at most about ARCHIVE_WRITE_BYTES: both hold memory to
+#: a bound however large the records and the backlog are.
+QUEUE_ENTRY_BYTES = 64 * 1024 * 1024
+ARCHIVE_WRITE_BYTES = 256 * 1024 * 1024
 
 
 class OutRow(NamedTuple):
@@ -166,7 +175,16 @@ class StateStore:
                 self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
                                 (legacy[0][0], legacy[-1][0], len(legacy), _encode_queue(legacy)))
             self.db.execute("UPDATE outbox SET archive=NULL WHERE archive IS NOT NULL")
+            # Every send since this version is preceded by its (shard, partition)'s confirmed
+            # point (Outbox._mark_first_sends), so a partition with none was never sent to by
+            # that shard and the recovery scan can pass it by. A store with rows owed from an
+            # older version may have sent some without one: it is marked once it has none.
+            if self.db.execute("SELECT 1 FROM meta WHERE k='marks_first'").fetchone() is None and \
+                    self.db.execute("SELECT 1 FROM outbox LIMIT 1").fetchone() is None:
+                self.db.execute("INSERT INTO meta VALUES ('marks_first', '1')")
         self.epoch: str = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()[0]
+        #: Whether a (shard, topic, partition) without a confirmed point was never sent to.
+        self.marks_first: bool = self.db.execute("SELECT 1 FROM meta WHERE k='marks_first'").fetchone() is not None
         self._in_txn = False
         # Sequence numbers are given here rather than by SQLite, so an output and its archive
         # row share one; sqlite_sequence still records the highest ever used, so none is reused.
@@ -255,37 +273,62 @@ class StateStore:
             self.db.executemany("INSERT INTO outbox (seq, shard, topic, key, value) VALUES (?, ?, ?, ?, ?)",
                                 self._appends)
             self._appends.clear()
-        if self._queue:
-            self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
-                            (self._queue[0][0], self._queue[-1][0], len(self._queue), _encode_queue(self._queue)))
+        # and one queue entry per QUEUE_ENTRY_BYTES of values: SQLite stores no blob over 1 GB,
+        # and a transaction closing a backlog of large episodes could pass that
+        start, size = 0, 0
+        for i, row in enumerate(self._queue):
+            size += len(row[2])
+            if size >= QUEUE_ENTRY_BYTES or i == len(self._queue) - 1:
+                entry = self._queue[start:i + 1]
+                self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
+                                (entry[0][0], entry[-1][0], len(entry), _encode_queue(entry)))
+                start, size = i + 1, 0
 
     # -- reads and bookkeeping ------------------------------------------------------------
     def offsets(self) -> dict[tuple[str, int], int]:
         return {(t, p): n for t, p, n in self.db.execute("SELECT topic, part, next FROM offsets")}
 
     def pending(self, shards: Iterable[int], limit: int = 20_000, after: int = -1) -> list[OutRow]:
+        """The first ``limit`` rows above seq ``after`` owed by ``shards``, in seq order."""
         if limit <= 0:
             return []
-        # One query per shard, merged here: each walks the (shard, seq) index in order, where one
-        # query over all shards makes SQLite sort every row, blobs included (5x slower).
-        rows: list[tuple] = []
-        for shard in sorted(set(shards)):
-            rows += self.db.execute(
-                "SELECT seq, shard, topic, key, value FROM outbox "
-                "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit)).fetchall()
-        rows.sort()  # seq is unique, so tuples compare on it alone
-        return [OutRow(s, sh, t, k, bytes(v)) for s, sh, t, k, v in rows[:limit]]
+        # One query per shard, merged lazily: each walks the (shard, seq) index in order, where
+        # one query over all shards makes SQLite sort every row, blobs included (5x slower), and
+        # the merge reads about ``limit`` rows in all, not ``limit`` per shard.
+        cursors = [self.db.execute("SELECT seq, shard, topic, key, value FROM outbox "
+                                   "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit))
+                   for shard in sorted(set(shards))]
+        try:
+            rows = cursors[0].fetchall() if len(cursors) == 1 else list(itertools.islice(heapq.merge(*cursors), limit))
+        finally:
+            for cursor in cursors:  # an unfinished read would hold its snapshot of the database
+                cursor.close()
+        return [OutRow(s, sh, t, k, bytes(v)) for s, sh, t, k, v in rows]
 
-    def queued_batches(self, rows: int) -> list[tuple[int, list[ArchiveRow]]]:
-        """The oldest queued batches, whole, until they hold at least ``rows`` rows (or all of
-        them): ``(first seq, the batch's rows in seq order)`` each."""
+    def pending_keys(self, shards: Iterable[int]) -> list[tuple[int, int, str, str | None]]:
+        """``(seq, shard, topic, key)`` of every row owed by ``shards``: what recovery needs,
+        without the values (a long outage can leave more of them than fit in memory)."""
+        rows: list[tuple[int, int, str, str | None]] = []
+        for shard in sorted(set(shards)):
+            rows += self.db.execute("SELECT seq, shard, topic, key FROM outbox WHERE shard=? ORDER BY seq",
+                                    (shard,)).fetchall()
+        return rows
+
+    def queued_batches(self, rows: int, max_bytes: int = ARCHIVE_WRITE_BYTES) -> list[tuple[int, list[ArchiveRow]]]:
+        """The oldest queued batches, whole, until they hold at least ``rows`` rows or
+        ``max_bytes`` bytes (or all of them): ``(first seq, the batch's rows in seq order)`` each."""
         out: list[tuple[int, list[ArchiveRow]]] = []
-        total = 0
-        for first, n, data in self.db.execute("SELECT first, rows, data FROM archive_queue ORDER BY first"):
-            out.append((first, [ArchiveRow(*r) for r in _decode_queue(data)]))
-            total += n
-            if total >= rows:
-                break
+        total = size = 0
+        cursor = self.db.execute("SELECT first, rows, data FROM archive_queue ORDER BY first")
+        try:
+            for first, n, data in cursor:
+                out.append((first, [ArchiveRow(*r) for r in _decode_queue(data)]))
+                total += n
+                size += len(data)
+                if total >= rows or size >= max_bytes:
+                    break
+        finally:
+            cursor.close()
         return out
 
     def queued_span(self) -> tuple[int, int] | None:
@@ -333,8 +376,9 @@ class StateStore:
         """Every ``(shard, topic, partition)`` with a confirmed point."""
         return {(sh, t, p) for sh, t, p in self.db.execute("SELECT shard, topic, part FROM shard_marks")}
 
-    def out_mark(self, shard: int, topic: str, part: int) -> int:
-        """Where shard ``shard``'s unconfirmed records in ``topic[part]`` can start.
+    def out_mark(self, shard: int, topic: str, part: int) -> int | None:
+        """Where shard ``shard``'s unconfirmed records in ``topic[part]`` can start; None when
+        the shard never sent there (see :attr:`marks_first`; 0 for an older store's rows).
 
         Per shard, not per partition: several shards write to one output partition (dead letters
         keyed off-partition), and another shard's acks must not move this shard's point past a
@@ -343,7 +387,9 @@ class StateStore:
         row = self.db.execute(
             "SELECT next FROM shard_marks WHERE shard=? AND topic=? AND part=?", (shard, topic, part)
         ).fetchone()
-        return row[0] if row else 0
+        if row is not None:
+            return row[0]
+        return None if self.marks_first else 0
 
     def outbox_id(self, seq: int) -> str:
         return f"{self.epoch}:{seq}"
@@ -482,8 +528,6 @@ class Outbox:
         batch. Returns how many rows were confirmed delivered by this call.
         """
         shards = set(shards)
-        if self._failing:  # rows of shards no longer ours are the new owner's to deliver
-            self._failing = {seq: f for seq, f in self._failing.items() if f[0] in shards}
         if self._suspect & shards:  # a send failed: it may still have landed, so settle first
             self.recover(self._suspect & shards)
             self._suspect -= shards
@@ -510,7 +554,16 @@ class Outbox:
             except (KafkaError, TimeoutError) as exc:
                 blocked, planned = f"no end offset for a partition this store has not written yet: {exc}", []
             for row, oid, part in planned:
-                send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])
+                try:
+                    send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])
+                except RecordRefused as exc:
+                    # It never left the client, so nothing needs settling; it stays owed, and
+                    # stalled, until the limit is raised, while the rows after it go on.
+                    if row.seq not in self._failing:
+                        log.error("outbox row %d (%d bytes to %s) is refused by the producer: %s", row.seq,
+                                  len(row.value), row.topic, exc)
+                        self._failing[row.seq] = (row.shard, time.monotonic())
+                    continue
                 self._in_flight[row.seq] = row.shard  # after: a send that raised is still pending
         self._set_blocked(blocked)
         if wait or len(self._in_flight) >= self.max_in_flight:
@@ -522,6 +575,12 @@ class Outbox:
                 # the broker is slow to ack: keep the loop turning, the acks are reaped later
                 log.debug("%d sends still unacknowledged after %ss", len(self._in_flight), self.flush_timeout_s)
         return self._reap()
+
+    def release(self, shards: Iterable[int]) -> None:
+        """Forget the failed rows of ``shards``, no longer ours: their new owner delivers them."""
+        gone = set(shards)
+        if self._failing and gone:
+            self._failing = {seq: f for seq, f in self._failing.items() if f[0] not in gone}
 
     def _mark_first_sends(self, targets: set[tuple[int, str, int]]) -> None:
         """Give each ``(shard, topic, partition)`` about to get its first record a confirmed point:
@@ -561,6 +620,9 @@ class Outbox:
         reports = self.producer.reports()
         if reports:
             self._progress = time.monotonic()
+            # every partition with a failure of this lot first: an ack listed before a failure to
+            # the same partition must not move its confirmed point past the failed record either
+            self._frozen.update((topic, part) for _, topic, part, _, error in reports if error is not None)
         for seq, topic, part, offset, error in reports:
             shard = self._in_flight.pop(seq, None)
             if shard is None:
@@ -570,7 +632,6 @@ class Outbox:
                     log.warning("send of outbox row %d failed (%s); settling before a resend", seq, error)
                 self._failing.setdefault(seq, (shard, time.monotonic()))
                 self._suspect.add(shard)
-                self._frozen.add((topic, part))
                 failed.append(seq)
                 continue
             done.append(seq)
@@ -642,23 +703,28 @@ class Outbox:
 
     def recover(self, shards: Iterable[int]) -> int:
         """Settle rows a crashed run may have delivered; returns how many were found in Kafka."""
-        rows = [r for r in self.store.pending(shards, limit=10**9) if r.seq not in self._in_flight]
+        rows = [r for r in self.store.pending_keys(shards) if r[0] not in self._in_flight]
         if not rows:
             return 0
         wanted: dict[tuple[str, int], set[str]] = {}
         start: dict[tuple[str, int], int] = {}
         by_id: dict[str, int] = {}
         counts: dict[str, set[int]] = {}
-        for row in rows:
-            oid = self.store.outbox_id(row.seq)
-            if row.topic not in counts:  # a row sent before partitions were added went by the old count
-                counts[row.topic] = self.store.partition_counts(row.topic) | {self.partitions(row.topic)}
-            for tp in {(row.topic, out_partition(row.key, oid, n)) for n in counts[row.topic]}:
+        marks: dict[tuple[int, str, int], int | None] = {}
+        for seq, shard, topic, key in rows:
+            oid = self.store.outbox_id(seq)
+            if topic not in counts:  # a row sent before partitions were added went by the old count
+                counts[topic] = self.store.partition_counts(topic) | {self.partitions(topic)}
+            for tp in {(topic, out_partition(key, oid, n)) for n in counts[topic]}:
+                if (shard, *tp) not in marks:
+                    marks[(shard, *tp)] = self.store.out_mark(shard, *tp)
+                mark = marks[(shard, *tp)]
+                if mark is None:  # this shard never sent to that partition: nothing of it is there
+                    continue
                 wanted.setdefault(tp, set()).add(oid)
-                mark = self.store.out_mark(row.shard, *tp)
                 start[tp] = min(start.get(tp, mark), mark)
-            by_id[oid] = row.seq
-        found = self._scan(wanted, start)
+            by_id[oid] = seq
+        found = self._scan(wanted, start) if wanted else set()
         # The confirmed points do not move here: the next delivery advances them.
         self.store.mark_delivered([by_id[o] for o in found], {})
         for oid in found:

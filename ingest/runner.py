@@ -101,8 +101,9 @@ class Stage(Protocol):
     def process(self, records: list[ConsumerRecord], now: float) -> None:
         """Apply records to state and append outputs to the outbox (inside the transaction)."""
 
-    def tick(self, shards: set[int], now: float) -> None:
-        """Time-driven work for shards whose inputs are caught up (inside the transaction)."""
+    def tick(self, shards: set[int], now: float) -> bool | None:
+        """Time-driven work for shards whose inputs are caught up (inside the transaction).
+        True: it left due work for the next turn, which then does not wait on an idle input."""
 
 
 class OutboxSink:
@@ -148,6 +149,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.records_in = 0
         self.delivered = 0
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
+        self._more_due = False  # the last tick left due work: poll without waiting
         store.bind_shards(self.shards)
         if self.shards:
             self._assign_static()
@@ -200,6 +202,7 @@ class StreamRunner(ConsumerRebalanceListener):
     def _settle(self, revoked: set[int], assigned: set[TopicPartition]) -> None:
         if revoked:
             self.outbox.flush()  # settle what is in flight while these shards are still ours
+            self.outbox.release(revoked)
         self.owned -= revoked
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
@@ -236,7 +239,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self._settle_rebalance()
         # While sends await their acks, poll briefly: an idle input must not hold delivered
         # records in the outbox (and the confirmed output offsets back) for a whole poll_ms.
-        timeout = min(self.poll_ms, 10) if self.outbox.in_flight else self.poll_ms
+        timeout = 0 if self._more_due else min(self.poll_ms, 10) if self.outbox.in_flight else self.poll_ms
         batches = self.consumer.poll(timeout_ms=timeout, max_records=self.max_batch)
         if self._assigned or self._revoked:
             # a rebalance happened inside poll: its partitions may have been re-seeked, so drop
@@ -258,13 +261,14 @@ class StreamRunner(ConsumerRebalanceListener):
                     if records:
                         self.stage.process(records, now)
                         self.store.set_offsets(offsets)
-                    self.stage.tick(ready, now)
+                    more_due = bool(self.stage.tick(ready, now))
             except BaseException:
                 # rolled back: read the batch again, whether the turn is retried or the process ends
                 for tp, recs in batches.items():
                     if recs:
                         self.consumer.seek(tp, recs[0].offset)
                 raise
+            self._more_due = more_due
             self.delivered += self.outbox.deliver(self.owned)
             self.outbox.archive()
         if offsets:

@@ -189,30 +189,41 @@ class IngestStage:
         )
 
     # -- windows --------------------------------------------------------------------------
-    def tick(self, shards: set[int], now: float) -> None:
+    def tick(self, shards: set[int], now: float) -> bool:
+        more = False
         for shard in sorted(shards):
             self.sink.shard = shard
-            self._close_due(shard, now)
-            self._orphans(shard, now)
+            more |= self._close_due(shard, now)
+            more |= self._orphans(shard, now)
         if now - self._last_prune > 10:
             self._last_prune = now
             self.db.execute("DELETE FROM closed WHERE closed_at<?", (now - self.cfg.closed_retention_s,))
             for kind, table in (("generation", "gens"), ("feedback", "fbs")):
                 self.m.window.labels(kind).set(self.db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+        return more
 
-    def _close_due(self, shard: int, now: float) -> None:
-        """Close every due window of ``shard``: a fixed number of statements, not four per window."""
+    def _close_due(self, shard: int, now: float) -> bool:
+        """Close the due windows of ``shard``, the first ``max_batch`` of them by closing time, in a
+        fixed number of statements (not four per window); returns whether more are due.
+
+        Bounded because a backlog (a stage that was down, a slow catch-up) can leave hours of
+        windows due at once: closing them in one transaction would build every episode in memory
+        and one archive-queue entry larger than SQLite stores, failing alike after every restart.
+        """
         due = self.db.execute(
-            "SELECT deadline, gid, raw, off FROM gens WHERE shard=? AND close_at<?", (shard, now)).fetchall()
+            "SELECT close_at, rowid, deadline, gid, raw, off FROM gens WHERE shard=? AND close_at<? "
+            "ORDER BY close_at, rowid LIMIT ?", (shard, now, self.cfg.max_batch)).fetchall()
         if not due:
-            return
+            return False
+        # The windows taken, as a range of the (shard, close_at, rowid) index: its last entry.
+        taken = "shard=? AND close_at<? AND close_at<=? AND (close_at<? OR rowid<=?)"
+        bound = (shard, now, due[-1][0], due[-1][0], due[-1][1])
         # (deadline, gid) order, sorted here: ORDER BY in SQL sorts the rows, blobs included, in
         # a temporary B-tree (several times the cost). gid is unique, so raw never compares.
-        due.sort()
+        due = sorted(row[2:] for row in due)
         feedback: dict[str, list[FeedbackEvent]] = {}
-        for gid, raw in self.db.execute(
-                "SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
-                (shard, now)):
+        for gid, raw in self.db.execute(f"SELECT gid, raw FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE {taken})",
+                                        bound):
             # decode(), not a parser of its own: the same function accepted these bytes on arrival
             feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
         closed = []
@@ -231,9 +242,9 @@ class IngestStage:
         for signal, count in signals.items():
             self.m.episodes.labels(signal).inc(count)
         self.db.executemany("INSERT INTO closed VALUES (?, ?, ?, ?)", closed)
-        self.db.execute("DELETE FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE shard=? AND close_at<?)",
-                        (shard, now))
-        self.db.execute("DELETE FROM gens WHERE shard=? AND close_at<?", (shard, now))
+        self.db.execute(f"DELETE FROM fbs WHERE gid IN (SELECT gid FROM gens WHERE {taken})", bound)
+        self.db.execute(f"DELETE FROM gens WHERE {taken}", bound)
+        return len(due) == self.cfg.max_batch
 
     def _dead_letter_episode(self, gid: str, shard: int, raw: bytes, off: int | None, size: int) -> None:
         """An episode too large to send: its generation and every feedback record it folded.
@@ -254,10 +265,13 @@ class IngestStage:
             self.dead.send("oversized", f"{why}; this feedback was folded into it",
                            source_topic=topic, value=value, key=key, partition=part, offset=offset)
 
-    def _orphans(self, shard: int, now: float) -> None:
+    def _orphans(self, shard: int, now: float) -> bool:
+        """Dead-letter feedback whose generation never came, ``max_batch`` at most; returns
+        whether more are due."""
         rows = self.db.execute(
             "SELECT fid, gid, created, deadline, raw, topic, part, off, key FROM fbs f WHERE shard=? AND deadline<? "
-            "AND NOT EXISTS (SELECT 1 FROM gens g WHERE g.gid=f.gid)", (shard, now - self.cfg.grace_s)).fetchall()
+            "AND NOT EXISTS (SELECT 1 FROM gens g WHERE g.gid=f.gid) LIMIT ?",
+            (shard, now - self.cfg.grace_s, self.cfg.max_batch)).fetchall()
         retention = self.cfg.closed_retention_s
         for fid, gid, created, deadline, raw, topic, part, off, key in rows:
             self.db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
@@ -273,6 +287,7 @@ class IngestStage:
                           f"({retention:.0f}s) and been forgotten: too late to count either way")
             self.dead.send("orphan_feedback", detail,
                            source_topic=topic, value=raw, key=key, partition=part, offset=off)
+        return len(rows) == self.cfg.max_batch
 
 
 def episode_bytes(generation: bytes, res: Resolution, resolved_at: float) -> bytes:

@@ -148,7 +148,7 @@ def test_a_letter_the_cli_could_not_use_is_unreadable_not_a_crash(change):
 
 
 def test_the_largest_letter_a_stage_writes_is_readable():
-    from flywheel.bus import DEADLETTER_QUOTE_BYTES, MAX_DEADLETTER_BYTES
+    from flywheel.contracts import DEADLETTER_QUOTE_BYTES, MAX_DEADLETTER_BYTES
 
     big = dl(value=b"x" * (DEADLETTER_QUOTE_BYTES - 100), key=b"k" * 50)
     raw = encode(big)

@@ -9,6 +9,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
+    MAX_DEADLETTER_BYTES,
     MAX_RECORD_BYTES,
     DeadLetterEvent,
     EpisodeEvent,
@@ -19,7 +20,6 @@ from flywheel.contracts import (
     decode,
     encode,
 )
-from flywheel.deadletters import MAX_DEADLETTER_BYTES
 from flywheel.settings import IngestSettings
 from ingest.exactly_once import StateStore
 from ingest.join import (
