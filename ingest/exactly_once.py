@@ -314,9 +314,10 @@ class StateStore:
                                     (shard,)).fetchall()
         return rows
 
-    def queued_batches(self, rows: int, max_bytes: int = ARCHIVE_WRITE_BYTES) -> list[tuple[int, list[ArchiveRow]]]:
+    def queued_batches(self, rows: int) -> list[tuple[int, list[ArchiveRow]]]:
         """The oldest queued batches, whole, until they hold at least ``rows`` rows or
-        ``max_bytes`` bytes (or all of them): ``(first seq, the batch's rows in seq order)`` each."""
+        ``ARCHIVE_WRITE_BYTES`` bytes (or all of them): ``(first seq, its rows in seq order)`` each."""
+        max_bytes = ARCHIVE_WRITE_BYTES
         out: list[tuple[int, list[ArchiveRow]]] = []
         total = size = 0
         cursor = self.db.execute("SELECT first, rows, data FROM archive_queue ORDER BY first")

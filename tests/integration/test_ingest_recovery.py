@@ -425,3 +425,74 @@ def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_sett
     finally:
         stop.set()
         loop.join(timeout=30)
+
+
+def test_a_record_the_client_refuses_holds_back_nothing_else(kafka_settings, out_settings, topics, tmp_path):
+    """A record over the producer's own size limit is refused by the client as it is handed over
+    (settings refuse such a limit at start; this is the guard behind them). It used to fail every
+    turn after its batch was stored, so nothing after it was ever sent: now it alone waits,
+    counted as stalled, and is sent once the limit is raised."""
+    small = out_settings.model_construct(**{**out_settings.model_dump(), "max_request_bytes": 64 * 1024})
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(8):
+            store.append(i % 2, topics.episodes, f"k{i}", b"x" * 200_000 if i == 2 else f"v{i}".encode())
+    outbox = Outbox(store, make_output_producer(small, "t1"), kafka_settings.bootstrap)
+    delivered = sum(outbox.deliver({0, 1}, wait=True) for _ in range(3))
+    assert delivered == 7 and [len(r.value) for r in store.pending({0, 1})] == [200_000]
+    time.sleep(0.3)
+    assert outbox.stuck_s() >= 0.3
+    outbox.producer.close()
+
+    raised = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    assert raised.recover({0, 1}) == 0 and raised.deliver({0, 1}, wait=True) == 1 and raised.stuck_s() == 0.0
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=8, timeout_s=10)]
+    assert len(values) == 8 and len(set(values)) == 8
+    raised.producer.close()
+
+
+def test_recovery_reads_no_partition_the_shard_never_sent_to(kafka_settings, topics, tmp_path, monkeypatch):
+    """A shard's first send to a partition is preceded by its confirmed point, so a partition it
+    has none for holds nothing of it: a crash before any send (a new store, or rows held back)
+    settles without reading topics that may hold months of other records. A store with rows owed
+    from a version that sent without such points still reads from the start."""
+    from ingest import exactly_once
+
+    store = StateStore(tmp_path / "s.sqlite3")
+    fill(store, topics.deadletter, 10)
+    scans: list = []
+    real_read = exactly_once.read_to_end
+    monkeypatch.setattr(exactly_once, "read_to_end", lambda bootstrap, starts, **kw: scans.append(starts) or
+                        real_read(bootstrap, starts, **kw))
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    assert outbox.recover({0, 1}) == 0 and scans == []
+    outbox.producer.close()
+    store.close()
+
+    older = StateStore(tmp_path / "old.sqlite3")
+    fill(older, topics.deadletter, 10)
+    with older.txn():
+        older.db.execute("DELETE FROM meta WHERE k='marks_first'")
+    older.close()
+    older = StateStore(tmp_path / "old.sqlite3")  # reopened with rows owed: not marked complete
+    outbox = Outbox(older, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    assert outbox.recover({0, 1}) == 0 and len(scans) == 1 and set(scans[0].values()) == {0}
+    assert outbox.deliver({0, 1}, wait=True) == 20
+    outbox.producer.close()
+    older.close()
+
+
+def test_a_retired_kafka_python_producer_has_reported_its_sends_when_retire_returns(kafka_settings, topics):
+    """Its failures must be in before the next producer's acks can be counted: an ack counted
+    first would move the partition's confirmed point past a failed record that may have landed."""
+    from flywheel.bus import KafkaPythonOutput, make_producer
+
+    cfg = kafka_settings.model_copy(update={"linger_ms": 2000})
+    out = KafkaPythonOutput(lambda: make_producer(cfg, "t", max_block_ms=5000))
+    n = out.partitions(topics.episodes)
+    for i in range(500):
+        out.send(i, topics.episodes, i % n, None, b"v" * 200, [(OUTBOX_HEADER, b"e:%d" % i)])
+    out.producer.retire()
+    reports = out.reports()
+    assert len(reports) == 500 and all(error is not None for *_, error in reports)
+    out.close()

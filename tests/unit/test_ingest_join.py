@@ -540,3 +540,53 @@ def test_a_write_past_2_gib_of_text_across_an_hour_splits_into_its_hours(tmp_pat
     files = archive.files()
     assert [p.parent.name for p in files] == ["hour=2023-11-14T21", "hour=2023-11-14T22"]
     assert [pq.read_metadata(p).num_rows for p in files] == [300, 300]
+
+
+def test_a_backlog_of_due_windows_closes_max_batch_per_turn_each_once(tmp_path):
+    """Hours of windows can fall due at once (a stage that was down): each turn closes the first
+    ``max_batch`` of a shard by closing time and says more are due, so no transaction has to hold
+    them all; over the turns every window closes once, in order, ties in closing time included."""
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1, max_batch=7), T, store,
+                        CollectorRegistry())
+    # 20 generations arrive in one batch, so their windows share one closing time; 5 more later
+    records = [rec(T.generations, f"a{i:02d}", encode(gen(f"a{i:02d}", 100)), i) for i in range(20)]
+    records += [rec(T.feedback, f"a{i:02d}", encode(fb(f"f{i}", "accept", 101).model_copy(
+        update={"generation_id": f"a{i:02d}"})), i) for i in range(0, 20, 3)]
+    with store.txn():
+        stage.process(records, 101)
+        stage.process([rec(T.generations, f"b{i}", encode(gen(f"b{i}", 100)), 20 + i) for i in range(5)], 102)
+    closed, turns = [], []
+    for _ in range(6):
+        before = len(store.pending([0], limit=10**6))
+        with store.txn():
+            more = stage.tick({0}, 500)
+        after = store.pending([0], limit=10**6)
+        turns.append((len(after) - before, more))
+        closed = [decode(EpisodeEvent, r.value) for r in after]
+    assert turns == [(7, True), (7, True), (7, True), (4, False), (0, False), (0, False)]
+    ids = [e.generation_id for e in closed]
+    assert sorted(ids) == sorted({*(f"a{i:02d}" for i in range(20)), *(f"b{i}" for i in range(5))})
+    assert ids[-5:] == [f"b{i}" for i in range(5)]  # the later closing time closes last
+    assert {e.generation_id for e in closed if e.signal == "accept"} == {f"a{i:02d}" for i in range(0, 20, 3)}
+    assert store.db.execute("SELECT count(*) FROM gens").fetchone() == (0,)
+    assert store.db.execute("SELECT count(*) FROM fbs").fetchone() == (0,)
+    store.close()
+
+
+def test_orphaned_feedback_is_dead_lettered_max_batch_per_turn(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1, max_batch=4), T, store,
+                        CollectorRegistry())
+    orphans = [FeedbackEvent(feedback_id=f"o{i}", generation_id=f"none{i}", signal="accept", created_at=100,
+                             received_at=100) for i in range(10)]
+    with store.txn():
+        stage.process([rec(T.feedback, o.generation_id, encode(o), i) for i, o in enumerate(orphans)], 101)
+    letters = []
+    for _ in range(4):
+        with store.txn():
+            more = stage.tick({0}, 500)
+        letters.append((len(outputs(store)[1]), more))
+    assert letters == [(4, True), (8, True), (10, False), (10, False)]
+    assert {d.reason for d in outputs(store)[1]} == {"orphan_feedback"}
+    store.close()

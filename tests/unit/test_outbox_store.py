@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ingest.exactly_once import StateStore, seq_runs
@@ -157,3 +159,116 @@ def test_an_archive_file_is_named_durably_before_it_is_written_off(tmp_path, mon
         (hour, ["part-e-000000000001-000000000001.parquet"]),  # the file is in place when synced
         (hour, ["part-e-000000000001-000000000001.parquet", "part-e-000000000002-000000000002.parquet"]),
     ]
+
+
+def test_pending_merges_the_shards_in_seq_order_up_to_the_limit(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(30):
+            store.append(i % 3, "out", f"k{i}", b"v%d" % i)
+    every = [r.seq for r in store.pending({0, 1, 2}, limit=100)]
+    assert every == sorted(every) and len(every) == 30
+    assert [r.seq for r in store.pending({0, 1, 2}, limit=7)] == every[:7]
+    assert [r.seq for r in store.pending({2, 0}, limit=5, after=every[10])] == [s for s in every[11:] if s % 3 != 2][:5]
+    assert [(s, sh) for s, sh, *_ in store.pending_keys({1})] == [(r.seq, 1) for r in store.pending({1}, limit=100)]
+    with store.txn():  # no read left open holds the database: a write transaction still begins
+        store.append(0, "out", None, b"after")
+
+
+def test_a_large_batch_is_queued_for_the_archive_in_bounded_entries_and_written_in_bounded_parts(
+        tmp_path, monkeypatch):
+    """One transaction can queue more archive bytes than SQLite stores in one blob (a backlog of
+    large episodes): its rows are split into entries, and an archive write takes a bounded part."""
+    from ingest import exactly_once
+    from ingest.exactly_once import Outbox
+
+    monkeypatch.setattr(exactly_once, "QUEUE_ENTRY_BYTES", 1000)
+    monkeypatch.setattr(exactly_once, "ARCHIVE_WRITE_BYTES", 3000)
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(25):
+            store.append(0, "out", None, b"%03d" % i + b"x" * 297, archive="a")  # 300 bytes each
+    entries = store.db.execute("SELECT first, last, rows FROM archive_queue ORDER BY first").fetchall()
+    assert [n for _, _, n in entries] == [4, 4, 4, 4, 4, 4, 1] and store.queued == 25
+    assert all(entries[i][1] + 1 == entries[i + 1][0] for i in range(len(entries) - 1))
+    part = store.queued_batches(10**6)
+    assert sum(len(rows) for _, rows in part) == 12  # entries until 3000 bytes of them are in hand
+    arch = _archive(tmp_path / "arch")
+    outbox = Outbox(store, None, "", {"a": arch}, archive_max_rows=10**6)
+    assert outbox.archive(force=True) == 25 and store.queued == 0 and len(arch.files()) == 3
+    assert sorted(v[:3] for f in arch.files() for v in _values(f)) == [f"{i:03d}" for i in range(25)]
+
+
+class ScriptedProducer:
+    """An OutputProducer whose reports the test writes: the order acks and failures come back in,
+    and records the client refuses outright (pure outbox logic; the clients themselves are
+    exercised against the broker in tests/integration/test_ingest_recovery.py)."""
+
+    def __init__(self, refuse: bytes | None = None) -> None:
+        self.sent: list[tuple[int, str, int, bytes]] = []
+        self.script: list = []
+        self.refuse = refuse
+
+    def partitions(self, topic: str) -> int:
+        return 1
+
+    def send(self, token, topic, partition, key, value, headers) -> None:
+        from flywheel.bus import RecordRefused
+
+        if value == self.refuse:
+            raise RecordRefused("larger than the client's limit")
+        self.sent.append((token, topic, partition, value))
+
+    def reports(self) -> list:
+        out, self.script = self.script, []
+        return out
+
+    def flush(self, timeout_s: float) -> None:
+        return None
+
+
+@pytest.fixture
+def scripted(tmp_path, monkeypatch):
+    from ingest import exactly_once
+
+    monkeypatch.setattr(exactly_once, "high_watermarks", lambda bootstrap, tps, **kw: {tp: 0 for tp in tps})
+    store = StateStore(tmp_path / "s.sqlite3")
+    yield store
+    store.close()
+
+
+def test_an_ack_listed_before_a_failure_to_its_partition_does_not_move_the_confirmed_point(scripted):
+    """The failed record may have landed below the acked one: moving the point past it would
+    hide it from the recovery scan, which would then send it again."""
+    from ingest.exactly_once import Outbox
+
+    store, producer = scripted, ScriptedProducer()
+    with store.txn():
+        store.append(0, "out", "a", b"1")
+        store.append(0, "out", "b", b"2")
+    outbox = Outbox(store, producer, "")
+    outbox.deliver({0})
+    (first, _, _, _), (second, _, _, _) = producer.sent
+    producer.script = [(second, "out", 0, 10, None), (first, "out", 0, -1, TimeoutError("expired"))]
+    assert outbox.deliver({0}) == 1
+    assert store.out_mark(0, "out", 0) == 0  # where the partition ended before the first send
+
+
+def test_a_record_the_client_refuses_stays_owed_and_stalled_while_the_rest_flow(scripted):
+    from ingest.exactly_once import Outbox
+
+    store, producer = scripted, ScriptedProducer(refuse=b"huge")
+    with store.txn():
+        for i, value in enumerate((b"a", b"huge", b"b", b"c")):
+            store.append(i % 2, "out", f"k{i}", value)
+    outbox = Outbox(store, producer, "")
+    outbox.deliver({0, 1})
+    assert [v for *_, v in producer.sent] == [b"a", b"b", b"c"]  # the rows after it went on
+    producer.script = [(tok, "out", 0, n, None) for n, (tok, *_) in enumerate(producer.sent)]
+    assert outbox.deliver({0, 1}) == 3 and [r.value for r in store.pending({0, 1})] == [b"huge"]
+    time.sleep(0.2)
+    assert outbox.stuck_s() >= 0.2 and outbox.in_flight == 0  # refused again each turn: a stall
+    outbox.deliver({0})  # a shard newly assigned is set up: shard 1's refused row still counts
+    assert outbox.stuck_s() >= 0.2
+    outbox.release({1})  # shard 1 moved to another process, whose outbox owes the row now
+    assert outbox.stuck_s() == 0.0

@@ -61,6 +61,17 @@ def test_delivery_timeout_must_cover_a_request_and_the_linger():
     assert load_settings(env={**env, "FLYWHEEL_KAFKA_DELIVERY_TIMEOUT_MS": "1005"}).kafka.delivery_timeout_ms == 1005
 
 
+def test_a_produce_request_limit_below_the_largest_output_is_refused():
+    """A client refuses a record over its limit before the broker sees it: a stage's dead letter
+    quoting the largest valid episode must fit, or that letter would wait in the outbox forever."""
+    from flywheel.contracts import MAX_DEADLETTER_BYTES, MAX_OUTPUT_REQUEST_BYTES
+
+    assert MAX_DEADLETTER_BYTES < MAX_OUTPUT_REQUEST_BYTES <= load_settings(env={}).kafka.max_request_bytes
+    with pytest.raises(SettingsError, match="max_request_bytes"):
+        load_settings(env={"FLYWHEEL_KAFKA_MAX_REQUEST_BYTES": str(1024 * 1024)})
+    assert load_settings(env={"FLYWHEEL_KAFKA_MAX_REQUEST_BYTES": str(MAX_OUTPUT_REQUEST_BYTES)})
+
+
 @pytest.mark.parametrize("env", [
     {"FLYWHEEL_REWARD_REPETITION_PENALTY": "inf"},  # every flagged reward would be null on the wire
     {"FLYWHEEL_REWARD_ACCEPT_VALUE": "nan"},
