@@ -150,6 +150,8 @@ class StateStore:
         self._appends: list[tuple[int, int, str, str | None, bytes]] = []
         self._queue: list[tuple[int, str, bytes]] = []
         self._on_rollback: list[Callable[[], None]] = []
+        self.owed = 0
+        self._owed_change = 0  # of the open transaction
         self._next_seq = 1  # set from the database below, once the schema exists
         # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
         self.db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
@@ -194,6 +196,8 @@ class StateStore:
         #: found at start counts as due at once.
         self.queued: int = self.db.execute("SELECT coalesce(sum(rows), 0) FROM archive_queue").fetchone()[0]
         self.queued_since: float = float("-inf")
+        #: Rows in the outbox, owed to Kafka (kept by the transactions that add and delete them).
+        self.owed = self.db.execute("SELECT count(*) FROM outbox").fetchone()[0]
 
     @contextmanager
     def txn(self) -> Iterator[sqlite3.Connection]:
@@ -206,6 +210,7 @@ class StateStore:
         except BaseException:
             self._appends.clear()
             self._queue.clear()
+            self._owed_change = 0
             self._next_seq = first_seq
             self.db.execute("ROLLBACK")
             for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
@@ -213,6 +218,8 @@ class StateStore:
             raise
         else:
             self.db.execute("COMMIT")
+            self.owed += self._owed_change
+            self._owed_change = 0
             if self._queue:
                 if not self.queued:
                     self.queued_since = time.monotonic()
@@ -272,6 +279,7 @@ class StateStore:
         if self._appends:
             self.db.executemany("INSERT INTO outbox (seq, shard, topic, key, value) VALUES (?, ?, ?, ?, ?)",
                                 self._appends)
+            self._owed_change += len(self._appends)
             self._appends.clear()
         # and one queue entry per QUEUE_ENTRY_BYTES of values: SQLite stores no blob over 1 GB,
         # and a transaction closing a backlog of large episodes could pass that
@@ -350,7 +358,8 @@ class StateStore:
         with self.txn():
             # acks come back mostly in seq order: one range delete per run of consecutive seqs
             # costs about half of a delete per row
-            self.db.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", seq_runs(seqs))
+            self._owed_change -= self.db.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?",
+                                                     seq_runs(seqs)).rowcount
             self.db.executemany(
                 "INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) "
                 "DO UPDATE SET next=max(next, excluded.next)",

@@ -66,6 +66,12 @@ except ImportError:  # pragma: no cover - confluent-kafka is a dependency; kafka
 #: Pause before retrying a turn that failed on the broker.
 RETRY_PAUSE_S = 1.0
 
+#: Outbox rows owed to Kafka past which the loop stops reading input until half of them are
+#: delivered: while an output cannot be written (a partition without a leader, a deleted topic,
+#: missing ACLs) the backlog then waits in the input topics, where lag alerts see it, rather
+#: than being copied into the state store's disk. Four times the outbox's sends in flight.
+MAX_OWED_ROWS = 200_000
+
 #: The keyed records the stages consume (each carries a generation_id).
 E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
 
@@ -137,8 +143,11 @@ class StreamRunner(ConsumerRebalanceListener):
         max_batch: int,
         poll_ms: int,
         shards: Sequence[int] = (),
+        max_owed: int = MAX_OWED_ROWS,
     ) -> None:
         self.stage, self.store, self.outbox, self.consumer = stage, store, outbox, consumer
+        self.max_owed = max_owed
+        self.holding = False  # input paused: the outbox owes max_owed rows
         self.topics, self.lag, self.max_batch, self.poll_ms = topics, lag, max_batch, poll_ms
         self.shards = tuple(sorted(shards))
         self.owned: set[int] = set()
@@ -235,8 +244,24 @@ class StreamRunner(ConsumerRebalanceListener):
                 behind.add(tp.partition)
         return (shards - behind) & self.owned
 
+    def _hold_input(self) -> None:
+        """Pause the owned input partitions while the outbox owes ``max_owed`` rows, until it owes
+        half of that (polling goes on, so the group keeps this member; windows still close)."""
+        owed = self.store.owed
+        if not self.holding and owed >= self.max_owed:
+            self.holding = True
+            log.warning("the outbox owes %d rows (limit %d): input paused until half are delivered", owed,
+                        self.max_owed)
+        elif self.holding and owed <= self.max_owed // 2:
+            self.holding = False
+            log.info("the outbox owes %d rows: input resumed", owed)
+            self.consumer.resume(*[tp for tp in self.consumer.assignment() if tp.partition in self.owned])
+        if self.holding:  # every turn: partitions assigned since are resumed by their settling
+            self.consumer.pause(*[tp for tp in self.consumer.assignment() if tp.partition in self.owned])
+
     def step(self) -> int:
         self._settle_rebalance()
+        self._hold_input()
         # While sends await their acks, poll briefly: an idle input must not hold delivered
         # records in the outbox (and the confirmed output offsets back) for a whole poll_ms.
         timeout = 0 if self._more_due else min(self.poll_ms, 10) if self.outbox.in_flight else self.poll_ms
@@ -331,7 +356,8 @@ class StreamRunner(ConsumerRebalanceListener):
         age, stalled = time.monotonic() - self.last_loop, self.stalled_s()
         return age < stale_s and stalled < stale_s, {
             "loop_age_s": round(age, 3), "stalled_s": round(stalled, 3), "shards": sorted(self.owned),
-            "records_in": self.records_in, "delivered": self.delivered}
+            "records_in": self.records_in, "delivered": self.delivered, "owed": self.store.owed,
+            "input_paused": self.holding}
 
 
 @contextmanager
@@ -392,6 +418,7 @@ def serve_stage(
         held.callback(store.close)
         stage = make_stage(store, registry)
         archive_queue_gauge(name, store, registry)
+        outbox_gauge(name, store, registry)
         producer = make_output_producer(settings.kafka, name)
         held.callback(producer.close)
         outbox = Outbox(store, producer, settings.kafka.bootstrap, archives(),
@@ -428,6 +455,18 @@ def stalled_gauge(stage: str, runner: StreamRunner, registry: CollectorRegistry)
 
     Gauge(f"{stage}_stalled_seconds", "Seconds without progress with the broker: turns failing in a row, "
           "or outputs owed with no ack (0 while it is fine)", registry=registry).set_function(runner.stalled_s)
+
+
+def outbox_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
+    """``<stage>_outbox_rows``: records stored and not yet acked by Kafka, read at scrape time.
+
+    Near the sends in flight while the broker takes them; it grows while an output cannot be
+    written, and input pauses at ``MAX_OWED_ROWS`` (dashboards/runbooks/stage-stalled.md).
+    """
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_outbox_rows", "Records the stage owes to Kafka: stored in its outbox, not yet acked",
+          registry=registry).set_function(lambda: store.owed)
 
 
 def archive_queue_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:

@@ -496,3 +496,76 @@ def test_a_retired_kafka_python_producer_has_reported_its_sends_when_retire_retu
     reports = out.reports()
     assert len(reports) == 500 and all(error is not None for *_, error in reports)
     out.close()
+
+
+class _Relay:
+    """A stage that sends every input record on unchanged."""
+
+    def __init__(self, store: StateStore, out: str) -> None:
+        self.store, self.out = store, out
+
+    def process(self, records, now: float) -> None:
+        for rec in records:
+            self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
+
+    def tick(self, shards: set[int], now: float) -> None:
+        return None
+
+
+class Unwritable:
+    """Wraps a real producer; while ``closed`` the output topic cannot be looked up, as with a
+    partition without a leader or a deleted topic: the outbox holds its rows back."""
+
+    def __init__(self, inner, topic: str) -> None:
+        self.inner, self.topic, self.closed = inner, topic, True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def partitions(self, topic):
+        return None if self.closed and topic == self.topic else self.inner.partitions(topic)
+
+
+def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_delivered(
+        kafka_settings, out_settings, topics, tmp_path):
+    """An output that cannot be written must not copy the whole input stream into the state
+    store: past ``max_owed`` rows the loop stops reading (the backlog waits in the input topic,
+    where lag shows it) and reads on once half are delivered. Every record goes out once."""
+    from kafka import KafkaProducer
+
+    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.metrics import new_registry
+    from ingest.runner import StreamRunner
+
+    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(300):
+        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
+    feed.flush()
+    feed.close()
+    store = StateStore(tmp_path / "s.sqlite3")
+    producer = Unwritable(make_output_producer(out_settings, "t"), topics.episodes)
+    outbox = Outbox(store, producer, kafka_settings.bootstrap)
+    consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
+    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 20, 50, max_owed=50)
+    try:
+        deadline = time.monotonic() + 30
+        while not runner.holding:
+            assert time.monotonic() < deadline, "input was never paused"
+            runner.step()
+        held_at = (runner.records_in, store.owed)
+        assert 50 <= held_at[0] < 80 and held_at[1] == held_at[0]
+        for _ in range(20):
+            runner.step()
+        assert (runner.records_in, store.owed) == held_at and runner.healthy()[1]["input_paused"]
+        producer.closed = False
+        while runner.delivered < 300:
+            assert time.monotonic() < deadline + 30, f"delivered {runner.delivered} of 300"
+            runner.step()
+        assert not runner.holding and store.owed == 0
+    finally:
+        consumer.close()
+        producer.close()
+        store.close()
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=300, timeout_s=10)]
+    assert sorted(values) == sorted(f"v{i}".encode() for i in range(300))

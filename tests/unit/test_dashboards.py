@@ -22,7 +22,7 @@ def _registered() -> set[str]:
     for stage in ("ingest", "reward", "trainer"):  # flywheel/bus.py builds these from the stage name
         names.update({f"{stage}_deadletters_total", f"{stage}_consumer_lag_records"})
     for stage in ("ingest", "reward"):  # ingest/runner.py builds these from the stage name
-        names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds"})
+        names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
     return names
 
 

@@ -272,3 +272,31 @@ def test_a_record_the_client_refuses_stays_owed_and_stalled_while_the_rest_flow(
     assert outbox.stuck_s() >= 0.2
     outbox.release({1})  # shard 1 moved to another process, whose outbox owes the row now
     assert outbox.stuck_s() == 0.0
+
+
+def test_the_rows_owed_are_counted_through_commits_rollbacks_deliveries_and_restarts(tmp_path):
+    from prometheus_client import generate_latest
+
+    from flywheel.metrics import new_registry
+    from ingest.runner import outbox_gauge
+
+    store = StateStore(tmp_path / "s.sqlite3")
+    registry = new_registry()
+    outbox_gauge("ingest", store, registry)
+    with store.txn():
+        for i in range(9):
+            store.append(i % 2, "out", None, b"x")
+    with pytest.raises(RuntimeError), store.txn():
+        store.append(0, "out", None, b"lost")
+        raise RuntimeError("batch failed")
+    assert store.owed == 9 and "ingest_outbox_rows 9.0" in generate_latest(registry).decode()
+    store.mark_delivered([r.seq for r in store.pending({0})], {})
+    assert store.owed == 4
+    store.mark_delivered([r.seq for r in store.pending({1})] + [10**6], {})  # an unknown seq deletes nothing
+    store.close()
+    again = StateStore(tmp_path / "s.sqlite3")
+    assert again.owed == 0
+    with again.txn():
+        again.append(0, "out", None, b"y")
+    again.close()
+    assert StateStore(tmp_path / "s.sqlite3").owed == 1
