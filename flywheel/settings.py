@@ -251,9 +251,10 @@ class IngestSettings(_Section):
 class RewardSettings(_Section):
     group_id: str = "flywheel-reward"
     """Consumer group on the episodes topic; offsets live in the state store, as for ingest."""
-    labelers: tuple[str, ...] = ("signal", "edit", "latency")
+    labelers: tuple[str, ...] = Field(default=("signal", "edit", "latency"), min_length=1)
     """Labelers summed into the reward, by registry name (reward/labelers.py): signal, edit,
-    latency, verifier:<name>, reward_model:<name>."""
+    latency, verifier:<name>, reward_model:<name>. At least one: with none, every reward would
+    be 0 less the guards' penalties, whatever users did."""
     plugins: tuple[str, ...] = ()
     """Python modules imported when the stage starts, before ``labelers`` are looked up: your
     own verifiers, reward models and labelers register themselves there (reward/labelers.py)."""
@@ -268,7 +269,8 @@ class RewardSettings(_Section):
     edit_max_chars: int = Field(default=20_000, ge=1)
     """The edit labeler compares at most this many characters of the completion and of the
     user's text (Levenshtein is quadratic: two 1 MB texts would stall the stage for seconds);
-    longer texts are scored on their prefixes, capped by the ratio of their lengths."""
+    longer texts score the lower of their prefixes' and their suffixes' similarity, capped by the
+    ratio of their lengths."""
     latency_bonus: float = Field(default=0.05, ge=0)
     """Extra reward, in the direction of the decision, for a decision taken instantly; it fades
     linearly to 0 at ``latency_ref_ms``. 0 turns the latency labeler off."""
@@ -278,18 +280,21 @@ class RewardSettings(_Section):
     """Completions longer than this pay ``length_penalty`` per target-length of excess."""
     length_penalty: float = Field(default=0.1, ge=0)
     """Length penalty slope (guard against reward hacking by verbosity); 0 turns it off."""
-    length_penalty_max: float = Field(default=1.0, gt=0)
+    length_penalty_max: float = Field(default=1.0, gt=0, le=1e6)
     """Most length penalty one sample pays. Past the span of the signal values (1.0 between the
     default accept and reject) a runaway completion's penalty would drown its user's verdict, and
-    with it the advantage of every other sample in its batch."""
+    with it the advantage of every other sample in its batch. At most 1e6: no reward scale needs
+    more, and near float's range the penalties would add up to an infinite reward, which no
+    reward record can carry."""
     repetition_ngram: int = Field(default=3, ge=1)
     """n-gram size for the repetition/degeneration detector."""
     repetition_min_distinct: float = Field(default=0.5, gt=0, le=1)
     """Completions whose distinct n-gram ratio is below this are flagged ``repetition``."""
     repetition_min_tokens: int = Field(default=16, ge=1)
     """Shorter completions are too short to judge repetition."""
-    repetition_penalty: float = Field(default=0.5, ge=0)
-    """Reward subtracted from a ``repetition``-flagged sample."""
+    repetition_penalty: float = Field(default=0.5, ge=0, le=1e6)
+    """Reward subtracted from a ``repetition``-flagged sample. At most 1e6, as
+    ``length_penalty_max``: a larger one only risks an infinite reward."""
     dedupe_retention_s: float = Field(default=86_400.0, gt=0)
     """How long labeled generation ids are remembered: an episode seen again within it (an
     upstream duplicate, a repeated replay) is dropped, later it would be labeled again."""

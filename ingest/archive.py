@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import re
 import time
@@ -43,6 +44,7 @@ TableFn = Callable[[list[bytes]], tuple[list[float], pa.Table]]
 #: Rows parsed per call of a batch ``table_fn``.
 TABLE_CHUNK = 4096
 _NAME = re.compile(r"part-(?P<epoch>[0-9a-f]+)-(?P<lo>\d+)-(?P<hi>\d+)\.parquet$")
+log = logging.getLogger(__name__)
 
 
 #: The column every archive row carries besides its record's: its outbox sequence number.
@@ -77,7 +79,8 @@ class ParquetArchive:
 
     ``table_fn(values) -> (timestamps, table)`` optionally does the same for a whole batch in
     Arrow's C++ JSON reader, several times faster than building rows in Python; it must give the
-    same table as ``row_fn`` (tests/unit/test_ingest_join.py checks the episode one).
+    same table as ``row_fn`` (tests/unit/test_ingest_join.py and test_archive_edges.py check the
+    episode one). A chunk ``table_fn`` raises on is written by ``row_fn``, row by row.
     """
 
     def __init__(self, root: Path, schema: pa.Schema, row_fn: RowFn, table_fn: TableFn | None = None) -> None:
@@ -117,13 +120,30 @@ class ParquetArchive:
 
     def _table(self, values: list[bytes]) -> tuple[list[float], pa.Table]:
         # the batch reader takes one record per line: a value spanning lines takes the row path
-        if self.table_fn is not None and not any(b"\n" in v for v in values):
-            # a few thousand rows per parse: one parse of 20,000 rows cost three times as much
-            # per row (it no longer fits the CPU caches), and the tables concatenate for free
-            parts = [self.table_fn(values[i:i + TABLE_CHUNK]) for i in range(0, len(values), TABLE_CHUNK)]
-            if len(parts) == 1:
-                return parts[0]
-            return [ts for stamps, _ in parts for ts in stamps], pa.concat_tables([t for _, t in parts])
+        if self.table_fn is None or any(b"\n" in v for v in values):
+            return self._rows(values)
+        # a few thousand rows per parse: one parse of 20,000 rows cost three times as much per
+        # row (it no longer fits the CPU caches), and the tables concatenate for free
+        parts = [self._chunk(values[i:i + TABLE_CHUNK]) for i in range(0, len(values), TABLE_CHUNK)]
+        if len(parts) == 1:
+            return parts[0]
+        return [ts for stamps, _ in parts for ts in stamps], pa.concat_tables([t for _, t in parts])
+
+    def _chunk(self, values: list[bytes]) -> tuple[list[float], pa.Table]:
+        """One chunk by ``table_fn``, or by ``row_fn`` where ``table_fn`` refuses it."""
+        assert self.table_fn is not None
+        try:
+            return self.table_fn(values)
+        except Exception:  # (ArrowInvalid, msgspec's errors...: whatever the fast path raises)
+            # The batch reader is stricter than the row path, the reference: it refuses values an
+            # older version stored and the row path takes (1.0 in an int column). Raised, the
+            # archive write would fail on the same queue at every retry, for good; a chunk the
+            # row path refuses too raises the row path's error.
+            log.warning("archive %s: the batch parse refused %d rows; writing them row by row",
+                        self.root.name, len(values), exc_info=True)
+            return self._rows(values)
+
+    def _rows(self, values: list[bytes]) -> tuple[list[float], pa.Table]:
         stamps, items = [], []
         for value in values:
             ts, cols = self.row_fn(value)
@@ -193,10 +213,20 @@ _GEN_COLUMNS = ("generation_id", "group_id", "choice_index", "user_id", "model_n
                 "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")
 _EPISODE_COLUMNS = ("signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted",
                     "rater_id", "resolved_at")
+# Logprobs are read as doubles and rounded to float32 by a cast, as the row path's conversion of
+# Python floats rounds them: Arrow's JSON reader parses the decimal text straight to float32, and
+# for about half of the doubles halfway between two float32s lands one float32 step away.
+_LOGPROBS_JSON = pa.field("logprobs", pa.list_(pa.float64()))
+
+
+def _json_field(name: str) -> pa.Field:
+    return _LOGPROBS_JSON if name == _LOGPROBS_JSON.name else EPISODE_SCHEMA.field(name)
+
+
 # the episode record's shape, typed as the archive columns, for Arrow's JSON reader
 _EPISODE_JSON = pa.schema(
-    [pa.field("generation", pa.struct([EPISODE_SCHEMA.field(n) for n in _GEN_COLUMNS]))]
-    + [EPISODE_SCHEMA.field(n) for n in _EPISODE_COLUMNS])
+    [pa.field("generation", pa.struct([_json_field(n) for n in _GEN_COLUMNS]))]
+    + [_json_field(n) for n in _EPISODE_COLUMNS])
 
 
 def episode_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
@@ -210,5 +240,6 @@ def episode_table(values: list[bytes]) -> tuple[list[float], pa.Table]:
     gen = parsed.column("generation")
     cols = {n: pc.struct_field(gen, n) for n in _GEN_COLUMNS}
     cols.update({n: parsed.column(n) for n in _EPISODE_COLUMNS})
+    cols["logprobs"] = pc.cast(cols["logprobs"], EPISODE_SCHEMA.field("logprobs").type)
     table = pa.table([cols[f.name] for f in EPISODE_SCHEMA], schema=EPISODE_SCHEMA)
     return table.column("resolved_at").to_pylist(), table

@@ -22,11 +22,14 @@ functions at import. A module that cannot be imported stops the stage before it 
 
 A labeler that raises, returns something other than a dict of components, names a component
 with something other than a string (or with a name the guards use, ``length_penalty`` and
-``repetition_penalty``), or gives a component that is not a finite number, fails that episode
-only: the stage dead-letters it as ``labeler_error``, naming the labeler, and goes on. Replay it
-with ``flywheel deadletters replay --reason labeler_error`` once the labeler is fixed. A reward
-model behind a network call should retry transient errors itself: what it raises is final for
-that episode.
+``repetition_penalty``, or with one an earlier labeler gave: each component is one labeler's, so
+none is silently replaced), or gives a component that is not a finite real number (an int or a
+float, numpy's, a one-element tensor...; not a bool, nor a string of digits), fails that episode only: the stage
+dead-letters it as ``labeler_error``, naming the labeler (both, for a name given twice), and goes
+on. Replay it with ``flywheel deadletters replay --reason labeler_error`` once the labeler is
+fixed. A reward model behind a network call should retry transient errors itself: what it raises
+is final for that episode. A labeler named twice in ``reward.labelers`` stops the stage at
+start-up, as an unknown one does: it would give its components twice on every episode.
 """
 
 from __future__ import annotations
@@ -82,16 +85,23 @@ def edit_similarity(completion: str, final: str, max_chars: int | None = None) -
     """1 - Levenshtein distance / the longer length; 1.0 for two empty texts.
 
     Levenshtein costs the product of the lengths, and the user's text is theirs to make long.
-    With ``max_chars``, longer texts are compared on their first ``max_chars`` characters (an
-    approximation), capped by shorter length / longer length: no pair of texts of those lengths
-    scores more, as their distance is at least the difference of the lengths. A 1 MB "edit" of a
-    short completion so scores about 0, as the exact distance would, in milliseconds.
+    With ``max_chars``, longer texts are compared on their first and on their last ``max_chars``
+    characters, and score the smaller of the two similarities, capped by shorter length / longer
+    length: no pair of texts of those lengths scores more, as their distance is at least the
+    difference of the lengths. A 1 MB "edit" of a short completion so scores about 0, as the exact
+    distance would, in milliseconds. The approximation: an edit confined to the middle of two
+    texts longer than ``2 x max_chars`` is not seen, and an edit at one end is measured against
+    its window of ``max_chars`` characters rather than the whole text, so it weighs more than in
+    the exact similarity (10,000 characters rewritten at the end of 30,000 score 0.5 with a
+    window of 20,000, not 2/3).
     """
     longer = max(len(completion), len(final))
     if max_chars is None or longer <= max_chars:
         return float(Levenshtein.normalized_similarity(completion, final))
-    prefix = float(Levenshtein.normalized_similarity(completion[:max_chars], final[:max_chars]))
-    return min(prefix, min(len(completion), len(final)) / longer)
+    head = Levenshtein.normalized_similarity(completion[:max_chars], final[:max_chars])
+    # the tail too: the prefixes alone would score a rewrite of everything past them as no edit
+    tail = Levenshtein.normalized_similarity(completion[-max_chars:], final[-max_chars:])
+    return float(min(head, tail, min(len(completion), len(final)) / longer))
 
 
 def edit_value(similarity: float, cfg: RewardSettings) -> float:
@@ -157,28 +167,19 @@ def load_plugins(modules: tuple[str, ...]) -> None:
 
 
 def build_labeler(cfg: RewardSettings) -> Labeler:
-    """Compose the configured labelers into one; unknown names fail here, at start-up.
+    """Compose the configured labelers into one; unknown or repeated names fail here, at start-up.
 
     The composed labeler raises :class:`LabelerError` for an episode one of them fails on.
     """
     load_plugins(cfg.plugins)
-    parts: list[tuple[str, Labeler]] = []
-    for name in cfg.labelers:
-        kind, _, arg = name.partition(":")
-        if kind == "verifier" and arg in _VERIFIERS:
-            parts.append((name, _verifier_labeler(arg, _VERIFIERS[arg])))
-        elif kind == "reward_model" and arg in _REWARD_MODELS:
-            parts.append((name, _model_labeler(arg, _REWARD_MODELS[arg](cfg))))
-        elif name in _FACTORIES:
-            parts.append((name, _FACTORIES[name](cfg)))
-        else:
-            known = sorted(_FACTORIES) + [f"verifier:{v}" for v in _VERIFIERS] + [
-                f"reward_model:{m}" for m in _REWARD_MODELS]
-            raise SettingsError(f"reward.labelers: unknown labeler {name!r}; known: {', '.join(known)}"
-                                + ("" if cfg.plugins else " (your own register in reward.plugins modules)"))
+    if twice := sorted({name for name in cfg.labelers if cfg.labelers.count(name) > 1}):
+        raise SettingsError(f"reward.labelers: {', '.join(map(repr, twice))} named more than once; "
+                            "each labeler's components count once")
+    parts = [(name, _labeler_named(name, cfg)) for name in cfg.labelers]
 
     def label(ep: EpisodeEvent) -> dict[str, float]:
         out: dict[str, float] = {}
+        given_by: dict[str, str] = {}  # component -> the labeler that gave it
         for name, part in parts:
             try:
                 got = part(ep)
@@ -187,17 +188,9 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
             if not isinstance(got, Mapping):
                 raise LabelerError(name, f"returned {type(got).__name__}, not a dict of components")
             for key, value in got.items():
-                if not _is_component_name(key):
-                    raise LabelerError(name, f"component name {key!r} is not a str that UTF-8 can encode")
-                if key in GUARD_COMPONENTS:
-                    raise LabelerError(name, f"component name {key!r} is the reward guards' own")
-                try:  # plain floats downstream, whatever number type the labeler used (numpy...)
-                    number = float(value)
-                except (TypeError, ValueError, OverflowError):  # (an int past float's range)
-                    number = math.nan
-                if not math.isfinite(number):
-                    raise LabelerError(name, f"component {key!r} is {value!r}, not a finite number")
-                out[key] = number
+                _check_component_name(name, key, given_by)
+                out[key] = _component_value(name, key, value)
+                given_by[key] = name
         # finite parts can still add up to infinity (two of 1e308): JSON writes that reward as
         # null, which the archive and the trainer refuse, so it fails here, on its one episode
         if out and not math.isfinite(total := sum(out.values())):
@@ -205,6 +198,48 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
                                f"components add up to {total}, not a finite reward")
         return out
     return label
+
+
+def _labeler_named(name: str, cfg: RewardSettings) -> Labeler:
+    """The registered labeler ``name`` (``verifier:<v>``, ``reward_model:<m>`` or a labeler's)."""
+    kind, _, arg = name.partition(":")
+    if kind == "verifier" and arg in _VERIFIERS:
+        return _verifier_labeler(arg, _VERIFIERS[arg])
+    if kind == "reward_model" and arg in _REWARD_MODELS:
+        return _model_labeler(arg, _REWARD_MODELS[arg](cfg))
+    if name in _FACTORIES:
+        return _FACTORIES[name](cfg)
+    known = sorted(_FACTORIES) + [f"verifier:{v}" for v in _VERIFIERS] + [
+        f"reward_model:{m}" for m in _REWARD_MODELS]
+    raise SettingsError(f"reward.labelers: unknown labeler {name!r}; known: {', '.join(known)}"
+                        + ("" if cfg.plugins else " (your own register in reward.plugins modules)"))
+
+
+def _check_component_name(labeler: str, key: object, given_by: dict[str, str]) -> None:
+    """Raise :class:`LabelerError` unless ``key`` is a name this labeler may give its component."""
+    if not _is_component_name(key):
+        raise LabelerError(labeler, f"component name {key!r} is not a str that UTF-8 can encode")
+    if key in GUARD_COMPONENTS:
+        raise LabelerError(labeler, f"component name {key!r} is the reward guards' own")
+    if key in given_by:  # kept, one would replace the other, and the reward lose a part unseen
+        raise LabelerError(labeler, f"component {key!r} was given by labeler {given_by[key]!r} already")
+
+
+def _component_value(labeler: str, key: str, value: object) -> float:
+    """``value`` as a plain float (whatever number type the labeler used: numpy's...), or
+    :class:`LabelerError` when it is not a finite real number."""
+    number = math.nan
+    # float() would also take "0.5", b"1" and True: a labeler returning those has a bug (a score
+    # read from text, a flag), and the reward would carry it unseen. Numbers of any type convert
+    # (numpy's, Decimal, a reward model's one-element tensor): each defines __float__.
+    if not isinstance(value, (bool, str, bytes, bytearray)) and hasattr(type(value), "__float__"):
+        try:
+            number = float(value)
+        except Exception:  # noqa: BLE001 - an int past float's range, a tensor of several values...
+            number = math.nan
+    if not math.isfinite(number):
+        raise LabelerError(labeler, f"component {key!r} is {value!r}, not a finite number")
+    return number
 
 
 def _is_component_name(key: object) -> bool:
@@ -221,12 +256,13 @@ def _is_component_name(key: object) -> bool:
 def _verifier_labeler(name: str, fn: Verifier) -> Labeler:
     def label(ep: EpisodeEvent) -> dict[str, float]:
         value = fn(ep)
-        return {} if value is None else {f"verifier_{name}": float(value)}
+        # as given: the composed labeler takes real numbers only, and says which one it refused
+        return {} if value is None else {f"verifier_{name}": value}
     return label
 
 
 def _model_labeler(name: str, model: RewardModel) -> Labeler:
     def label(ep: EpisodeEvent) -> dict[str, float]:
         # the model scores what the policy produced, not the user's rewrite
-        return {f"rm_{name}": float(model.score(ep.generation.prompt_text, ep.generation.completion_text))}
+        return {f"rm_{name}": model.score(ep.generation.prompt_text, ep.generation.completion_text)}
     return label

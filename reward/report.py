@@ -4,6 +4,10 @@ Reads ``<data_dir>/archive/rewards`` (Parquet, partitioned by hour) and prints t
 distribution by model version, by signal and by guard flag, and the users with the most samples
 flagged by the abuse guards (the users who sent the signals, as the guards judged them). Run
 ``flywheel reward report [--archive DIR] [--top N]``.
+
+A generation is counted once, by its last reward: one labeled again (an episode replayed after
+``reward.dedupe_retention_s``, when the stage no longer remembers it) has a row per labeling in
+the archive, and the report sets the earlier ones aside and says how many.
 """
 
 from __future__ import annotations
@@ -93,8 +97,19 @@ def _dist(df: pd.DataFrame, by: str) -> pd.DataFrame:
     ).round(4)
 
 
+def latest_rewards(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per generation: its last reward, by ``labeled_at`` (then ``outbox_seq``, which
+    orders the rows one store wrote), the rows of its earlier labelings set aside."""
+    if df["generation_id"].is_unique:  # the usual archive: no sort to pay for
+        return df
+    order = [c for c in ("labeled_at", "outbox_seq") if c in df]
+    return df.sort_values(order, kind="stable", na_position="first").drop_duplicates("generation_id", keep="last")
+
+
 def summarise(df: pd.DataFrame, top: int = 10) -> dict[str, pd.DataFrame]:
-    """The report's tables, keyed by title (pure: a DataFrame in, DataFrames out)."""
+    """The report's tables, keyed by title (pure: a DataFrame in, DataFrames out), each
+    generation counted once (:func:`latest_rewards`)."""
+    df = latest_rewards(df)
     # a sample's user is whoever sent its signal, as the guards judged it; rows written before
     # rewards carried ``rater_id`` have none: their raters were the generations' users
     rater = df["rater_id"].fillna(df["user_id"]) if "rater_id" in df else df["user_id"]
@@ -129,8 +144,12 @@ def read_rewards(archive: Path) -> pd.DataFrame:
 def report(archive: Path, top: int = 10) -> str:
     if not archive.exists() or not any(archive.glob("hour=*/*.parquet")):
         return f"no reward archive at {archive}"
-    df = read_rewards(archive)
+    every = read_rewards(archive)
+    df = latest_rewards(every)
     parts = [f"{len(df)} rewards in {archive}"]
+    if repeated := len(every) - len(df):
+        parts.append(f"{repeated} repeated rows set aside: generations labeled again (after "
+                     "reward.dedupe_retention_s) count once, by their last reward")
     for title, table in summarise(df, top).items():
         parts.append(f"\n== {title} ==\n{table.to_string() if len(table) else '(none)'}")
     return "\n".join(parts)

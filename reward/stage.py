@@ -8,8 +8,9 @@ settles the outbox by reading the rewards topic back.
 What becomes of each episode:
 
 - undecodable / invalid / wrong key: dead letter with the reason;
-- a labeler failed on it (raised, or gave a component that is not finite): dead letter
-  ``labeler_error`` naming the labeler, not marked labeled, so its replay is labeled;
+- a labeler failed on it (raised, or gave a component that is not finite), or its components
+  and the guards' penalties add up to a reward that is not finite: dead letter
+  ``labeler_error`` naming the labeler(s), not marked labeled, so its replay is labeled;
 - a generation_id already labeled: dropped and counted (``reward_duplicates_total``);
 - timed out (no user signal): counted as ``reward_skipped_total{reason="no_signal"}`` and not
   emitted, unless ``reward.emit_ignored`` (then labeled with ``ignore_value``; of the user
@@ -20,6 +21,7 @@ What becomes of each episode:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -145,9 +147,9 @@ class RewardStage:
         components = self.label(ep)
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
         components.update(extra)  # (labelers may not use these names: reward/labelers.py)
+        reward = self._total(components, extra)  # before the guards count it: failed, it counts nowhere
         verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)
         flags = sample_flags + verdict.flags
-        reward = float(sum(components.values()))
         for flag in flags:
             self._child(self.m.guards, flag).inc()
         if sample_flags:
@@ -157,6 +159,19 @@ class RewardStage:
         self._child(self.m.rewards, ep.signal).inc()
         self._child(self.m.value, ep.signal).observe(reward)
         return reward_bytes(ep, reward, components, verdict.weight, flags, now)
+
+    def _total(self, components: dict[str, float], penalties: dict[str, float]) -> float:
+        """The reward: the sum of the labelers' components and the guards' penalties.
+
+        The labelers' own sum is checked finite (reward/labelers.py), but the penalties come
+        after it: a total past float's range would go on the wire as null, which the rewards
+        archive refuses on every write of its queue. It fails its episode as a labeler does.
+        """
+        reward = float(sum(components.values()))
+        if not math.isfinite(reward):
+            raise LabelerError(" + ".join((*self.cfg.labelers, *penalties)),
+                               f"components add up to {reward}, not a finite reward")
+        return reward
 
     def _judge_rater(self, ep: EpisodeEvent) -> Verdict:
         """Count the episode's signal against whoever sent it, and judge them (reward/guards.py)."""

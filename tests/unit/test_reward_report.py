@@ -113,3 +113,33 @@ def test_the_report_refuses_a_negative_top():
         build_parser().parse_args(["reward", "report", "--top", "-1"])
     assert exc.value.code == 2
     assert build_parser().parse_args(["reward", "report", "--top", "0"]).top == 0
+
+
+def test_a_generation_labeled_again_counts_once_by_its_last_reward(tmp_path):
+    """An episode replayed after ``reward.dedupe_retention_s`` is labeled again: the archive
+    holds both rewards. Counted twice, its user had 3 samples of which 1 flagged (flagged counts
+    generations, samples counted rows), and its signal the stale reward too."""
+    first = reward(1, "b", "accept", 0.75, ("constant_user",)).model_copy(update={"labeled_at": 1.7e9})
+    again = first.model_copy(update={"labeled_at": 1.7e9 + 2 * 86400, "reward": 0.25,
+                                     "components": {"signal": 0.25}})
+    other = reward(2, "b", "reject", -0.25)
+    # the later labeling written first (a lower outbox_seq, as after a store was rebuilt):
+    # the last reward is the last labeled
+    ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write(
+        "e0", [ArchiveRow(i, "rewards", encode(e)) for i, e in enumerate([again, other, first])])
+    tables = summarise(read_rewards(tmp_path))
+    users = tables["top 10 flagged users"]
+    assert (users.loc["b", "flagged"], users.loc["b", "samples"]) == (1, 2)
+    by_signal = tables["reward by signal"]
+    assert (by_signal.loc["accept", "samples"], by_signal.loc["accept", "mean"]) == (1, 0.25)
+    assert tables["reward by guard flag"].loc["constant_user", "samples"] == 1
+    lines = report(tmp_path).splitlines()
+    assert lines[:2] == [f"2 rewards in {tmp_path}",
+                         ("1 repeated rows set aside: generations labeled again (after "
+                          "reward.dedupe_retention_s) count once, by their last reward")]
+
+
+def test_a_report_without_repeats_says_nothing_of_them(tmp_path):
+    ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write(
+        "e0", [ArchiveRow(i, "rewards", encode(reward(i, "a", "accept", 0.75))) for i in range(3)])
+    assert report(tmp_path).splitlines()[:2] == [f"3 rewards in {tmp_path}", ""]

@@ -46,10 +46,14 @@ def test_edit_similarity(a, b, sim):
 
 @pytest.mark.parametrize("a, b, cap, sim", [
     ("kitten", "sitting", 7, 1 - 3 / 7),  # within the cap: exact
-    ("kitten", "sitting", 6, 1 - 2 / 6),  # prefixes "kitten"/"sittin": 2 edits of 6, under the cap 6/7
-    ("abc", "abc" + "z" * 997, 10, 3 / 1000),  # a huge edit of a short text: the length ratio
+    ("kitten", "sitting", 6, 1 - 3 / 6),  # prefixes "kitten"/"sittin" 2 edits of 6, suffixes "itting" 3
+    ("abc", "abc" + "z" * 997, 10, 0.0),  # a huge edit of a short text: its tail window is all new
     ("ab" * 500, "ab" * 500, 10, 1.0),  # long and identical
-    ("ab" * 500, "ab" * 499 + "xy", 10, 1.0),  # differs past the prefixes: an approximation
+    ("ab" * 500, "ab" * 499 + "xy", 10, 1 - 2 / 10),  # differs past the prefixes: the tails see it
+    ("x" * 30, "x" * 20 + "y" * 10, 20, 1 - 10 / 20),  # the tail rewritten: judged on its window
+    ("ab" * 15, "ab" * 10, 20, 20 / 30),  # the tail deleted: the length ratio
+    ("ab" * 15, "y" * 10 + "ab" * 10, 20, 1 - 10 / 20),  # the head rewritten: judged on its window
+    ("ab" * 500, "ab" * 250 + "xy" + "ab" * 249, 10, 1.0),  # differs in the middle only: unseen
 ])
 def test_edit_similarity_of_long_texts_is_bounded(a, b, cap, sim):
     assert edit_similarity(a, b, cap) == pytest.approx(sim)
@@ -127,9 +131,10 @@ def test_components_become_plain_floats_whatever_number_type_a_labeler_returns()
     import numpy as np
 
     name = f"l{uuid.uuid4().hex[:6]}"
-    register_labeler(name)(lambda cfg: lambda ep: {"np32": np.float32(0.5), "np64": np.float64(-1.0), "int": 2})
+    register_labeler(name)(lambda cfg: lambda ep: {"np32": np.float32(0.5), "np64": np.float64(-1.0), "int": 2,
+                                                   "npint": np.int64(3)})
     got = build_labeler(RewardSettings(labelers=(name,)))(episode())
-    assert got == {"np32": 0.5, "np64": -1.0, "int": 2.0} and all(type(v) is float for v in got.values())
+    assert got == {"np32": 0.5, "np64": -1.0, "int": 2.0, "npint": 3.0} and all(type(v) is float for v in got.values())
     bad = f"l{uuid.uuid4().hex[:6]}"
     register_labeler(bad)(lambda cfg: lambda ep: {"x": None})
     with pytest.raises(LabelerError, match="component 'x' is None, not a finite number"):
@@ -140,7 +145,8 @@ def test_components_become_plain_floats_whatever_number_type_a_labeler_returns()
     (lambda ep: 1 / 0, "labeler 'verifier:{}': ZeroDivisionError: division by zero"),
     (lambda ep: float("nan"), "labeler 'verifier:{}': component 'verifier_{}' is nan, not a finite number"),
     (lambda ep: float("-inf"), "labeler 'verifier:{}': component 'verifier_{}' is -inf, not a finite number"),
-    (lambda ep: "high", "labeler 'verifier:{}': ValueError: could not convert string to float: 'high'"),
+    (lambda ep: "high", "labeler 'verifier:{}': component 'verifier_{}' is 'high', not a finite number"),
+    (lambda ep: True, "labeler 'verifier:{}': component 'verifier_{}' is True, not a finite number"),
 ])
 def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
     name = f"v{uuid.uuid4().hex[:6]}"
@@ -159,7 +165,12 @@ def test_a_failing_labeler_fails_the_episode_naming_itself(fn, detail):
     ({None: 0.5}, "component name None is not a str that UTF-8 can encode"),
     ({"score_\ud800": 1.0}, "component name 'score_\\ud800' is not a str that UTF-8 can encode"),
     ({"length_penalty": 0.5}, "component name 'length_penalty' is the reward guards' own"),
-], ids=["none", "list", "huge-int", "tuple-key", "none-key", "surrogate-key", "guard-name"])
+    ({"x": "0.5"}, "component 'x' is '0.5', not a finite number"),  # float() would take these three
+    ({"x": b"1"}, "component 'x' is b'1', not a finite number"),
+    ({"x": True}, "component 'x' is True, not a finite number"),
+    ({"signal": 0.5}, "component 'signal' was given by labeler 'signal' already"),
+], ids=["none", "list", "huge-int", "tuple-key", "none-key", "surrogate-key", "guard-name", "str", "bytes",
+        "bool", "another-labelers-name"])
 def test_a_labelers_output_the_reward_cannot_carry_fails_the_episode(output, detail):
     """Each of these once passed the labeler's checks and crashed the stage on the next step
     (reading the dict, converting the number, encoding the record), batch after batch."""
@@ -168,6 +179,46 @@ def test_a_labelers_output_the_reward_cannot_carry_fails_the_episode(output, det
     with pytest.raises(LabelerError) as exc:
         build_labeler(RewardSettings(labelers=("signal", name)))(episode())
     assert str(exc.value) == f"labeler {name!r}: {detail}"
+
+
+def test_a_labeler_may_score_with_any_type_of_number():
+    """A reward model returns what its framework computes: numpy scalars, a tensor of one value."""
+    from decimal import Decimal
+
+    import numpy as np
+    import torch
+
+    name = f"l{uuid.uuid4().hex[:6]}"
+    register_labeler(name)(lambda cfg: lambda ep: {"a": np.float32(0.5), "b": np.int64(2), "c": Decimal("0.25"),
+                                                   "d": torch.tensor(-1.0)})
+    got = build_labeler(RewardSettings(labelers=(name,)))(episode())
+    assert got == {"a": 0.5, "b": 2.0, "c": 0.25, "d": -1.0} and all(type(v) is float for v in got.values())
+    register_labeler(name + "x")(lambda cfg: lambda ep: {"t": torch.tensor([1.0, 2.0])})
+    with pytest.raises(LabelerError, match="component 't' is tensor"):
+        build_labeler(RewardSettings(labelers=(name + "x",)))(episode())
+
+
+def test_a_component_two_labelers_give_fails_the_episode_naming_both():
+    """Kept, the later one replaced the earlier: a plugin's ``signal`` silently took the place of
+    the user's signal in the reward."""
+    a, b = (f"l{uuid.uuid4().hex[:6]}" for _ in range(2))
+    register_labeler(a)(lambda cfg: lambda ep: {"politeness": 0.5, "score": 1.0})
+    register_labeler(b)(lambda cfg: lambda ep: {"score": 0.25} if ep.signal == "reject" else {})
+    label = build_labeler(RewardSettings(labelers=("signal", a, b)))
+    assert label(episode("accept")) == {"signal": 0.75, "politeness": 0.5, "score": 1.0}
+    with pytest.raises(LabelerError) as exc:
+        label(episode("reject"))
+    assert str(exc.value) == f"labeler {b!r}: component 'score' was given by labeler {a!r} already"
+
+
+def test_a_labeler_named_twice_stops_the_stage_at_start():
+    """Each episode would give its components twice: counted once, the config was not what it
+    said (("signal", "signal") labeled an accept 0.75, not 1.5); failed, every episode would be
+    dead-lettered."""
+    with pytest.raises(SettingsError) as exc:
+        build_labeler(RewardSettings(labelers=("signal", "edit", "signal", "latency", "edit")))
+    assert str(exc.value) == ("reward.labelers: 'edit', 'signal' named more than once; "
+                              "each labeler's components count once")
 
 
 def test_finite_components_that_add_up_to_infinity_fail_the_episode():
@@ -434,6 +485,48 @@ def test_a_labeler_message_that_cannot_be_encoded_still_makes_a_dead_letter(tmp_
     (dead,) = [decode(DeadLetterEvent, r.value) for r in store.pending([0]) if r.topic == "t.deadletter"]
     assert dead.reason == "labeler_error" and dead.detail.endswith("ValueError: cannot score \\ud800 here")
 
+
+
+def test_guard_penalties_that_make_the_reward_infinite_fail_the_episode(tmp_path):
+    """The labelers' sum is checked finite, but the guards' penalties are added after it: past
+    float's range the reward went on the wire as null, and the rewards archive refused its queue
+    at every write, for good. Settings refuse such penalties now (below); a config that skipped
+    their validation (``model_copy``) still fails its one episode, as a labeler error."""
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.contracts import DeadLetterEvent, RewardEvent, Topics, decode
+    from ingest.exactly_once import StateStore
+    from reward.report import reward_table
+    from reward.stage import SCHEMA, RewardStage
+
+    huge = G.model_copy(update={"length_penalty": 1e308, "length_penalty_max": 1e308,
+                                "repetition_penalty": 1e308, "length_target_tokens": 16})
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    registry = CollectorRegistry()
+    stage = RewardStage(huge, Topics("t."), store, registry)
+    with store.txn():  # a long, degenerate completion (both penalties), then a short one
+        stage.process([_record(_by("u", 0, tokens=(5,) * 40), 0), _record(_by("u", 1), 1)], 10.0)
+    out = store.pending([0], limit=100)
+    rewards = [r.value for r in out if r.topic == "t.rewards"]
+    assert [decode(RewardEvent, v).generation_id for v in rewards] == ["g1"]
+    assert reward_table(rewards)[1].column("reward").to_pylist() == [0.75]  # the archive takes it
+    (dead,) = [decode(DeadLetterEvent, r.value) for r in out if r.topic == "t.deadletter"]
+    assert (dead.reason, dead.source_offset) == ("labeler_error", 0)
+    assert dead.detail == ("labeler 'signal + edit + latency + length_penalty + repetition_penalty': "
+                           "components add up to -inf, not a finite reward")
+    # failed before the guards counted it: no flag raised, one sample of its user, not two
+    assert registry.get_sample_value("reward_guard_actions_total", {"flag": "long"}) == 0.0
+    assert store.db.execute("SELECT n, kept FROM user_win WHERE user='u'").fetchall() == [(1, 1)]
+    store.close()
+
+
+@pytest.mark.parametrize("field", ["length_penalty_max", "repetition_penalty"])
+def test_guard_penalties_are_bounded(field):
+    from pydantic import ValidationError
+
+    assert getattr(RewardSettings(**{field: 1e6}), field) == 1e6
+    with pytest.raises(ValidationError, match=f"{field}\n  Input should be less than or equal to 1000000"):
+        RewardSettings(**{field: 1e308})
 
 
 def test_a_bad_episode_is_dead_lettered_by_its_own_shard(tmp_path):

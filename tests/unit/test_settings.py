@@ -77,6 +77,7 @@ def test_a_produce_request_limit_below_the_largest_output_is_refused():
     {"FLYWHEEL_REWARD_ACCEPT_VALUE": "nan"},
     {"FLYWHEEL_REWARD_LATENCY_BONUS": "Infinity"},
     {"FLYWHEEL_REWARD_GUARD_WINDOW_S": "1e-10"},  # window numbers past SQLite's integers
+    {"FLYWHEEL_REWARD_LABELERS": "[]"},  # every reward 0 whatever users did
 ])
 def test_a_setting_that_would_poison_the_arithmetic_is_refused_at_start(env):
     (name,) = env
