@@ -411,7 +411,9 @@ def serve_stage(
     from ingest.claims import ShardClaims
 
     registry = new_registry()
-    ensure_topics(settings.kafka, Topics(settings.topic_prefix).all())
+    if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
+                                    stop, name):
+        return  # stopped before the broker ever answered
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
         held.enter_context(lock_data_dir(settings.data_dir / name, name))
         store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
@@ -446,6 +448,30 @@ def serve_stage(
         log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
                  list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
         runner.run(stop, claims.check)
+
+
+def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str) -> bool:
+    """Run ``call`` (the start's first broker call) until it does not fail on the broker;
+    False if ``stop`` came first.
+
+    A stage started while the broker is down (a cluster restart, a node coming up first) waits
+    for it, saying so once, as a running stage does, instead of exiting to be restarted in a loop.
+    """
+    said = False
+    while not stop.is_set():
+        try:
+            call()
+        except BROKER_ERRORS as exc:
+            if not said:
+                log.warning("%s: the broker does not answer at start (%s: %s); retrying until it does",
+                            name, type(exc).__name__, exc)
+                said = True
+        else:
+            return True
+        end = time.monotonic() + RETRY_PAUSE_S
+        while not stop.is_set() and time.monotonic() < end:
+            time.sleep(0.05)
+    return False
 
 
 def stalled_gauge(stage: str, runner: StreamRunner, registry: CollectorRegistry) -> None:
