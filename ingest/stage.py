@@ -19,6 +19,7 @@ a partition number.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -30,6 +31,7 @@ from flywheel.contracts import (
     MAX_EPISODE_BYTES,
     MAX_FEEDBACK_BYTES,
     MAX_RECORD_BYTES,
+    ContractError,
     FeedbackEvent,
     GenerationEvent,
     Topics,
@@ -94,6 +96,43 @@ class IngestStage:
         self.m = IngestMetrics(registry)
         self._last_prune = 0.0
         _migrate(store, cfg)
+        self._check_stored_rows()
+
+    def _check_stored_rows(self) -> None:
+        """Once per store: decode every open generation and waiting feedback record as arrivals
+        are decoded now, store each generation canonically, dead-letter what fails.
+
+        Versions before the canonical store kept generations as they were sent, and an earlier
+        ``decode`` took what today's refuses (UTF-16 text, a byte-order mark). Such a row would
+        fail the window close that decodes it, or the archive write that parses its episode,
+        after every restart alike; checked here, it fails alone, as a dead letter with its bytes.
+        """
+        db = self.db
+        if db.execute("SELECT 1 FROM meta WHERE k='ingest_rows_checked'").fetchone() is not None:
+            return
+        with self.store.txn():
+            for gid, shard, raw, off in _rows_of(db, "SELECT rowid, gid, shard, raw, off FROM gens"):
+                try:
+                    canonical = encode(decode(GenerationEvent, raw))
+                except ContractError as exc:
+                    self.sink.shard = shard
+                    self.dead.send(exc.reason, f"{exc.detail} (stored by an earlier version)",
+                                   source_topic=self.topics.generations, value=raw, key=gid.encode(),
+                                   partition=shard, offset=off)
+                    db.execute("DELETE FROM gens WHERE gid=?", (gid,))
+                    continue
+                if canonical != raw:
+                    db.execute("UPDATE gens SET raw=? WHERE gid=?", (canonical, gid))
+            for fid, shard, raw, topic, part, off, key in _rows_of(
+                    db, "SELECT rowid, fid, shard, raw, topic, part, off, key FROM fbs"):
+                try:
+                    decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES)
+                except ContractError as exc:
+                    self.sink.shard = shard
+                    self.dead.send(exc.reason, f"{exc.detail} (stored by an earlier version)",
+                                   source_topic=topic, value=raw, key=key, partition=part, offset=off)
+                    db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
+            db.execute("INSERT INTO meta VALUES ('ingest_rows_checked', '1')")
 
     # -- records --------------------------------------------------------------------------
     def process(self, records: list[ConsumerRecord], now: float) -> None:
@@ -383,6 +422,17 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
     db.execute("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
+
+
+def _rows_of(db: Any, select: str, chunk: int = 1000) -> Iterator[tuple]:
+    """The rows of ``select`` (its first column the rowid, left out), read ``chunk`` at a time
+    in rowid order, so that a table of any size is walked in bounded memory and its rows may be
+    changed meanwhile."""
+    after = -(2**63)
+    while rows := db.execute(f"{select} WHERE rowid>? ORDER BY rowid LIMIT ?", (after, chunk)).fetchall():
+        after = rows[-1][0]
+        for row in rows:
+            yield row[1:]
 
 
 def _select_in(db: Any, sql: str, keys: list[str], chunk: int = 500) -> list[tuple]:

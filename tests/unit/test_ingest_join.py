@@ -590,3 +590,53 @@ def test_orphaned_feedback_is_dead_lettered_max_batch_per_turn(tmp_path):
     assert letters == [(4, True), (8, True), (10, False), (10, False)]
     assert {d.reason for d in outputs(store)[1]} == {"orphan_feedback"}
     store.close()
+
+
+def test_join_rows_an_earlier_version_stored_are_checked_once_at_start(tmp_path):
+    """An earlier version stored generations as sent and decoded more leniently (UTF-16 text,
+    1.0 for an integer): a window close or archive write that met such a row failed at every
+    restart. At start each open row is decoded as arrivals are now: a lenient one is stored
+    canonically, one that no longer decodes is dead-lettered with its bytes, once."""
+    import json
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry())
+    lenient = {**json.loads(encode(gen("lenient", 100))), "schema_version": 1.0}  # not how it is written now
+    invalid = {**json.loads(encode(gen("invalid", 100))), "model_version": 1.5}  # refused by decode today
+    utf16 = encode(gen("utf16", 100)).decode().encode("utf-16")
+    feedback16 = encode(fb("f16", "accept", 101).model_copy(update={"generation_id": "lenient"})).decode().encode("utf-16")
+    with store.txn():
+        store.db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at, off) VALUES (?, 0, 110, ?, 111, ?)",
+                             [("lenient", json.dumps(lenient, indent=1).encode(), 5), ("utf16", utf16, 6),
+                              ("invalid", json.dumps(invalid).encode(), 7)])
+        store.db.execute("INSERT INTO fbs VALUES ('f16', 'lenient', 0, 101, 111, ?, ?, 0, 9, ?)",
+                         (feedback16, T.feedback, b"lenient"))
+        store.db.execute("DELETE FROM meta WHERE k='ingest_rows_checked'")  # as a store of that version
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry())
+    eps, dls = outputs(store)
+    assert eps == [] and sorted((d.reason, d.source_topic, d.source_offset) for d in dls) == [
+        ("invalid", T.generations, 7), ("undecodable", T.feedback, 9), ("undecodable", T.generations, 6)]
+    assert {base64.b64decode(d.value_b64) for d in dls} == {utf16, feedback16, json.dumps(invalid).encode()}
+    assert store.db.execute("SELECT raw FROM gens").fetchall() == [(encode(gen("lenient", 100)),)]
+    with store.txn():
+        stage.tick({0}, 200)
+    eps, _ = outputs(store)
+    assert [(e.generation_id, e.generation.model_version, e.signal) for e in eps] == [("lenient", 1, "ignore")]
+    IngestStage(IngestSettings(), T, store, CollectorRegistry())  # checked once: nothing more sent
+    assert len(store.pending([0])) == 4
+    store.close()
+
+
+def test_rows_of_walks_a_table_in_chunks_while_it_changes(tmp_path):
+    from ingest.stage import _rows_of
+
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    with store.txn():
+        store.db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at) VALUES (?, 0, 0, x'00', 0)",
+                             [(f"g{i}",) for i in range(7)])
+        seen = []
+        for (gid,) in _rows_of(store.db, "SELECT rowid, gid FROM gens", chunk=2):
+            seen.append(gid)
+            store.db.execute("DELETE FROM gens WHERE gid=?", (gid,))
+    assert seen == [f"g{i}" for i in range(7)] and store.db.execute("SELECT count(*) FROM gens").fetchone() == (0,)
+    store.close()
