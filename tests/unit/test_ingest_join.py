@@ -640,3 +640,23 @@ def test_rows_of_walks_a_table_in_chunks_while_it_changes(tmp_path):
             store.db.execute("DELETE FROM gens WHERE gid=?", (gid,))
     assert seen == [f"g{i}" for i in range(7)] and store.db.execute("SELECT count(*) FROM gens").fetchone() == (0,)
     store.close()
+
+
+def test_dead_letters_are_counted_by_reason_as_they_are_sent(tmp_path):
+    from collections import Counter
+
+    registry = CollectorRegistry()
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, registry)
+    orphan = FeedbackEvent(feedback_id="o", generation_id="nope", signal="accept", created_at=100, received_at=100)
+    records = [rec(T.generations, "g", encode(gen("g", 100)), 0), rec(T.feedback, "g", encode(fb("late", "reject", 111)), 0),
+               rec(T.feedback, "nope", encode(orphan), 1), rec(T.feedback, "g", b"{oops", 2), rec(T.feedback, "g", b"", 3),
+               rec(T.generations, "other", encode(gen("g2", 100)), 1), rec(T.feedback, "g", b"{oops", 4)]
+    run((stage, store), records, now=101)
+    run((stage, store), [], now=112.5)
+    _, dls = outputs(store)
+    sent = Counter(d.reason for d in dls)
+    assert sent == {"undecodable": 2, "late_feedback": 1, "orphan_feedback": 1, "wrong_key": 1, "empty": 1}
+    counted = {r: registry.get_sample_value("ingest_deadletters_total", {"reason": r}) for r in DEADLETTER_REASONS}
+    assert counted == {r: float(sent.get(r, 0)) for r in DEADLETTER_REASONS}
+    store.close()

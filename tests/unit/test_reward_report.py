@@ -143,3 +143,18 @@ def test_a_report_without_repeats_says_nothing_of_them(tmp_path):
     ParquetArchive(tmp_path, REWARD_SCHEMA, reward_row).write(
         "e0", [ArchiveRow(i, "rewards", encode(reward(i, "a", "accept", 0.75))) for i in range(3)])
     assert report(tmp_path).splitlines()[:2] == [f"3 rewards in {tmp_path}", ""]
+
+
+def test_the_report_command_reads_the_archive_under_the_data_dir(tmp_path, monkeypatch, capsys):
+    """`flywheel reward report` with no --archive reads <data_dir>/archive/rewards, where the
+    stage writes it, and prints the tables."""
+    from flywheel.cli import main as cli_main
+
+    events = [reward(0, "a", "accept", 0.75), reward(1, "b", "reject", -0.25, ("constant_user",))]
+    ParquetArchive(tmp_path / "archive" / "rewards", REWARD_SCHEMA, reward_row, reward_table).write(
+        "e0", [ArchiveRow(i, "rewards", encode(e)) for i, e in enumerate(events)])
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path))
+    assert cli_main(["reward", "report", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"2 rewards in {tmp_path / 'archive' / 'rewards'}")
+    assert "== top 1 flagged users ==" in out and "constant_user" in out

@@ -38,6 +38,21 @@ def test_signal_value_asymmetric_defaults(signal, value):
     assert signal_value(signal, CFG) == value
 
 
+SYMMETRIC = RewardSettings(accept_value=1.0, reject_value=-1.0, ignore_value=-0.1, latency_bonus=0.2,
+                           latency_ref_ms=1000)
+
+
+@pytest.mark.parametrize("ep, components", [
+    (episode("accept", ms=500), {"signal": 1.0, "latency": 0.1}),
+    (episode("reject", ms=0), {"signal": -1.0, "latency": -0.2}),
+    (episode("ignore"), {"signal": -0.1}),
+    (episode("edit", text="abcd", edited="abcx"), {"edit": 0.5}),  # -1 + 2 x 0.75
+])
+def test_configured_values_flow_through_the_composed_labeler(ep, components):
+    """The scheme is the operator's: nothing may assume the default +0.75 / -0.25."""
+    assert build_labeler(SYMMETRIC)(ep) == pytest.approx(components)
+
+
 @pytest.mark.parametrize("a, b, sim", [("abcd", "abcd", 1.0), ("abcd", "abcx", 0.75), ("abcd", "", 0.0),
                                        ("", "", 1.0), ("kitten", "sitting", 1 - 3 / 7)])
 def test_edit_similarity(a, b, sim):
