@@ -569,3 +569,49 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
         store.close()
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=300, timeout_s=10)]
     assert sorted(values) == sorted(f"v{i}".encode() for i in range(300))
+
+
+def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(kafka_settings, topics, tmp_path):
+    """The recovery scan that sets up an assigned shard can fail on the broker: the shard stays
+    paused and is set up again on the next turn, and nothing of it is processed before that."""
+    from kafka import KafkaProducer
+
+    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.metrics import new_registry
+    from ingest.runner import BROKER_ERRORS, StreamRunner
+
+    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(40):
+        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
+    feed.flush()
+    feed.close()
+    store = StateStore(tmp_path / "s.sqlite3")
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    real_recover, failures = outbox.recover, []
+
+    def recover(shards):
+        if not failures:
+            failures.append(set(shards))
+            raise TimeoutError("the broker did not answer the scan in time")
+        return real_recover(shards)
+
+    outbox.recover = recover
+    consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
+    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 10, 50)
+    try:
+        deadline, failed_turns = time.monotonic() + 30, 0
+        while runner.delivered < 40:
+            assert time.monotonic() < deadline, f"delivered {runner.delivered} of 40"
+            try:
+                runner.step()
+            except BROKER_ERRORS:  # as StreamRunner.run does: the turn is retried
+                failed_turns += 1
+                assert runner.records_in == 0  # the failed shard's records wait for its set-up
+        assert failed_turns == 1 and failures and runner.owned == failures[0]
+    finally:
+        consumer.close()
+        outbox.producer.close()
+        store.close()
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)]
+    assert sorted(values) == sorted(f"v{i}".encode() for i in range(40))

@@ -300,3 +300,20 @@ def test_the_rows_owed_are_counted_through_commits_rollbacks_deliveries_and_rest
         again.append(0, "out", None, b"y")
     again.close()
     assert StateStore(tmp_path / "s.sqlite3").owed == 1
+
+
+def test_files_of_an_earlier_store_beside_the_archive_do_not_settle_a_new_stores_queue(tmp_path):
+    """A state store made afresh next to an old archive numbers its rows from 1 again: the old
+    files hold those numbers under another epoch, and must not count as holding the new rows."""
+    from ingest.exactly_once import ArchiveRow, Outbox
+
+    arch = _archive(tmp_path / "arch")
+    arch.write("0ld0ld0ld0ld", [ArchiveRow(seq, "a", b"old%d" % seq) for seq in range(1, 11)])
+    store = StateStore(tmp_path / "s.sqlite3")
+    with store.txn():
+        for i in range(10):
+            store.append(0, "out", None, b"new%d" % i, archive="a")
+    assert arch.archived_seqs(store.epoch, 1, 10) == set()
+    assert Outbox(store, None, "", {"a": arch}).archive(force=True) == 10
+    assert sorted(v for f in arch.files() for v in _values(f)) == sorted(
+        [f"old{s}" for s in range(1, 11)] + [f"new{i}" for i in range(10)])
