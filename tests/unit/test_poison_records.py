@@ -23,8 +23,11 @@ from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
     MAX_EPISODE_BYTES,
+    MAX_FEEDBACK_BYTES,
     MAX_RECORD_BYTES,
+    ContractError,
     DeadLetterEvent,
+    EpisodeEvent,
     FeedbackEvent,
     GenerationEvent,
     RewardEvent,
@@ -36,7 +39,7 @@ from flywheel.contracts import (
 from flywheel.settings import IngestSettings, RewardSettings
 from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
 from ingest.exactly_once import StateStore
-from ingest.join import resolve
+from ingest.join import is_from_future, resolve
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from ingest.stage import IngestStage, episode_bytes
 from reward.report import REWARD_SCHEMA, reward_row, reward_table
@@ -284,6 +287,7 @@ def test_thousands_of_mangled_records_never_fail_a_batch(tmp_path):
         episodes.append((b"e%d" % i, _mutate(valid, rng)))
     p = Pipeline(tmp_path)
     p.run(generations, feedback, episodes)  # raises if any record fails the batch
+    _assert_every_record_accounted_for(p, generations, feedback, episodes)
     reasons = Counter(d.reason for d in p.dead)
     assert reasons["invalid"] > 100 and reasons["undecodable"] > 10, reasons
     assert set(reasons) <= {"undecodable", "invalid", "wrong_kind", "unknown_version", "wrong_key",
@@ -293,3 +297,57 @@ def test_thousands_of_mangled_records_never_fail_a_batch(tmp_path):
     assert {f"g{i}" for i in range(0, 600, 2) if i % 3} <= labeled
     archived = sum(len(pq.read_table(f)) for f in p.rewards.files())
     assert archived == len(p.reward_values)
+
+
+#: The reasons a record is refused at a stage's edge, before any join or labeling.
+EDGE_REASONS = {"empty", "oversized", "undecodable", "wrong_kind", "unknown_version", "invalid", "wrong_key",
+                "clock_skew"}
+
+
+def _edge_verdict(cls, key: bytes, raw: bytes, max_bytes: int = MAX_RECORD_BYTES, skew_field: str | None = None):
+    """What the stage's edge makes of a record: (its reason, None) or (None, the event); the
+    contract's own decode, so only the routing of each verdict is under test."""
+    try:
+        event = decode(cls, raw, max_bytes=max_bytes)
+    except ContractError as exc:
+        return exc.reason, None
+    if key != event.generation_id.encode("utf-8", "surrogatepass"):
+        return "wrong_key", None
+    if skew_field and is_from_future(getattr(event, skew_field), NOW, IngestSettings().max_future_s):
+        return "clock_skew", None
+    return None, event
+
+
+def _assert_every_record_accounted_for(p: Pipeline, generations, feedback, episodes) -> None:
+    """Each input record is refused at the edge exactly when its own verdict says so, with that
+    reason, once; every generation that passes becomes one episode, and every feedback record
+    that passes is folded into one or dead-lettered once."""
+    expected = Counter()
+    passed_gens, passed_fbs = set(), {}
+    for i, raw in enumerate(generations):
+        reason, event = _edge_verdict(GenerationEvent, b"g%d" % i, raw, skew_field="completed_at")
+        if reason:
+            expected[(T.generations, i, reason)] += 1
+        else:
+            passed_gens.add(event.generation_id)
+    for i, raw in enumerate(feedback):
+        reason, event = _edge_verdict(FeedbackEvent, b"g%d" % i, raw, MAX_FEEDBACK_BYTES, "created_at")
+        if reason:
+            expected[(T.feedback, i, reason)] += 1
+        else:
+            passed_fbs[event.feedback_id] = i
+    n_eps = len(p.episode_values)
+    for i, (key, raw) in enumerate(episodes):
+        reason, _ = _edge_verdict(EpisodeEvent, key, raw, MAX_EPISODE_BYTES)
+        if reason:
+            expected[(T.episodes, n_eps + i, reason)] += 1
+    edge = Counter((d.source_topic, d.source_offset, d.reason) for d in p.dead if d.reason in EDGE_REASONS)
+    assert edge == expected
+    eps = [decode(EpisodeEvent, v, max_bytes=MAX_EPISODE_BYTES) for v in p.episode_values]
+    assert sorted(e.generation_id for e in eps) == sorted(passed_gens)
+    folded = [f for e in eps for f in e.feedback_ids]
+    refused = [(d.reason, d.source_offset) for d in p.dead
+               if d.source_topic == T.feedback and d.reason not in EDGE_REASONS]
+    assert {r for r, _ in refused} <= {"late_feedback", "orphan_feedback", "reused_feedback_id"}
+    assert len(folded) == len(set(folded)) and len(refused) == len(set(refused))
+    assert sorted([passed_fbs[f] for f in folded] + [o for _, o in refused]) == sorted(passed_fbs.values())
