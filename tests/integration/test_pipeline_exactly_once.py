@@ -6,6 +6,14 @@ expected outcome is computed here from the documented rules (ingest/join.py, rew
 with an independent edit-distance implementation, then compared with the rewards topic, the
 dead-letter topic and both Parquet archives. The second test runs each stage as a subprocess and
 SIGKILLs them mid-stream several times: the outcome must be the same.
+
+Random kills rarely land on the moments that need recovery, so the crash-point tests make a stage
+kill itself exactly there (tests/integration/crashpoints/sitecustomize.py, loaded through the
+child's PYTHONPATH; no product code is changed): after Kafka acked a batch's sends but before the
+outbox knew, after archive files were renamed but before the queue was cleared, and during the
+recovery scan itself. The restarted stage's log must show that recovery found work, and the
+outcome must still be exact. A flooding user (half of all generations) checks the share cap on
+the real broker: the flooder keeps exactly what reward/guards.py's ``within_cap`` allows.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import base64
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +37,7 @@ import pytest
 from conftest import read_all
 from conftest import stage_env as base_stage_env
 
-from flywheel.bus import make_producer
+from flywheel.bus import DEADLETTER_PREFIX_BYTES, make_producer
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
@@ -39,8 +48,10 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.settings import RewardSettings, load_settings
 from ingest.exactly_once import out_partition
 from ingest.stage import DEADLETTER_REASONS as INGEST_REASONS
+from reward.guards import within_cap
 from reward.stage import DEADLETTER_REASONS as REWARD_REASONS
 
 pytestmark = pytest.mark.integration
@@ -55,6 +66,9 @@ CONSTANT_USER, CONSTANT_MIN = "u-constant", 20
 STALL_S = 8.0
 STALL_AFTER_CHUNK = 3
 REPLAY_GAP_S = 1.0  # feedback behind its generation in a replay: longer than GRACE_S, within WINDOW_S
+#: The flooding user of ``build_dataset(flood=True)``: every other generation, all of them rated.
+#: A share this small never binds in these runs (check_flood asserts it): the cap is the minimum.
+FLOOD_USER, FLOOD_CAP_SHARE = "u-flood", 0.02
 
 
 def levenshtein(a: str, b: str) -> int:
@@ -85,6 +99,7 @@ class Dataset:
     dead: Counter = field(default_factory=Counter)  # reason -> count
     dead_values: set[bytes] = field(default_factory=set)
     constant_gids: list[str] = field(default_factory=list)  # the constant user's rewarded generations
+    flood_gids: list[str] = field(default_factory=list)  # the flooding user's rewarded generations
 
 
 def _generation(gid: str, user: str, t: float, rng: random.Random, repetitive: bool) -> GenerationEvent:
@@ -104,11 +119,17 @@ def _feedback(fid: str, gid: str, signal: str, t: float, user: str, text: str | 
                          decision_ms=1000.0, user_id=user, created_at=t, received_at=t + 0.01)
 
 
-def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Random) -> None:
+def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Random,
+           flood: bool = False) -> None:
     out: list[tuple[str, str | None, bytes]] = []
     for i in range(per_chunk):
         gid = f"g{c:03d}-{i:04d}"
-        user = CONSTANT_USER if i % 25 == 0 else f"u{rng.randrange(40)}"
+        if i % 25 == 0:
+            user = CONSTANT_USER
+        elif flood and i % 2 == 1:
+            user = FLOOD_USER
+        else:
+            user = f"u{rng.randrange(40)}"
         repetitive = i % 40 == 7
         g = _generation(gid, user, t, rng, repetitive)
         ds.generations.add(gid)
@@ -116,14 +137,19 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
         if rng.random() < 0.03:  # the producer retried: the same generation twice
             out.append((topics.generations, gid, encode(g)))
         roll = rng.random()
-        signal = "accept" if user == CONSTANT_USER else (
-            "accept" if roll < 0.4 else "reject" if roll < 0.6 else "edit" if roll < 0.75
-            else "ignore" if roll < 0.8 else None)
+        if user == CONSTANT_USER:
+            signal = "accept"
+        elif user == FLOOD_USER:  # mixed, never missing: every flood generation is rated
+            signal = "accept" if roll < 0.5 else "reject"
+        else:
+            signal = ("accept" if roll < 0.4 else "reject" if roll < 0.6 else "edit" if roll < 0.75
+                      else "ignore" if roll < 0.8 else None)
         fbs: list[FeedbackEvent] = []
         if signal is not None:
             text = g.completion_text[: len(g.completion_text) // 2] + "xy" if signal == "edit" else None
             fbs.append(_feedback(f"f-{gid}", gid, signal, t + rng.uniform(0.01, 0.5), user, text))
-            if signal in ("accept", "reject") and user != CONSTANT_USER and rng.random() < 0.08:
+            if signal in ("accept", "reject") and user not in (CONSTANT_USER, FLOOD_USER) \
+                    and rng.random() < 0.08:
                 other = "reject" if signal == "accept" else "accept"  # a reviewer's later change of mind
                 fbs.append(_feedback(f"f2-{gid}", gid, other, t + 0.9, f"{user}-reviewer"))
         winner = fbs[-1] if fbs else None
@@ -133,6 +159,8 @@ def _chunk(ds: Dataset, topics, c: int, per_chunk: int, t: float, rng: random.Ra
             ds.raters[gid] = winner.user_id
             if user == CONSTANT_USER:
                 ds.constant_gids.append(gid)
+            if user == FLOOD_USER:
+                ds.flood_gids.append(gid)
         for fb in fbs:
             out.append((topics.feedback, gid, encode(fb)))
             if rng.random() < 0.1:  # a duplicate delivery of the same feedback_id
@@ -177,10 +205,13 @@ def _malformed(topics, c: int, t: float) -> list[tuple[str, str, str | None, byt
     ]
 
 
-def build_dataset(topics, chunks: int, per_chunk: int, t0: float, seed: int = 7) -> Dataset:
+def build_dataset(topics, chunks: int, per_chunk: int, t0: float, seed: int = 7,
+                  flood: bool = False) -> Dataset:
+    """``flood``: every other generation (but the constant user's) is ``FLOOD_USER``'s, each rated
+    accept or reject by that user; without it the dataset is the same as it always was."""
     ds, rng = Dataset(), random.Random(seed)
     for c in range(chunks):
-        _chunk(ds, topics, c, per_chunk, t0 + c * 1.0, rng)
+        _chunk(ds, topics, c, per_chunk, t0 + c * 1.0, rng, flood)
     return ds
 
 
@@ -221,8 +252,16 @@ def stage_env(kafka_settings, topics, data_dir: Path) -> dict[str, str]:
     )
 
 
+@dataclass
+class Outcome:
+    """What :func:`check_outcome` read: the rewards topic decoded, and the rewards archive."""
+
+    rewards: list[RewardEvent]
+    rewards_archive: pd.DataFrame
+
+
 def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Path],
-                  reward_shards: list[tuple[int, ...]] | None = None) -> None:
+                  reward_shards: list[tuple[int, ...]] | None = None) -> Outcome:
     """Topics and archives hold exactly the expected records.
 
     ``data_dir``: the stages' data directories (several when they run as shard processes, each
@@ -265,14 +304,75 @@ def check_outcome(kafka_settings, topics, ds: Dataset, data_dir: Path | list[Pat
     # every reason is one its stage declares, so its count was exported at 0 before the first
     declared = {"ingest": INGEST_REASONS, "reward": REWARD_REASONS}
     assert all(d.reason in declared[d.stage] for d in letters)
+    # each letter points at the very record it quotes, on an input of the stage that sent it,
+    # and no record is dead-lettered twice
+    sent = Counter(topic for chunk in ds.chunks for topic, _, _ in chunk)
+    inputs = {(topics.episodes, r.partition, r.offset): r for r in episodes}
+    for topic in (topics.generations, topics.feedback):
+        records = read_all(kafka_settings.bootstrap, topic, expect=sent[topic], timeout_s=30)
+        assert len(records) == sent[topic], topic
+        inputs.update({(topic, r.partition, r.offset): r for r in records})
+    sender = {topics.generations: "ingest", topics.feedback: "ingest", topics.episodes: "reward"}
+    sources = Counter((d.source_topic, d.source_partition, d.source_offset) for d in letters)
+    assert max(sources.values(), default=1) == 1, "a record was dead-lettered twice"
+    for d in letters:
+        where = f"{d.source_topic}[{d.source_partition}]@{d.source_offset}"
+        src = inputs.get((d.source_topic, d.source_partition, d.source_offset))
+        assert src is not None, f"{d.reason} letter points at no input record: {where}"
+        assert d.stage == sender[d.source_topic], where
+        key, value = src.key, src.value or b""
+        if d.truncated:  # quoted in part: the start of each
+            key = key[:DEADLETTER_PREFIX_BYTES] if key is not None else None
+            value = value[:DEADLETTER_PREFIX_BYTES]
+        quoted_key = base64.b64decode(d.key_b64) if d.key_b64 is not None else None
+        assert (quoted_key, base64.b64decode(d.value_b64)) == (key, value), where
 
     # the archives read back the same rows (they follow the topics by up to archive.max_age_s)
     ep_archive = read_archives(data_dirs, "episodes", len(ds.generations))
     assert len(ep_archive) == len(ds.generations) and set(ep_archive["generation_id"]) == ds.generations
     rw_archive = read_archives(data_dirs, "rewards", len(got))
-    assert len(rw_archive) == len(got)
-    by_id = {r.generation_id: r.reward for r in got}
-    assert all(by_id[g] == pytest.approx(v) for g, v in zip(rw_archive["generation_id"], rw_archive["reward"]))
+    assert rw_archive["generation_id"].is_unique, "a reward was archived twice"
+    assert set(rw_archive["generation_id"]) == {r.generation_id for r in got}
+    by_id = {r.generation_id: r for r in got}
+    for gid, sig, reward, weight, flags in zip(rw_archive["generation_id"], rw_archive["signal"],
+                                               rw_archive["reward"], rw_archive["weight"],
+                                               rw_archive["flags"]):
+        r = by_id[gid]
+        assert (sig, weight, tuple(flags)) == (r.signal, r.weight, tuple(r.flags)), gid
+        assert reward == pytest.approx(r.reward), gid
+    return Outcome(got, rw_archive)
+
+
+def check_flood(ds: Dataset, outcome: Outcome, cfg: RewardSettings) -> None:
+    """The flooder of ``build_dataset(flood=True)`` keeps exactly what the share cap allows;
+    every flood reward beyond it, and no other, is ``user_cap`` with weight 0, in the rewards
+    topic and in the archive. ``cfg``: the reward stage's settings (one process, one guard
+    window for the whole run)."""
+    got = outcome.rewards
+    flood = [r for r in got if r.rater_id == FLOOD_USER]
+    assert sorted(r.generation_id for r in flood) == sorted(ds.flood_gids)
+    others = Counter(r.rater_id for r in got if r.rater_id != FLOOD_USER)
+    assert max(others.values()) < cfg.user_cap_min, "another user rates enough to be capped too"
+    # reward/guards.py: a rated sample is kept (not capped) iff within_cap(the rater's kept samples
+    # before it, the window's kept samples before it). Before a flood sample the window has kept
+    # at least the flooder's own kept samples and at most every other reward of the run. The
+    # flooder's count after a sample never falls as either count before it grows (kept: +1 while
+    # within the cap, capped: +0 once at it), so replaying the rule with the smallest and with the
+    # largest window bounds the count the stage reached, in whatever order it judged them.
+    lo = hi = 0
+    for _ in flood:
+        lo += within_cap(lo, lo, cfg)
+        hi += within_cap(hi, len(got) - 1, cfg)
+    # this configuration leaves the rule one answer (the share never binds), and the cap fires
+    assert lo == hi == cfg.user_cap_min < len(flood), (lo, hi, len(flood))
+    kept = [r for r in flood if r.weight > 0]
+    capped = {r.generation_id for r in flood if r.weight == 0}
+    assert len(kept) == lo
+    assert len(capped) == len(flood) - lo
+    assert {r.generation_id for r in got if "user_cap" in r.flags} == capped
+    archived = {g for g, flags in zip(outcome.rewards_archive["generation_id"], outcome.rewards_archive["flags"])
+                if "user_cap" in flags}
+    assert archived == capped
 
 
 def read_archives(data_dirs: list[Path], name: str, expect: int, timeout_s: float = 30.0) -> pd.DataFrame:
@@ -454,3 +554,126 @@ def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker
     finally:
         producer.close()
         stages.stop()
+
+
+def flood_env(kafka_settings, topics, data_dir: Path, ds: Dataset, **extra: str) -> dict[str, str]:
+    """:func:`stage_env` with a share cap for ``ds``'s flooder: a minimum of one more than any
+    other user rates (so the cap catches the flooder alone), and ``FLOOD_CAP_SHARE``."""
+    cap_min = 1 + max(n for user, n in Counter(ds.raters.values()).items() if user != FLOOD_USER)
+    return {**stage_env(kafka_settings, topics, data_dir),
+            "FLYWHEEL_REWARD_USER_CAP_MIN": str(cap_min),
+            "FLYWHEEL_REWARD_USER_CAP_SHARE": str(FLOOD_CAP_SHARE), **extra}
+
+
+@pytest.mark.parametrize("kafka_settings", ["confluent"], indirect=True)
+def test_flooding_user_is_capped(kafka_settings, topics, tmp_path):
+    """A user sends half of a window's generations, rated accept and reject: the reward stage keeps
+    exactly the share cap's worth of them and flags the rest ``user_cap`` at weight 0, in the
+    rewards topic and in the archive; nobody else is capped; everything else is exactly once."""
+    t0 = time.time() + 3.0
+    ds = build_dataset(topics, chunks=4, per_chunk=150, t0=t0, flood=True)
+    env = flood_env(kafka_settings, topics, tmp_path, ds)
+    stages = Stages(env, tmp_path)
+    stages.start("ingest")
+    stages.start("reward")
+    try:
+        produce(kafka_settings, ds, t0)
+        outcome = check_outcome(kafka_settings, topics, ds, tmp_path)
+        check_flood(ds, outcome, load_settings(env=env).reward)
+    finally:
+        stages.stop()
+
+
+#: The test-only crash points (tests/integration/crashpoints/sitecustomize.py).
+CRASHPOINTS = Path(__file__).parent / "crashpoints"
+CRASH_ENV, CRASH_MARK = "FLYWHEEL_TEST_CRASH_AT", "crashpoint: SIGKILL at"
+#: Crash point -> the crashes in a row before a clean start, each ``point`` (the first time the
+#: process gets there) or ``point:N`` (the N-th). ``scan``: the first crash leaves rows to settle,
+#: the second start dies in the middle of settling them.
+CRASH_PLANS = {"mark_delivered": ("mark_delivered",), "archived": ("archived",),
+               "scan": ("mark_delivered", "scan")}
+#: The same later in the stream, with more in flight and more state behind (the soak).
+LATE_CRASH_PLANS = {"mark_delivered": ("mark_delivered:5",), "archived": ("archived:4",),
+                    "scan": ("mark_delivered:5", "scan")}
+RECOVERED = re.compile(r"recovery: (\d+) of (\d+) outbox rows were already delivered")
+REARCHIVED = re.compile(r"archive queue: (\d+) of (\d+) rows were already in the archive files")
+
+
+def run_crash_point(kafka_settings, topics, tmp_path, stage: str, plan: tuple[str, ...], chunks: int,
+                    per_chunk: int) -> None:
+    """Both stages on the flood dataset; ``stage`` SIGKILLs itself at each crash point of ``plan``
+    in turn (restarted at once after each), and finally starts clean. The outcome must be exact,
+    and the clean start must have found the last crash's leftovers: outbox rows Kafka already
+    had, or archive-queue rows the files already held."""
+    t0 = time.time() + 3.0
+    ds = build_dataset(topics, chunks=chunks, per_chunk=per_chunk, t0=t0, flood=True)
+    env = flood_env(kafka_settings, topics, tmp_path, ds, FLYWHEEL_LOG_LEVEL="INFO")  # recovery logs INFO
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(CRASHPOINTS), os.environ.get("PYTHONPATH")) if p)
+    stages = Stages(env, tmp_path)
+    points = [p.partition(":")[0] for p in plan]
+    log = tmp_path / f"{stage}.log"
+    deaths: list[int] = []
+    clean_from: list[int] = []  # where the clean start's part of the log begins
+
+    def start_next() -> None:
+        if len(deaths) < len(plan):
+            stages.add(stage, stage, {CRASH_ENV: plan[len(deaths)]})
+        else:
+            stages.add(stage, stage, {})
+            clean_from.append(log.stat().st_size)
+        stages.start(stage)
+
+    def restart_if_dead(_: int = 0) -> None:
+        proc = stages.procs[stage]
+        if clean_from or proc.poll() is None:
+            return
+        assert proc.returncode == -signal.SIGKILL, \
+            f"{stage} exited with {proc.returncode}, not at a crash point:\n{log.read_text(errors='replace')[-3000:]}"
+        deaths.append(proc.returncode)
+        start_next()
+
+    start_next()
+    stages.start("reward" if stage == "ingest" else "ingest")
+    try:
+        produce(kafka_settings, ds, t0, during=restart_if_dead)
+        deadline = time.monotonic() + 60
+        while not clean_from:
+            assert time.monotonic() < deadline, f"{stage} did not reach its crash points {plan}: died {deaths}"
+            time.sleep(0.1)
+            restart_if_dead()
+        outcome = check_outcome(kafka_settings, topics, ds, tmp_path)
+        check_flood(ds, outcome, load_settings(env=env).reward)
+        # A crash late in the stream leaves the outputs complete (what was acked is in Kafka):
+        # the restart may not have settled its leftovers yet. Its log line says it did.
+        settled = REARCHIVED if points[-1] == "archived" else RECOVERED
+        deadline = time.monotonic() + 30
+        while not settled.search(log.read_text(errors="replace")[clean_from[0]:]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert {name: p.poll() for name, p in stages.procs.items()} == {"ingest": None, "reward": None}
+    finally:
+        stages.stop()
+    text = log.read_text(errors="replace")
+    assert deaths == [-signal.SIGKILL] * len(plan)
+    assert [m.group(1) for m in re.finditer(rf"{CRASH_MARK} (\w+)", text)] == points
+    found = [int(m.group(1)) for m in settled.finditer(text[clean_from[0]:])]
+    assert found and max(found) > 0, f"the restart found nothing the crash left ({settled.pattern}): {found}"
+
+
+@pytest.mark.parametrize("kafka_settings", ["confluent"], indirect=True)
+@pytest.mark.parametrize(("stage", "point"), [("reward", "mark_delivered"), ("ingest", "scan"),
+                                              ("ingest", "archived")])
+def test_pipeline_recovers_at_crash_point(kafka_settings, topics, tmp_path, stage, point):
+    """A stage killed at a moment that needs recovery (acked but unconfirmed sends, archive files
+    renamed but still queued, a recovery scan cut short) restarts into the exact outcome, having
+    found the leftovers. Each point once here (both stages run the same loop); every stage and
+    point with each producer client in the soak."""
+    run_crash_point(kafka_settings, topics, tmp_path, stage, CRASH_PLANS[point], chunks=3, per_chunk=150)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(CRASH_PLANS))
+@pytest.mark.parametrize("stage", ["ingest", "reward"])
+def test_pipeline_recovers_at_crash_point_soak(kafka_settings, topics, tmp_path, stage, point):
+    """The same with more data, later in the stream, with each producer client the outbox supports."""
+    run_crash_point(kafka_settings, topics, tmp_path, stage, LATE_CRASH_PLANS[point], chunks=10, per_chunk=300)

@@ -12,10 +12,11 @@ from conftest import stage_env
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("stage", ["ingest", "reward"])
+@pytest.mark.parametrize("stage", ["ingest", pytest.param("reward", marks=pytest.mark.slow)])
 def test_a_stage_started_while_the_broker_is_down_waits_for_it(broker, kafka_settings, topics, tmp_path, stage):
     """A cluster restart can bring the stages up before the broker: each used to exit with a
-    traceback after its first bootstrap timed out, to be restarted in a loop by its supervisor."""
+    traceback after its first bootstrap timed out, to be restarted in a loop by its supervisor.
+    (Both start through ingest/runner.py's serve_stage: the reward run is in the slow suite.)"""
     log = tmp_path / f"{stage}.log"
     broker.pause()
     try:
