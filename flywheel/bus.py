@@ -407,7 +407,7 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
                 consumer.seek(tp, offset)
         remaining = set(starts)
         # a limit on going nowhere, not on the whole read: a scan of a long partition (a store
-        # with no confirmed point yet starts at 0) takes as long as it takes while records come
+        # from before confirmed points starts at 0) takes as long as it takes while records come
         deadline = time.monotonic() + timeout_s
         while remaining:
             if time.monotonic() > deadline:
