@@ -222,7 +222,8 @@ def test_unknown_or_missing_key_gets_401(serve):
 
 
 def test_rate_limit_gives_429_with_retry_after_per_user(serve):
-    s = serve(rate_limit_burst=2, rate_limit_per_minute=6)
+    # one token a minute: a slow machine must not refill the bucket between the requests below
+    s = serve(rate_limit_burst=2, rate_limit_per_minute=1)
     body = {"model": "flywheel", "prompt": "hi", "max_tokens": 1, "user": "carol"}
     assert [s.post("/v1/completions", body).status_code for _ in range(2)] == [200, 200]
     r = s.post("/v1/completions", body)
