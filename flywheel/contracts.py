@@ -346,6 +346,12 @@ def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES
         event = None
     if event is None or event.schema_version not in SUPPORTED_VERSIONS[event.kind]:
         event = _decode_checked(cls, raw)
+    if (inner := getattr(event, "generation", None)) is not None and \
+            inner.schema_version not in SUPPORTED_VERSIONS[inner.kind]:
+        # an episode carries its generation whole: a consumer that does not know that
+        # generation's version does not know the episode either (replay it after the upgrade)
+        raise ContractError("unknown_version", f"{event.kind}'s {inner.kind} schema_version "
+                                               f"{inner.schema_version!r} not supported")
     if may_hold_surrogates(raw):
         _check_encodable(event)
     return event

@@ -239,3 +239,18 @@ def test_topics_follow_prefix():
     assert t.generations == "x.generations"
     assert t.deadletter == "x.deadletter"
     assert len(set(t.all())) == 7
+
+
+@pytest.mark.parametrize("version, ok", [(1, True), (1.0, True), (2, False), (0, False)])
+def test_an_episode_is_unknown_when_its_generation_is(version, ok):
+    """An episode carries its generation whole: a reward stage that does not know a generation's
+    version must dead-letter its episode (for a replay after the upgrade), not label it."""
+    episode = json.loads(encode(EpisodeEvent(generation=_generation(), signal="accept", resolved_at=3.0)))
+    episode["generation"]["schema_version"] = version
+    raw = json.dumps(episode).encode()
+    if ok:
+        assert decode(EpisodeEvent, raw).generation.schema_version == 1
+    else:
+        with pytest.raises(ContractError) as info:
+            decode(EpisodeEvent, raw)
+        assert info.value.reason == "unknown_version" and "episode's generation schema_version" in info.value.detail
