@@ -296,8 +296,9 @@ class ConfluentOutput:
                 self.producer.poll(0.05)
             except Exception as exc:
                 from confluent_kafka import KafkaError as RdKafkaError
+                from confluent_kafka import KafkaException
 
-                if exc.args and getattr(exc.args[0], "code", lambda: None)() == RdKafkaError.MSG_SIZE_TOO_LARGE:
+                if isinstance(exc, KafkaException) and exc.args[0].code() == RdKafkaError.MSG_SIZE_TOO_LARGE:
                     raise RecordRefused(str(exc)) from exc
                 raise
 

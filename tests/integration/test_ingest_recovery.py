@@ -41,6 +41,17 @@ def fill(store: StateStore, topic: str, n: int) -> None:
             store.append(i % 2, topic, None, f"unkeyed{i}".encode())  # like a dead letter without key
 
 
+def feed_generations(kafka_settings, topics, n: int) -> None:
+    """``n`` records on the generations topic, keyed ``g<i>`` with value ``v<i>``."""
+    from kafka import KafkaProducer
+
+    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(n):
+        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
+    feed.flush()
+    feed.close()
+
+
 def archive(tmp_path) -> ParquetArchive:
     return ParquetArchive(tmp_path / "archive", SCHEMA, lambda v: (0.0, {"v": v.decode()}))
 
@@ -389,17 +400,11 @@ def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_sett
     that turn had polled are read again (its transaction rolled back), so each is relayed once."""
     import threading
 
-    from kafka import KafkaProducer
-
     from flywheel.bus import LagGauge, make_consumer
     from flywheel.metrics import new_registry
     from ingest.runner import StreamRunner
 
-    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(30):
-        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
-    feed.flush()
-    feed.close()
+    feed_generations(kafka_settings, topics, 30)
     stop, made = threading.Event(), {}
 
     def run() -> None:  # SQLite objects belong to the thread that made them: the loop's, here
@@ -531,17 +536,11 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
     """An output that cannot be written must not copy the whole input stream into the state
     store: past ``max_owed`` rows the loop stops reading (the backlog waits in the input topic,
     where lag shows it) and reads on once half are delivered. Every record goes out once."""
-    from kafka import KafkaProducer
-
     from flywheel.bus import LagGauge, make_consumer
     from flywheel.metrics import new_registry
     from ingest.runner import StreamRunner
 
-    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(300):
-        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
-    feed.flush()
-    feed.close()
+    feed_generations(kafka_settings, topics, 300)
     store = StateStore(tmp_path / "s.sqlite3")
     producer = Unwritable(make_output_producer(out_settings, "t"), topics.episodes)
     outbox = Outbox(store, producer, kafka_settings.bootstrap)
@@ -575,17 +574,11 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
 def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(kafka_settings, topics, tmp_path):
     """The recovery scan that sets up an assigned shard can fail on the broker: the shard stays
     paused and is set up again on the next turn, and nothing of it is processed before that."""
-    from kafka import KafkaProducer
-
     from flywheel.bus import LagGauge, make_consumer
     from flywheel.metrics import new_registry
     from ingest.runner import BROKER_ERRORS, StreamRunner
 
-    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(40):
-        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
-    feed.flush()
-    feed.close()
+    feed_generations(kafka_settings, topics, 40)
     store = StateStore(tmp_path / "s.sqlite3")
     outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
     real_recover, failures = outbox.recover, []

@@ -125,21 +125,28 @@ def test_outbox_rows_of_an_older_store_move_to_the_archive_queue(tmp_path):
     assert store.db.execute("SELECT count(*) FROM outbox WHERE archive IS NOT NULL").fetchone()[0] == 0
 
 
-def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
+def _scraped(gauge, stage: str, store: StateStore):
+    """Register ``gauge`` (a stage gauge of ingest/runner.py) for ``store``; returns a scrape."""
     from prometheus_client import generate_latest
 
     from flywheel.metrics import new_registry
+
+    registry = new_registry()
+    gauge(stage, store, registry)
+    return lambda: generate_latest(registry).decode()
+
+
+def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
     from ingest.runner import archive_queue_gauge
 
     store = StateStore(tmp_path / "s.sqlite3")
-    registry = new_registry()
-    archive_queue_gauge("reward", store, registry)
+    scrape = _scraped(archive_queue_gauge, "reward", store)
     with store.txn():
         for i in range(7):
             store.append(0, "out", None, b"x", archive="a" if i < 4 else None)
-    assert "reward_archive_queue_rows 4.0" in generate_latest(registry).decode()
+    assert "reward_archive_queue_rows 4.0" in scrape()
     store.archived(first for first, _ in store.queued_batches(10))
-    assert "reward_archive_queue_rows 0.0" in generate_latest(registry).decode()
+    assert "reward_archive_queue_rows 0.0" in scrape()
 
 
 def test_an_archive_file_is_named_durably_before_it_is_written_off(tmp_path, monkeypatch):
@@ -275,21 +282,17 @@ def test_a_record_the_client_refuses_stays_owed_and_stalled_while_the_rest_flow(
 
 
 def test_the_rows_owed_are_counted_through_commits_rollbacks_deliveries_and_restarts(tmp_path):
-    from prometheus_client import generate_latest
-
-    from flywheel.metrics import new_registry
     from ingest.runner import outbox_gauge
 
     store = StateStore(tmp_path / "s.sqlite3")
-    registry = new_registry()
-    outbox_gauge("ingest", store, registry)
+    scrape = _scraped(outbox_gauge, "ingest", store)
     with store.txn():
         for i in range(9):
             store.append(i % 2, "out", None, b"x")
     with pytest.raises(RuntimeError), store.txn():
         store.append(0, "out", None, b"lost")
         raise RuntimeError("batch failed")
-    assert store.owed == 9 and "ingest_outbox_rows 9.0" in generate_latest(registry).decode()
+    assert store.owed == 9 and "ingest_outbox_rows 9.0" in scrape()
     store.mark_delivered([r.seq for r in store.pending({0})], {})
     assert store.owed == 4
     store.mark_delivered([r.seq for r in store.pending({1})] + [10**6], {})  # an unknown seq deletes nothing
