@@ -7,8 +7,10 @@ real cluster instead. Run it alone with ``flywheel broker``.
 
 Quirks that shape the tests: it holds a group join for half the session timeout (tests use a
 short one); it keeps no offset-commit metadata; it cannot filter aborted transactional records;
-and a group whose members all left at about the same time sometimes never completes a later join,
-so tests give every test its own consumer groups.
+it answers offset requests (``end_offsets``, ``seek_to_end``) with a wrong end, so lag and the
+ends of partitions come from fetch responses' high watermarks (flywheel/bus.py); and a group
+whose members all left at about the same time sometimes never completes a later join, so tests
+give every test its own consumer groups.
 """
 
 from __future__ import annotations

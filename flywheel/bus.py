@@ -35,7 +35,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from flywheel.contracts import (
     DEADLETTER_QUOTE_BYTES,
     DeadLetterEvent,
-    Topics,
     encode,
     now,
 )
@@ -441,7 +440,7 @@ def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id:
 
     A fetch's high watermark, not ``end_offsets``: it is what the brokers report to consumers
     as they read, and the embedded development broker answers offset requests wrongly
-    (BROKER.md). TimeoutError if some partition gives none in ``timeout_s`` (no leader).
+    (flywheel/broker.py). TimeoutError if some partition gives none in ``timeout_s`` (no leader).
     """
     tps = list(tps)
     # One byte per partition and fetch: the answer carries the watermark, the records are not
@@ -583,10 +582,6 @@ def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | No
             log.info("created topics %s", [t.name for t in new])
     finally:
         admin.close()
-
-
-def topics_for(prefix: str) -> Topics:
-    return Topics(prefix)
 
 
 #: How much of the key and of the value a dead letter keeps of a record larger than

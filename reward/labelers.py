@@ -151,7 +151,9 @@ register_verifier("nonempty", _nonempty)
 
 
 class LabelerError(Exception):
-    """A labeler failed on one episode: it raised, or returned a component that is not finite."""
+    """A labeler failed on one episode: it raised, returned something other than a dict of
+    numbers, gave a component that is not finite, a guard's name or a name another labeler
+    gives too; or the components add up to a reward that is not finite."""
 
     def __init__(self, labeler: str, detail: str) -> None:
         super().__init__(f"labeler {labeler!r}: {detail}")

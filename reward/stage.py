@@ -81,6 +81,7 @@ class RewardMetrics:
         self.duplicates = Counter("reward_duplicates_total", "Episodes already labeled", registry=registry)
         self.skipped = Counter("reward_skipped_total", "Episodes not labeled, by reason", ["reason"],
                                registry=registry)
+        self.skipped.labels("no_signal")
 
 
 class RewardStage:

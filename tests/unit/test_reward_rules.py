@@ -578,14 +578,21 @@ def test_every_guard_action_is_counted_by_flag(tmp_path):
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
     registry = CollectorRegistry()
     stage = RewardStage(G, Topics("t."), store, registry)
+    # every series exists from the start, so that rate() sees the first burst of any of them
+    assert registry.get_sample_value("reward_skipped_total", {"reason": "no_signal"}) == 0
+    gaming = [episode(tokens=tuple(range(300))), episode(tokens=(5,) * 20), episode(tokens=(7,) * 400)]
     with store.txn():
-        stage.process(_records(120), 10.0)
+        stage.process(_records(120) + [_record(EpisodeEvent(
+            generation=ep.generation.model_copy(update={"generation_id": f"x{i}", "user_id": f"x{i}"}),
+            signal="accept", resolved_at=2), 120 + i) for i, ep in enumerate(gaming)], 10.0)
     flags = [f for r in store.pending([0], limit=1000) for f in decode(RewardEvent, r.value).flags]
     assert {"user_cap", "rate_anomaly"} <= set(flags)  # the flooding user (every other episode)
+    assert flags.count("long") == 2 and flags.count("repetition") == 2  # the gaming completions
     for flag in ("user_cap", "constant_user", "rate_anomaly", "long", "repetition"):  # unraised: at 0
         assert registry.get_sample_value("reward_guard_actions_total", {"flag": flag}) == flags.count(flag)
+    assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "hacking"}) == 3
     assert registry.get_sample_value("reward_rewards_total", {"signal": "accept"}) + registry.get_sample_value(
-        "reward_rewards_total", {"signal": "reject"}) == 120
+        "reward_rewards_total", {"signal": "reject"}) == 123
     store.close()
 
 
