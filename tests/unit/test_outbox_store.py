@@ -320,3 +320,125 @@ def test_files_of_an_earlier_store_beside_the_archive_do_not_settle_a_new_stores
     assert Outbox(store, None, "", {"a": arch}).archive(force=True) == 10
     assert sorted(v for f in arch.files() for v in _values(f)) == sorted(
         [f"old{s}" for s in range(1, 11)] + [f"new{i}" for i in range(10)])
+
+
+class AckingProducer(ScriptedProducer):
+    """A ScriptedProducer whose flush does what a broker's would: ``on_flush`` reports come back
+    (by default an ack of every send not reported yet), or flush times out (``stalled``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes = 0
+        self.stalled = False
+        self.on_flush: list | None = None
+        self.reported: set[int] = set()
+
+    def send(self, token, topic, partition, key, value, headers) -> None:
+        super().send(token, topic, partition, key, value, headers)
+        self.reported.discard(token)  # a resend is owed its own report
+
+    def reports(self) -> list:
+        out = super().reports()
+        self.reported.update(tok for tok, *_ in out)
+        return out
+
+    def flush(self, timeout_s: float) -> None:
+        self.flushes += 1
+        if self.stalled:
+            raise TimeoutError("records still unacknowledged")
+        if self.on_flush is not None:
+            self.script, self.on_flush = self.script + self.on_flush, None
+        else:
+            self.script += [(tok, topic, part, n, None) for n, (tok, topic, part, _) in enumerate(self.sent)
+                            if tok not in self.reported and tok not in {s[0] for s in self.script}]
+
+
+def _owe(store: StateStore, n: int, shard: int = 0) -> None:
+    with store.txn():
+        for i in range(n):
+            store.append(shard, "out", f"k{i}", b"v%d" % i)
+
+
+def test_a_full_window_of_sends_waits_for_its_acks_and_a_slow_broker_does_not_stop_the_turn(scripted):
+    """``max_in_flight`` sends at once, then the turn waits for acks; a broker slower than the
+    flush timeout leaves them in flight for a later turn (or fails a turn that must wait)."""
+    from ingest.exactly_once import Outbox
+
+    store, producer = scripted, AckingProducer()
+    _owe(store, 5)
+    outbox = Outbox(store, producer, "", max_in_flight=3)
+    assert outbox.deliver({0}) == 3  # the window filled: flushed, acked, taken off the outbox
+    assert producer.flushes == 1 and len(producer.sent) == 3 and store.owed == 2
+    assert outbox.deliver({0}) == 0 and producer.flushes == 1  # 2 in flight, below the window
+    assert outbox.deliver({0}, wait=True) == 2 and store.owed == 0
+
+    _owe(store, 4)
+    producer.stalled = True
+    assert outbox.deliver({0}) == 0  # flush timed out: the turn goes on, the acks come later
+    assert outbox.in_flight == 3 and store.owed == 4
+    with pytest.raises(TimeoutError):
+        outbox.deliver({0}, wait=True)  # a caller that must wait (a rebalance, a stop) is told
+    producer.stalled = False
+    assert outbox.flush() == 3 and outbox.deliver({0}, wait=True) == 1 and store.owed == 0
+    assert [v for *_, v in producer.sent] == [b"v0", b"v1", b"v2", b"v3", b"v4", b"v0", b"v1", b"v2", b"v3"]
+
+
+def test_no_end_offset_for_a_first_send_holds_the_rows_back_until_one_comes(scripted, monkeypatch):
+    """A shard's first send to a partition needs that partition's end first (its confirmed
+    point): while the broker gives none, nothing is sent, the outbox says why and counts as
+    stalled, and the next turn that gets one sends."""
+    from ingest import exactly_once
+    from ingest.exactly_once import Outbox
+
+    store, producer = scripted, AckingProducer()
+    _owe(store, 2)
+
+    def no_answer(bootstrap, tps, **kw):
+        raise TimeoutError("no high watermark in 5s")
+
+    monkeypatch.setattr(exactly_once, "high_watermarks", no_answer)
+    outbox = Outbox(store, producer, "")
+    assert outbox.deliver({0}) == 0 and producer.sent == [] and store.owed == 2
+    assert outbox.blocked.startswith("no end offset for a partition this store has not written yet")
+    time.sleep(0.1)
+    assert outbox.stuck_s() >= 0.1
+    monkeypatch.setattr(exactly_once, "high_watermarks", lambda bootstrap, tps, **kw: {tp: 7 for tp in tps})
+    assert outbox.deliver({0}, wait=True) == 2 and outbox.blocked is None and outbox.stuck_s() == 0.0
+    assert store.out_mark(0, "out", 0) == 7  # the end it was given (acks below it do not move it back)
+    assert len(producer.sent) == 2
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_failed_send_with_others_in_flight_drains_them_and_settles_before_resending(scripted, monkeypatch,
+                                                                                        landed):
+    """A failure while later sends are in flight: the turn waits for those (so the failed row,
+    below them, is read again), then the shard is settled by the recovery scan before anything is
+    resent: a row that landed after all is not sent twice, one that did not is sent again."""
+    from types import SimpleNamespace
+
+    from ingest import exactly_once
+    from ingest.exactly_once import OUTBOX_HEADER, Outbox
+
+    store, producer = scripted, AckingProducer()
+    _owe(store, 3)
+    outbox = Outbox(store, producer, "")
+    outbox.deliver({0})
+    first, second, third = (tok for tok, *_ in producer.sent)
+    producer.script = [(first, "out", 0, -1, TimeoutError("expired"))]
+    producer.on_flush = [(second, "out", 0, 1, None), (third, "out", 0, 2, None)]
+    assert outbox.deliver({0}) == 2 and producer.flushes == 1 and outbox.in_flight == 0
+    assert [r.seq for r in store.pending({0})] == [first]
+
+    scanned = []
+
+    def read_to_end(bootstrap, starts, **kw):
+        scanned.append(dict(starts))
+        if landed:
+            yield next(iter(starts)), SimpleNamespace(headers=[(OUTBOX_HEADER, store.outbox_id(first).encode())])
+
+    monkeypatch.setattr(exactly_once, "read_to_end", read_to_end)
+    sent = len(producer.sent)
+    outbox.deliver({0}, wait=True)
+    assert len(scanned) == 1  # settled once, from the confirmed point the failure froze
+    assert [tok for tok, *_ in producer.sent[sent:]] == ([] if landed else [first])
+    assert store.owed == 0
