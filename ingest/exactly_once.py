@@ -9,7 +9,8 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
 1. **Process** - in ONE SQLite transaction (WAL, ``synchronous=FULL``): apply the batch to the
    stage's state tables, append every record the batch produces (outputs and dead letters) to the
    ``outbox`` with a fresh sequence number, queue the records bound for a Parquet archive in
-   ``archive_queue`` under the same numbers (one entry per batch), and store the input offsets
+   ``archive_queue`` under the same numbers (one entry per batch, or per 64 MiB of a larger one),
+   and store the input offsets
    (``next offset`` per input topic-partition). Either all of it is durable or none of it.
 2. **Deliver** - send every outbox row with a header ``flywheel-outbox: <epoch>:<seq>`` to an
    explicitly computed partition (the default key partitioner for keyed records, so shard ``p``'s
@@ -33,7 +34,8 @@ The protocol, per consumed batch (one *shard* = one input partition number; reco
 
 **Where a restart resumes.** When a partition is (re)assigned, the consumer seeks to the offsets in
 the store (the end of the last committed transaction), never to the group's committed offsets
-(used only when the store has none, i.e. a fresh store). Before delivering anything new for that
+(those give a partition the store never read its start, which is stored before any of its records
+is read: StreamRunner._store_starts). Before delivering anything new for that
 shard, :meth:`Outbox.recover` settles the undelivered outbox rows: it reads every output partition
 they could have gone to from its confirmed point to the high watermark, collects the outbox
 headers found there, and deletes the rows already delivered. The rest is delivered normally. A
@@ -98,8 +100,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     -- written by stores before archive_queue existed; start-up moves such rows to the queue
     archive TEXT, archived INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard);
--- one entry per processed batch: its archive rows, msgpack [[seq, archive, value], ...]. A
--- row per record cost three times as much to insert, read back and delete.
+-- one entry per processed batch (per QUEUE_ENTRY_BYTES of a larger one): its archive rows,
+-- msgpack [[seq, archive, value], ...]. A row per record cost three times as much to insert, read back and delete.
 CREATE TABLE IF NOT EXISTS archive_queue (
     first INTEGER PRIMARY KEY, last INTEGER NOT NULL, rows INTEGER NOT NULL, data BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS shard_marks (

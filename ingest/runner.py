@@ -217,9 +217,10 @@ class StreamRunner(ConsumerRebalanceListener):
         if not assigned:
             return
         stored = self.store.offsets()
+        if new := {tp: (tp.topic, tp.partition) for tp in assigned if (tp.topic, tp.partition) not in stored}:
+            stored.update(self._store_starts(new))
         for tp in assigned:
-            if (tp.topic, tp.partition) in stored:
-                self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
+            self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
         shards = {tp.partition for tp in assigned}
         self.outbox.recover(shards)
         self.outbox.deliver(shards)
@@ -227,6 +228,29 @@ class StreamRunner(ConsumerRebalanceListener):
         self.consumer.resume(*assigned)
         log.info("assigned shards %s; resuming at %s", sorted(shards),
                  {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
+
+    def _store_starts(self, new: dict[TopicPartition, tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """Where this store starts partitions it never read: the group's committed offset (a
+        store replacing a lost one goes on where it left off), else ``auto_offset_reset``;
+        stored before any of their records is read.
+
+        From then on only this store moves them. Left to the group, a partition that moved away
+        before the store read a record of it (a rebalance soon after a start, or while its first
+        records were on their way) came back at whatever offset the group held then, and any
+        other member of the group (an operator's consumer under the stage's group id) could
+        have committed past records this store never saw.
+        """
+        starts: dict[tuple[str, int], int] = {}
+        for tp, key in new.items():
+            offset = self.consumer.position(tp, timeout_ms=10_000)
+            if offset is None:
+                raise TimeoutError(f"no start offset for {tp.topic}[{tp.partition}]: the broker does not answer")
+            starts[key] = offset
+        with self.store.txn():
+            self.store.set_offsets(starts)
+        log.info("first read of %s: starting at %s", sorted(f"{t}[{p}]" for t, p in starts),
+                 {f"{t}[{p}]": n for (t, p), n in starts.items()})
+        return starts
 
     # -- loop -----------------------------------------------------------------------------
     def caught_up(self) -> set[int]:

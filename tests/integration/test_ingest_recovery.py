@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
 from conftest import read_all
+from kafka import TopicPartition
 from kafka.errors import MessageSizeTooLargeError
 
 from flywheel.bus import make_output_producer
@@ -576,7 +577,7 @@ def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(ka
     paused and is set up again on the next turn, and nothing of it is processed before that."""
     from flywheel.bus import LagGauge, make_consumer
     from flywheel.metrics import new_registry
-    from ingest.runner import BROKER_ERRORS, StreamRunner
+    from ingest.runner import StreamRunner
 
     feed_generations(kafka_settings, topics, 40)
     store = StateStore(tmp_path / "s.sqlite3")
@@ -593,19 +594,115 @@ def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(ka
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
     runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
+    def failed_turn(exc: BaseException) -> None:
+        assert runner.records_in == 0  # the failed shard's records wait for its set-up
+
     try:
-        deadline, failed_turns = time.monotonic() + 30, 0
-        while runner.delivered < 40:
-            assert time.monotonic() < deadline, f"delivered {runner.delivered} of 40"
-            try:
-                runner.step()
-            except BROKER_ERRORS:  # as StreamRunner.run does: the turn is retried
-                failed_turns += 1
-                assert runner.records_in == 0  # the failed shard's records wait for its set-up
-        assert failed_turns == 1 and failures and runner.owned == failures[0]
+        assert deliver_retrying(runner, 40, failed_turn) == 1 and failures and runner.owned == failures[0]
     finally:
         consumer.close()
         outbox.producer.close()
         store.close()
-    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=10)]
-    assert sorted(values) == sorted(f"v{i}".encode() for i in range(40))
+    assert_relayed(kafka_settings, topics, 40)
+
+
+def deliver_retrying(runner, n: int, failed_turn) -> int:
+    """Turn ``runner`` until it delivered ``n`` records, retrying a turn that fails on the broker
+    as StreamRunner.run does (``failed_turn(exc)`` checks each); returns how many failed."""
+    from ingest.runner import BROKER_ERRORS
+
+    deadline, failed = time.monotonic() + 30, 0
+    while runner.delivered < n:
+        assert time.monotonic() < deadline, f"delivered {runner.delivered} of {n}"
+        try:
+            runner.step()
+        except BROKER_ERRORS as exc:
+            failed += 1
+            failed_turn(exc)
+    return failed
+
+
+def assert_relayed(kafka_settings, topics, n: int) -> None:
+    """The episodes topic holds each of the ``n`` fed generations' values once."""
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=n, timeout_s=10)]
+    assert sorted(values) == sorted(f"v{i}".encode() for i in range(n))
+
+
+def test_a_partition_whose_start_cannot_be_read_is_set_up_again_on_the_next_turn(kafka_settings, topics, tmp_path):
+    """A partition the store never read gets its start stored before any of its records is read;
+    when the broker gives no start in time, the turn fails (retried by the loop) with nothing
+    stored or read, and the next turn sets the partition up."""
+    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.metrics import new_registry
+    from ingest.runner import StreamRunner
+
+    feed_generations(kafka_settings, topics, 40)
+    store = StateStore(tmp_path / "s.sqlite3")
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
+    real_position, asked = consumer.position, []
+
+    def position(tp, timeout_ms=None):
+        asked.append(tp)
+        return None if len(asked) == 1 else real_position(tp, timeout_ms=timeout_ms)  # (as on its timeout)
+
+    consumer.position = position
+    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 10, 50)
+    def failed_turn(exc: BaseException) -> None:
+        assert "no start offset" in str(exc)
+        assert runner.records_in == 0 and store.offsets() == {} and not runner.owned
+
+    try:
+        assert deliver_retrying(runner, 40, failed_turn) == 1
+        assert len(asked) >= 3  # asked again for the first, then the other
+        assert sum(store.offsets().values()) == 40
+    finally:
+        consumer.close()
+        outbox.producer.close()
+        store.close()
+    assert_relayed(kafka_settings, topics, 40)
+
+
+def test_a_store_made_afresh_starts_where_the_group_committed(kafka_settings, topics, tmp_path):
+    """A data_dir lost with its disk: the new store starts each partition at the offsets the lost
+    one committed to the group (nothing it delivered is sent again), stores those starts, and
+    goes on from there."""
+    from kafka import KafkaProducer
+
+    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.metrics import new_registry
+    from ingest.runner import StreamRunner
+
+    group = f"{topics.prefix}relay"
+    parts = [TopicPartition(topics.generations, p) for p in (0, 1)]
+
+    def run(store: StateStore, delivered: int) -> dict[tuple[str, int], int]:
+        outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+        consumer = make_consumer(kafka_settings, "t", group)
+        runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                              LagGauge("ingest", new_registry()), 10, 50)
+        try:
+            deadline = time.monotonic() + 30
+            while runner.delivered < delivered or any(
+                    consumer.committed(tp) != store.offsets().get((tp.topic, tp.partition)) for tp in parts):
+                assert time.monotonic() < deadline, f"delivered {runner.delivered} of {delivered}"
+                runner.step()
+            return store.offsets()
+        finally:
+            consumer.close()
+            outbox.producer.close()
+            store.close()
+
+    feed_generations(kafka_settings, topics, 40)
+    committed = run(StateStore(tmp_path / "lost" / "s.sqlite3"), 40)
+    assert sum(committed.values()) == 40
+    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(20):
+        feed.send(topics.generations, key=f"h{i}".encode(), value=f"w{i}".encode())
+    feed.flush()
+    feed.close()
+    fresh = StateStore(tmp_path / "new" / "s.sqlite3")
+    assert sum(run(fresh, 20).values()) == 60
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=60, timeout_s=10)]
+    assert sorted(values) == sorted([f"v{i}".encode() for i in range(40)] + [f"w{i}".encode() for i in range(20)])

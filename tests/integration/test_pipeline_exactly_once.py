@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 import random
 import re
@@ -408,6 +409,70 @@ def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):
         stop.set()
         for th in threads:
             th.join(timeout=30)
+
+
+# The producer client plays no part in a rebalance: the second one runs in the slow suite.
+@pytest.mark.parametrize("kafka_settings", ["confluent", pytest.param("kafka-python", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_pipeline_survives_a_foreign_member_of_its_consumer_groups(kafka_settings, topics, tmp_path, caplog):
+    """Another consumer joins each stage's consumer group mid-stream (an operator's console
+    consumer under the stage's group id, say), takes a partition of every input away, reads it and
+    commits offsets there, then leaves. The stages lose the shard (settling what is in flight
+    first), drop the batch a rebalance interrupted, get the shard back, resume from their stored
+    offsets (not the group's) and recover its outbox: still exactly once."""
+    from kafka.coordinator.assignors.range import RangePartitionAssignor
+
+    from flywheel.bus import make_consumer
+    from flywheel.settings import load_settings
+    from ingest.main import run as run_ingest
+    from reward.main import run as run_reward
+
+    caplog.set_level(logging.INFO, logger="ingest.runner")
+    settings = load_settings(env=stage_env(kafka_settings, topics, tmp_path))
+    t0 = time.time() + 3.0
+    ds = build_dataset(topics, chunks=8, per_chunk=200, t0=t0)
+    stop, leave = threading.Event(), threading.Event()
+    threads = [threading.Thread(target=fn, args=(settings, None, stop), daemon=True)
+               for fn in (run_ingest, run_reward)]
+    read: Counter = Counter()
+
+    def intruder(group: str, inputs: list[str]) -> None:
+        consumer = make_consumer(kafka_settings, "intruder", group, inputs, enable_auto_commit=True,
+                                 auto_commit_interval_ms=100,
+                                 partition_assignment_strategy=[RangePartitionAssignor])
+        try:
+            while not leave.is_set():
+                read[group] += sum(len(r) for r in consumer.poll(timeout_ms=100).values())
+        finally:
+            consumer.close()  # commits where it read to: the stage must not resume from there
+
+    intruders = [threading.Thread(target=intruder, args=args, daemon=True) for args in (
+        (settings.ingest.group_id, [topics.generations, topics.feedback]),
+        (settings.reward.group_id, [topics.episodes]))]
+
+    def chaos(c: int) -> None:
+        if c == 1:
+            for th in intruders:
+                th.start()
+        elif c == 5:
+            leave.set()
+            for th in intruders:
+                th.join(timeout=30)
+
+    for th in threads:
+        th.start()
+    try:
+        produce(kafka_settings, ds, t0, during=chaos)
+        check_outcome(kafka_settings, topics, ds, tmp_path)
+    finally:
+        leave.set()
+        stop.set()
+        for th in threads:
+            th.join(timeout=30)
+    # each intruder did hold a partition and read records there
+    assert read[settings.ingest.group_id] > 0 and read[settings.reward.group_id] > 0, read
+    settled = [r.getMessage() for r in caplog.records if r.getMessage().startswith("assigned shards")]
+    assert any(m.startswith(("assigned shards [0];", "assigned shards [1];")) for m in settled), settled
 
 
 class Stages:
