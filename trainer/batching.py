@@ -175,6 +175,26 @@ class OffsetBook:
             self.settle(topic, partition, gap)
         self.last[key] = max(last, offset)
 
+    def start(self, topic: str, partition: int, offset: int) -> None:
+        """This process reads a partition that has no floor yet from ``offset`` on (recorded
+        before any record of it arrives). A partition the group takes away and later gives back
+        then resumes here, not at an offset another member committed meanwhile."""
+        self.floors.setdefault((topic, partition), offset)
+
+    def taken(self, topic: str, partition: int, offset: int) -> bool:
+        """Whether this process already took in the record at ``offset``: it is settled or waits
+        in the batcher, so reading it again (after a rebalance) must change nothing."""
+        last = self.last.get((topic, partition))
+        return last is not None and offset <= last
+
+    def resume_at(self, topic: str, partition: int) -> int | None:
+        """Where this process reads a partition on: after the last record it took in, else the
+        floor (a restart's, from a version); None for a partition it knows nothing of."""
+        key = (topic, partition)
+        if key in self.last:
+            return self.last[key] + 1
+        return self.floors.get(key)
+
     def settle(self, topic: str, partition: int, offset: int) -> None:
         key = (topic, partition)
         floor = self.floors.get(key, 0)

@@ -10,7 +10,8 @@ data offsets whose effect it contains (:class:`~trainer.batching.OffsetBook`), a
 durable by an atomic rename. A restart loads the newest version's DeepSpeed checkpoint and seeks
 every partition to its stored floor, skipping offsets listed as already settled above it. Work
 done after the last durable version died with the process, so training it again is its first
-effect. Group commits happen after a version is durable and serve lag monitoring only.
+effect. Group commits happen after a version is durable and serve lag monitoring only, and a
+rebalance never moves a partition back to them (:class:`_Seek`).
 
 A broker that does not answer stops nothing but the data: the loop trains what it has fetched,
 and a version that settles offsets of dead-lettered records is committed only once Kafka has
@@ -76,19 +77,35 @@ class Ledger:
 
 
 class _Seek(ConsumerRebalanceListener):
-    """On assignment, resume each partition at the floor stored in the latest durable version."""
+    """On assignment, position each partition where the trainer's own book says, never where the
+    group's committed offset does.
+
+    At the start that is the floor of the latest durable version. A rebalance while the trainer
+    runs (its session evicted after a long step, another consumer with its group id joining or
+    leaving) takes partitions away and gives them back: they resume after the last record this
+    process took in, since everything up to it is settled or waits in the batcher (and
+    :meth:`Trainer._intake` ignores such a record if it comes again). A partition with neither
+    is positioned by the group (its committed offset, else the earliest); :meth:`Trainer._poll`
+    records that start as its floor before the partition can be taken away, for another member
+    may read and commit past records there that this trainer still has to train.
+
+    kafka-python calls these from inside ``poll`` on its I/O thread while the loop waits in it:
+    they only seek (no network) and note what the loop must do after ``poll`` returns.
+    """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
     def on_partitions_revoked(self, revoked: Any) -> None:
-        return
+        self.trainer.unstarted.difference_update(revoked)
 
     def on_partitions_assigned(self, assigned: Any) -> None:
         for tp in assigned:
-            floor = self.trainer.book.floors.get((tp.topic, tp.partition))
-            if floor is not None:
-                self.trainer.consumer.seek(tp, floor)
+            at = self.trainer.book.resume_at(tp.topic, tp.partition)
+            if at is not None:
+                self.trainer.consumer.seek(tp, at)
+            else:
+                self.trainer.unstarted.add(tp)
 
 
 class Trainer:
@@ -119,6 +136,8 @@ class Trainer:
         self.step = 0
         self.samples = 0
         self.seen_ids: set[str] = set()
+        # assigned partitions the book has no floor for yet: their start is recorded after a poll (_Seek)
+        self.unstarted: set[TopicPartition] = set()
         self.last_publish = time.monotonic()
         self.last_stats: dict[str, float] = {}
         self.stop_event = threading.Event()
@@ -259,10 +278,28 @@ class Trainer:
         for records in polled.values():
             for rec in records:
                 self._intake(rec)
+        if self.unstarted:
+            self._record_starts()
         if self.lag is not None:
             self.lag.update(self.consumer)
 
+    def _record_starts(self) -> None:
+        """The floor of each newly assigned partition the book knew nothing of: where the consumer
+        starts it (see :class:`_Seek`). Its first record read sets the floor too; else its position
+        once the consumer has resolved it, asked without waiting (a later turn asks again)."""
+        for tp in list(self.unstarted):
+            if (tp.topic, tp.partition) not in self.book.floors:
+                at = self.consumer.position(tp, timeout_ms=0)
+                if at is None:
+                    continue
+                self.book.start(tp.topic, tp.partition, at)
+            self.unstarted.discard(tp)
+
     def _intake(self, rec: Any) -> None:
+        if self.book.taken(rec.topic, rec.partition, rec.offset):
+            # read again after a rebalance: settled already, or waiting in the batcher untrained
+            # (not a duplicate: dropping it would settle an offset whose sample is not trained)
+            return
         self.book.seen(rec.topic, rec.partition, rec.offset)
         if self.book.is_settled(rec.topic, rec.partition, rec.offset):
             return  # its effect is already in a durable version

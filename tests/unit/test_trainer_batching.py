@@ -109,3 +109,27 @@ def test_offset_gaps_do_not_pin_the_floor():
     book.seen("t", 1, 13)  # 11 and 12 hold no records (e.g. transaction markers)
     book.settle("t", 1, 13)
     assert book.floors[("t", 1)] == 14
+
+
+def test_a_rebalance_resumes_after_what_this_process_took_in():
+    book = OffsetBook.from_json({"t": {"0": {"floor": 3, "settled_above": [5]}}})
+    assert book.resume_at("t", 0) == 3  # a restart: the version's floor
+    assert book.resume_at("t", 1) is None  # no floor: the group positions it
+    for o in (3, 4, 6):
+        book.seen("t", 0, o)
+    book.settle("t", 0, 4)  # 3 and 6 wait in the batcher
+    assert book.resume_at("t", 0) == 7
+    assert [book.taken("t", 0, o) for o in (2, 3, 6, 7)] == [True, True, True, False]
+    assert not book.taken("t", 1, 0)
+    assert OffsetBook.from_json(book.to_json()).resume_at("t", 0) == 3  # a restart reads 3 and 6 again
+
+
+def test_a_started_partition_keeps_its_start_as_floor():
+    book = OffsetBook()
+    book.start("t", 1, 8)  # assigned, nothing read yet
+    assert book.resume_at("t", 1) == 8 and book.to_json() == {"t": {"1": {"floor": 8, "settled_above": []}}}
+    book.seen("t", 1, 10)  # 8 and 9 hold no records
+    book.settle("t", 1, 10)
+    assert book.floors[("t", 1)] == 11
+    book.start("t", 1, 20)  # a floor is never moved by a later start
+    assert book.floors[("t", 1)] == 11
