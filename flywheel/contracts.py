@@ -346,7 +346,9 @@ def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES
         event = None
     if event is None or event.schema_version not in SUPPORTED_VERSIONS[event.kind]:
         event = _decode_checked(cls, raw)
-    if (inner := getattr(event, "generation", None)) is not None and \
+    # (looked up in __dict__: on a model without the field, getattr goes through pydantic's
+    # __getattr__ and an AttributeError, about 2.7 us, more than validating a feedback record)
+    if (inner := event.__dict__.get("generation")) is not None and \
             inner.schema_version not in SUPPORTED_VERSIONS[inner.kind]:
         # an episode carries its generation whole: a consumer that does not know that
         # generation's version does not know the episode either (replay it after the upgrade)
@@ -360,7 +362,7 @@ def decode(cls: type[E], raw: bytes | None, *, max_bytes: int = MAX_RECORD_BYTES
 def may_hold_surrogates(raw: bytes) -> bool:
     """Whether JSON text has a ``\\udXXX`` escape: only then can a parsed string hold a lone
     surrogate, so the (costlier) check of the parsed value can be skipped for the rest."""
-    return b"\\ud" in raw or b"\\uD" in raw
+    return b"\\u" in raw and (b"\\ud" in raw or b"\\uD" in raw)  # (one scan when there is no escape)
 
 
 def _check_encodable(event: _Event) -> None:
