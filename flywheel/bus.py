@@ -360,6 +360,7 @@ def make_consumer(
         "auto_offset_reset": "earliest",
         "session_timeout_ms": cfg.session_timeout_ms,
         "heartbeat_interval_ms": cfg.heartbeat_interval_ms,
+        "max_poll_interval_ms": cfg.max_poll_interval_ms,
         "max_partition_fetch_bytes": cfg.max_request_bytes,
         "fetch_max_bytes": max(cfg.max_request_bytes, 50 * 1024 * 1024),
     }
@@ -369,6 +370,23 @@ def make_consumer(
     if topics:
         consumer.subscribe(topics)
     return consumer
+
+
+#: The id a broker gives when it has none for a topic (before Kafka 2.8, some compatible brokers).
+NO_TOPIC_ID = "00000000-0000-0000-0000-000000000000"
+
+
+def topic_ids(bootstrap: str, topics: Iterable[str], *, client_id: str) -> dict[str, str]:
+    """Each topic's id: a UUID the broker gives a topic when it is created, so a topic deleted and
+    created again under the same name has another. Topics that do not exist, or that the broker
+    gives no id, are left out (whoever asks then cannot tell, and goes on as before)."""
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id=client_id)
+    try:
+        described = admin.describe_topics(sorted(set(topics)))
+    finally:
+        admin.close()
+    return {d["name"]: d["topic_id"] for d in described
+            if not d.get("error_code") and d.get("topic_id") not in (None, "", NO_TOPIC_ID)}
 
 
 def partitions_of(consumer: KafkaConsumer, topic: str, timeout_s: float = 30.0) -> set[int]:

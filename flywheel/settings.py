@@ -50,6 +50,11 @@ class KafkaSettings(_Section):
     and the demo use ~2000 for fast rebalances; production clusters keep 10-45 s."""
     heartbeat_interval_ms: int = Field(default=3_000, ge=100)
     """Consumer heartbeat; must be well under ``session_timeout_ms``."""
+    max_poll_interval_ms: int = Field(default=300_000, ge=1_000)
+    """Longest a consumer may go between polls (one loop turn of a stage or the trainer) before it
+    leaves its group. It rejoins on its next turn: one rebalance per turn that takes longer,
+    nothing lost or doubled, but partitions pause meanwhile. Size ``reward.max_batch`` so that
+    turns stay well under it."""
     partitions: int = Field(default=4, ge=1)
     """Partitions for topics Flywheel creates itself (existing topics are left as they are)."""
     replication_factor: int = Field(default=1, ge=1)
@@ -299,7 +304,8 @@ class RewardSettings(_Section):
     """How long labeled generation ids are remembered: an episode seen again within it (an
     upstream duplicate, a repeated replay) is dropped, later it would be labeled again."""
     guard_window_s: float = Field(default=3600.0, ge=1)
-    """Tumbling window (by generation time) for per-user share and rate guards."""
+    """Tumbling window (by generation time) for per-user share and rate guards. Changing it on a
+    running deployment starts the guard counts afresh (the current window's shares from zero)."""
     user_cap_share: float = Field(default=0.2, gt=0, le=1)
     """Most of a window's kept samples (those that reach training) one user may own; their
     samples beyond it get weight 0."""
@@ -317,7 +323,11 @@ class RewardSettings(_Section):
     rate_weight: float = Field(default=0.5, ge=0, le=1)
     """Weight multiplier for ``rate_anomaly`` samples."""
     max_batch: int = Field(default=5000, ge=1)
-    """Most records processed in one state-store transaction."""
+    """Most records processed in one state-store transaction. A turn labels up to this many
+    episodes, so with a slow labeler (a reward model, a verifier) keep ``max_batch`` times its
+    seconds per episode well under a minute: ``/health`` turns unhealthy, and
+    ``reward_stalled_seconds`` grows, while one turn runs; and under
+    ``kafka.max_poll_interval_ms``."""
     poll_ms: int = Field(default=200, ge=1)
     """Longest wait for records in one poll."""
     shards: Shards = ()

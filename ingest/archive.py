@@ -90,6 +90,11 @@ class ParquetArchive:
         self.row_fn = row_fn
         self.table_fn = table_fn
         root.mkdir(parents=True, exist_ok=True)
+        # A kill -9 in the middle of a write leaves its temp file. Only the stage process that
+        # owns this root (under its locked data_dir) makes an archive of it, and it is starting:
+        # no write is in progress.
+        for partial in root.glob("hour=*/.part-*.tmp"):
+            partial.unlink(missing_ok=True)
         # pyarrow imports pandas the first time it converts a Python list (about a second); do it
         # at start-up rather than inside the first batch the stage processes
         pa.array([0], pa.int64())
@@ -110,10 +115,15 @@ class ParquetArchive:
                 fsync_dir(self.root)  # the new hour's own name
             final = folder / f"part-{epoch}-{min(seqs):012d}-{max(seqs):012d}.parquet"
             tmp = folder / f".{final.name}.{uuid.uuid4().hex[:8]}.tmp"
-            pq.write_table(part, tmp, compression="zstd")
-            with open(tmp, "rb") as fh:  # the bytes must be on disk before the name is
-                os.fsync(fh.fileno())
-            os.replace(tmp, final)
+            try:
+                pq.write_table(part, tmp, compression="zstd")
+                with open(tmp, "rb") as fh:  # the bytes must be on disk before the name is
+                    os.fsync(fh.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                # a full disk fails every retry alike: each must not leave what it wrote behind
+                tmp.unlink(missing_ok=True)
+                raise
             # and the name before the caller drops the rows from its queue: after a node loss an
             # un-fsynced rename may be undone, and the rows would be in neither place
             fsync_dir(folder)

@@ -41,6 +41,9 @@ they could have gone to from its confirmed point to the high watermark, collects
 headers found there, and deletes the rows already delivered. The rest is delivered normally. A
 send that fails while running settles its shard the same way before any resend. The archive
 queue belongs to the store, not to a shard: it is settled against the files once per start.
+Offsets and confirmed points belong to one topic: the store keeps each topic's id, and a topic
+deleted and created again under its name (a new id) is read from its start, as an input, and
+scanned from its start, as an output.
 
 Why ``kill -9`` at any moment loses and duplicates nothing:
 
@@ -83,7 +86,7 @@ from kafka import TopicPartition
 from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
-from flywheel.bus import OutputProducer, RecordRefused, high_watermarks, read_to_end
+from flywheel.bus import OutputProducer, RecordRefused, high_watermarks, read_to_end, topic_ids
 from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,9 @@ CREATE TABLE IF NOT EXISTS shard_marks (
 -- every partition count an output topic was sent to with: recovery looks for a row wherever
 -- any of them put it (partitions added to a topic move where keyed records hash)
 CREATE TABLE IF NOT EXISTS out_parts (topic TEXT NOT NULL, n INTEGER NOT NULL, PRIMARY KEY (topic, n));
+-- the id of each topic as this store last read or wrote it: one deleted and created again under
+-- its name has another, and the offsets and confirmed points kept for the old one mean nothing
+CREATE TABLE IF NOT EXISTS topic_ids (topic TEXT PRIMARY KEY, id TEXT NOT NULL);
 """
 
 
@@ -362,11 +368,20 @@ class StateStore:
             # costs about half of a delete per row
             self._owed_change -= self.db.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?",
                                                      seq_runs(seqs)).rowcount
+            # A shard's acks from one partition come in offset order, so a lower one means the
+            # topic was recreated while the stage ran: the point follows it down. (Lower is always
+            # safe: the recovery scan only reads more.)
             self.db.executemany(
                 "INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) "
-                "DO UPDATE SET next=max(next, excluded.next)",
+                "DO UPDATE SET next=excluded.next",
                 [(sh, t, p, n) for (sh, t, p), n in marks.items()],
             )
+
+    def forget_marks(self, topics: Iterable[str]) -> None:
+        """Confirmed points of recreated ``topics`` back to 0: nothing is known of the new topic,
+        so a recovery scan reads it from its start."""
+        with self.txn():
+            self.db.executemany("UPDATE shard_marks SET next=0 WHERE topic=?", [(t,) for t in topics])
 
     def first_marks(self, marks: dict[tuple[int, str, int], int]) -> None:
         """Confirmed points for ``(shard, topic, partition)``s that have none (see
@@ -374,6 +389,15 @@ class StateStore:
         with self.txn():
             self.db.executemany("INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) DO NOTHING",
                                 [(sh, t, p, n) for (sh, t, p), n in marks.items()])
+
+    def recreated(self, ids: dict[str, str]) -> set[str]:
+        """The topics among ``ids`` (topic -> id now) this store knew under another id; every id
+        is remembered from now on."""
+        known = dict(self.db.execute("SELECT topic, id FROM topic_ids"))
+        with self.txn():
+            self.db.executemany("INSERT INTO topic_ids VALUES (?, ?) ON CONFLICT (topic) DO UPDATE SET id=excluded.id",
+                                [(t, i) for t, i in ids.items() if known.get(t) != i])
+        return {t for t, i in ids.items() if known.get(t) not in (None, i)}
 
     def note_partitions(self, topic: str, n: int) -> None:
         """Remember that rows are sent to ``topic`` keyed by ``n`` partitions (before they are)."""
@@ -487,6 +511,7 @@ class Outbox:
         # asked); only a crash between a file's rename and its rows' dequeue leaves any
         self._done: set[int] | None = None
         self._parts: dict[str, int] = {}
+        self._checked: set[str] = set()  # output topics whose identity this run has checked
         self._marked = store.marked()
         self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         self._suspect: set[int] = set()  # shards with a failed send, to settle before resending
@@ -511,6 +536,21 @@ class Outbox:
             self.store.note_partitions(topic, parts)
             self._parts[topic] = parts
         return self._parts[topic]
+
+    def _check_topics(self, topics: Iterable[str]) -> None:
+        """Once per run and output topic, before recovering or sending anything to it: was it
+        deleted and created again since this store last wrote to it? Its confirmed points then
+        name offsets of the old topic, and a recovery scan from them would miss rows that landed
+        below them in the new one (and send them twice): they go back to 0."""
+        todo = set(topics) - self._checked
+        if not todo:
+            return
+        recreated = self.store.recreated(topic_ids(self.bootstrap, todo, client_id="flywheel-outbox"))
+        if recreated:
+            log.warning("output topics %s were recreated since this store last wrote to them: their "
+                        "confirmed points start over at 0", sorted(recreated))
+            self.store.forget_marks(recreated)
+        self._checked |= todo
 
     def stuck_s(self) -> float:
         """Seconds owed outputs have waited without any ack or report, or a row has failed to
@@ -562,6 +602,7 @@ class Outbox:
                     break
                 planned.append((row, oid, out_partition(row.key, oid, n)))
             try:
+                self._check_topics({row.topic for row, _, _ in planned})
                 self._mark_first_sends({(row.shard, row.topic, part) for row, _, part in planned})
             except (KafkaError, TimeoutError) as exc:
                 blocked, planned = f"no end offset for a partition this store has not written yet: {exc}", []
@@ -718,6 +759,7 @@ class Outbox:
         rows = [r for r in self.store.pending_keys(shards) if r[0] not in self._in_flight]
         if not rows:
             return 0
+        self._check_topics({topic for _, _, topic, _ in rows})
         wanted: dict[tuple[str, int], set[str]] = {}
         start: dict[tuple[str, int], int] = {}
         by_id: dict[str, int] = {}

@@ -33,7 +33,7 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from flywheel.bus import DeadLetters, LagGauge, partitions_of
+from flywheel.bus import DeadLetters, LagGauge, partitions_of, topic_ids
 from flywheel.contracts import (
     CONTRACT_REASONS,
     MAX_RECORD_BYTES,
@@ -210,20 +210,31 @@ class StreamRunner(ConsumerRebalanceListener):
 
     def _settle(self, revoked: set[int], assigned: set[TopicPartition]) -> None:
         if revoked:
-            self.outbox.flush()  # settle what is in flight while these shards are still ours
+            self.delivered += self.outbox.flush()  # settle what is in flight while these shards are still ours
             self.outbox.release(revoked)
         self.owned -= revoked
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
             return
         stored = self.store.offsets()
+        if recreated := self.store.recreated(topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned},
+                                                       client_id="flywheel-inputs")):
+            # Its stored offsets point into the old topic: below them, the new one holds records
+            # this store never read (all of them, once it has grown past them).
+            restart = {(t, p): 0 for t, p in stored if t in recreated}
+            log.error("input topics %s were recreated since this store read them: reading them again from "
+                      "their start (stored offsets were %s)", sorted(recreated),
+                      {f"{t}[{p}]": stored[(t, p)] for t, p in restart})
+            with self.store.txn():
+                self.store.set_offsets(restart)
+            stored.update(restart)
         if new := {tp: (tp.topic, tp.partition) for tp in assigned if (tp.topic, tp.partition) not in stored}:
             stored.update(self._store_starts(new))
         for tp in assigned:
             self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
         shards = {tp.partition for tp in assigned}
         self.outbox.recover(shards)
-        self.outbox.deliver(shards)
+        self.delivered += self.outbox.deliver(shards)
         self.owned |= shards
         self.consumer.resume(*assigned)
         log.info("assigned shards %s; resuming at %s", sorted(shards),

@@ -21,6 +21,7 @@ What becomes of each episode:
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -54,6 +55,8 @@ CREATE TABLE IF NOT EXISTS user_win (win INTEGER NOT NULL, user TEXT NOT NULL, n
 CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL, users INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT NULL);
 """
+
+log = logging.getLogger(__name__)
 
 REWARDS_ARCHIVE = "rewards"
 #: Every reason this stage dead-letters a record for.
@@ -96,8 +99,30 @@ class RewardStage:
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
         self._children: dict[tuple[Counter, str], Counter] = {}
+        self._check_guard_window()
         self._load_counts()
         store.on_rollback(self._load_counts)
+
+    def _check_guard_window(self) -> None:
+        """Start the guard counts afresh when ``reward.guard_window_s`` changed since they were kept.
+
+        Windows are stored as numbers (``created_at // guard_window_s``): counted in another width,
+        they are other windows. Kept as they were, a widened window made each shard look many
+        windows further on than it is, and every prune deleted the counts still filling (the share
+        cap stopped binding); a narrowed one held stale counts. The current window's shares start
+        from zero once, which the warning says.
+        """
+        want = repr(self.cfg.guard_window_s)
+        row = self.db.execute("SELECT v FROM meta WHERE k='guard_window_s'").fetchone()
+        if row is not None and row[0] == want:
+            return
+        with self.store.txn():
+            if row is not None:
+                log.warning("reward.guard_window_s changed from %s to %s s: guard counts start afresh", row[0], want)
+                for table in ("reached", "user_win", "win_tot"):
+                    self.db.execute(f"DELETE FROM {table}")
+            self.db.execute("INSERT INTO meta VALUES ('guard_window_s', ?) ON CONFLICT (k) DO UPDATE SET v=excluded.v",
+                            (want,))
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
         episodes = []

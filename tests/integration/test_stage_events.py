@@ -1,0 +1,330 @@
+"""Operational events the stages meet in production, on the real broker: topics deleted and
+recreated under a stage's confirmed points and stored offsets, turns that outlast the consumer's
+``max_poll_interval_ms``, and a state store that cannot be written.
+
+Harnesses as in test_ingest_recovery.py: an in-process :class:`~ingest.exactly_once.Outbox` or
+:class:`~ingest.runner.StreamRunner` with a relay stage, a "crash" simulated by making the
+bookkeeping call fail after its effect happened.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import read_all
+from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+
+from flywheel.bus import (
+    LagGauge,
+    ensure_topics,
+    high_watermarks,
+    make_consumer,
+    make_output_producer,
+)
+from flywheel.metrics import new_registry
+from ingest.exactly_once import Outbox, StateStore
+from ingest.runner import StreamRunner
+
+pytestmark = pytest.mark.integration
+
+
+class Crash(Exception):
+    pass
+
+
+def recreate(kafka_settings, topic: str) -> None:
+    """Delete ``topic`` and create it again, empty (offsets start at 0 once more)."""
+    admin = KafkaAdminClient(bootstrap_servers=kafka_settings.bootstrap)
+    try:
+        admin.delete_topics([topic])
+        deadline = time.monotonic() + 10
+        while topic in admin.list_topics():
+            assert time.monotonic() < deadline, f"{topic} was not deleted"
+            time.sleep(0.1)
+    finally:
+        admin.close()
+    ensure_topics(kafka_settings, [topic])
+    tp = TopicPartition(topic, 0)
+    assert high_watermarks(kafka_settings.bootstrap, [tp], client_id="test")[tp] == 0
+
+
+def owe(store: StateStore, topic: str, values: list[str]) -> None:
+    """Rows of shard 0, all keyed alike: one output partition."""
+    with store.txn():
+        for v in values:
+            store.append(0, topic, "same-key", v.encode())
+
+
+def deliver_then_crash(store: StateStore, outbox: Outbox) -> None:
+    """Send what shard 0 owes and "die" after Kafka acked it, before the outbox recorded it."""
+    real = store.mark_delivered
+    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())
+    try:
+        with pytest.raises(Crash):
+            outbox.deliver({0}, wait=True)
+    finally:
+        store.mark_delivered = real
+        outbox.producer.close()
+
+
+# -- an output topic deleted and recreated ------------------------------------------------------
+def test_confirmed_points_follow_an_output_topic_recreated_between_runs(kafka_settings, topics, tmp_path):
+    """The operator recreates an output topic as docs/exactly-once.md asks: stage stopped, outbox
+    empty. Its offsets restart at 0, below the confirmed point the store kept. Acks of the new
+    topic must bring the point down to them: a point left at the old end hides from the recovery
+    scan every unacked row below it once the topic has grown past it, and those rows are sent
+    a second time."""
+    out = topics.deadletter
+    store = StateStore(tmp_path / "s.sqlite3")
+    owe(store, out, [f"old{i}" for i in range(50)])
+    first = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    assert first.deliver({0}, wait=True) == 50 and store.owed == 0
+    first.producer.close()
+    (part,) = {p for sh, t, p in store.marked() if t == out}
+    assert store.out_mark(0, out, part) == 50
+
+    recreate(kafka_settings, out)  # between runs, the outbox empty
+
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    owe(store, out, [f"new{i}" for i in range(20)])
+    assert second.deliver({0}, wait=True) == 20  # acked at offsets 0-19 of the new topic
+    second.producer.close()
+    end = high_watermarks(kafka_settings.bootstrap, [TopicPartition(out, part)], client_id="test")
+    assert store.out_mark(0, out, part) <= end[TopicPartition(out, part)], (
+        f"confirmed point {store.out_mark(0, out, part)} is past the recreated partition's end {end}: "
+        "acks below the point never move it")
+
+    third = Outbox(store, make_output_producer(kafka_settings, "t3"), kafka_settings.bootstrap)
+    owe(store, out, [f"late{i}" for i in range(40)])
+    deliver_then_crash(store, third)  # landed at offsets 20-59, unconfirmed
+
+    fourth = Outbox(store, make_output_producer(kafka_settings, "t4"), kafka_settings.bootstrap)
+    found = fourth.recover({0})
+    fourth.deliver({0}, wait=True)
+    fourth.producer.close()
+    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=60, timeout_s=10)]
+    assert found == 40 and len(values) == 60 and len(set(values)) == 60, (
+        f"recovery found {found} of 40 landed rows; the topic holds {len(values)} records, "
+        f"{len(values) - len(set(values))} of them twice")
+
+
+
+def test_a_recovery_scan_reads_an_output_topic_recreated_under_a_running_stage_from_its_start(
+        kafka_settings, topics, tmp_path):
+    """The topic is recreated while the stage runs; its next rows land at the new topic's first
+    offsets, and the stage dies before their acks are recorded. By its restart others have
+    written past the old confirmed point. The topic's id has changed since the store last
+    checked it, so the scan reads the new topic from its start and finds those rows: none is
+    sent twice."""
+    out = topics.deadletter
+    store = StateStore(tmp_path / "s.sqlite3")
+    owe(store, out, [f"old{i}" for i in range(50)])
+    running = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    assert running.deliver({0}, wait=True) == 50
+    (part,) = {p for sh, t, p in store.marked() if t == out}
+    assert store.out_mark(0, out, part) == 50
+
+    recreate(kafka_settings, out)  # under the running stage
+    owe(store, out, [f"new{i}" for i in range(30)])
+    deliver_then_crash(store, running)  # landed at offsets 0-29 of the new topic, unconfirmed
+    others = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for i in range(60):
+        others.send(out, key=b"same-key", value=b"other%d" % i)
+    others.flush()
+    others.close()
+
+    restarted = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    found = restarted.recover({0})
+    restarted.deliver({0}, wait=True)
+    restarted.producer.close()
+    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=90, timeout_s=10)]
+    assert found == 30 and sorted(values) == sorted([b"new%d" % i for i in range(30)] + [b"other%d" % i
+                                                                                            for i in range(60)]), (
+        f"recovery found {found} of 30 landed rows; the topic holds {len(values)} records")
+
+
+# -- an input topic deleted and recreated -------------------------------------------------------
+class _Relay:
+    """A stage that sends every input record on unchanged (``slow_s``: each batch takes that long)."""
+
+    def __init__(self, store: StateStore, out: str, slow_s: float = 0.0, slow_batches: int = 0) -> None:
+        self.store, self.out, self.slow_s, self.slow_batches, self.batches = store, out, slow_s, slow_batches, 0
+
+    def process(self, records, now: float) -> None:
+        self.batches += 1
+        if self.batches <= self.slow_batches:
+            time.sleep(self.slow_s)  # a slow labeler or reward model, inside the turn
+        for rec in records:
+            self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
+
+    def tick(self, shards: set[int], now: float) -> None:
+        return None
+
+
+def feed(kafka_settings, topic: str, prefix: str, n: int) -> list[bytes]:
+    """``n`` records on ``topic``, keyed ``<prefix><i>``, valued ``v-<prefix><i>``; their values."""
+    producer = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    values = [f"v-{prefix}{i}".encode() for i in range(n)]
+    for i, value in enumerate(values):
+        producer.send(topic, key=f"{prefix}{i}".encode(), value=value)
+    producer.flush()
+    producer.close()
+    return values
+
+
+def relay(kafka_settings, topics, store: StateStore, group: str, n: int, timeout_s: float = 20.0,
+          stage: _Relay | None = None, **overrides) -> StreamRunner:
+    """Run a relay of generations -> episodes on ``store`` until it read ``n`` records and owes
+    nothing (or ``timeout_s`` passed), then stop it. ``overrides``: the consumer's."""
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    consumer = make_consumer(kafka_settings, "t", group, **overrides)
+    runner = StreamRunner(stage or _Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 10, 50)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while (runner.records_in < n or store.owed) and time.monotonic() < deadline:
+            runner.step()
+        end = time.monotonic() + 1.0  # a few more turns: a record read twice would show
+        while time.monotonic() < end:
+            runner.step()
+    finally:
+        consumer.close(autocommit=False)
+        outbox.producer.close()
+    return runner
+
+
+@pytest.mark.parametrize("new_records", [6, 40], ids=["shorter", "grown-past"])
+def test_an_input_topic_recreated_between_runs_is_read_from_its_start(kafka_settings, topics, tmp_path, new_records):
+    """The store's offsets (about 15 per partition) point into the old topic. Recreated, the
+    topic's offsets restart at 0: every record in it is new to the store, and must be relayed,
+    whether the new topic is still shorter than the stored offsets or has grown past them by the
+    time the stage comes back (serving kept producing while it was down). Skipping the records
+    below the stored offset loses them silently: nothing is logged, nothing dead-lettered."""
+    old = feed(kafka_settings, topics.generations, "a", 30)
+    store = StateStore(tmp_path / "s.sqlite3")
+    assert relay(kafka_settings, topics, store, f"{topics.prefix}g1", 30).records_in == 30
+    assert sum(store.offsets().values()) == 30
+
+    recreate(kafka_settings, topics.generations)
+    new = feed(kafka_settings, topics.generations, "b", new_records)
+
+    runner = relay(kafka_settings, topics, store, f"{topics.prefix}g2", new_records, timeout_s=8)
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=30 + new_records,
+                                        timeout_s=3)]
+    missing = sorted(set(new) - set(values))
+    assert not missing and sorted(values) == sorted(old + new), (
+        f"{len(missing)} of the recreated topic's {new_records} records never relayed (e.g. {missing[:3]}); "
+        f"read {runner.records_in}, stored offsets {store.offsets()}")
+    store.close()
+
+
+# -- turns longer than the consumer's max_poll_interval_ms -------------------------------------
+def test_turns_outlasting_max_poll_interval_stay_exactly_once_and_make_progress(kafka_settings, topics, tmp_path,
+                                                                                monkeypatch):
+    """A slow labeler holds a turn past ``max_poll_interval_ms``: kafka-python's heartbeat thread
+    leaves the group mid-batch, and the next poll rejoins (partitions lost, then assigned again).
+    The batch in hand still commits with its offsets and is delivered; the rejoin seeks to the
+    stored offsets, so each record goes out once, and the stage goes on (no rebalance livelock)."""
+    lost: list = []
+    real_lost = StreamRunner.on_partitions_lost
+    monkeypatch.setattr(StreamRunner, "on_partitions_lost", lambda self, tps: lost.append(tps) or real_lost(self, tps))
+    feed(kafka_settings, topics.generations, "a", 40)
+    store = StateStore(tmp_path / "s.sqlite3")
+    stage = _Relay(store, topics.episodes, slow_s=2.0, slow_batches=2)
+    slow = kafka_settings.model_copy(update={"max_poll_interval_ms": 1000})  # (kafka.max_poll_interval_ms)
+    runner = relay(slow, topics, store, f"{topics.prefix}g", 40, timeout_s=25, stage=stage)
+    assert lost, "the member was never evicted: the test shows nothing"
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=40, timeout_s=5)]
+    assert sorted(values) == sorted(f"v-a{i}".encode() for i in range(40)), (
+        f"{len(values)} records out, {len(set(values))} distinct; read {runner.records_in}")
+    assert stage.batches >= 4 and sum(store.offsets().values()) == 40 and store.owed == 0
+    store.close()
+
+
+# -- a state store that cannot be written --------------------------------------------------------
+def _unwritable(store: StateStore, how: str) -> None:
+    if how == "read-only":  # a volume remounted read-only after I/O errors
+        store.db.execute("PRAGMA query_only=1")
+    else:  # the disk is full: no page more than the file has now
+        pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+        store.db.execute(f"PRAGMA max_page_count={pages}")
+
+
+@pytest.mark.parametrize("how", ["read-only", "full"])
+def test_a_state_store_that_cannot_be_written_stops_the_loop_and_a_restart_loses_nothing(
+        kafka_settings, topics, tmp_path, how):
+    """SQLite raises on the store's disk: that is no broker error, so the loop must not retry it
+    as one (turn after turn, forever) but stop, with the batch in hand neither stored nor sent;
+    the restart on a writable store relays every record once."""
+    import sqlite3
+    import threading
+
+    producer = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    values = [b"%d:" % i + b"x" * 8000 for i in range(60)]  # large: every batch needs new pages
+    for i, value in enumerate(values):
+        producer.send(topics.generations, key=f"a{i}".encode(), value=value)
+    producer.flush()
+    producer.close()
+
+    store = StateStore(tmp_path / "s.sqlite3")
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g1")
+    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 10, 50)
+    stop, broken = threading.Event(), []
+    timer = threading.Timer(30, stop.set)  # a loop that swallows the error would turn forever
+    timer.start()
+
+    def check() -> None:
+        if runner.records_in >= 10 and not broken:
+            broken.append(store.offsets())
+            _unwritable(store, how)
+
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            runner.run(stop, check)
+        assert not stop.is_set() and broken
+    finally:
+        timer.cancel()
+        consumer.close(autocommit=False)
+        outbox.producer.close()
+        store.close()
+    store = StateStore(tmp_path / "s.sqlite3")  # restarted, the disk writable again
+    assert store.offsets() == broken[0]  # the failed turn stored nothing
+    relay(kafka_settings, topics, store, f"{topics.prefix}g2", 60 - sum(broken[0].values()))
+    out = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=60, timeout_s=5)]
+    assert sorted(out) == sorted(values), f"{len(out)} records out, {len(set(out))} distinct, of 60"
+    store.close()
+
+
+def test_health_counts_the_rows_delivered_while_a_rebalance_is_settled(kafka_settings, topics, tmp_path):
+    """A rebalance (the member evicted after a slow turn, as above) settles the sends in flight
+    before its shards move, and delivers the shards' rows when they come back: those acks are
+    deliveries like any other. ``delivered`` in /health left them out (20 of 40 in the slow-turn
+    run above), so a stage evicted every turn by a slow labeler reports a fraction of its output."""
+    feed(kafka_settings, topics.generations, "a", 20)
+    store = StateStore(tmp_path / "s.sqlite3")
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g")
+    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+                          LagGauge("ingest", new_registry()), 10, 50)
+    try:
+        deadline = time.monotonic() + 20
+        while not (runner.records_in and outbox.in_flight):
+            assert time.monotonic() < deadline, "nothing was read"
+            runner.step()
+        # what kafka-python's poll does for a member evicted mid-turn: partitions lost, then assigned
+        mine = list(consumer.assignment())
+        runner.on_partitions_lost(mine)
+        runner.on_partitions_assigned(mine)
+        while runner.records_in < 20 or store.owed:
+            assert time.monotonic() < deadline, f"read {runner.records_in} of 20, {store.owed} owed"
+            runner.step()
+    finally:
+        consumer.close(autocommit=False)
+        outbox.producer.close()
+    out = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=20, timeout_s=5)]
+    assert len(out) == 20 == len(set(out))
+    assert runner.healthy()[1]["delivered"] == 20, f"/health says {runner.healthy()[1]['delivered']} delivered of 20"
+    store.close()
