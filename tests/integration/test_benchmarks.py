@@ -44,3 +44,14 @@ def test_stage_scaleout_runs_the_deployed_stages():
     assert [label for label, _, _ in rows if "process" in label] == [
         "ingest, 1 process(es)", "reward, 1 process(es)", "ingest, 2 process(es)", "reward, 2 process(es)"]
     assert all(rate > 0 for _, rate, _ in rows)
+
+
+def test_decode_cost_prints_a_row_per_record_kind():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    out = subprocess.run([sys.executable, "bench/decode_cost.py", "--n", "200"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    rows = [line.split() for line in out.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["GenerationEvent", "FeedbackEvent", "EpisodeEvent"]
+    for _, size, parse, full, ratio in rows:
+        assert int(size) > 0 and float(parse) > 0 and float(full) > 0
+        assert float(ratio) == pytest.approx(float(full) / float(parse), abs=0.01)
