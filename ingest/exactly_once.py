@@ -379,9 +379,9 @@ class StateStore:
 
     def forget_marks(self, topics: Iterable[str]) -> None:
         """Confirmed points of recreated ``topics`` back to 0: nothing is known of the new topic,
-        so a recovery scan reads it from its start."""
-        with self.txn():
-            self.db.executemany("UPDATE shard_marks SET next=0 WHERE topic=?", [(t,) for t in topics])
+        so a recovery scan reads it from its start. Call inside :meth:`txn`."""
+        assert self._in_txn, "marks are forgotten in the transaction that notes the new topic ids"
+        self.db.executemany("UPDATE shard_marks SET next=0 WHERE topic=?", [(t,) for t in topics])
 
     def first_marks(self, marks: dict[tuple[int, str, int], int]) -> None:
         """Confirmed points for ``(shard, topic, partition)``s that have none (see
@@ -390,14 +390,17 @@ class StateStore:
             self.db.executemany("INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) DO NOTHING",
                                 [(sh, t, p, n) for (sh, t, p), n in marks.items()])
 
-    def recreated(self, ids: dict[str, str]) -> set[str]:
-        """The topics among ``ids`` (topic -> id now) this store knew under another id; every id
-        is remembered from now on."""
-        known = dict(self.db.execute("SELECT topic, id FROM topic_ids"))
-        with self.txn():
-            self.db.executemany("INSERT INTO topic_ids VALUES (?, ?) ON CONFLICT (topic) DO UPDATE SET id=excluded.id",
-                                [(t, i) for t, i in ids.items() if known.get(t) != i])
-        return {t for t, i in ids.items() if known.get(t) not in (None, i)}
+    def topic_ids(self) -> dict[str, str]:
+        """The id of every topic this store read or wrote, as it was then."""
+        return dict(self.db.execute("SELECT topic, id FROM topic_ids"))
+
+    def note_topic_ids(self, ids: dict[str, str]) -> None:
+        """Remember topics' ids (topic -> id). Call inside :meth:`txn`: in the same transaction as
+        what a recreated topic resets, or a crash between the two would leave the reset undone
+        under an id that no longer tells."""
+        assert self._in_txn, "topic ids are noted in the transaction that acts on them"
+        self.db.executemany("INSERT INTO topic_ids VALUES (?, ?) ON CONFLICT (topic) DO UPDATE SET id=excluded.id",
+                            list(ids.items()))
 
     def note_partitions(self, topic: str, n: int) -> None:
         """Remember that rows are sent to ``topic`` keyed by ``n`` partitions (before they are)."""
@@ -545,11 +548,15 @@ class Outbox:
         todo = set(topics) - self._checked
         if not todo:
             return
-        recreated = self.store.recreated(topic_ids(self.bootstrap, todo, client_id="flywheel-outbox"))
-        if recreated:
-            log.warning("output topics %s were recreated since this store last wrote to them: their "
-                        "confirmed points start over at 0", sorted(recreated))
-            self.store.forget_marks(recreated)
+        ids, known = topic_ids(self.bootstrap, todo, client_id="flywheel-outbox"), self.store.topic_ids()
+        if changed := {t: i for t, i in ids.items() if known.get(t) != i}:
+            recreated = [t for t in changed if t in known]
+            with self.store.txn():
+                self.store.forget_marks(recreated)
+                self.store.note_topic_ids(changed)
+            if recreated:
+                log.warning("output topics %s were recreated since this store last wrote to them: their "
+                            "confirmed points start over at 0", sorted(recreated))
         self._checked |= todo
 
     def stuck_s(self) -> float:
@@ -605,7 +612,8 @@ class Outbox:
                 self._check_topics({row.topic for row, _, _ in planned})
                 self._mark_first_sends({(row.shard, row.topic, part) for row, _, part in planned})
             except (KafkaError, TimeoutError) as exc:
-                blocked, planned = f"no end offset for a partition this store has not written yet: {exc}", []
+                blocked = f"no topic id or end offset for an output this run has not written to yet: {exc}"
+                planned = []
             for row, oid, part in planned:
                 try:
                     send(row.seq, row.topic, part, row.key, row.value, [(header, oid.encode())])

@@ -216,18 +216,7 @@ class StreamRunner(ConsumerRebalanceListener):
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
             return
-        stored = self.store.offsets()
-        if recreated := self.store.recreated(topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned},
-                                                       client_id="flywheel-inputs")):
-            # Its stored offsets point into the old topic: below them, the new one holds records
-            # this store never read (all of them, once it has grown past them).
-            restart = {(t, p): 0 for t, p in stored if t in recreated}
-            log.error("input topics %s were recreated since this store read them: reading them again from "
-                      "their start (stored offsets were %s)", sorted(recreated),
-                      {f"{t}[{p}]": stored[(t, p)] for t, p in restart})
-            with self.store.txn():
-                self.store.set_offsets(restart)
-            stored.update(restart)
+        stored = self._restart_recreated(assigned, self.store.offsets())
         if new := {tp: (tp.topic, tp.partition) for tp in assigned if (tp.topic, tp.partition) not in stored}:
             stored.update(self._store_starts(new))
         for tp in assigned:
@@ -239,6 +228,31 @@ class StreamRunner(ConsumerRebalanceListener):
         self.consumer.resume(*assigned)
         log.info("assigned shards %s; resuming at %s", sorted(shards),
                  {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
+
+    def _restart_recreated(self, assigned: set[TopicPartition],
+                           stored: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+        """``stored`` offsets, with every partition of an input topic deleted and created again
+        since this store read it (a new topic id) back at 0, stored so in the transaction that
+        notes the new id.
+
+        Stored offsets of the old topic point past records of the new one, all of them once it
+        has grown past them: read from there, they were lost without a trace.
+        """
+        ids = topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs")
+        known = self.store.topic_ids()
+        changed = {t: i for t, i in ids.items() if known.get(t) != i}
+        if not changed:
+            return stored
+        recreated = {t for t in changed if t in known}
+        restart = {key: 0 for key in [*stored, *((tp.topic, tp.partition) for tp in assigned)] if key[0] in recreated}
+        with self.store.txn():
+            self.store.set_offsets(restart)
+            self.store.note_topic_ids(changed)
+        if recreated:
+            log.error("input topics %s were recreated since this store read them: reading them again from their "
+                      "start (stored offsets were %s)", sorted(recreated),
+                      {f"{t}[{p}]": n for (t, p), n in stored.items() if t in recreated})
+        return {**stored, **restart}
 
     def _store_starts(self, new: dict[TopicPartition, tuple[str, int]]) -> dict[tuple[str, int], int]:
         """Where this store starts partitions it never read: the group's committed offset (a

@@ -403,7 +403,7 @@ def test_no_end_offset_for_a_first_send_holds_the_rows_back_until_one_comes(scri
     monkeypatch.setattr(exactly_once, "high_watermarks", no_answer)
     outbox = Outbox(store, producer, "")
     assert outbox.deliver({0}) == 0 and producer.sent == [] and store.owed == 2
-    assert outbox.blocked.startswith("no end offset for a partition this store has not written yet")
+    assert outbox.blocked.startswith("no topic id or end offset for an output this run has not written to yet")
     time.sleep(0.1)
     assert outbox.stuck_s() >= 0.1
     monkeypatch.setattr(exactly_once, "high_watermarks", lambda bootstrap, tps, **kw: {tp: 0 for tp in tps})
