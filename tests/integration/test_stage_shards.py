@@ -79,15 +79,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _healthy(port: int, timeout_s: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout_s
+def _healthy(port: int, timeout_s: float = 60.0, until=lambda health: True) -> dict:
+    """The stage's /health once it answers and ``until(health)`` holds (the ops server starts
+    before the loop's first turn has set up the shards it was granted)."""
+    deadline, health = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as resp:
-                return json.load(resp)
+                health = json.load(resp)
+            if until(health):
+                return health
         except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"no /health on port {port}")
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"/health on port {port}: {health}")
 
 
 def test_colliding_processes_are_refused(kafka_settings, topics, tmp_path):
@@ -100,7 +105,7 @@ def test_colliding_processes_are_refused(kafka_settings, topics, tmp_path):
                                         "FLYWHEEL_INGEST_SHARDS": "0,1", "FLYWHEEL_INGEST_PORT": str(port)},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        health = _healthy(port)
+        health = _healthy(port, until=lambda h: h["shards"])
         assert health["shards"] == [0, 1] and health["claims"] == "granted"
         for name, extra in (("b", {"FLYWHEEL_INGEST_SHARDS": "1"}), ("c", {})):  # shards / consumer group
             other = subprocess.run(cmd, env={**env, "FLYWHEEL_DATA_DIR": str(tmp_path / name), **extra},
