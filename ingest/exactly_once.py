@@ -390,9 +390,12 @@ class StateStore:
             self.db.executemany("INSERT INTO shard_marks VALUES (?, ?, ?, ?) ON CONFLICT (shard, topic, part) DO NOTHING",
                                 [(sh, t, p, n) for (sh, t, p), n in marks.items()])
 
-    def topic_ids(self) -> dict[str, str]:
-        """The id of every topic this store read or wrote, as it was then."""
-        return dict(self.db.execute("SELECT topic, id FROM topic_ids"))
+    def changed_ids(self, ids: dict[str, str]) -> tuple[dict[str, str], set[str]]:
+        """Of topics' ids now (topic -> id): those this store has not noted yet, and the topics
+        among them it knew under another id (deleted and created again since)."""
+        known = dict(self.db.execute("SELECT topic, id FROM topic_ids"))
+        changed = {t: i for t, i in ids.items() if known.get(t) != i}
+        return changed, {t for t in changed if t in known}
 
     def note_topic_ids(self, ids: dict[str, str]) -> None:
         """Remember topics' ids (topic -> id). Call inside :meth:`txn`: in the same transaction as
@@ -548,9 +551,8 @@ class Outbox:
         todo = set(topics) - self._checked
         if not todo:
             return
-        ids, known = topic_ids(self.bootstrap, todo, client_id="flywheel-outbox"), self.store.topic_ids()
-        if changed := {t: i for t, i in ids.items() if known.get(t) != i}:
-            recreated = [t for t in changed if t in known]
+        changed, recreated = self.store.changed_ids(topic_ids(self.bootstrap, todo, client_id="flywheel-outbox"))
+        if changed:
             with self.store.txn():
                 self.store.forget_marks(recreated)
                 self.store.note_topic_ids(changed)

@@ -238,12 +238,10 @@ class StreamRunner(ConsumerRebalanceListener):
         Stored offsets of the old topic point past records of the new one, all of them once it
         has grown past them: read from there, they were lost without a trace.
         """
-        ids = topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs")
-        known = self.store.topic_ids()
-        changed = {t: i for t, i in ids.items() if known.get(t) != i}
+        changed, recreated = self.store.changed_ids(
+            topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
         if not changed:
             return stored
-        recreated = {t for t in changed if t in known}
         restart = {key: 0 for key in [*stored, *((tp.topic, tp.partition) for tp in assigned)] if key[0] in recreated}
         with self.store.txn():
             self.store.set_offsets(restart)

@@ -16,6 +16,7 @@ from confluent_kafka import Producer as ConfluentProducer
 from conftest import read_all
 from kafka import TopicPartition
 from kafka.errors import MessageSizeTooLargeError
+from relay_helpers import Crash, Relay, feed
 
 from flywheel.bus import make_output_producer
 from ingest.archive import ParquetArchive
@@ -23,10 +24,6 @@ from ingest.exactly_once import OUTBOX_HEADER, Outbox, StateStore
 
 pytestmark = pytest.mark.integration
 SCHEMA = pa.schema([pa.field("v", pa.string())])
-
-
-class Crash(Exception):
-    pass
 
 
 @pytest.fixture(params=["confluent", "kafka-python"])
@@ -44,13 +41,7 @@ def fill(store: StateStore, topic: str, n: int) -> None:
 
 def feed_generations(kafka_settings, topics, n: int) -> None:
     """``n`` records on the generations topic, keyed ``g<i>`` with value ``v<i>``."""
-    from kafka import KafkaProducer
-
-    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(n):
-        feed.send(topics.generations, key=f"g{i}".encode(), value=f"v{i}".encode())
-    feed.flush()
-    feed.close()
+    feed(kafka_settings, topics.generations, n)
 
 
 def archive(tmp_path) -> ParquetArchive:
@@ -504,20 +495,6 @@ def test_a_retired_kafka_python_producer_has_reported_its_sends_when_retire_retu
     out.close()
 
 
-class _Relay:
-    """A stage that sends every input record on unchanged."""
-
-    def __init__(self, store: StateStore, out: str) -> None:
-        self.store, self.out = store, out
-
-    def process(self, records, now: float) -> None:
-        for rec in records:
-            self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
-
-    def tick(self, shards: set[int], now: float) -> None:
-        return None
-
-
 class Unwritable:
     """Wraps a real producer; while ``closed`` the output topic cannot be looked up, as with a
     partition without a leader or a deleted topic: the outbox holds its rows back."""
@@ -546,7 +523,7 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
     producer = Unwritable(make_output_producer(out_settings, "t"), topics.episodes)
     outbox = Outbox(store, producer, kafka_settings.bootstrap)
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
-    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 20, 50, max_owed=50)
     try:
         deadline = time.monotonic() + 30
@@ -592,7 +569,7 @@ def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(ka
 
     outbox.recover = recover
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
-    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
     def failed_turn(exc: BaseException) -> None:
         assert runner.records_in == 0  # the failed shard's records wait for its set-up
@@ -647,7 +624,7 @@ def test_a_partition_whose_start_cannot_be_read_is_set_up_again_on_the_next_turn
         return None if len(asked) == 1 else real_position(tp, timeout_ms=timeout_ms)  # (as on its timeout)
 
     consumer.position = position
-    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
     def failed_turn(exc: BaseException) -> None:
         assert "no start offset" in str(exc)
@@ -668,8 +645,6 @@ def test_a_store_made_afresh_starts_where_the_group_committed(kafka_settings, to
     """A data_dir lost with its disk: the new store starts each partition at the offsets the lost
     one committed to the group (nothing it delivered is sent again), stores those starts, and
     goes on from there."""
-    from kafka import KafkaProducer
-
     from flywheel.bus import LagGauge, make_consumer
     from flywheel.metrics import new_registry
     from ingest.runner import StreamRunner
@@ -680,7 +655,7 @@ def test_a_store_made_afresh_starts_where_the_group_committed(kafka_settings, to
     def run(store: StateStore, delivered: int) -> dict[tuple[str, int], int]:
         outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
         consumer = make_consumer(kafka_settings, "t", group)
-        runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+        runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                               LagGauge("ingest", new_registry()), 10, 50)
         try:
             deadline = time.monotonic() + 30
@@ -697,11 +672,7 @@ def test_a_store_made_afresh_starts_where_the_group_committed(kafka_settings, to
     feed_generations(kafka_settings, topics, 40)
     committed = run(StateStore(tmp_path / "lost" / "s.sqlite3"), 40)
     assert sum(committed.values()) == 40
-    feed = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(20):
-        feed.send(topics.generations, key=f"h{i}".encode(), value=f"w{i}".encode())
-    feed.flush()
-    feed.close()
+    feed(kafka_settings, topics.generations, 20, key="h", value="w")
     fresh = StateStore(tmp_path / "new" / "s.sqlite3")
     assert sum(run(fresh, 20).values()) == 60
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=60, timeout_s=10)]

@@ -14,6 +14,7 @@ import time
 import pytest
 from conftest import read_all
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
+from relay_helpers import Crash, Relay, feed
 
 from flywheel.bus import (
     LagGauge,
@@ -27,10 +28,6 @@ from ingest.exactly_once import Outbox, StateStore
 from ingest.runner import StreamRunner
 
 pytestmark = pytest.mark.integration
-
-
-class Crash(Exception):
-    pass
 
 
 def recreate(kafka_settings, topic: str) -> None:
@@ -145,41 +142,13 @@ def test_a_recovery_scan_reads_an_output_topic_recreated_under_a_running_stage_f
 
 
 # -- an input topic deleted and recreated -------------------------------------------------------
-class _Relay:
-    """A stage that sends every input record on unchanged (``slow_s``: each batch takes that long)."""
-
-    def __init__(self, store: StateStore, out: str, slow_s: float = 0.0, slow_batches: int = 0) -> None:
-        self.store, self.out, self.slow_s, self.slow_batches, self.batches = store, out, slow_s, slow_batches, 0
-
-    def process(self, records, now: float) -> None:
-        self.batches += 1
-        if self.batches <= self.slow_batches:
-            time.sleep(self.slow_s)  # a slow labeler or reward model, inside the turn
-        for rec in records:
-            self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
-
-    def tick(self, shards: set[int], now: float) -> None:
-        return None
-
-
-def feed(kafka_settings, topic: str, prefix: str, n: int) -> list[bytes]:
-    """``n`` records on ``topic``, keyed ``<prefix><i>``, valued ``v-<prefix><i>``; their values."""
-    producer = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    values = [f"v-{prefix}{i}".encode() for i in range(n)]
-    for i, value in enumerate(values):
-        producer.send(topic, key=f"{prefix}{i}".encode(), value=value)
-    producer.flush()
-    producer.close()
-    return values
-
-
 def relay(kafka_settings, topics, store: StateStore, group: str, n: int, timeout_s: float = 20.0,
-          stage: _Relay | None = None, **overrides) -> StreamRunner:
+          stage: Relay | None = None, **overrides) -> StreamRunner:
     """Run a relay of generations -> episodes on ``store`` until it read ``n`` records and owes
     nothing (or ``timeout_s`` passed), then stop it. ``overrides``: the consumer's."""
     outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
     consumer = make_consumer(kafka_settings, "t", group, **overrides)
-    runner = StreamRunner(stage or _Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(stage or Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
     try:
         deadline = time.monotonic() + timeout_s
@@ -201,13 +170,13 @@ def test_an_input_topic_recreated_between_runs_is_read_from_its_start(kafka_sett
     whether the new topic is still shorter than the stored offsets or has grown past them by the
     time the stage comes back (serving kept producing while it was down). Skipping the records
     below the stored offset loses them silently: nothing is logged, nothing dead-lettered."""
-    old = feed(kafka_settings, topics.generations, "a", 30)
+    old = feed(kafka_settings, topics.generations, 30, key="a", value="v-a")
     store = StateStore(tmp_path / "s.sqlite3")
     assert relay(kafka_settings, topics, store, f"{topics.prefix}g1", 30).records_in == 30
     assert sum(store.offsets().values()) == 30
 
     recreate(kafka_settings, topics.generations)
-    new = feed(kafka_settings, topics.generations, "b", new_records)
+    new = feed(kafka_settings, topics.generations, new_records, key="b", value="v-b")
 
     runner = relay(kafka_settings, topics, store, f"{topics.prefix}g2", new_records, timeout_s=8)
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=30 + new_records,
@@ -229,9 +198,9 @@ def test_turns_outlasting_max_poll_interval_stay_exactly_once_and_make_progress(
     lost: list = []
     real_lost = StreamRunner.on_partitions_lost
     monkeypatch.setattr(StreamRunner, "on_partitions_lost", lambda self, tps: lost.append(tps) or real_lost(self, tps))
-    feed(kafka_settings, topics.generations, "a", 40)
+    feed(kafka_settings, topics.generations, 40, key="a", value="v-a")
     store = StateStore(tmp_path / "s.sqlite3")
-    stage = _Relay(store, topics.episodes, slow_s=2.0, slow_batches=2)
+    stage = Relay(store, topics.episodes, slow_s=2.0, slow_batches=2)
     slow = kafka_settings.model_copy(update={"max_poll_interval_ms": 1000})  # (kafka.max_poll_interval_ms)
     runner = relay(slow, topics, store, f"{topics.prefix}g", 40, timeout_s=25, stage=stage)
     assert lost, "the member was never evicted: the test shows nothing"
@@ -270,7 +239,7 @@ def test_a_state_store_that_cannot_be_written_stops_the_loop_and_a_restart_loses
     store = StateStore(tmp_path / "s.sqlite3")
     outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g1")
-    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
     stop, broken = threading.Event(), []
     timer = threading.Timer(30, stop.set)  # a loop that swallows the error would turn forever
@@ -303,11 +272,11 @@ def test_health_counts_the_rows_delivered_while_a_rebalance_is_settled(kafka_set
     before its shards move, and delivers the shards' rows when they come back: those acks are
     deliveries like any other. ``delivered`` in /health left them out (20 of 40 in the slow-turn
     run above), so a stage evicted every turn by a slow labeler reports a fraction of its output."""
-    feed(kafka_settings, topics.generations, "a", 20)
+    feed(kafka_settings, topics.generations, 20, key="a", value="v-a")
     store = StateStore(tmp_path / "s.sqlite3")
     outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g")
-    runner = StreamRunner(_Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
+    runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
     try:
         deadline = time.monotonic() + 20
