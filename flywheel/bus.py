@@ -2,8 +2,9 @@
 route dead letters, and measure consumer lag.
 
 Every client is configured here from :class:`~flywheel.settings.KafkaSettings`, so stages never
-hand-tune kafka-python. Producers are idempotent with ``acks=all``; consumers never auto-commit:
-each stage commits offsets only after the effect they stand for is durable (see the stage docs).
+hand-tune kafka-python. Producers are idempotent with ``acks=all``; consumers never auto-commit
+(each stage commits offsets only after the effect they stand for is durable: see the stage docs)
+and read ``read_committed`` (records of open or aborted transactions are no input).
 
 Stage outputs that must arrive exactly once (ingest/exactly_once.py's outbox) go through
 :class:`OutputProducer`, made by :func:`make_output_producer`: either confluent-kafka
@@ -13,7 +14,8 @@ partition they are given, carry headers, and report each record's partition and 
 
 Lag is computed from the *fetch high watermark* (``consumer.highwater``), not from
 ``end_offsets``: the embedded broker reports a wrong end offset, and the fetch response's
-watermark is what a real cluster reports too.
+watermark is what a real cluster reports too. For a read_committed consumer the end is the
+fetch response's last stable offset where that is lower (flywheel/kafka_ends.py).
 """
 
 from __future__ import annotations
@@ -38,14 +40,20 @@ from flywheel.contracts import (
     encode,
     now,
 )
+from flywheel.kafka_batches import UnreadableBatch, require_codecs, tolerate_unreadable_batches
+from flywheel.kafka_ends import readable_end, record_last_stable_offsets
 from flywheel.kafka_headers import tolerate_bad_header_keys
 from flywheel.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
 
 # Every process that reads Kafka imports this module: none of its readers may be stopped by a
-# record whose header key is not UTF-8 (flywheel/kafka_headers.py).
+# record whose header key is not UTF-8 (flywheel/kafka_headers.py), nor by a batch that cannot be
+# unpacked (flywheel/kafka_batches.py); and a read_committed reader must know where it can read
+# to (flywheel/kafka_ends.py).
 tolerate_bad_header_keys()
+tolerate_unreadable_batches()
+record_last_stable_offsets()
 
 
 class EventSink(Protocol):
@@ -357,6 +365,9 @@ def make_consumer(
         "client_id": f"{cfg.client_id}-{role}",
         "group_id": group_id,
         "enable_auto_commit": False,
+        # A product may write the input topics in transactions: the records of one still open
+        # may yet be aborted, and aborted ones are no input (flywheel/kafka_ends.py).
+        "isolation_level": "read_committed",
         "auto_offset_reset": "earliest",
         "session_timeout_ms": cfg.session_timeout_ms,
         "heartbeat_interval_ms": cfg.heartbeat_interval_ms,
@@ -365,6 +376,7 @@ def make_consumer(
         "fetch_max_bytes": max(cfg.max_request_bytes, 50 * 1024 * 1024),
     }
     opts.update(overrides)
+    require_codecs()
     consumer = KafkaConsumer(**opts)
     topics = list(topics)
     if topics:
@@ -669,6 +681,13 @@ class DeadLetters:
         self.counter.labels(reason).inc()
         return event
 
+    def send_unreadable(self, record: ConsumerRecord, marker: UnreadableBatch) -> DeadLetterEvent:
+        """Dead-letter the stand-in for a batch that could not be read (flywheel/kafka_batches.py):
+        ``unreadable_batch``, at the first offset it stands for, with the batch's bytes."""
+        return self.send("unreadable_batch", marker.describe(record.topic, record.partition),
+                         source_topic=record.topic, value=record.value, partition=record.partition,
+                         offset=marker.first)
+
     def send_record(self, record: ConsumerRecord, reason: str, detail: str) -> DeadLetterEvent:
         return self.send(
             reason,
@@ -705,7 +724,7 @@ class LagGauge:
             self.gauge.remove(tp.topic, str(tp.partition))
         self._shown &= assigned
         for tp in assigned:
-            high = consumer.highwater(tp)
+            high = readable_end(consumer, tp)
             if high is None:
                 continue
             try:

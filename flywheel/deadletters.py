@@ -192,6 +192,8 @@ def plan_replay(letters: Iterable[Letter], inputs: frozenset[str], partitions: M
             refused.append((letter, f"{dl.source_topic} is not a stage input of this deployment"))
         elif not dl.value_b64:
             refused.append((letter, "no original value to replay"))
+        elif dl.reason == "unreadable_batch":
+            refused.append((letter, "a batch that could not be read, not a record: its producer must send them again"))
         elif (partitions and dl.source_partition is not None
               and dl.source_partition >= partitions.get(dl.source_topic, dl.source_partition + 1)):
             have = partitions[dl.source_topic]

@@ -87,6 +87,7 @@ from kafka.errors import KafkaError
 from kafka.partitioner.default import murmur2
 
 from flywheel.bus import OutputProducer, RecordRefused, high_watermarks, read_to_end, topic_ids
+from flywheel.kafka_batches import unreadable_batch
 from flywheel.settings import SettingsError
 
 log = logging.getLogger(__name__)
@@ -804,6 +805,10 @@ class Outbox:
         found: set[str] = set()
         starts = {TopicPartition(t, p): start[(t, p)] for t, p in wanted}
         for tp, rec in read_to_end(self.bootstrap, starts, client_id="flywheel-recovery", timeout_s=timeout_s):
+            if rec.headers and (marker := unreadable_batch(rec.headers)) is not None:
+                log.error("recovery: %s; the outbox rows sent there are not confirmed, so they are sent again",
+                          marker.describe(tp.topic, tp.partition))
+                continue
             for name, val in rec.headers or ():
                 # (another client may write the header name with no value, or bytes that are
                 # no outbox id of ours: neither is a record this store sent)

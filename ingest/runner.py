@@ -43,6 +43,8 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
+from flywheel.kafka_batches import unreadable_batch
+from flywheel.kafka_ends import readable_end
 from flywheel.kafka_headers import unreadable_header
 from flywheel.settings import SettingsError
 from ingest.exactly_once import Archive, Outbox, OutputUnavailable, StateStore
@@ -76,7 +78,7 @@ MAX_OWED_ROWS = 200_000
 E = TypeVar("E", GenerationEvent, FeedbackEvent, EpisodeEvent)
 
 #: The dead-letter reasons :func:`decode_keyed` gives.
-KEYED_DECODE_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, "wrong_key")
+KEYED_DECODE_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, "wrong_key", "unreadable_batch")
 
 
 def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters,
@@ -86,8 +88,12 @@ def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters,
     Besides the contract, the record's key must be its ``generation_id``: both stages rely on
     a generation's records sharing a partition number (see docs/exactly-once.md). A header key
     that is not UTF-8 breaks the Kafka protocol: its producer is broken, so the record is
-    ``undecodable`` even when its value is fine.
+    ``undecodable`` even when its value is fine. A stand-in for records that could not be read
+    from their batch is ``unreadable_batch`` (flywheel/kafka_batches.py).
     """
+    if rec.headers and (marker := unreadable_batch(rec.headers)) is not None:
+        dead.send_unreadable(rec, marker)
+        return None
     if rec.headers and (bad := unreadable_header(rec.headers)) is not None:
         dead.send_record(rec, "undecodable", f"header key {bad.raw!r} is not UTF-8")
         return None
@@ -159,6 +165,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.delivered = 0
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
         self._more_due = False  # the last tick left due work: poll without waiting
+        self._committed: dict[TopicPartition, int] = {}  # each position last committed to the group
         store.bind_shards(self.shards)
         if self.shards:
             self._assign_static()
@@ -213,6 +220,7 @@ class StreamRunner(ConsumerRebalanceListener):
             self.delivered += self.outbox.flush()  # settle what is in flight while these shards are still ours
             self.outbox.release(revoked)
         self.owned -= revoked
+        self._committed = {tp: n for tp, n in self._committed.items() if tp.partition not in revoked}
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
             return
@@ -276,20 +284,28 @@ class StreamRunner(ConsumerRebalanceListener):
         return starts
 
     # -- loop -----------------------------------------------------------------------------
-    def caught_up(self) -> set[int]:
-        """Shards whose every input partition is read up to its last fetched high watermark."""
+    def caught_up(self, positions: dict[TopicPartition, int | None] | None = None) -> set[int]:
+        """Shards whose every input partition is read up to where its last fetch said it can be
+        read (the high watermark, or the last stable offset below an open transaction)."""
+        if positions is None:
+            positions = self.positions()
         behind: set[int] = set()
-        shards: set[int] = set()
-        for tp in self.consumer.assignment():
-            shards.add(tp.partition)
-            high = self.consumer.highwater(tp)
-            try:
-                pos = self.consumer.position(tp, timeout_ms=100)
-            except Exception:  # noqa: BLE001 - position is unknown during a rebalance: not caught up
-                pos = None
+        for tp, pos in positions.items():
+            high = readable_end(self.consumer, tp)
             if high is None or pos is None or pos < high:
                 behind.add(tp.partition)
-        return (shards - behind) & self.owned
+        return {tp.partition for tp in positions} - behind
+
+    def positions(self) -> dict[TopicPartition, int | None]:
+        """The consumer's position in each input partition of an owned shard (None: unknown)."""
+        out: dict[TopicPartition, int | None] = {}
+        for tp in self.consumer.assignment():
+            if tp.partition in self.owned:
+                try:
+                    out[tp] = self.consumer.position(tp, timeout_ms=100)
+                except Exception:  # noqa: BLE001 - position is unknown during a rebalance: not caught up
+                    out[tp] = None
+        return out
 
     def _hold_input(self) -> None:
         """Pause the owned input partitions while the outbox owes ``max_owed`` rows, until it owes
@@ -326,7 +342,8 @@ class StreamRunner(ConsumerRebalanceListener):
         records = [r for recs in batches.values() for r in recs]
         offsets = {(tp.topic, tp.partition): recs[-1].offset + 1 for tp, recs in batches.items() if recs}
         now = time.time()
-        ready = self.caught_up()
+        positions = self.positions()  # past this batch, and past any transaction markers behind it
+        ready = self.caught_up(positions)
         with gc_paused():
             try:
                 with self.store.txn():
@@ -343,14 +360,25 @@ class StreamRunner(ConsumerRebalanceListener):
             self._more_due = more_due
             self.delivered += self.outbox.deliver(self.owned)
             self.outbox.archive()
-        if offsets:
-            self.consumer.commit_async(
-                {TopicPartition(t, p): OffsetAndMetadata(n, "", -1) for (t, p), n in offsets.items()}
-            )
+        self._commit_positions(positions)
         self.lag.update(self.consumer)
         self.last_loop = time.monotonic()
         self.records_in += len(records)
         return len(records)
+
+    def _commit_positions(self, positions: dict[TopicPartition, int | None]) -> None:
+        """Commit to the consumer group each position that moved since it was last committed.
+
+        The store's offsets are the truth; the group's are for lag tools, and for a store made
+        afresh (``_store_starts``). The positions, not the last record read plus one: past a
+        transaction's commit marker (a control record no poll hands out), a commit of the last
+        record read plus one would show a lag of 1 on the partition for good. Every position is
+        at most the batch just stored ends at, or past markers only.
+        """
+        moved = {tp: pos for tp, pos in positions.items() if pos is not None and self._committed.get(tp) != pos}
+        if moved:
+            self.consumer.commit_async({tp: OffsetAndMetadata(pos, "", -1) for tp, pos in moved.items()})
+            self._committed.update(moved)
 
     def run(self, stop: StopFlag, check: Callable[[], None] | None = None) -> None:
         """Step until ``stop``; ``check()`` runs before every step and stops the loop by raising

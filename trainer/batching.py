@@ -44,7 +44,7 @@ MAX_ABS_REWARD = 1e6
 MIN_LOGPROB = -1e4
 #: Every reason the trainer dead-letters a reward record for: its contract, the checks above, and
 #: a batch whose loss was not finite (trainer/loop.py; no step is taken on it).
-DEADLETTER_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, *REJECT_REASONS, "nonfinite_loss")
+DEADLETTER_REASONS: tuple[str, ...] = (*CONTRACT_REASONS, *REJECT_REASONS, "nonfinite_loss", "unreadable_batch")
 
 
 def reject_reason(ev: RewardEvent, *, trainer_version: int, max_seq_len: int, vocab_size: int) -> tuple[str, str] | None:

@@ -43,6 +43,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.kafka_batches import unreadable_batch
 from flywheel.settings import Settings
 from trainer import dist
 from trainer.announce import announced, checkpoint_event, mark_announced
@@ -303,6 +304,9 @@ class Trainer:
         self.book.seen(rec.topic, rec.partition, rec.offset)
         if self.book.is_settled(rec.topic, rec.partition, rec.offset):
             return  # its effect is already in a durable version
+        if rec.headers and (marker := unreadable_batch(rec.headers)) is not None:
+            self.deadletters.send_unreadable(rec, marker)
+            return self._unused(rec, "unreadable_batch")
         try:
             ev = decode(RewardEvent, rec.value)
         except ContractError as exc:
@@ -321,6 +325,10 @@ class Trainer:
 
     def _dead(self, rec: Any, reason: str, detail: str) -> None:
         self.deadletters.send_record(rec, reason, detail)
+        self._unused(rec, reason)
+
+    def _unused(self, rec: Any, reason: str) -> None:
+        """A dead-lettered record: counted, and its offset settled (nothing of it is trained)."""
         self.m.dropped.labels(reason).inc()
         self.book.settle(rec.topic, rec.partition, rec.offset)
         self.ledger.drop(reason, _key(rec))

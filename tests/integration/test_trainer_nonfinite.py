@@ -18,7 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import make_trainer, reward_event
+from trainer_helpers import ListSink, make_trainer, reward_event
 
 from flywheel.bus import DeadLetters
 from flywheel.contracts import DeadLetterEvent, RewardEvent, SamplingParams, decode, encode
@@ -26,20 +26,6 @@ from flywheel.metrics import new_registry
 from trainer.batching import DEADLETTER_REASONS
 
 pytestmark = pytest.mark.integration
-
-
-class ListSink:
-    def __init__(self) -> None:
-        self.records: list[tuple[str, str | None, bytes]] = []
-
-    def write(self, topic: str, key: str | None, value: bytes) -> None:
-        self.records.append((topic, key, value))
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def weights(tr) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import make_trainer, reward_event
+from trainer_helpers import ListSink, make_trainer, reward_event
 
 from flywheel import manifest
 from flywheel.manifest import ManifestError
@@ -115,20 +115,6 @@ def test_tampered_weights_are_detected_by_the_cli(chain, tmp_path):
     assert good.returncode == 0 and "OK" in good.stdout
 
 
-class ListSink:
-    def __init__(self):
-        self.records = []
-
-    def write(self, topic, key, value):
-        self.records.append((topic, key, value))
-
-    def flush(self, timeout_s=None):
-        return None
-
-    def close(self):
-        return None
-
-
 def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
     """At trainer version 6 with max_staleness 4: v1 is stale (counted), v9 is unknown (dead letter)."""
     from collections import namedtuple
@@ -136,11 +122,12 @@ def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
     from flywheel.bus import DeadLetters
     from flywheel.contracts import DeadLetterEvent, decode, encode
 
-    Rec = namedtuple("Rec", "topic partition offset key value")
+    Rec = namedtuple("Rec", "topic partition offset key value headers")
     sink = ListSink()
     chain.deadletters = DeadLetters(sink, "dl", "trainer_test", new_registry())
     assert chain.version == 6 and chain.cfg.max_staleness == 4
-    recs = [Rec("r", 0, 100 + i, f"k{i}".encode(), encode(reward_event(500 + i, version=v))) for i, v in enumerate([1, 2, 9])]
+    recs = [Rec("r", 0, 100 + i, f"k{i}".encode(), encode(reward_event(500 + i, version=v)), [])
+            for i, v in enumerate([1, 2, 9])]
     for rec in recs:
         chain._intake(rec)
     assert chain.ledger.dropped["stale"] == ["gen-500"]

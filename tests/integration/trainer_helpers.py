@@ -11,6 +11,22 @@ from flywheel.metrics import new_registry
 from flywheel.settings import Settings, TrainerSettings
 
 
+class ListSink:
+    """A trainer's dead-letter sink that keeps what it is given: ``(topic, key, value)``."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, str | None, bytes]] = []
+
+    def write(self, topic: str, key: str | None, value: bytes) -> None:
+        self.records.append((topic, key, value))
+
+    def flush(self, timeout_s: float | None = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
 def reward_event(i: int, *, group: str | None = None, reward: float | None = None, version: int = 0,
                  completion: tuple[int, ...] | None = None, logprobs: tuple[float, ...] | None = None) -> RewardEvent:
     comp = completion if completion is not None else tuple(10 + (i * 7 + k) % 200 for k in range(6))
