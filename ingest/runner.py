@@ -68,6 +68,11 @@ except ImportError:  # pragma: no cover - confluent-kafka is a dependency; kafka
 #: Pause before retrying a turn that failed on the broker.
 RETRY_PAUSE_S = 1.0
 
+#: The wall clock moved this much more (or less) than the monotonic clock between two turns: it
+#: was stepped (NTP, a VM's clock set, a wrong clock corrected). A stage that keeps waits on it
+#: moves them by as much (``clock_stepped``).
+CLOCK_STEP_S = 5.0
+
 #: Outbox rows owed to Kafka past which the loop stops reading input until half of them are
 #: delivered: while an output cannot be written (a partition without a leader, a deleted topic,
 #: missing ACLs) the backlog then waits in the input topics, where lag alerts see it, rather
@@ -116,6 +121,11 @@ class Stage(Protocol):
     def tick(self, shards: set[int], now: float) -> bool | None:
         """Time-driven work for shards whose inputs are caught up (inside the transaction).
         True: it left due work for the next turn, which then does not wait on an idle input."""
+
+    # Optional: ``clock_stepped(by: float) -> None``, called inside the transaction of the first
+    # turn after the wall clock stepped ``by`` seconds while the stage ran. A stage that stores
+    # times of the wall clock to wait for (ingest's windows) moves them by as much, so that a step
+    # neither ends its waits at once (forward) nor stretches them by hours (back).
 
 
 class OutboxSink:
@@ -166,6 +176,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
         self._more_due = False  # the last tick left due work: poll without waiting
         self._committed: dict[TopicPartition, int] = {}  # each position last committed to the group
+        self._clock: tuple[float, float] | None = None  # (wall, monotonic) at the last committed turn
         store.bind_shards(self.shards)
         if self.shards:
             self._assign_static()
@@ -341,12 +352,17 @@ class StreamRunner(ConsumerRebalanceListener):
         batches = {tp: recs for tp, recs in batches.items() if tp.partition in self.owned}
         records = [r for recs in batches.values() for r in recs]
         offsets = {(tp.topic, tp.partition): recs[-1].offset + 1 for tp, recs in batches.items() if recs}
-        now = time.time()
+        now, mono = time.time(), time.monotonic()
+        stepped = 0.0 if self._clock is None else (now - self._clock[0]) - (mono - self._clock[1])
         positions = self.positions()  # past this batch, and past any transaction markers behind it
         ready = self.caught_up(positions)
         with gc_paused():
             try:
                 with self.store.txn():
+                    if abs(stepped) >= CLOCK_STEP_S and (shift := getattr(self.stage, "clock_stepped", None)):
+                        log.warning("the wall clock stepped %+.0f s since the last turn: moving the stage's "
+                                    "waits by as much", stepped)
+                        shift(stepped)
                     if records:
                         self.stage.process(records, now)
                         self.store.set_offsets(offsets)
@@ -358,6 +374,7 @@ class StreamRunner(ConsumerRebalanceListener):
                         self.consumer.seek(tp, recs[0].offset)
                 raise
             self._more_due = more_due
+            self._clock = (now, mono)  # after the commit: a shift rolled back is made again
             self.delivered += self.outbox.deliver(self.owned)
             self.outbox.archive()
         self._commit_positions(positions)

@@ -227,6 +227,18 @@ class IngestStage:
              rec.topic, rec.partition, rec.offset, rec.key),
         )
 
+    def clock_stepped(self, by: float) -> None:
+        """The wall clock stepped ``by`` seconds while the stage ran (ingest/runner.py): move every
+        time stored on it by as much. Windows, orphans' waits and the memory of closed windows
+        then last as long as they would have: a forward step closed every open window at once,
+        before feedback given in time could arrive (it became ``late_feedback``), and a step back
+        held them open for the whole step. (A step while the stage is down looks like downtime:
+        nothing tells them apart.)"""
+        self.db.execute("UPDATE gens SET close_at = close_at + ?", (by,))
+        self.db.execute("UPDATE fbs SET deadline = deadline + ?", (by,))
+        self.db.execute("UPDATE closed SET closed_at = closed_at + ?", (by,))
+        self._last_prune += by
+
     # -- windows --------------------------------------------------------------------------
     def tick(self, shards: set[int], now: float) -> bool:
         more = False

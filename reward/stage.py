@@ -321,7 +321,9 @@ class RewardStage:
             self.db.executemany("DELETE FROM reached WHERE shard=?", [(s,) for s in live.keys() - self._reached.keys()])
         if not self._reached:
             return
-        oldest = min(win for win, _ in self._reached.values()) - 2
+        # never past the wall clock's window either: a shard that reached a window while the clock
+        # ran ahead (a wrong clock, corrected since) must not prune the window filling now
+        oldest = min(window_of(now, self.cfg), *(win for win, _ in self._reached.values())) - 2
         self.db.execute("DELETE FROM user_win WHERE win<?", (oldest,))
         self.db.execute("DELETE FROM win_tot WHERE win<?", (oldest,))
         self._users = {k: v for k, v in self._users.items() if k[0] >= oldest}
