@@ -228,7 +228,9 @@ class ShardClaims:
         a = self.assignor
         return Claim("", a.epoch, a.shards, a.granted, a.started, a.where).describe()
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop polling and leave the claims group, within about twice ``timeout_s`` whatever the
+        broker does (a stop must fit a supervisor's grace period: ingest/runner.py STOP_FLUSH_S)."""
         self._stop.set()
-        self._poller.join(timeout=10)
-        self.consumer.close(autocommit=False)
+        self._poller.join(timeout=timeout_s)
+        self.consumer.close(autocommit=False, timeout_ms=int(timeout_s * 1000))

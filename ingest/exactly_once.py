@@ -672,9 +672,10 @@ class Outbox:
             log.info("outputs flowing again")
         self.blocked = reason
 
-    def flush(self) -> int:
-        """Wait for every send in flight and settle it (before shards move, and at shutdown)."""
-        self.producer.flush(self.flush_timeout_s)
+    def flush(self, timeout_s: float | None = None) -> int:
+        """Wait for every send in flight and settle it (before shards move, and at shutdown), up
+        to ``timeout_s`` (default ``flush_timeout_s``)."""
+        self.producer.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
         return self._reap()
 
     def _reap(self) -> int:

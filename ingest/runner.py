@@ -68,6 +68,13 @@ except ImportError:  # pragma: no cover - confluent-kafka is a dependency; kafka
 #: Pause before retrying a turn that failed on the broker.
 RETRY_PAUSE_S = 1.0
 
+#: A stop waits at most this long for the acks of sends in flight, and each consumer at most
+#: STOP_CLOSE_MS to leave its group: unacked sends are settled by the next start's recovery scan
+#: and leaving is best effort, while the whole stop must fit a supervisor's grace period
+#: (Kubernetes gives 30 s before SIGKILL). Unbounded, a stop during a broker stall took 29-36 s.
+STOP_FLUSH_S = 5.0
+STOP_CLOSE_MS = 2000
+
 #: The wall clock moved this much more (or less) than the monotonic clock between two turns: it
 #: was stepped (NTP, a VM's clock set, a wrong clock corrected). A stage that keeps waits on it
 #: moves them by as much (``clock_stepped``).
@@ -438,7 +445,7 @@ class StreamRunner(ConsumerRebalanceListener):
         the next start settles by its recovery scan)."""
         with gc_paused():
             try:
-                self.delivered += self.outbox.flush()
+                self.delivered += self.outbox.flush(STOP_FLUSH_S)
             except BROKER_ERRORS as exc:
                 log.warning("stopping with %d sends unacknowledged (%s); the next start settles them",
                             self.outbox.in_flight, exc)
@@ -522,7 +529,7 @@ def serve_stage(
         # which the join needs (a generation and its feedback share a partition number).
         consumer = make_consumer(settings.kafka, name, group_id,
                                  partition_assignment_strategy=[RangePartitionAssignor])
-        held.callback(consumer.close, autocommit=False)
+        held.callback(consumer.close, autocommit=False, timeout_ms=STOP_CLOSE_MS)
         runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
                               max_batch, poll_ms, shards)
         stalled_gauge(name, runner, registry)

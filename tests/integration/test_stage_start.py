@@ -1,13 +1,18 @@
-"""A stage started while the broker does not answer waits for it instead of exiting."""
+"""A stage started while the broker does not answer waits for it instead of exiting; one stopped
+while it does not answer stops in time."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from contextlib import closing
 
 import pytest
-from conftest import stage_env
+from conftest import read_all, small_generation, stage_env
+
+from flywheel.bus import make_producer
+from flywheel.contracts import EpisodeEvent, decode, encode
 
 pytestmark = pytest.mark.integration
 
@@ -41,3 +46,54 @@ def test_a_stage_started_while_the_broker_is_down_waits_for_it(broker, kafka_set
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def _start(stage: str, env: dict[str, str], log) -> subprocess.Popen:
+    with open(log, "ab") as out:
+        return subprocess.Popen([sys.executable, "-m", f"{stage}.main"], stdout=out, stderr=subprocess.STDOUT,
+                                env={**env, "PATH": ""})
+
+
+@pytest.mark.slow
+def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broker, kafka_settings, topics, tmp_path):
+    """SIGTERM while the broker is stalled, with windows closing into sends it does not ack: the
+    stop must end before a supervisor's grace period does (Kubernetes: 30 s, then SIGKILL).
+    Each step of it waited on the broker in turn (acks 30 s, then each consumer's group leave
+    up to 30 s): 29-36 s. What is left unacked is settled by the next start, once each."""
+    env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_INGEST_WINDOW_S="1", FLYWHEEL_INGEST_GRACE_S="0",
+                    FLYWHEEL_LOG_LEVEL="INFO")
+    log = tmp_path / "ingest.log"
+    t, gids = time.time(), [f"g{i}" for i in range(600)]
+    proc = _start("ingest", env, log)
+    try:
+        with closing(make_producer(kafka_settings, "test")) as producer:
+            for gid in gids[:100]:
+                producer.send(topics.generations, key=gid, value=encode(small_generation(gid, t)))
+            producer.flush()
+            assert len(read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=60)) >= 100
+            for gid in gids[100:]:  # their windows close while the broker is stalled
+                producer.send(topics.generations, key=gid, value=encode(small_generation(gid, t)))
+            producer.flush()
+        time.sleep(0.5)
+        broker.pause()
+        try:
+            time.sleep(1.5)
+            proc.terminate()
+            stopped = time.monotonic()
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - stopped
+        finally:
+            broker.resume()
+        assert rc == 0, log.read_text(errors="replace")[-3000:]
+        assert took < 25, f"the stop took {took:.1f}s: {log.read_text(errors='replace')[-3000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    proc = _start("ingest", env, log)  # the restart settles what the stop left
+    try:
+        episodes = read_all(kafka_settings.bootstrap, topics.episodes, expect=len(gids), timeout_s=90)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    got = sorted(decode(EpisodeEvent, r.value).generation_id for r in episodes)
+    assert got == sorted(gids)
