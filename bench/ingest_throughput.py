@@ -16,7 +16,10 @@ measures, on the same messages with the same consumer settings (flywheel.bus.mak
 - + validate: that, plus each record decoded and validated at the edge as the stages do: the
   floor under any stage that must validate its input and emit exactly once.
 
-The last three rows split the reward stage's gap to the raw rate into its parts.
+The last three rows split the reward stage's gap to the raw rate into its parts. Then, for the
+confluent client, the rows of bench/stage_floor.py: the least any exactly-once stage must do per
+record (an acked send, outputs held durably until acked, the record parsed), each as lean as these
+clients allow: a ceiling on what any implementation of the stages can reach.
 
 It prints one table of records/s (wall clock and per CPU-second of this process, all threads) and
 the ratio to the raw rate of the same input measured just before in the same run (goal: >= 0.5);
@@ -37,6 +40,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from stage_floor import floor_rows
 
 from flywheel.broker import EmbeddedBroker
 from flywheel.bus import (
@@ -72,22 +77,27 @@ from reward.stage import SCHEMA as REWARD_SCHEMA_SQL
 WINDOW_S = 0.01
 
 
+def generation(i: int, tokens: int, t: float) -> GenerationEvent:
+    """The benchmarks' ``i``-th generation: ``tokens`` completion tokens, made at ``t``."""
+    gid = f"g{i}"
+    toks = tuple((i * 7 + j) % 500 for j in range(tokens))
+    return GenerationEvent(
+        generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id=f"u{i % 500}",
+        endpoint="chat", created_at=t, completed_at=t, latency_ms=20, prompt_text="a prompt",
+        prompt_token_ids=(1, 2, 3, 4), completion_text="x" * (3 * tokens), completion_token_ids=toks,
+        logprobs=tuple(-0.5 for _ in toks), sampling=SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64),
+        finish_reason="stop")
+
+
 def produce(cfg: KafkaSettings, topics: Topics, pairs: int, tokens: int = 32) -> None:
     producer = make_producer(cfg, "bench", linger_ms=20)
     t = time.time() - 60
-    sp = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=64)
     for i in range(pairs):
-        gid = f"g{i}"
-        toks = tuple((i * 7 + j) % 500 for j in range(tokens))
-        g = GenerationEvent(
-            generation_id=gid, group_id=gid, model_name="m", model_version=0, user_id=f"u{i % 500}",
-            endpoint="chat", created_at=t, completed_at=t, latency_ms=20, prompt_text="a prompt",
-            prompt_token_ids=(1, 2, 3, 4), completion_text="x" * (3 * tokens), completion_token_ids=toks,
-            logprobs=tuple(-0.5 for _ in toks), sampling=sp, finish_reason="stop")
-        f = FeedbackEvent(feedback_id=f"f{i}", generation_id=gid, signal=("accept", "reject")[i % 2],
+        g = generation(i, tokens, t)
+        f = FeedbackEvent(feedback_id=f"f{i}", generation_id=g.generation_id, signal=("accept", "reject")[i % 2],
                           decision_ms=900.0, created_at=t, received_at=t)
-        producer.send(topics.generations, key=gid, value=encode(g))
-        producer.send(topics.feedback, key=gid, value=encode(f))
+        producer.send(topics.generations, key=g.generation_id, value=encode(g))
+        producer.send(topics.feedback, key=g.generation_id, value=encode(f))
     producer.flush()
     producer.close()
 
@@ -213,6 +223,8 @@ def run_client(base: KafkaSettings, client: str, n: int, work: Path, repeat: int
             cfg, f"pass-{validate}", [topics.episodes],
             lambda s, r, out=out, validate=validate: PassThrough(s, r, out, topics, validate),
             "", {}, n, n, work)))
+    if client == "confluent":  # the floor sends with confluent-kafka, whichever client the stages use
+        rows += floor_rows(cfg, topics.episodes, topics.prefix, n, work, repeat)
     return rows
 
 
