@@ -38,7 +38,8 @@ metrics and in the archive, and the stream keeps one reward per episode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from itertools import pairwise
+from typing import NamedTuple
 
 from flywheel.settings import RewardSettings
 
@@ -49,11 +50,14 @@ ABUSE_FLAGS: tuple[str, ...] = ("user_cap", "constant_user", "rate_anomaly")
 HACKING_FLAGS: tuple[str, ...] = ("long", "repetition")
 
 
-@dataclass(frozen=True)
-class UserWindow:
+class UserWindow(NamedTuple):
     """Counts for one user in one guard window, including the sample being judged, except
     ``user_kept`` and ``window_kept``: the user's and the window's samples kept (not capped)
-    before this one."""
+    before this one.
+
+    Named tuples rather than frozen dataclasses, here and below: one of each is made per sample,
+    and a frozen dataclass costs several times more to make.
+    """
 
     user_count: int
     user_kept: int
@@ -63,10 +67,13 @@ class UserWindow:
     window_kept: int
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(NamedTuple):
     weight: float
     flags: tuple[str, ...]
+
+
+#: The verdict on most samples, made once.
+CLEAN = Verdict(1.0, ())
 
 
 def within_cap(user_kept: int, window_kept: int, cfg: RewardSettings) -> bool:
@@ -81,9 +88,9 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     if not within_cap(stats.user_kept, stats.window_kept, cfg):
         flags.append("user_cap")
         weight = 0.0
-    n_signals = sum(stats.signal_counts.values())
-    distinct = sum(1 for c in stats.signal_counts.values() if c > 0)
-    if n_signals >= cfg.constant_min_signals and distinct == 1 and not stats.signal_counts.get("edit"):
+    counts = stats.signal_counts.values()
+    if sum(counts) >= cfg.constant_min_signals and len([c for c in counts if c > 0]) == 1 \
+            and not stats.signal_counts.get("edit"):
         flags.append("constant_user")
         weight *= cfg.constant_weight
     others = stats.window_users - 1
@@ -91,7 +98,7 @@ def judge_user(stats: UserWindow, cfg: RewardSettings) -> Verdict:
     if stats.user_count >= cfg.rate_min and stats.user_count > cfg.rate_factor * mean:
         flags.append("rate_anomaly")
         weight *= cfg.rate_weight
-    return Verdict(weight, tuple(flags))
+    return Verdict(weight, tuple(flags)) if flags else CLEAN
 
 
 def judge_unrated(user_kept: int, window_kept: int, cfg: RewardSettings) -> Verdict:
@@ -100,7 +107,7 @@ def judge_unrated(user_kept: int, window_kept: int, cfg: RewardSettings) -> Verd
     Nobody sent a signal, so nothing here says the user is constant or anomalous; but the sample
     still goes to training, so it counts toward the user's share, and the cap applies.
     """
-    return Verdict(1.0, ()) if within_cap(user_kept, window_kept, cfg) else Verdict(0.0, ("user_cap",))
+    return CLEAN if within_cap(user_kept, window_kept, cfg) else Verdict(0.0, ("user_cap",))
 
 
 def length_penalty(n_tokens: int, cfg: RewardSettings) -> float:
@@ -114,13 +121,22 @@ def distinct_ngram_ratio(tokens: tuple[int, ...], n: int) -> float:
     if count <= 0:
         return 1.0
     # zip over n shifted views builds each n-gram tuple in C: several times cheaper per sample
-    return len(set(zip(*(tokens[i:] for i in range(n))))) / count
+    # (the usual n spelled out: the generic form's generator costs as much as the set)
+    if n == 3:
+        grams = zip(tokens, tokens[1:], tokens[2:])
+    elif n == 2:
+        grams = pairwise(tokens)
+    else:
+        grams = zip(*(tokens[i:] for i in range(n)))
+    return len(set(grams)) / count
 
 
 def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings) -> tuple[dict[str, float], tuple[str, ...]]:
     """Reward-hacking guards for one completion: (extra components, flags)."""
     components: dict[str, float] = {}
     flags: list[str] = []
+    if len(tokens) < cfg.repetition_min_tokens and len(tokens) <= cfg.length_target_tokens:
+        return components, ()  # the usual sample: nothing to judge
     if len(tokens) > cfg.length_target_tokens:
         flags.append("long")
         if cfg.length_penalty:

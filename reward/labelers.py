@@ -37,11 +37,12 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Mapping
+from math import isfinite
 from typing import Protocol
 
 from rapidfuzz.distance import Levenshtein
 
-from flywheel.contracts import EpisodeEvent
+from flywheel.contracts import SIGNALS, EpisodeEvent
 from flywheel.settings import RewardSettings, SettingsError
 from reward.guards import GUARD_COMPONENTS
 
@@ -81,6 +82,10 @@ def signal_value(signal: str, cfg: RewardSettings) -> float | None:
     return {"accept": cfg.accept_value, "reject": cfg.reject_value, "ignore": cfg.ignore_value}.get(signal)
 
 
+#: The direction of a decision: the latency bonus rewards a fast accept and punishes a fast reject.
+_DIRECTION = {"accept": 1.0, "reject": -1.0}
+
+
 def edit_similarity(completion: str, final: str, max_chars: int | None = None) -> float:
     """1 - Levenshtein distance / the longer length; 1.0 for two empty texts.
 
@@ -109,7 +114,7 @@ def edit_value(similarity: float, cfg: RewardSettings) -> float:
 
 
 def latency_value(signal: str, decision_ms: float | None, cfg: RewardSettings) -> float:
-    direction = {"accept": 1.0, "reject": -1.0}.get(signal, 0.0)
+    direction = _DIRECTION.get(signal, 0.0)
     if decision_ms is None or direction == 0.0 or cfg.latency_bonus == 0.0:
         return 0.0
     return direction * cfg.latency_bonus * max(0.0, 1.0 - decision_ms / cfg.latency_ref_ms)
@@ -118,8 +123,10 @@ def latency_value(signal: str, decision_ms: float | None, cfg: RewardSettings) -
 # -- built-in labelers ----------------------------------------------------------------------
 @register_labeler("signal")
 def _signal(cfg: RewardSettings) -> Labeler:
+    values = {signal: signal_value(signal, cfg) for signal in SIGNALS}  # once, not per episode
+
     def label(ep: EpisodeEvent) -> dict[str, float]:
-        value = signal_value(ep.signal, cfg)
+        value = values.get(ep.signal)
         return {} if value is None else {"signal": value}
     return label
 
@@ -178,6 +185,9 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
         raise SettingsError(f"reward.labelers: {', '.join(map(repr, twice))} named more than once; "
                             "each labeler's components count once")
     parts = [(name, _labeler_named(name, cfg)) for name in cfg.labelers]
+    # Names that passed the checks of a name alone (a str UTF-8 can encode, not a guard's): the
+    # same few names come back on every episode, and checking them again cost more than labeling.
+    named_ok: set[str] = set()
 
     def label(ep: EpisodeEvent) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -187,11 +197,14 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
                 got = part(ep)
             except Exception as exc:  # one episode fails, not the stage
                 raise LabelerError(name, f"{type(exc).__name__}: {exc}") from exc
-            if not isinstance(got, Mapping):
+            if type(got) is not dict and not isinstance(got, Mapping):
                 raise LabelerError(name, f"returned {type(got).__name__}, not a dict of components")
             for key, value in got.items():
-                _check_component_name(name, key, given_by)
-                out[key] = _component_value(name, key, value)
+                if key in given_by or key not in named_ok:
+                    _check_component_name(name, key, given_by)
+                    named_ok.add(key)
+                # a finite float is taken as it is; anything else is converted or refused
+                out[key] = value if type(value) is float and isfinite(value) else _component_value(name, key, value)
                 given_by[key] = name
         # finite parts can still add up to infinity (two of 1e308): JSON writes that reward as
         # null, which the archive and the trainer refuse, so it fails here, on its one episode

@@ -99,6 +99,8 @@ class RewardStage:
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
         self._children: dict[tuple[Counter, str], Counter] = {}
+        #: (signal, sample flags, user flags) -> samples of the batch in hand (_export_tally)
+        self._tally: dict[tuple[str, tuple[str, ...], tuple[str, ...]], int] = {}
         self._check_guard_window()
         self._load_counts()
         store.on_rollback(self._load_counts)
@@ -125,6 +127,7 @@ class RewardStage:
                             (want,))
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
+        self._tally.clear()  # (what a batch that failed part way counted is not exported)
         episodes = []
         latest: dict[int, float] = {}  # shard -> latest generation time in this batch
         for rec in records:
@@ -157,6 +160,7 @@ class RewardStage:
             fresh.append((ep.generation_id, now))
         self.db.executemany("INSERT INTO seen VALUES (?, ?)", fresh)
         self._write_counts()
+        self._export_tally()
 
     def _seen_of(self, gids: list[str]) -> set[str]:
         """The ids among ``gids`` labeled before: one query per chunk, not one per record."""
@@ -175,16 +179,23 @@ class RewardStage:
         components.update(extra)  # (labelers may not use these names: reward/labelers.py)
         reward = self._total(components, extra)  # before the guards count it: failed, it counts nowhere
         verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)
-        flags = sample_flags + verdict.flags
-        for flag in flags:
-            self._child(self.m.guards, flag).inc()
-        if sample_flags:
-            self._child(self.m.flagged, "hacking").inc()
-        if verdict.flags:
-            self._child(self.m.flagged, "abuse").inc()
-        self._child(self.m.rewards, ep.signal).inc()
+        key = (ep.signal, sample_flags, verdict.flags)
+        self._tally[key] = self._tally.get(key, 0) + 1
         self._child(self.m.value, ep.signal).observe(reward)
-        return reward_bytes(ep, reward, components, verdict.weight, flags, now)
+        return reward_bytes(ep, reward, components, verdict.weight, sample_flags + verdict.flags, now)
+
+    def _export_tally(self) -> None:
+        """Add the batch's samples to the counters: once per kind of sample, not once per sample
+        (each ``inc`` takes a lock; a batch holds thousands of samples of a few kinds)."""
+        for (signal, sample_flags, user_flags), n in self._tally.items():
+            self._child(self.m.rewards, signal).inc(n)
+            for flag in sample_flags + user_flags:
+                self._child(self.m.guards, flag).inc(n)
+            if sample_flags:
+                self._child(self.m.flagged, "hacking").inc(n)
+            if user_flags:
+                self._child(self.m.flagged, "abuse").inc(n)
+        self._tally.clear()
 
     def _total(self, components: dict[str, float], penalties: dict[str, float]) -> float:
         """The reward: the sum of the labelers' components and the guards' penalties.
