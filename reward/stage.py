@@ -101,6 +101,7 @@ class RewardStage:
         self._children: dict[tuple[Counter, str], Counter] = {}
         #: (signal, sample flags, user flags) -> samples of the batch in hand (_export_tally)
         self._tally: dict[tuple[str, tuple[str, ...], tuple[str, ...]], int] = {}
+        self._rewards: list[tuple[str, float]] = []  # (signal, reward) of the batch in hand
         self._check_guard_window()
         self._load_counts()
         store.on_rollback(self._load_counts)
@@ -128,6 +129,7 @@ class RewardStage:
 
     def process(self, records: list[ConsumerRecord], now: float) -> None:
         self._tally.clear()  # (what a batch that failed part way counted is not exported)
+        self._rewards.clear()
         episodes = []
         latest: dict[int, float] = {}  # shard -> latest generation time in this batch
         for rec in records:
@@ -181,12 +183,13 @@ class RewardStage:
         verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)
         key = (ep.signal, sample_flags, verdict.flags)
         self._tally[key] = self._tally.get(key, 0) + 1
-        self._child(self.m.value, ep.signal).observe(reward)
+        self._rewards.append((ep.signal, reward))
         return reward_bytes(ep, reward, components, verdict.weight, sample_flags + verdict.flags, now)
 
     def _export_tally(self) -> None:
-        """Add the batch's samples to the counters: once per kind of sample, not once per sample
-        (each ``inc`` takes a lock; a batch holds thousands of samples of a few kinds)."""
+        """Export the batch's samples once it is processed: counters once per kind of sample, not
+        once per sample (each ``inc`` takes a lock; a batch holds thousands of samples of a few
+        kinds), and each reward to the histogram."""
         for (signal, sample_flags, user_flags), n in self._tally.items():
             self._child(self.m.rewards, signal).inc(n)
             for flag in sample_flags + user_flags:
@@ -195,7 +198,10 @@ class RewardStage:
                 self._child(self.m.flagged, "hacking").inc(n)
             if user_flags:
                 self._child(self.m.flagged, "abuse").inc(n)
+        for signal, reward in self._rewards:
+            self._child(self.m.value, signal).observe(reward)
         self._tally.clear()
+        self._rewards.clear()
 
     def _total(self, components: dict[str, float], penalties: dict[str, float]) -> float:
         """The reward: the sum of the labelers' components and the guards' penalties.
