@@ -84,11 +84,11 @@ from typing import NamedTuple, Protocol
 import msgspec
 from kafka import TopicPartition
 from kafka.errors import KafkaError
-from kafka.partitioner.default import murmur2
 
 from flywheel.bus import OutputProducer, RecordRefused, high_watermarks, read_to_end, topic_ids
 from flywheel.kafka_batches import unreadable_batch
 from flywheel.settings import SettingsError
+from ingest.partitioner import out_partition, out_partitions
 
 log = logging.getLogger(__name__)
 
@@ -474,15 +474,6 @@ class Archive(Protocol):
     def archived_seqs(self, epoch: str, lo: int, hi: int) -> set[int]: ...
 
 
-def out_partition(key: str | None, outbox_id: str, partitions: int) -> int:
-    """The partition a record goes to: the default key partitioner, or a stable hash of its id.
-
-    Computed, not left to the producer, so recovery knows exactly which partition to read back.
-    """
-    data = (key if key is not None else outbox_id).encode("utf-8")
-    return (murmur2(data) & 0x7FFFFFFF) % partitions
-
-
 class OutputUnavailable(RuntimeError):
     """An output topic's partition count is unknown: the broker does not answer (or the topic is
     gone). Rows for it stay in the outbox until a later turn finds it."""
@@ -601,16 +592,21 @@ class Outbox:
             if not self._in_flight and self.blocked is None:
                 self._progress = time.monotonic()  # owed from now on
             send, epoch, header = self.producer.send, self.store.epoch, OUTBOX_HEADER
-            planned = []
-            for row in rows:
-                oid = f"{epoch}:{row.seq}"  # StateStore.outbox_id, inlined: once per output record
-                try:
-                    n = self.partitions(row.topic)
-                except OutputUnavailable as exc:
-                    # stop here, in seq order: this row and the ones after it go on a later turn
-                    blocked = str(exc)
-                    break
-                planned.append((row, oid, out_partition(row.key, oid, n)))
+            counts: dict[str, int] = {}  # partition count of each topic the rows go to
+            for i, row in enumerate(rows):
+                if row.topic not in counts:
+                    try:
+                        counts[row.topic] = self.partitions(row.topic)
+                    except OutputUnavailable as exc:
+                        # stop here, in seq order: this row and the ones after it go on a later turn
+                        blocked = str(exc)
+                        rows = rows[:i]
+                        break
+            oids = [f"{epoch}:{row.seq}" for row in rows]  # StateStore.outbox_id, inlined: once per output
+            # keyed rows by their key, dead letters by their id (ingest/partitioner.py), in one pass
+            parts = out_partitions([(oid if row.key is None else row.key).encode("utf-8") for row, oid in zip(rows, oids)],
+                                   [counts[row.topic] for row in rows])
+            planned = list(zip(rows, oids, parts))
             try:
                 self._check_topics({row.topic for row, _, _ in planned})
                 self._mark_first_sends({(row.shard, row.topic, part) for row, _, part in planned})
