@@ -16,10 +16,11 @@ measures, on the same messages with the same consumer settings (flywheel.bus.mak
 - + validate: that, plus each record decoded and validated at the edge as the stages do: the
   floor under any stage that must validate its input and emit exactly once.
 
-The last three rows split the reward stage's gap to the raw rate into its parts. Then, for the
-confluent client, the rows of bench/stage_floor.py: the least any exactly-once stage must do per
-record (an acked send, outputs held durably until acked, the record parsed), each as lean as these
-clients allow: a ceiling on what any implementation of the stages can reach.
+The last three rows split the reward stage's gap to the raw rate into its parts. A second table
+(with the confluent client) has the rows of bench/stage_floor.py on the same episodes: the least
+any exactly-once stage must do per record (an acked send, outputs held durably until acked, the
+record validated), each as lean as these clients allow, a ceiling on what any implementation of
+the reward stage can reach; each of its rounds pairs a raw consume with every row.
 
 It prints one table of records/s (wall clock and per CPU-second of this process, all threads) and
 the ratio to the raw rate of the same input measured just before in the same run (goal: >= 0.5);
@@ -41,7 +42,7 @@ import time
 import uuid
 from pathlib import Path
 
-from stage_floor import floor_rows
+from stage_floor import Rate, floor_rows
 
 from flywheel.broker import EmbeddedBroker
 from flywheel.bus import (
@@ -196,8 +197,8 @@ def median_of(repeat: int, measure, *args) -> tuple[float, float]:
 
 
 def run_client(base: KafkaSettings, client: str, n: int, work: Path, repeat: int,
-               tokens: int) -> list[tuple[str, tuple[float, float]]]:
-    """Both stages with ``client`` as their output producer, on fresh topics of their own."""
+               tokens: int) -> tuple[list[tuple[str, Rate]], Topics]:
+    """Both stages with ``client`` as their output producer, on fresh topics of their own (returned)."""
     cfg = base.model_copy(update={"producer_client": client})
     topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
     ensure_topics(cfg, [*topics.all(), *(f"{topics.prefix}relay{s}" for s in ("", "-eo", "-valid"))])
@@ -223,9 +224,14 @@ def run_client(base: KafkaSettings, client: str, n: int, work: Path, repeat: int
             cfg, f"pass-{validate}", [topics.episodes],
             lambda s, r, out=out, validate=validate: PassThrough(s, r, out, topics, validate),
             "", {}, n, n, work)))
-    if client == "confluent":  # the floor sends with confluent-kafka, whichever client the stages use
-        rows += floor_rows(cfg, topics.episodes, topics.prefix, n, work, repeat)
-    return rows
+    return rows, topics
+
+
+def run_floor(cfg: KafkaSettings, topics: Topics, n: int, work: Path, repeat: int) -> list[tuple[str, Rate, Rate]]:
+    """bench/stage_floor.py's rows on the episodes ingest wrote in :func:`run_client`."""
+    cfg = cfg.model_copy(update={"producer_client": "confluent"})
+    return floor_rows(cfg, topics.episodes, topics.prefix, n, work, repeat,
+                      lambda: raw_rate(cfg, [topics.episodes], n))
 
 
 def main() -> None:
@@ -243,18 +249,25 @@ def main() -> None:
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as tmp:
         cfg = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
                             partitions=2)
-        rows = [run_client(cfg, client, n, Path(tmp), args.repeat, args.tokens)
-                for client in args.clients.split(",")]
+        runs = {client: run_client(cfg, client, n, Path(tmp), args.repeat, args.tokens)
+                for client in args.clients.split(",")}
+        # the floor sends with confluent-kafka, whichever client the stages use
+        floor = run_floor(cfg, runs["confluent"][1], n, Path(tmp), args.repeat) if "confluent" in runs else []
     print(f"\n{n} generations ({args.tokens} completion tokens) + {n} feedback, 2 partitions, embedded "
           f"broker; raw and relay rows: median of {args.repeat} runs\n")
     # CPU columns: records per CPU-second of this process (all its threads), steadier than wall
     # time when other work shares the cores. Each stage is compared with the raw consume of its
     # own input just before it; the relay with the raw episode consume.
     print(f"{'path':<48}{'records/s':>11}{'vs raw':>8}{'rec/cpu-s':>11}{'vs raw':>8}")
-    for block in rows:
+    for block, _ in runs.values():
         for i, (label, (rate, cpu)) in enumerate(block):
             base, cbase = block[0][1] if i < 2 else block[2][1]
             print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
+    if floor:
+        print(f"\nfloor (bench/stage_floor.py) on the episodes above: {args.repeat} rounds of a raw consume and "
+              "each row; a ratio is the median of each round's row over its raw consume\n")
+        for label, (rate, cpu), (ratio, cratio) in floor:
+            print(f"{label:<48}{rate:>11,.0f}{ratio:>8.2f}{cpu:>11,.0f}{cratio:>8.2f}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,9 @@ must at least:
 1. consume the record (the raw rate: the baseline of the ratio);
 2. send one record on and collect its ack, with an id in a header for recovery to find;
 3. hold the batch's outputs durably until they are acked, with the input offsets past them;
-4. parse the record it validates (here only parsed: JSON to Python objects, no schema check,
-   which can only cost more).
+4. validate the record against its contract at the edge (``flywheel.contracts.decode``, the
+   one validator of the wire types); a row before it only parses the JSON, which no validation
+   can cost less than.
 
 :func:`floor_rate` runs exactly that and no more, as lean as this stack allows: the output is the
 input record's bytes unchanged (no encode), its partition the input's (no partitioner), no
@@ -19,9 +20,11 @@ for every ack. Step 3 is measured two ways: the cheapest durable write there is 
 appended to a file and fsynced; no index, no checksum, no compaction), and one SQLite
 transaction per batch (WAL, ``synchronous=FULL``, as the stages keep their state) holding the
 batch as one blob, deleted once every record of it is acked. Each row of :func:`floor_rows` adds
-one step to the one before. No stage can beat a row whose steps it must take, so the rows bound
-what any implementation of the stages on these clients can reach, not only the one in
-``ingest/`` and ``reward/``.
+one step to the one before (or, as its label says, does one another way). The records are
+episodes, the reward stage's input, one output each. No stage can beat a row whose steps it
+must take, so the rows bound what any implementation of the reward stage on these clients can
+reach, not only the one in ``reward/``; ingest, which sends one record per two it reads, has a
+floor of its own that these rows do not measure.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ import sqlite3
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
 from kafka import TopicPartition
 
 from flywheel.bus import ensure_topics, make_consumer, partitions_of
+from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, decode
 from flywheel.settings import KafkaSettings
 from ingest.exactly_once import OUTBOX_HEADER
 
@@ -45,8 +50,16 @@ _pack = msgspec.msgpack.Encoder().encode
 _parse = msgspec.json.Decoder().decode
 
 
+def _validate(value: bytes) -> None:
+    decode(EpisodeEvent, value, max_bytes=MAX_EPISODE_BYTES)
+
+
+#: What a floor row does with each record it reads, besides relaying it.
+CHECKS = {"parse": _parse, "validate": _validate}
+
+
 def floor_rate(cfg: KafkaSettings, topic_in: str, topic_out: str, expect: int, work: Path, *,
-               store: str | None, parse: bool, max_batch: int = 5000) -> tuple[float, float]:
+               store: str | None, check: str | None, max_batch: int = 5000) -> tuple[float, float]:
     """Records/s (wall, and per CPU-second of this process) of the least exactly-once relay.
 
     The clock starts once the first batch is consumed and sent, as for the stages in
@@ -79,9 +92,9 @@ def floor_rate(cfg: KafkaSettings, topic_in: str, topic_out: str, expect: int, w
             records = [r for recs in consumer.poll(timeout_ms=100, max_records=max_batch).values() for r in recs]
             if records:
                 batch_id += 1
-                if parse:
+                if check is not None:
                     for rec in records:
-                        _parse(rec.value)
+                        CHECKS[check](rec.value)
                 if held is not None:
                     held.hold(batch_id, records)
                 header = b"floor:%d:" % batch_id
@@ -171,23 +184,43 @@ def _settle(owed: list[tuple[int, int]], acked: list[int]) -> list[int]:
     return done
 
 
-#: (label, store, parse) of each row: each adds one step to the one before.
-FLOOR_STEPS: tuple[tuple[str, str | None, bool], ...] = (
-    ("floor: consume + acked send", None, False),
-    ("floor: + outputs durable (file, fsync)", "file", False),
-    ("floor: + parse each record (no validation)", "file", True),
-    ("floor: same, durable in SQLite instead", "sqlite", True),
+#: (label, store, check) of each row: each adds one step to the one before, or replaces it.
+FLOOR_STEPS: tuple[tuple[str, str | None, str | None], ...] = (
+    ("floor: consume + acked send", None, None),
+    ("floor: + outputs durable (file, fsync)", "file", None),
+    ("floor: + parse each record (no validation)", "file", "parse"),
+    ("floor: + validate instead (the contract's decode)", "file", "validate"),
+    ("floor: same, durable in SQLite instead", "sqlite", "validate"),
 )
 
 
-def floor_rows(cfg: KafkaSettings, topic_in: str, prefix: str, expect: int, work: Path,
-               repeat: int) -> list[tuple[str, tuple[float, float]]]:
-    """Each floor step on ``topic_in``, the median of ``repeat`` runs, to topics named from ``prefix``."""
-    outs = [f"{prefix}floor{i}-{r}" for i in range(len(FLOOR_STEPS)) for r in range(repeat)]
-    ensure_topics(cfg, outs)
-    rows = []
-    for i, (label, store, parse) in enumerate(FLOOR_STEPS):
-        runs = [floor_rate(cfg, topic_in, f"{prefix}floor{i}-{r}", expect, work, store=store, parse=parse)
-                for r in range(repeat)]
-        rows.append((label, (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))))
-    return rows
+Rate = tuple[float, float]  # records/s by the wall clock, and per CPU-second of this process
+
+
+def floor_rows(cfg: KafkaSettings, topic_in: str, prefix: str, expect: int, work: Path, repeat: int,
+               raw: Callable[[], Rate]) -> list[tuple[str, Rate, Rate]]:
+    """``(label, rates, ratios to the raw rate)`` of a raw consume and of each floor step on
+    ``topic_in``, ``repeat`` rounds, to topics named from ``prefix``.
+
+    Each round measures the raw consume (``raw()``) and then every step, and a step's ratio is
+    the median over rounds of its rate over that round's raw rate: on a machine whose speed
+    drifts from one second to the next (shared cores), a ratio of two runs seconds apart is
+    steadier than a ratio of two medians taken a minute apart.
+    """
+    ensure_topics(cfg, [f"{prefix}floor{i}-{r}" for i in range(len(FLOOR_STEPS)) for r in range(repeat)])
+    raws: list[Rate] = []
+    runs: list[list[Rate]] = [[] for _ in FLOOR_STEPS]
+    for r in range(repeat):
+        raws.append(raw())
+        for i, (_, store, check) in enumerate(FLOOR_STEPS):
+            runs[i].append(floor_rate(cfg, topic_in, f"{prefix}floor{i}-{r}", expect, work, store=store, check=check))
+
+    def row(label: str, rates: list[Rate]) -> tuple[str, Rate, Rate]:
+        ratios = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(rates, raws, strict=True)]
+        return label, _median(rates), _median(ratios)
+
+    return [row("raw consume (episodes)", raws), *(row(label, rates) for (label, _, _), rates in zip(FLOOR_STEPS, runs))]
+
+
+def _median(pairs: list[Rate]) -> Rate:
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)

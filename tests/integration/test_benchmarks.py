@@ -27,16 +27,16 @@ def run_bench(script: str, *args: str) -> list[tuple[str, float, float]]:
 
 def test_ingest_throughput_prints_stage_raw_and_relay_rows():
     # more records than one poll returns (5000), so every row counts records after its first batch
-    rows = run_bench("ingest_throughput.py", "--pairs", "6000", "--repeat", "2", "--clients", "confluent")
+    rows = run_bench("ingest_throughput.py", "--pairs", "6000", "--repeat", "1", "--clients", "confluent")
     assert [label for label, _, _ in rows] == [
         "raw consume (generations+feedback)", "ingest: join -> episodes [confluent]",
         "raw consume (episodes)", "reward: label -> rewards [confluent]",
         "relay: consume + send, no work [confluent]", "exactly-once relay, no decode [confluent]",
-        "exactly-once relay + validate [confluent]", "floor: consume + acked send",
+        "exactly-once relay + validate [confluent]", "raw consume (episodes)", "floor: consume + acked send",
         "floor: + outputs durable (file, fsync)", "floor: + parse each record (no validation)",
-        "floor: same, durable in SQLite instead"]
+        "floor: + validate instead (the contract's decode)", "floor: same, durable in SQLite instead"]
     assert all(rate > 0 for _, rate, _ in rows)
-    assert rows[0][2] == rows[2][2] == 1.0  # each raw row is the base of the rows after it
+    assert rows[0][2] == rows[2][2] == rows[7][2] == 1.0  # each raw row is the base of the rows after it
 
 
 @pytest.mark.slow
