@@ -52,6 +52,7 @@ from flywheel.settings import SettingsError
 
 if TYPE_CHECKING:
     from flywheel.settings import KafkaSettings
+    from ingest.runner import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 #: unverified. A join takes a few seconds; every member must rejoin, and members poll the group
 #: once per loop turn.
 CLAIM_WAIT_S = 30.0
+#: How often that wait looks whether the process was told to stop.
+STOP_CHECK_S = 0.1
 
 
 class ShardConflict(SettingsError):
@@ -193,22 +196,32 @@ class ShardClaims:
         """``granted``, or ``unverified`` while the group has not answered (see :meth:`wait_granted`)."""
         return "granted" if self.assignor.granted else "unverified"
 
-    def wait_granted(self, timeout_s: float = CLAIM_WAIT_S) -> None:
-        """Block until the group's first verdict; raise :class:`ShardConflict` if denied.
+    def wait_granted(self, stop: StopFlag | None = None, timeout_s: float = CLAIM_WAIT_S) -> bool:
+        """Block until the group's first verdict; raise :class:`ShardConflict` if denied. False
+        when ``stop`` came first: the process is stopping, and processes nothing.
 
         With no verdict in ``timeout_s`` the process runs anyway, unverified, and logs an error:
         the claims guard against a mistaken deployment and are not part of the exactly-once
         protocol, so a group that cannot answer must not keep a stage down. A verdict that comes
         later still applies (:meth:`check`). The embedded broker can leave a group unable to
         finish a join after some leave patterns (flywheel/broker.py), which is where this bites.
+        ``stop`` is looked at every ``STOP_CHECK_S``: a SIGTERM while the broker does not answer
+        must not wait out ``timeout_s`` too, or the stop outlasts a supervisor's grace period.
         """
-        if not self.assignor.verdicts.wait(timeout_s):
-            log.error("%s: no verdict from the claims group in %.0fs; running unverified: a process "
-                      "with overlapping shards would not be refused until the group answers",
-                      self.stage, timeout_s)
-            return
-        self.check()
-        log.info("%s: shard claim granted (%s)", self.stage, self._mine())
+        log.info("%s: waiting for the claims group's verdict (at most %.0fs)", self.stage, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not (stop is not None and stop.is_set()):
+            if self.assignor.verdicts.wait(max(0.0, min(STOP_CHECK_S, deadline - time.monotonic()))):
+                self.check()
+                log.info("%s: shard claim granted (%s)", self.stage, self._mine())
+                return True
+            if time.monotonic() >= deadline:
+                log.error("%s: no verdict from the claims group in %.0fs; running unverified: a process "
+                          "with overlapping shards would not be refused until the group answers",
+                          self.stage, timeout_s)
+                return True
+        log.info("%s: stopped while waiting for the claims group's verdict", self.stage)
+        return False
 
     def check(self) -> None:
         """Raise :class:`ShardConflict` when the latest verdict denies this process."""

@@ -536,7 +536,8 @@ def serve_stage(
         # nothing is processed before the claims group grants this process its shards
         claims = ShardClaims(settings.kafka, name, group_id, inputs, store.epoch, tuple(shards))
         held.callback(claims.close)
-        claims.wait_granted()
+        if not claims.wait_granted(stop):
+            return  # stopped before the shards were granted: nothing was processed
 
         def health() -> tuple[bool, dict[str, object]]:
             ok, detail = runner.healthy()

@@ -15,6 +15,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -129,6 +130,22 @@ def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings,
         assert claims.assignor.verdicts.wait(60)  # the group answers later: the verdict applies
         claims.check()
         assert claims.state == "granted"
+    finally:
+        claims.close()
+
+
+def test_a_stop_ends_the_wait_for_a_verdict(kafka_settings, topics):
+    """A process told to stop while its claim waits (a rollout, a crash loop, a broker that does
+    not answer) stops there: False, nothing granted, without waiting out the group's answer."""
+    from ingest.claims import ShardClaims
+
+    stop = threading.Event()
+    stop.set()
+    claims = ShardClaims(kafka_settings, "ingest", f"{topics.prefix}ingest", [topics.generations], "e1", (0,))
+    try:
+        began = time.monotonic()
+        assert claims.wait_granted(stop, timeout_s=60) is False
+        assert time.monotonic() - began < 1.0
     finally:
         claims.close()
 

@@ -25,9 +25,11 @@ def test_a_stage_started_while_the_broker_is_down_waits_for_it(broker, kafka_set
     log = tmp_path / f"{stage}.log"
     broker.pause()
     try:
+        # the first attempt gives up after kafka.request_timeout_ms (30 s by default)
+        env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS="3000")
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", f"{stage}.main"], stdout=out, stderr=subprocess.STDOUT,
-                                    env={**stage_env(kafka_settings, topics, tmp_path), "PATH": ""})
+                                    env={**env, "PATH": ""})
         deadline = time.monotonic() + 90
         while "the broker does not answer at start" not in log.read_text(errors="replace"):
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
@@ -97,3 +99,36 @@ def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broke
         assert proc.wait(timeout=30) == 0
     got = sorted(decode(EpisodeEvent, r.value).generation_id for r in episodes)
     assert got == sorted(gids)
+
+
+@pytest.mark.slow
+def test_a_stage_stopped_while_its_claim_waits_on_a_stalled_broker_exits_in_time(broker, kafka_settings, topics,
+                                                                                 tmp_path):
+    """SIGTERM while the process waits for its shard claim's verdict and the broker stalls: the
+    wait (up to 30 s) used to be waited out before the stop was seen, past a supervisor's grace
+    period. It now ends the wait, and the process stops having processed nothing."""
+    env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_LOG_LEVEL="INFO")
+    log = tmp_path / "ingest.log"
+    proc = _start("ingest", env, log)
+    try:
+        deadline = time.monotonic() + 90
+        while "waiting for the claims group's verdict" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the stage never waited for its claim"
+            time.sleep(0.02)
+        broker.pause()  # the embedded broker holds a join for half a session: the verdict is not in yet
+        try:
+            time.sleep(1.0)
+            proc.terminate()
+            stopped = time.monotonic()
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - stopped
+        finally:
+            broker.resume()
+        text = log.read_text(errors="replace")
+        assert rc == 0, text[-3000:]
+        assert "stopped while waiting for the claims group's verdict" in text, text[-3000:]
+        assert took < 15, f"the stop took {took:.1f}s: {text[-3000:]}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
