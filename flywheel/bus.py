@@ -595,7 +595,10 @@ def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | No
     the broker refuses is refused at every try (the outbox then reports a stall). Topics created
     by other means need the same setting (docs/exactly-once.md).
     """
-    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-admin")
+    # (the configured request timeout, not kafka-python's 30 s: a start while the broker does
+    # not answer says so after it, ingest/runner.py until_the_broker_answers)
+    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-admin",
+                             request_timeout_ms=cfg.request_timeout_ms, bootstrap_timeout_ms=cfg.request_timeout_ms)
     try:
         existing = set(admin.list_topics())
         new = [

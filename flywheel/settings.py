@@ -66,7 +66,8 @@ class KafkaSettings(_Section):
     linger_ms: int = Field(default=5, ge=0)
     """Producer batching delay: trades a few ms of latency for far fewer requests."""
     request_timeout_ms: int = Field(default=30_000, ge=500)
-    """How long a producer waits for the broker to answer one request before retrying it."""
+    """How long a producer waits for the broker to answer one request before retrying it; also
+    how long a process starting while the broker does not answer waits before it says so."""
     delivery_timeout_ms: int = Field(default=120_000, ge=1_000)
     """How long a producer keeps retrying a record before it reports the send failed. Nothing is
     lost when that happens: the sender keeps the record, replaces the producer and sends it again
