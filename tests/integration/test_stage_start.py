@@ -56,6 +56,19 @@ def _start(stage: str, env: dict[str, str], log) -> subprocess.Popen:
                                 env={**env, "PATH": ""})
 
 
+def _stop_in_a_stall(broker, proc: subprocess.Popen, after_s: float) -> tuple[int, float]:
+    """Stall the broker, SIGTERM ``proc`` ``after_s`` later: its exit code and how long it took."""
+    broker.pause()
+    try:
+        time.sleep(after_s)
+        proc.terminate()
+        stopped = time.monotonic()
+        rc = proc.wait(timeout=60)
+        return rc, time.monotonic() - stopped
+    finally:
+        broker.resume()
+
+
 @pytest.mark.slow
 def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broker, kafka_settings, topics, tmp_path):
     """SIGTERM while the broker is stalled, with windows closing into sends it does not ack: the
@@ -77,15 +90,7 @@ def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broke
                 producer.send(topics.generations, key=gid, value=encode(small_generation(gid, t)))
             producer.flush()
         time.sleep(0.5)
-        broker.pause()
-        try:
-            time.sleep(1.5)
-            proc.terminate()
-            stopped = time.monotonic()
-            rc = proc.wait(timeout=60)
-            took = time.monotonic() - stopped
-        finally:
-            broker.resume()
+        rc, took = _stop_in_a_stall(broker, proc, 1.5)
         assert rc == 0, log.read_text(errors="replace")[-3000:]
         assert took < 25, f"the stop took {took:.1f}s: {log.read_text(errors='replace')[-3000:]}"
     finally:
@@ -116,15 +121,8 @@ def test_a_stage_stopped_while_its_claim_waits_on_a_stalled_broker_exits_in_time
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the stage never waited for its claim"
             time.sleep(0.02)
-        broker.pause()  # the embedded broker holds a join for half a session: the verdict is not in yet
-        try:
-            time.sleep(1.0)
-            proc.terminate()
-            stopped = time.monotonic()
-            rc = proc.wait(timeout=60)
-            took = time.monotonic() - stopped
-        finally:
-            broker.resume()
+        # the embedded broker holds a join for half a session: the verdict is not in yet
+        rc, took = _stop_in_a_stall(broker, proc, 1.0)
         text = log.read_text(errors="replace")
         assert rc == 0, text[-3000:]
         assert "stopped while waiting for the claims group's verdict" in text, text[-3000:]
