@@ -17,18 +17,11 @@ measures, on the same messages with the same consumer settings (flywheel.bus.mak
   floor under any stage that must validate its input and emit exactly once.
 
 The last three rows split the reward stage's gap to the raw rate into its parts. A second table
-(with the confluent client) has the rows of bench/stage_floor.py on the same episodes: the least
-any exactly-once stage must do per record (an acked send, outputs held durably until acked, the
-record validated), each as lean as these clients allow, a ceiling on what any implementation of
-the reward stage can reach; each of its rounds pairs a raw consume with every row.
+(with the confluent client) has the rows of bench/stage_floor.py on the same records: the least any
+exactly-once stage of each shape must do (acked sends, outputs held durably until acked, the input
+validated), each as lean as these clients allow, a ceiling on what any implementation of the
+stages can reach; each of its rounds pairs a raw consume with every row after it.
 
-It prints one table of records/s (wall clock and per CPU-second of this process, all threads) and
-the ratio to the raw rate of the same input measured just before in the same run (goal: >= 0.5);
-the relay row is compared with the raw episode consume. Timing starts once the first batch is in
-and counts only the records after it, so group joins are not counted (a stage's clock then still
-includes delivering that first batch's outputs: the bias is against the stage). The raw and relay
-rows last a fraction of a second and swing most, so each is the median of ``--repeat`` runs;
-compare the CPU columns too, and repeat the whole run.
 """
 
 
@@ -42,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from stage_floor import Rate, floor_rows
+from stage_floor import REWARD_STEPS, Rate, floor_rows, ingest_steps
 
 from flywheel.broker import EmbeddedBroker
 from flywheel.bus import (
@@ -228,10 +221,14 @@ def run_client(base: KafkaSettings, client: str, n: int, work: Path, repeat: int
 
 
 def run_floor(cfg: KafkaSettings, topics: Topics, n: int, work: Path, repeat: int) -> list[tuple[str, Rate, Rate]]:
-    """bench/stage_floor.py's rows on the episodes ingest wrote in :func:`run_client`."""
+    """bench/stage_floor.py's rows on the records of :func:`run_client`: ingest's shape on its
+    generations and feedback, reward's on the episodes ingest wrote."""
     cfg = cfg.model_copy(update={"producer_client": "confluent"})
-    return floor_rows(cfg, topics.episodes, topics.prefix, n, work, repeat,
-                      lambda: raw_rate(cfg, [topics.episodes], n))
+    inputs = [topics.generations, topics.feedback]
+    return [*floor_rows(cfg, inputs, "raw consume (generations+feedback)", ingest_steps(topics.generations),
+                        topics.prefix, 2 * n, work, repeat, lambda: raw_rate(cfg, inputs, 2 * n)),
+            *floor_rows(cfg, [topics.episodes], "raw consume (episodes)", REWARD_STEPS, topics.prefix, n, work,
+                        repeat, lambda: raw_rate(cfg, [topics.episodes], n))]
 
 
 def main() -> None:
@@ -264,8 +261,8 @@ def main() -> None:
             base, cbase = block[0][1] if i < 2 else block[2][1]
             print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
     if floor:
-        print(f"\nfloor (bench/stage_floor.py) on the episodes above: {args.repeat} rounds of a raw consume and "
-              "each row; a ratio is the median of each round's row over its raw consume\n")
+        print(f"\nfloor (bench/stage_floor.py) on the records above: {args.repeat} rounds of a raw consume and "
+              "the rows after it; a ratio is the median of each round's row over its raw consume\n")
         for label, (rate, cpu), (ratio, cratio) in floor:
             print(f"{label:<48}{rate:>11,.0f}{ratio:>8.2f}{cpu:>11,.0f}{cratio:>8.2f}")
 

@@ -1,30 +1,36 @@
 """The least any exactly-once stage must do per record, measured: a ceiling on the stages' ratio.
 
 ``python bench/ingest_throughput.py`` measures these rows in the same run as the stages, on the
-same episodes, and prints them in its table ("floor: ...").
+same records, and prints them in a table of their own ("floor: ...").
 
-Whatever its logic, a stage that takes one record in and sends one record on, exactly once,
-must at least:
+Whatever its logic, a stage that takes records in and sends records on, exactly once, must at
+least:
 
-1. consume the record (the raw rate: the baseline of the ratio);
-2. send one record on and collect its ack, with an id in a header for recovery to find;
+1. consume every record (the raw rate: the baseline of the ratio);
+2. send each output on and collect its ack, with an id in a header for recovery to find;
 3. hold the batch's outputs durably until they are acked, with the input offsets past them;
-4. validate the record against its contract at the edge (``flywheel.contracts.decode``, the
+4. validate every record against its contract at the edge (``flywheel.contracts.decode``, the
    one validator of the wire types); a row before it only parses the JSON, which no validation
    can cost less than.
 
-:func:`floor_rate` runs exactly that and no more, as lean as this stack allows: the output is the
-input record's bytes unchanged (no encode), its partition the input's (no partitioner), no
-metrics, no archive, no join or guard state, no dead letters; confluent-kafka with one callback
-for every ack. Step 3 is measured two ways: the cheapest durable write there is (the batch
-appended to a file and fsynced; no index, no checksum, no compaction), and one SQLite
-transaction per batch (WAL, ``synchronous=FULL``, as the stages keep their state) holding the
-batch as one blob, deleted once every record of it is acked. Each row of :func:`floor_rows` adds
-one step to the one before (or, as its label says, does one another way). The records are
-episodes, the reward stage's input, one output each. No stage can beat a row whose steps it
-must take, so the rows bound what any implementation of the reward stage on these clients can
-reach, not only the one in ``reward/``; ingest, which sends one record per two it reads, has a
-floor of its own that these rows do not measure.
+:func:`floor_rate` runs exactly that and no more, as lean as this stack allows: no partitioner
+(an output goes to its input's partition number), no metrics, no archive, no guard or dedupe
+state, no dead letters; confluent-kafka with one callback for every ack. Step 3 is measured two
+ways: the cheapest durable write there is (the batch appended to a file and fsynced; no index,
+no checksum, no compaction), and one SQLite transaction per batch (WAL, ``synchronous=FULL``, as
+the stages keep their state) holding the batch as one blob, deleted once every record of it is
+acked. Two shapes:
+
+- reward's (:data:`REWARD_STEPS`): episodes in, one output each, the input's bytes unchanged
+  (no encode); each row adds one step to the one before, or, as its label says, does one
+  another way;
+- ingest's (:data:`INGEST_STEPS`): generations and feedback in, validated, and one episode out
+  per generation, its bytes spliced around the generation's as they came (no re-encode), with
+  the signal of a feedback record of the same batch when there is one. Its durable hold stands
+  for the join state as well: a generation waits in it until its window closes, here at once.
+
+No stage can beat a row whose steps it must take, so the rows bound what any implementation of
+the stage on these clients can reach, not only the one in ``ingest/`` and ``reward/``.
 """
 
 from __future__ import annotations
@@ -42,35 +48,71 @@ import msgspec
 from kafka import TopicPartition
 
 from flywheel.bus import ensure_topics, make_consumer, partitions_of
-from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, decode
+from flywheel.contracts import (
+    MAX_EPISODE_BYTES,
+    MAX_FEEDBACK_BYTES,
+    EpisodeEvent,
+    FeedbackEvent,
+    GenerationEvent,
+    decode,
+)
 from flywheel.settings import KafkaSettings
 from ingest.exactly_once import OUTBOX_HEADER
 
 _pack = msgspec.msgpack.Encoder().encode
 _parse = msgspec.json.Decoder().decode
 
+#: One output: (partition, key, value).
+Output = tuple[int, bytes | None, bytes]
+#: What a floor does with a batch of records: the outputs it sends for them.
+Work = Callable[[list], list[Output]]
 
-def _validate(value: bytes) -> None:
+
+def relay(check: Callable[[bytes], object] | None) -> Work:
+    """Reward's shape: each record (``check``ed) sent on as it is."""
+    def work(records: list) -> list[Output]:
+        if check is not None:
+            for rec in records:
+                check(rec.value)
+        return [(r.partition, r.key, r.value) for r in records]
+    return work
+
+
+def validate_episode(value: bytes) -> None:
     decode(EpisodeEvent, value, max_bytes=MAX_EPISODE_BYTES)
 
 
-#: What a floor row does with each record it reads, besides relaying it.
-CHECKS = {"parse": _parse, "validate": _validate}
+def join(generations: str) -> Work:
+    """Ingest's shape: every record validated, one episode per generation (``generations`` is
+    that topic's name), its signal from a feedback record of the same batch where there is one."""
+    def work(records: list) -> list[Output]:
+        gens, signals = [], {}
+        for rec in records:
+            if rec.topic == generations:
+                decode(GenerationEvent, rec.value)
+                gens.append(rec)
+            else:
+                signals[rec.key] = decode(FeedbackEvent, rec.value, max_bytes=MAX_FEEDBACK_BYTES).signal
+        return [(g.partition, g.key, b'{"schema_version":1,"kind":"episode","generation":' + g.value
+                 + b',"signal":"%s","resolved_at":%d}' % (signals.get(g.key, "ignore").encode(), g.timestamp // 1000))
+                for g in gens]
+    return work
 
 
-def floor_rate(cfg: KafkaSettings, topic_in: str, topic_out: str, expect: int, work: Path, *,
-               store: str | None, check: str | None, max_batch: int = 5000) -> tuple[float, float]:
-    """Records/s (wall, and per CPU-second of this process) of the least exactly-once relay.
+def floor_rate(cfg: KafkaSettings, topics_in: list[str], topic_out: str, expect: int, work: Path, *,
+               store: str | None, batch: Work, max_batch: int = 5000) -> tuple[float, float]:
+    """Input records/s (wall, and per CPU-second of this process) of the least exactly-once stage
+    that makes ``batch``'s outputs of its input.
 
     The clock starts once the first batch is consumed and sent, as for the stages in
-    bench/ingest_throughput.py (``stage_rate``), and stops when every record is acked and its
-    batch deleted from the store.
+    bench/ingest_throughput.py (``stage_rate``), and stops when every output is acked and its
+    batch released from the store.
     """
     from confluent_kafka import Producer
 
     # assigned, not subscribed: no group join to wait for (the clock starts after the first batch anyway)
     consumer = make_consumer(cfg, "bench-floor", None)
-    consumer.assign([TopicPartition(topic_in, p) for p in partitions_of(consumer, topic_in)])
+    consumer.assign([TopicPartition(t, p) for t in topics_in for p in partitions_of(consumer, t)])
     producer = Producer({"bootstrap.servers": cfg.bootstrap, "enable.idempotence": True, "acks": "all",
                          "linger.ms": cfg.linger_ms})
     producer.list_topics(topic_out, timeout=10.0)  # metadata and connection before the clock starts
@@ -82,7 +124,7 @@ def floor_rate(cfg: KafkaSettings, topic_in: str, topic_out: str, expect: int, w
             raise RuntimeError(f"send failed in the floor benchmark: {err}")
         acked.append(1)
 
-    owed: list[tuple[int, int]] = []  # (batch id, records) sent and not yet wholly acked
+    owed: list[tuple[int, int]] = []  # (batch id, outputs) sent and not yet wholly acked
     seen = batch_id = 0
     start: tuple[float, float, int] | None = None
     was_enabled = gc.isenabled()
@@ -92,16 +134,14 @@ def floor_rate(cfg: KafkaSettings, topic_in: str, topic_out: str, expect: int, w
             records = [r for recs in consumer.poll(timeout_ms=100, max_records=max_batch).values() for r in recs]
             if records:
                 batch_id += 1
-                if check is not None:
-                    for rec in records:
-                        CHECKS[check](rec.value)
+                outputs = batch(records)
                 if held is not None:
-                    held.hold(batch_id, records)
+                    held.hold(batch_id, records, outputs)
                 header = b"floor:%d:" % batch_id
-                for i, rec in enumerate(records):
-                    producer.produce(topic_out, rec.value, rec.key, partition=rec.partition,
+                for i, (part, key, value) in enumerate(outputs):
+                    producer.produce(topic_out, value, key, partition=part,
                                      headers=[(OUTBOX_HEADER, header + b"%d" % i)], on_delivery=on_ack)
-                owed.append((batch_id, len(records)))
+                owed.append((batch_id, len(outputs)))
                 seen += len(records)
             producer.poll(0 if records else 0.01)
             done = _settle(owed, acked)
@@ -135,10 +175,10 @@ class SqliteHold:
                                   PRIMARY KEY (topic, part));""")
         self.db.isolation_level = "IMMEDIATE"  # `with self.db:` then opens and commits a transaction
 
-    def hold(self, batch_id: int, records: list) -> None:
+    def hold(self, batch_id: int, records: list, outputs: list[Output]) -> None:
         offsets = {(r.topic, r.partition): r.offset + 1 for r in records}
         with self.db:
-            self.db.execute("INSERT INTO outbox VALUES (?, ?)", (batch_id, _outputs(records)))
+            self.db.execute("INSERT INTO outbox VALUES (?, ?)", (batch_id, _pack(outputs)))
             self.db.executemany(
                 "INSERT INTO offsets VALUES (?, ?, ?) ON CONFLICT (topic, part) DO UPDATE SET next=excluded.next",
                 [(t, p, n) for (t, p), n in offsets.items()])
@@ -158,9 +198,9 @@ class FileHold:
     def __init__(self, work: Path) -> None:
         self.fd = os.open(work / f"floor-{uuid.uuid4().hex[:6]}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 
-    def hold(self, batch_id: int, records: list) -> None:
+    def hold(self, batch_id: int, records: list, outputs: list[Output]) -> None:
         offsets = {f"{r.topic}[{r.partition}]": r.offset + 1 for r in records}
-        os.write(self.fd, _pack((batch_id, offsets, _outputs(records))))
+        os.write(self.fd, _pack((batch_id, offsets, outputs)))
         os.fsync(self.fd)
 
     def release(self, batches: list[int]) -> None:
@@ -168,10 +208,6 @@ class FileHold:
 
     def close(self) -> None:
         os.close(self.fd)
-
-
-def _outputs(records: list) -> bytes:
-    return _pack([(r.partition, r.key, r.value) for r in records])
 
 
 def _settle(owed: list[tuple[int, int]], acked: list[int]) -> list[int]:
@@ -184,42 +220,53 @@ def _settle(owed: list[tuple[int, int]], acked: list[int]) -> list[int]:
     return done
 
 
-#: (label, store, check) of each row: each adds one step to the one before, or replaces it.
-FLOOR_STEPS: tuple[tuple[str, str | None, str | None], ...] = (
-    ("floor: consume + acked send", None, None),
-    ("floor: + outputs durable (file, fsync)", "file", None),
-    ("floor: + parse each record (no validation)", "file", "parse"),
-    ("floor: + validate instead (the contract's decode)", "file", "validate"),
-    ("floor: same, durable in SQLite instead", "sqlite", "validate"),
+#: (label, store, work) of each row of reward's shape, on episodes.
+REWARD_STEPS: tuple[tuple[str, str | None, Work], ...] = (
+    ("floor: consume + acked send", None, relay(None)),
+    ("floor: + outputs durable (file, fsync)", "file", relay(None)),
+    ("floor: + parse each record (no validation)", "file", relay(_parse)),
+    ("floor: + validate instead (the contract's decode)", "file", relay(validate_episode)),
+    ("floor: same, durable in SQLite instead", "sqlite", relay(validate_episode)),
 )
+
+
+def ingest_steps(generations: str) -> tuple[tuple[str, str | None, Work], ...]:
+    """(label, store, work) of each row of ingest's shape, on generations and feedback."""
+    return (
+        ("floor, ingest's shape: validate, join, send, file", "file", join(generations)),
+        ("floor, ingest's shape: same, SQLite instead", "sqlite", join(generations)),
+    )
 
 
 Rate = tuple[float, float]  # records/s by the wall clock, and per CPU-second of this process
 
 
-def floor_rows(cfg: KafkaSettings, topic_in: str, prefix: str, expect: int, work: Path, repeat: int,
+def floor_rows(cfg: KafkaSettings, inputs: list[str], raw_label: str, steps: tuple[tuple[str, str | None, Work], ...],
+               prefix: str, expect: int, work: Path, repeat: int,
                raw: Callable[[], Rate]) -> list[tuple[str, Rate, Rate]]:
-    """``(label, rates, ratios to the raw rate)`` of a raw consume and of each floor step on
-    ``topic_in``, ``repeat`` rounds, to topics named from ``prefix``.
+    """``(label, rates, ratios to the raw rate)`` of a raw consume of ``inputs`` and of each of
+    ``steps`` on them, ``repeat`` rounds, to topics named from ``prefix``.
 
     Each round measures the raw consume (``raw()``) and then every step, and a step's ratio is
     the median over rounds of its rate over that round's raw rate: on a machine whose speed
     drifts from one second to the next (shared cores), a ratio of two runs seconds apart is
     steadier than a ratio of two medians taken a minute apart.
     """
-    ensure_topics(cfg, [f"{prefix}floor{i}-{r}" for i in range(len(FLOOR_STEPS)) for r in range(repeat)])
+    tag = uuid.uuid4().hex[:4]
+    outs = [[f"{prefix}floor-{tag}-{i}-{r}" for r in range(repeat)] for i in range(len(steps))]
+    ensure_topics(cfg, [t for ts in outs for t in ts])
     raws: list[Rate] = []
-    runs: list[list[Rate]] = [[] for _ in FLOOR_STEPS]
+    runs: list[list[Rate]] = [[] for _ in steps]
     for r in range(repeat):
         raws.append(raw())
-        for i, (_, store, check) in enumerate(FLOOR_STEPS):
-            runs[i].append(floor_rate(cfg, topic_in, f"{prefix}floor{i}-{r}", expect, work, store=store, check=check))
+        for i, (_, store, batch) in enumerate(steps):
+            runs[i].append(floor_rate(cfg, inputs, outs[i][r], expect, work, store=store, batch=batch))
 
     def row(label: str, rates: list[Rate]) -> tuple[str, Rate, Rate]:
         ratios = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(rates, raws, strict=True)]
         return label, _median(rates), _median(ratios)
 
-    return [row("raw consume (episodes)", raws), *(row(label, rates) for (label, _, _), rates in zip(FLOOR_STEPS, runs))]
+    return [row(raw_label, raws), *(row(label, rates) for (label, _, _), rates in zip(steps, runs))]
 
 
 def _median(pairs: list[Rate]) -> Rate:

@@ -32,11 +32,13 @@ def test_ingest_throughput_prints_stage_raw_and_relay_rows():
         "raw consume (generations+feedback)", "ingest: join -> episodes [confluent]",
         "raw consume (episodes)", "reward: label -> rewards [confluent]",
         "relay: consume + send, no work [confluent]", "exactly-once relay, no decode [confluent]",
-        "exactly-once relay + validate [confluent]", "raw consume (episodes)", "floor: consume + acked send",
+        "exactly-once relay + validate [confluent]", "raw consume (generations+feedback)",
+        "floor, ingest's shape: validate, join, send, file", "floor, ingest's shape: same, SQLite instead",
+        "raw consume (episodes)", "floor: consume + acked send",
         "floor: + outputs durable (file, fsync)", "floor: + parse each record (no validation)",
         "floor: + validate instead (the contract's decode)", "floor: same, durable in SQLite instead"]
     assert all(rate > 0 for _, rate, _ in rows)
-    assert rows[0][2] == rows[2][2] == rows[7][2] == 1.0  # each raw row is the base of the rows after it
+    assert rows[0][2] == rows[2][2] == rows[7][2] == rows[10][2] == 1.0  # each raw row: the base of those after it
 
 
 @pytest.mark.slow
