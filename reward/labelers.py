@@ -200,7 +200,7 @@ def build_labeler(cfg: RewardSettings) -> Labeler:
             if type(got) is not dict and not isinstance(got, Mapping):
                 raise LabelerError(name, f"returned {type(got).__name__}, not a dict of components")
             for key, value in got.items():
-                if key in given_by or key not in named_ok:
+                if type(key) is not str or key in given_by or key not in named_ok:
                     _check_component_name(name, key, given_by)
                     named_ok.add(key)
                 # a finite float is taken as it is; anything else is converted or refused

@@ -832,3 +832,24 @@ def test_flagged_samples_are_counted_once_each_by_kind(tmp_path):
     assert 0 < abuse < actions  # samples carried several abuse flags
     assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "abuse"}) == abuse
     assert registry.get_sample_value("reward_flagged_samples_total", {"kind": "hacking"}) == 3  # the long ones
+
+
+class _OddKeys(dict):
+    """A mapping whose keys are not hashable strings: what a labeler with a bug might return."""
+
+    def items(self):
+        return [([1, 2], 0.5)]
+
+
+def test_a_mapping_with_an_unhashable_key_fails_its_episode_not_the_stage():
+    register_labeler("odd_keys")(lambda cfg: lambda ep: _OddKeys())
+    with pytest.raises(LabelerError, match="is not a str"):
+        build_labeler(RewardSettings(labelers=("odd_keys",)))(episode())
+
+
+def test_names_checked_once_are_still_checked_for_a_second_labeler_giving_them():
+    register_labeler("gives_signal")(lambda cfg: lambda ep: {"signal": 0.1})
+    label = build_labeler(RewardSettings(labelers=("signal", "gives_signal")))
+    for _ in range(3):  # the name passes the name checks once; the repeat is refused every time
+        with pytest.raises(LabelerError, match="was given by labeler 'signal' already"):
+            label(episode())
