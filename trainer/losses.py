@@ -88,7 +88,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: list[str], normalise: boo
     """
     out = torch.zeros_like(rewards)
     for gid in dict.fromkeys(group_ids):
-        idx = torch.tensor([i for i, g in enumerate(group_ids) if g == gid])
+        idx = torch.tensor([i for i, g in enumerate(group_ids) if g == gid], device=rewards.device)
         r = rewards[idx]
         centred = r - r.mean()
         if normalise and len(idx) > 1:

@@ -61,6 +61,16 @@ class Batch:
     weights: torch.Tensor  # [B]
     group_ids: list[str]
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (the engine's: rows are built on the CPU, a GPU trains)."""
+        return Batch(
+            **{f: getattr(self, f).to(device) for f in _TENSOR_FIELDS},
+            group_ids=self.group_ids,
+        )
+
+
+_TENSOR_FIELDS = ("input_ids", "attention_mask", "targets", "mask", "old_logp", "temperature", "rewards", "weights")
+
 
 def collate(events: Sequence[RewardEvent], pad_id: int) -> Batch:
     """Right-padded prompt+completion rows with the completion tokens' positions masked in."""
@@ -134,13 +144,18 @@ class Policy:
         reference = None
         if loss_cfg.kl_coef > 0:
             reference = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
-            reference.eval().requires_grad_(False)
+            reference.eval().requires_grad_(False).to(engine.device)
         pad = AutoConfig.from_pretrained(model_dir).pad_token_id
         return cls(engine, 0 if pad is None else int(pad), loss_cfg, reference)
 
     @property
     def module(self) -> torch.nn.Module:
         return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live (the CPU, or this rank's GPU): every batch is moved there."""
+        return self.engine.device
 
     # ------------------------------------------------------------ primitives
     def forward_backward(self, events: Sequence[RewardEvent], loss_fn: LossFn | None = None) -> dict[str, float]:
@@ -152,7 +167,7 @@ class Policy:
         this version and every later one.
         """
         self.engine.train()
-        b = collate(events, self.pad_id)
+        b = collate(events, self.pad_id).to(self.device)
         logp, entropy = token_logprobs(self.engine, b, with_entropy=True)
         ref = None
         if self.reference is not None:
@@ -179,7 +194,7 @@ class Policy:
     def logprobs(self, events: Sequence[RewardEvent]) -> torch.Tensor:
         """Trainer logprobs of each completion token, ``[B, L-1]`` masked to zero off-completion."""
         self.engine.eval()
-        b = collate(events, self.pad_id)
+        b = collate(events, self.pad_id).to(self.device)
         logp, _ = token_logprobs(self.engine, b, with_entropy=False)
         return logp * b.mask
 
@@ -200,8 +215,9 @@ class Policy:
         for i, p in enumerate(prompts):  # left padding keeps every row's next token at the end
             ids[i, L - len(p) :] = torch.tensor(list(p))
             att[i, L - len(p) :] = 1
+        ids, att = ids.to(self.device), att.to(self.device)
         toks, lps = [], []
-        done = torch.zeros(len(prompts), dtype=torch.bool)
+        done = torch.zeros(len(prompts), dtype=torch.bool, device=self.device)
         for _ in range(max_new_tokens):
             pos = (att.cumsum(-1) - 1).clamp(min=0)
             logits = model(input_ids=ids, attention_mask=att, position_ids=pos).logits[:, -1].float()

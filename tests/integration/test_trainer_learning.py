@@ -69,7 +69,7 @@ def events_from(samples, step: int) -> list[RewardEvent]:
 @torch.no_grad()
 def target_mass(policy) -> float:
     """Mean next-token probability of the target set after each prompt."""
-    logits = policy.module(input_ids=torch.tensor(PROMPTS)).logits[:, -1].float()
+    logits = policy.module(input_ids=torch.tensor(PROMPTS, device=policy.device)).logits[:, -1].float()
     return float(logits.softmax(-1)[:, sorted(TARGET)].sum(-1).mean())
 
 

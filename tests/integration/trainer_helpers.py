@@ -61,7 +61,8 @@ def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **
         DS_ACCELERATOR="cpu",
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
-        PYTHONPATH=str(Path(__file__).resolve().parents[2]),
+        # the checkout first, then whatever path this run was given (packages installed there)
+        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])),
     )
     env.update({f"FLYWHEEL_TRAINER_{k.upper()}": str(v) for k, v in trainer.items()})
     return env
