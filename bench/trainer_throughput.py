@@ -101,7 +101,10 @@ def main() -> None:
         events = produce(kafka, topics.rewards, args.samples)
         settings = Settings(
             model_dir=model, data_dir=Path(d) / "data", topic_prefix=topics.prefix, kafka=kafka,
-            trainer=TrainerSettings(loss="reinforce", batch_size=args.batch, publish_every_steps=args.publish_every, port=0, cpu_threads=args.threads),
+            # every record is written as version 0: a staleness bound below the run's last version would
+            # drop the tail as stale and the service would never reach --samples
+            trainer=TrainerSettings(loss="reinforce", batch_size=args.batch, publish_every_steps=args.publish_every, port=0,
+                                    cpu_threads=args.threads, max_staleness=args.samples // (args.batch * args.publish_every) + 1),
         )
         rate, wait_frac, versions = service(settings, args.samples)
         base = bare(settings, events, args.batch)
