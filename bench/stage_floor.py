@@ -117,14 +117,16 @@ def floor_rate(cfg: KafkaSettings, topics_in: list[str], topic_out: str, expect:
                          "linger.ms": cfg.linger_ms})
     producer.list_topics(topic_out, timeout=10.0)  # metadata and connection before the clock starts
     held = {"sqlite": SqliteHold, "file": FileHold}[store](work) if store else None
-    acked: list[int] = []
+    owed: dict[int, int] = {}  # batch id -> its outputs not acked yet
 
-    def on_ack(err: object, msg: object) -> None:
-        if err is not None:
-            raise RuntimeError(f"send failed in the floor benchmark: {err}")
-        acked.append(1)
+    def acks_of(batch_id: int) -> Callable[[object, object], None]:
+        # per batch: acks come in send order within a partition only, and outputs span partitions
+        def on_ack(err: object, msg: object) -> None:
+            if err is not None:
+                raise RuntimeError(f"send failed in the floor benchmark: {err}")
+            owed[batch_id] -= 1
+        return on_ack
 
-    owed: list[tuple[int, int]] = []  # (batch id, outputs) sent and not yet wholly acked
     seen = batch_id = 0
     start: tuple[float, float, int] | None = None
     was_enabled = gc.isenabled()
@@ -137,14 +139,14 @@ def floor_rate(cfg: KafkaSettings, topics_in: list[str], topic_out: str, expect:
                 outputs = batch(records)
                 if held is not None:
                     held.hold(batch_id, records, outputs)
-                header = b"floor:%d:" % batch_id
+                header, on_ack = b"floor:%d:" % batch_id, acks_of(batch_id)
+                owed[batch_id] = len(outputs)
                 for i, (part, key, value) in enumerate(outputs):
                     producer.produce(topic_out, value, key, partition=part,
                                      headers=[(OUTBOX_HEADER, header + b"%d" % i)], on_delivery=on_ack)
-                owed.append((batch_id, len(outputs)))
                 seen += len(records)
             producer.poll(0 if records else 0.01)
-            done = _settle(owed, acked)
+            done = _settle(owed)
             if done and held is not None:
                 held.release(done)
             if start is None and records:
@@ -210,13 +212,11 @@ class FileHold:
         os.close(self.fd)
 
 
-def _settle(owed: list[tuple[int, int]], acked: list[int]) -> list[int]:
-    """The batches whose every record is acked, oldest first (acks come in send order)."""
-    done: list[int] = []
-    while owed and len(acked) >= owed[0][1]:
-        batch, n = owed.pop(0)
-        del acked[:n]
-        done.append(batch)
+def _settle(owed: dict[int, int]) -> list[int]:
+    """The batches whose every output is acked, taken out of ``owed``."""
+    done = [batch for batch, left in owed.items() if left == 0]
+    for batch in done:
+        del owed[batch]
     return done
 
 

@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 #: unverified. A join takes a few seconds; every member must rejoin, and members poll the group
 #: once per loop turn.
 CLAIM_WAIT_S = 30.0
-#: How often that wait looks whether the process was told to stop.
+#: How often a wait at start (this one; the first broker call, ingest/runner.py) looks whether
+#: the process was told to stop.
 STOP_CHECK_S = 0.1
 
 

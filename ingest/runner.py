@@ -47,6 +47,7 @@ from flywheel.kafka_batches import unreadable_batch
 from flywheel.kafka_ends import readable_end
 from flywheel.kafka_headers import unreadable_header
 from flywheel.settings import SettingsError
+from ingest.claims import STOP_CHECK_S
 from ingest.exactly_once import Archive, Outbox, OutputUnavailable, StateStore
 
 if TYPE_CHECKING:
@@ -510,9 +511,11 @@ def serve_stage(
     from ingest.claims import ShardClaims
 
     registry = new_registry()
+    log.info("%s: checking the topics on the broker at %s", name, settings.kafka.bootstrap)
     if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
                                     stop, name):
-        return  # stopped before the broker ever answered
+        log.info("%s: stopped before the broker answered", name)
+        return  # nothing was opened yet
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
         held.enter_context(lock_data_dir(settings.data_dir / name, name))
         store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
@@ -560,7 +563,8 @@ def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str
     said = False
     while not stop.is_set():
         try:
-            call()
+            if not unless_stopped(call, stop):
+                return False
         except BROKER_ERRORS as exc:
             if not said:
                 log.warning("%s: the broker does not answer at start (%s: %s); retrying until it does",
@@ -571,6 +575,33 @@ def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str
         end = time.monotonic() + RETRY_PAUSE_S
         while not stop.is_set() and time.monotonic() < end:
             time.sleep(0.05)
+    return False
+
+
+def unless_stopped(call: Callable[[], None], stop: StopFlag) -> bool:
+    """Run ``call`` on a thread of its own: True once it returns (its exception is raised here),
+    False as soon as ``stop`` is set, leaving it behind.
+
+    A call blocked on a broker that does not answer (a client's bootstrap, an admin request) ends
+    only at its timeout, 30 s by default: a SIGTERM then would outlast a supervisor's grace
+    period. What is left behind holds nothing the stage owns, and dies with the process.
+    """
+    failed: list[Exception] = []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread, which decides
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="start-call", daemon=True)
+    worker.start()
+    while not stop.is_set():
+        worker.join(STOP_CHECK_S)
+        if not worker.is_alive():
+            if failed:
+                raise failed[0]
+            return True
     return False
 
 

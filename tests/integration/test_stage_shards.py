@@ -134,19 +134,22 @@ def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings,
         claims.close()
 
 
-def test_a_stop_ends_the_wait_for_a_verdict(kafka_settings, topics):
+def test_a_stop_ends_the_wait_for_a_verdict(broker, kafka_settings, topics):
     """A process told to stop while its claim waits (a rollout, a crash loop, a broker that does
     not answer) stops there: False, nothing granted, without waiting out the group's answer."""
     from ingest.claims import ShardClaims
 
     stop = threading.Event()
-    stop.set()
     claims = ShardClaims(kafka_settings, "ingest", f"{topics.prefix}ingest", [topics.generations], "e1", (0,))
+    broker.pause()  # the group cannot answer (it holds a join for seconds anyway): only the stop ends the wait
     try:
+        assert not claims.assignor.verdicts.is_set()
+        threading.Timer(0.5, stop.set).start()
         began = time.monotonic()
         assert claims.wait_granted(stop, timeout_s=60) is False
-        assert time.monotonic() - began < 1.0
+        assert 0.4 < time.monotonic() - began < 1.5 and claims.state == "unverified"
     finally:
+        broker.resume()
         claims.close()
 
 

@@ -130,3 +130,37 @@ def test_a_stage_stopped_while_its_claim_waits_on_a_stalled_broker_exits_in_time
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_a_stage_stopped_while_its_first_broker_call_waits_on_a_stalled_broker_exits_in_time(
+        broker, kafka_settings, topics, tmp_path):
+    """SIGTERM while the start's first call (creating the topics) waits on a stalled broker: the
+    call would give up only at kafka.request_timeout_ms (30 s by default, kept here), past a
+    supervisor's grace period. The stop now ends it, and nothing was opened."""
+    env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_LOG_LEVEL="INFO")
+    env.pop("FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS", None)
+    log = tmp_path / "ingest.log"
+    broker.pause()
+    proc = None
+    try:
+        proc = _start("ingest", env, log)
+        deadline = time.monotonic() + 90
+        while "checking the topics on the broker" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the stage never reached the broker"
+            time.sleep(0.02)
+        time.sleep(1.0)  # inside the call, which the stalled broker does not answer
+        proc.terminate()
+        stopped = time.monotonic()
+        rc = proc.wait(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        broker.resume()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert rc == 0, text[-3000:]
+    assert "stopped before the broker answered" in text, text[-3000:]
+    assert took < 10, f"the stop took {took:.1f}s: {text[-3000:]}"
+    assert not (tmp_path / "ingest" / "state.sqlite3").exists()  # nothing was opened

@@ -47,7 +47,7 @@ def test_chain_is_bit_exact_and_pruned(chain):
     assert store.versions() == list(range(7))
     # old non-snapshot versions keep only their delta; snapshots (0, 3, 6) and the newest keep weights
     assert [(store.path(v) / "model.safetensors").exists() for v in range(7)] == [True, False, False, True, False, True, True]
-    live = {k: v.to(torch.bfloat16) for k, v in chain.policy.module.state_dict().items()}
+    live = {k: v.to(device="cpu", dtype=torch.bfloat16) for k, v in chain.policy.module.state_dict().items()}
     for v in range(7):
         data = store.materialize_bytes(v)
         man = store.manifest(v)

@@ -73,7 +73,8 @@ PYTHON = sys.executable
 
 def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None, topic_prefix: str = "flywheel.",
                  **cfg):
-    """A :class:`trainer.loop.Trainer` in this process on the CPU, with no Kafka clients unless
+    """A :class:`trainer.loop.Trainer` in this process (on the engine's device: the CPU, or a GPU
+    where DeepSpeed's accelerator is cuda), with no Kafka clients unless
     ``trainer_kw`` gives them (``consumer``, ``sink``, ``deadletters``): its steps and publishes
     can be driven directly. ``cfg``: trainer settings."""
     from trainer import dist
