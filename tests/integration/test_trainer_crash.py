@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import PYTHON, reward_event, trainer_env
+from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
 
 from flywheel.bus import make_producer
 from flywheel.contracts import DeadLetterEvent, decode, encode
@@ -47,7 +47,7 @@ def bad_records() -> dict[str, bytes]:
 
 
 def start(env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([PYTHON, "-m", "trainer"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=env["PYTHONPATH"])
+    return subprocess.Popen([PYTHON, "-m", "trainer"], env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen | None = None):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import PYTHON, reward_event, trainer_env
+from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
 
 from flywheel import manifest
 from flywheel.broker import free_port
@@ -48,7 +48,7 @@ def test_two_process_zero2_publishes_verified_versions(kafka_settings, topics, t
     log = tmp_path / "torchrun.log"
     proc = subprocess.Popen(
         [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "trainer"],
-        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=env["PYTHONPATH"],
+        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, cwd=ROOT,
     )
     store = tmp_path / "data" / "checkpoints"
     try:

@@ -62,13 +62,15 @@ def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
         # the checkout first, then whatever path this run was given (packages installed there)
-        PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     )
     env.update({f"FLYWHEEL_TRAINER_{k.upper()}": str(v) for k, v in trainer.items()})
     return env
 
 
 PYTHON = sys.executable
+#: The checkout: trainer subprocesses run from it (and import it first).
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None, topic_prefix: str = "flywheel.",
