@@ -47,7 +47,7 @@ from flywheel.kafka_batches import unreadable_batch
 from flywheel.kafka_ends import readable_end
 from flywheel.kafka_headers import unreadable_header
 from flywheel.settings import SettingsError
-from ingest.claims import STOP_CHECK_S
+from ingest.claims import STOP_CHECK_S, ShardClaims
 from ingest.exactly_once import Archive, Outbox, OutputUnavailable, StateStore
 
 if TYPE_CHECKING:
@@ -508,7 +508,6 @@ def serve_stage(
     from flywheel.bus import ensure_topics, make_consumer, make_output_producer
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry, serve_ops
-    from ingest.claims import ShardClaims
 
     registry = new_registry()
     log.info("%s: checking the topics on the broker at %s", name, settings.kafka.bootstrap)

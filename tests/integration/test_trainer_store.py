@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import ListSink, make_trainer, reward_event
+from trainer_helpers import ROOT, ListSink, make_trainer, reward_event
 
 from flywheel import manifest
 from flywheel.manifest import ManifestError
@@ -109,9 +109,9 @@ def test_tampered_weights_are_detected_by_the_cli(chain, tmp_path):
     (root / "v00000004" / "model.safetensors").unlink(missing_ok=True)  # force the chain walk 3 -> 4
     env = {"FLYWHEEL_TRAINER_STORE": str(root), "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, "-m", "flywheel.cli", "checkpoint", "verify"]
-    bad = subprocess.run([*cmd, "4"], check=False, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    bad = subprocess.run([*cmd, "4"], check=False, env=env, capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 1 and "model.safetensors fails hash verification" in bad.stderr
-    good = subprocess.run([*cmd, "2"], check=False, env=env, capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    good = subprocess.run([*cmd, "2"], check=False, env=env, capture_output=True, text=True, cwd=ROOT)
     assert good.returncode == 0 and "OK" in good.stdout
 
 
