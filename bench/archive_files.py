@@ -29,14 +29,18 @@ from pathlib import Path
 
 import pandas as pd
 
-from flywheel.broker import EmbeddedBroker
-from flywheel.bus import LagGauge, ensure_topics, make_consumer, make_output_producer, make_producer
+from local.broker import EmbeddedBroker
 from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
+from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
 from flywheel.settings import ArchiveSettings, IngestSettings, KafkaSettings
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import StreamRunner
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.runner import StreamRunner
+from flywheel.stream.store import StateStore
+from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, SCHEMA, IngestStage
 
 
@@ -69,7 +73,7 @@ def run(base: KafkaSettings, archive: ArchiveSettings, rate: float, seconds: flo
     store = StateStore(work / "state.sqlite3", SCHEMA)
     registry = new_registry()
     stage = IngestStage(IngestSettings(window_s=1, grace_s=0), topics, store, registry)
-    outbox = Outbox(store, make_output_producer(base, "bench-archive"), base.bootstrap, {EPISODES_ARCHIVE: arch},
+    outbox = Outbox(store, make_output_producer(base, "bench-archive"), {EPISODES_ARCHIVE: arch},
                     archive_max_rows=archive.max_rows, archive_max_age_s=archive.max_age_s)
     consumer = make_consumer(base, "bench-archive", f"archive-{uuid.uuid4().hex[:6]}")
     runner = StreamRunner(stage, store, outbox, consumer, [topics.generations, topics.feedback],

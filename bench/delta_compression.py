@@ -5,7 +5,7 @@ For each learning rate a fresh ~10.5M-parameter Llama is trained with real DeepS
 encoded three ways:
 
 * ``naive``  dense XOR of the raw bits + zstd (the baseline to beat),
-* ``ours``   trainer/delta.py: gaps between changed values + zig-zag differences in byte planes,
+* ``ours``   flywheel/checkpoints/delta.py: gaps between changed values + zig-zag differences in byte planes,
 * ``dense``  zstd of the full weights (what shipping a full checkpoint compressed costs).
 
 Every delta is applied and checked bit-exact. Times, all from local disk with a warm page cache:
@@ -34,9 +34,9 @@ from safetensors.torch import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from flywheel.checkpoints import delta as D
 from flywheel.contracts import RewardEvent, SamplingParams
 from flywheel.modelinit import ModelSpec, init_model
-from trainer import delta as D
 from trainer import dist
 from trainer.losses import LossConfig
 from trainer.policy import Policy, default_ds_config

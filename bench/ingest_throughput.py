@@ -3,7 +3,7 @@
 Run: ``python bench/ingest_throughput.py [--pairs 20000] [--clients confluent,kafka-python]``. One
 process starts the embedded broker and, for each output producer client (``KafkaSettings.
 producer_client``) on topics of its own, produces ``pairs`` generations and one feedback each, then
-measures, on the same messages with the same consumer settings (flywheel.bus.make_consumer):
+measures, on the same messages with the same consumer settings (flywheel.kafka.clients.make_consumer):
 
 - raw: a consumer group reading every input record and doing nothing else;
 - ingest: the full stage (decode, dedupe, join in the SQLite state store, window close, outbox,
@@ -37,15 +37,7 @@ from pathlib import Path
 
 from stage_floor import REWARD_STEPS, Rate, floor_rows, ingest_steps
 
-from flywheel.broker import EmbeddedBroker
-from flywheel.bus import (
-    DeadLetters,
-    LagGauge,
-    ensure_topics,
-    make_consumer,
-    make_output_producer,
-    make_producer,
-)
+from local.broker import EmbeddedBroker
 from flywheel.contracts import (
     EpisodeEvent,
     FeedbackEvent,
@@ -54,11 +46,17 @@ from flywheel.contracts import (
     Topics,
     encode,
 )
+from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, StreamRunner, decode_keyed
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, StreamRunner, decode_keyed
+from flywheel.stream.store import StateStore
+from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from reward.report import REWARD_SCHEMA, reward_row, reward_table
@@ -141,7 +139,7 @@ def relay_rate(cfg: KafkaSettings, inputs: list[str], out: str, expect: int) -> 
 
 
 class PassThrough:
-    """A :class:`ingest.runner.Stage` that emits each input record unchanged, optionally after
+    """A :class:`flywheel.stream.runner.Stage` that emits each input record unchanged, optionally after
     validating it as the reward stage does: the exactly-once machinery with no stage logic."""
 
     def __init__(self, store: StateStore, registry, out: str, topics: Topics, validate: bool) -> None:
@@ -167,7 +165,7 @@ def stage_rate(cfg: KafkaSettings, name: str, inputs: list[str], stage_fn, schem
     stage = stage_fn(store, registry)
     producer = make_output_producer(cfg, name)
     consumer = make_consumer(cfg, name, f"{name}-{uuid.uuid4().hex[:6]}")
-    outbox = Outbox(store, producer, cfg.bootstrap, archives)
+    outbox = Outbox(store, producer, archives)
     runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry), 5000, 200)
     start, cpu, first, delivered = None, 0.0, 0, 0
     while delivered < expect_out:

@@ -109,8 +109,8 @@ class Api:
     """The app with an engine, a recorder publishing to ``bootstrap``, on a loopback port."""
 
     def __init__(self, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, bootstrap: str) -> None:
-        from flywheel.bus import ensure_topics
         from flywheel.contracts import Topics
+        from flywheel.kafka.clients import ensure_topics
         from flywheel.metrics import new_registry
         from flywheel.settings import KafkaSettings, ServeSettings, Settings
         from serving.app import create_app
@@ -177,7 +177,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from flywheel.broker import EmbeddedBroker
+    from local.broker import EmbeddedBroker
     from flywheel.modelinit import ModelSpec, init_model
     from flywheel.settings import ServeSettings
     from serving.engine import configure_vllm_env

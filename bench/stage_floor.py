@@ -45,9 +45,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
+from ingest.exactly_once import OUTBOX_HEADER
 from kafka import TopicPartition
 
-from flywheel.bus import ensure_topics, make_consumer, partitions_of
 from flywheel.contracts import (
     MAX_EPISODE_BYTES,
     MAX_FEEDBACK_BYTES,
@@ -56,8 +56,8 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
+from flywheel.kafka.clients import ensure_topics, make_consumer, partitions_of
 from flywheel.settings import KafkaSettings
-from ingest.exactly_once import OUTBOX_HEADER
 
 _pack = msgspec.msgpack.Encoder().encode
 _parse = msgspec.json.Decoder().decode
@@ -130,7 +130,7 @@ def floor_rate(cfg: KafkaSettings, topics_in: list[str], topic_out: str, expect:
     seen = batch_id = 0
     start: tuple[float, float, int] | None = None
     was_enabled = gc.isenabled()
-    gc.disable()  # as the stages do while a batch is in hand (ingest/runner.py, gc_paused)
+    gc.disable()  # as the stages do while a batch is in hand (flywheel/stream/runner.py, gc_paused)
     try:
         while seen < expect or owed:
             records = [r for recs in consumer.poll(timeout_ms=100, max_records=max_batch).values() for r in recs]

@@ -34,9 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # the feed and raw consumer of ingest_throughput
 from ingest_throughput import WINDOW_S, produce, raw_rate
 
-from flywheel.broker import EmbeddedBroker
-from flywheel.bus import ensure_topics
+from local.broker import EmbeddedBroker
 from flywheel.contracts import Topics
+from flywheel.kafka.clients import ensure_topics
 from flywheel.settings import KafkaSettings
 
 
@@ -102,7 +102,7 @@ def run(bootstrap: str, procs: int, pairs: int, work: Path) -> list[tuple[str, f
            "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000", "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "500",
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_INGEST_WINDOW_S": str(WINDOW_S),
            "FLYWHEEL_INGEST_GRACE_S": "0", "FLYWHEEL_LOG_LEVEL": "WARNING",
-           # groups of this block only (see the group quirk in flywheel/broker.py)
+           # groups of this block only (see the group quirk in local/broker.py)
            "FLYWHEEL_INGEST_GROUP_ID": f"{topics.prefix}ingest", "FLYWHEEL_REWARD_GROUP_ID": f"{topics.prefix}reward"}
     work = work / f"p{procs}"
     raw_in = raw_rate(cfg, [topics.generations, topics.feedback], 2 * pairs)[0]

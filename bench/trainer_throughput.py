@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 from trainer_helpers import reward_event
 
-from flywheel.broker import EmbeddedBroker
-from flywheel.bus import ensure_topics, make_producer
+from local.broker import EmbeddedBroker
 from flywheel.contracts import Topics, encode
+from flywheel.kafka.clients import ensure_topics, make_producer
 from flywheel.modelinit import ModelSpec, init_model
 from flywheel.settings import KafkaSettings, Settings, TrainerSettings
 

@@ -1,6 +1,6 @@
 """The ingest stage's stream logic: validate, dedupe, join generations with feedback, close windows.
 
-Join state lives in the stage's SQLite store (ingest/exactly_once.py) so that it commits in the
+Join state lives in the stage's SQLite store (flywheel/stream/store.py) so that it commits in the
 same transaction as the input offsets and the outbox:
 
 - ``gens``   open generations (canonical bytes, window deadline, when the window closes, source
@@ -26,7 +26,6 @@ import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from flywheel.bus import DeadLetters
 from flywheel.contracts import (
     MAX_EPISODE_BYTES,
     MAX_FEEDBACK_BYTES,
@@ -39,7 +38,9 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import IngestSettings
-from ingest.exactly_once import StateStore
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
+from flywheel.stream.store import StateStore
 from ingest.join import (
     Resolution,
     closes_at,
@@ -49,7 +50,6 @@ from ingest.join import (
     orphan_deadline,
     resolve,
 )
-from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
@@ -86,7 +86,7 @@ class IngestMetrics:
 
 
 class IngestStage:
-    """Implements :class:`ingest.runner.Stage` for generations + feedback -> episodes."""
+    """Implements :class:`flywheel.stream.runner.Stage` for generations + feedback -> episodes."""
 
     def __init__(self, cfg: IngestSettings, topics: Topics, store: StateStore,
                  registry: CollectorRegistry) -> None:
@@ -228,7 +228,7 @@ class IngestStage:
         )
 
     def clock_stepped(self, by: float) -> None:
-        """The wall clock stepped ``by`` seconds while the stage ran (ingest/runner.py): move every
+        """The wall clock stepped ``by`` seconds while the stage ran (flywheel/stream/runner.py): move every
         time stored on it by as much. Windows, orphans' waits and the memory of closed windows
         then last as long as they would have: a forward step closed every open window at once,
         before feedback given in time could arrive (it became ``late_feedback``), and a step back

@@ -4,8 +4,8 @@
 Consumes ``<prefix>episodes`` in the consumer group ``reward.group_id``, labels each episode with
 the configured labelers (reward/labelers.py) behind the guards (reward/guards.py), emits one
 reward per episode with a user signal to ``<prefix>rewards`` and archives it to Parquet under
-``<data_dir>/archive/rewards``. State and offsets live in ``<data_dir>/reward/state.sqlite3``
-with the same exactly-once protocol as ingest (ingest/exactly_once.py, docs/exactly-once.md).
+``<data_dir>/archive/rewards``. It runs on the stream runtime (flywheel/stream/,
+docs/exactly-once.md): state and offsets live in ``<data_dir>/reward/state.sqlite3``.
 With ``reward.shards`` set it owns those input partitions outright instead of joining the
 group: one of several processes of the stage, each with a data_dir of its own
 (docs/exactly-once.md, Scaling out). ``/metrics`` and ``/health`` on ``reward.host:reward.port``.
@@ -19,40 +19,43 @@ from typing import Any
 
 from flywheel.contracts import Topics
 from flywheel.settings import Settings
-from ingest.archive import ParquetArchive
-from ingest.main import stop_on_signals
-from ingest.runner import serve_stage
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.serve import StageSpec, serve_stage
 from reward.report import REWARD_SCHEMA, report, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, SCHEMA, RewardStage
 
 
-def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
-    """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
-    archive_root = settings.data_dir / "archive" / "rewards"
-    if args is not None and getattr(args, "action", "run") == "report":
-        print(report(args.archive or archive_root, top=args.top))
-        return 0
+def spec(settings: Settings) -> StageSpec:
+    """The reward stage as the stream runtime runs it."""
     cfg, topics = settings.reward, Topics(settings.topic_prefix)
-    serve_stage(
-        settings=settings,
+    archive_root = settings.data_dir / "archive" / "rewards"
+    return StageSpec(
         name="reward",
         group_id=cfg.group_id,
         inputs=[topics.episodes],
-        schema=SCHEMA,
-        make_stage=lambda store, registry: RewardStage(cfg, topics, store, registry),
+        outputs=[topics.rewards, topics.deadletter],
+        tables=SCHEMA,
+        rules=lambda store, registry: RewardStage(cfg, topics, store, registry),
         archives=lambda: {REWARDS_ARCHIVE: ParquetArchive(archive_root, REWARD_SCHEMA, reward_row, reward_table)},
         host=cfg.host,
         port=cfg.port,
         max_batch=cfg.max_batch,
         poll_ms=cfg.poll_ms,
-        stop=stop or stop_on_signals(),
         shards=cfg.shards,
     )
+
+
+def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
+    """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
+    if args is not None and getattr(args, "action", "run") == "report":
+        print(report(args.archive or settings.data_dir / "archive" / "rewards", top=args.top))
+        return 0
+    serve_stage(settings, spec(settings), stop)
     return 0
 
 
 def main(argv: list[str] | None = None) -> Any:
-    from flywheel.cli import main as cli_main
+    from cli.main import main as cli_main
 
     return cli_main(["reward", *(argv or [])])
 

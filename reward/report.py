@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import pyarrow as pa
 
-from ingest.archive import read_schema
+from flywheel.stream.archive import read_schema
 from reward.guards import ABUSE_FLAGS
 
 if TYPE_CHECKING:  # pandas is imported by the report only: the stage starts faster without it

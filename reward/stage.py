@@ -1,9 +1,9 @@
 """The reward stage's stream logic: episodes -> labeled, guarded rewards, exactly once.
 
-It runs on the same exactly-once machinery as ingest (ingest/exactly_once.py, ingest/runner.py):
-per batch, one SQLite transaction holds the dedupe set, the per-user guard counts, the input
-offsets and the outbox of rewards and dead letters; a restart resumes from the stored offsets and
-settles the outbox by reading the rewards topic back.
+It runs on the stream runtime (flywheel/stream/): per batch, one SQLite transaction holds the
+dedupe set, the per-user guard counts, the input offsets and the outbox of rewards and dead
+letters; a restart resumes from the stored offsets and sends what the outbox still owes. The
+dedupe set is what makes an episode delivered twice (ingest's outbox is at least once) count once.
 
 What becomes of each episode:
 
@@ -29,11 +29,11 @@ import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from flywheel.bus import DeadLetters
 from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
-from ingest.exactly_once import StateStore
-from ingest.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
+from flywheel.stream.store import StateStore
 from reward.guards import (
     ABUSE_FLAGS,
     HACKING_FLAGS,
@@ -88,7 +88,7 @@ class RewardMetrics:
 
 
 class RewardStage:
-    """Implements :class:`ingest.runner.Stage` for episodes -> rewards."""
+    """Implements :class:`flywheel.stream.runner.Stage` for episodes -> rewards."""
 
     def __init__(self, cfg: RewardSettings, topics: Topics, store: StateStore,
                  registry: CollectorRegistry) -> None:

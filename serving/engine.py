@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from flywheel import manifest
+from flywheel.checkpoints import manifest
 from flywheel.settings import ServeSettings
 
 

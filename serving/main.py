@@ -19,9 +19,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from flywheel.bus import ensure_topics
+from flywheel.checkpoints import ManifestError, verify_dir
 from flywheel.contracts import Topics
-from flywheel.manifest import ManifestError, verify_dir
+from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
 from serving.journal import Journal

@@ -41,8 +41,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from flywheel.bus import force_close, make_producer
 from flywheel.contracts import FeedbackEvent, GenerationEvent, encode
+from flywheel.kafka.clients import force_close, make_producer
 from flywheel.settings import KafkaSettings
 from serving.journal import Journal, JournalFull
 

@@ -1,4 +1,4 @@
-"""Record batches broken the ways a reader can meet them (flywheel/kafka_batches.py), built by
+"""Record batches broken the ways a reader can meet them (flywheel/kafka/batches.py), built by
 kafka-python's own batch builder and then damaged: used by the unit tests on batches and by the
 real-broker tests, which send them through a producer whose builder is made to break them."""
 

@@ -1,6 +1,6 @@
 """Shared fixtures: a real Kafka-protocol broker per test session, throwaway topics, a tiny model.
 
-The broker is the embedded Tansu binary (see flywheel/broker.py), started here by the tests
+The broker is the embedded Tansu binary (see local/broker.py), started here by the tests
 themselves. Each test that needs topics gets fresh uuid-prefixed ones, so tests never see each
 other's records and the in-memory broker can drop them afterwards.
 """
@@ -26,7 +26,10 @@ TEST_HEARTBEAT_MS = 500
 
 @pytest.fixture(scope="session")
 def broker():
-    from flywheel.broker import EmbeddedBroker
+    from local.broker import EmbeddedBroker
+    from flywheel.kafka.patches import install_client_patches
+
+    install_client_patches()  # the tests' own readers read as every flywheel reader does
 
     with EmbeddedBroker() as b:
         yield b
@@ -54,8 +57,8 @@ def topics(kafka_settings, topic_prefix):
     """Fresh topics for one test (created up front, deleted afterwards)."""
     from kafka import KafkaAdminClient
 
-    from flywheel.bus import ensure_topics
     from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics
 
     t = Topics(topic_prefix)
     ensure_topics(kafka_settings, t.all())
@@ -128,7 +131,7 @@ def read_all(bootstrap: str, topic: str, *, expect: int | None = None, timeout_s
 
 def stage_env(kafka_settings, topics, data_dir: Path, **extra: str) -> dict[str, str]:
     """``FLYWHEEL_*`` variables for a stage run by a test: its broker and topics, consumer groups
-    of its own (the embedded broker's group quirk, flywheel/broker.py), ops on free ports, and
+    of its own (the embedded broker's group quirk, local/broker.py), ops on free ports, and
     ``extra``."""
     return {
         "FLYWHEEL_KAFKA_BOOTSTRAP": kafka_settings.bootstrap,

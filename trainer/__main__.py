@@ -2,7 +2,7 @@
 
 import sys
 
-from flywheel.cli import main
+from cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,13 +1,13 @@
-"""Announcing published versions on ``flywheel.checkpoints``, whatever the broker does meanwhile.
+"""Announcing published versions on the checkpoints topic, whatever the broker does meanwhile.
 
-A version becomes durable when its directory is renamed into the store (trainer/store.py); its
-announcement is a second step, which a broker that does not answer holds up and a crash or a stop
-can cut short. So the announcement is built from the store alone (:func:`checkpoint_event`), and
-the store's ``announced`` file records the highest version through which every announcement was
-acked. The trainer moves it only once its producer owes Kafka nothing, and a start announces the
-versions above it before anything new. Readers therefore see every version at least once, in
-order but for a send the producer had to retry; a crash between an ack and the file's update
-repeats an announcement, so readers key on ``version``.
+A version becomes durable when its directory is renamed into the store
+(flywheel/checkpoints/store.py); its announcement is a second step, which a broker that does not
+answer holds up and a crash or a stop can cut short. So the announcement is built from the store
+alone (:func:`checkpoint_event`), and the store's ``announced`` file records the highest version
+through which every announcement was acked. The trainer moves it only once its producer owes Kafka
+nothing, and a start announces the versions above it before anything new. Readers therefore see
+every version at least once, in order but for a send the producer had to retry; a crash between an
+ack and the file's update repeats an announcement, so readers key on ``version``.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import logging
 import os
 from pathlib import Path
 
-from flywheel import manifest
+from flywheel.checkpoints import CheckpointStore, manifest, mirror
 from flywheel.contracts import CheckpointEvent, now
-from trainer.store import CheckpointStore, mirror
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +54,8 @@ def mark_announced(store: CheckpointStore, version: int) -> None:
 def checkpoint_event(store: CheckpointStore, version: int, mirror_url: str | None = None) -> CheckpointEvent:
     """The announcement of a committed ``version``, from what the store holds.
 
-    ``mirror_url``: the store's fsspec URL (``trainer.store``); the version is uploaded there
-    first (again, after a crash: the upload is idempotent) and announced with that URI.
+    ``mirror_url``: the store's fsspec URL (the trainer's ``store`` setting); the version is uploaded
+    there first (again, after a crash: the upload is idempotent) and announced with that URI.
     """
     path = store.path(version)
     man = store.manifest(version)

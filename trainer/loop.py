@@ -35,7 +35,10 @@ import torch
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from safetensors.torch import save_file
 
-from flywheel.bus import DeadLetters, KafkaSink, LagGauge
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.kafka.producers import KafkaSink
+from flywheel.kafka.lag import LagGauge
+from flywheel.checkpoints import WEIGHTS, CheckpointStore
 from flywheel.contracts import (
     ContractError,
     RewardEvent,
@@ -43,7 +46,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
-from flywheel.kafka_batches import unreadable_batch
+from flywheel.kafka.batches import unreadable_batch
 from flywheel.settings import Settings
 from trainer import dist
 from trainer.announce import announced, checkpoint_event, mark_announced
@@ -51,7 +54,6 @@ from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reaso
 from trainer.losses import GROUPED
 from trainer.metrics import TrainerMetrics
 from trainer.policy import Policy
-from trainer.store import WEIGHTS, CheckpointStore
 
 log = logging.getLogger(__name__)
 

@@ -43,24 +43,13 @@ def ds_config(settings: Settings, world: int) -> dict[str, Any]:
     return data
 
 
-def store_for(settings: Settings):
-    from trainer.store import CheckpointStore
-
-    cfg = settings.trainer
-    local = cfg.store if cfg.store and "://" not in cfg.store else str(settings.data_dir / "checkpoints")
-    return CheckpointStore(Path(local), full_every=cfg.full_every, keep_full=cfg.keep_full, keep_optimizer=cfg.keep_optimizer)
-
-
 def build(settings: Settings):
     """Everything but the loop: process group, policy, store, Kafka clients (rank 0), metrics."""
-    from flywheel.bus import (
-        DeadLetters,
-        KafkaSink,
-        LagGauge,
-        ensure_topics,
-        make_consumer,
-        make_producer,
-    )
+    from flywheel.stream.deadletters import DeadLetters
+    from flywheel.kafka.producers import KafkaSink
+    from flywheel.kafka.lag import LagGauge
+    from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+    from flywheel.checkpoints import open_store
     from flywheel.contracts import Topics
     from flywheel.metrics import new_registry
     from trainer import dist
@@ -81,7 +70,7 @@ def build(settings: Settings):
         topics = Topics(settings.topic_prefix)
         ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
         # bounded like the stages' output producer: a broker that does not answer holds a send
-        # for seconds, and the sink retries it later (flywheel/bus.py, KafkaSink)
+        # for seconds, and the sink retries it later (flywheel/kafka/producers.py, KafkaSink)
         sink = KafkaSink(lambda: make_producer(settings.kafka, "trainer", max_block_ms=5000,
                                                bootstrap_timeout_ms=5000))
         kw = {
@@ -90,7 +79,7 @@ def build(settings: Settings):
             "deadletters": DeadLetters(sink, topics.deadletter, "trainer", registry, DEADLETTER_REASONS),
             "lag": LagGauge("trainer", registry),
         }
-    trainer = Trainer(settings, policy, store_for(settings), TrainerMetrics(registry), rank=rank, world=world, **kw)
+    trainer = Trainer(settings, policy, open_store(settings), TrainerMetrics(registry), rank=rank, world=world, **kw)
     return trainer, registry
 
 

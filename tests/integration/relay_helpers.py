@@ -1,14 +1,17 @@
 """A relay stage and its feed: the cheapest harness for the stages' shared loop on the real broker
 (test_ingest_recovery.py, test_stage_events.py). No stage logic, so what a test sees is the
-exactly-once machinery's own behaviour."""
+delivery machinery's own behaviour: at least once, every repeat the resend of a row that was
+sent before (docs/exactly-once.md)."""
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterable
 
 from kafka import KafkaProducer
 
-from ingest.exactly_once import StateStore
+from flywheel.stream.store import StateStore
 
 
 class Crash(Exception):
@@ -42,3 +45,33 @@ def feed(kafka_settings, topic: str, n: int, key: str = "g", value: str = "v") -
     producer.flush()
     producer.close()
     return values
+
+
+def count_sends(outbox) -> Counter[bytes]:
+    """Count each value ``outbox`` hands its producer from now on, resends included (a send the
+    client refused or could not queue is not counted): a value may reach its topic at most as
+    many times as it was sent."""
+    sent: Counter[bytes] = Counter()
+    real = outbox.producer.send
+
+    def send(token: int, topic: str, key: str | None, value: bytes) -> None:
+        real(token, topic, key, value)
+        sent[value] += 1
+
+    outbox.producer.send = send
+    return sent
+
+
+def assert_at_least_once(on_topic: Iterable[bytes], owed: Iterable[bytes], sent: Counter[bytes],
+                         others: Iterable[bytes] = ()) -> None:
+    """What at-least-once delivery promises a topic: every ``owed`` value is there, nothing but
+    those and ``others`` (written by someone else, once each), and no owed value more often than
+    it was ``sent``, so a repeat is always the resend of a row that was sent before."""
+    got, owed, others = Counter(on_topic), set(owed), Counter(others)
+    missing = sorted(owed - set(got))
+    stray = sorted(set(got) - owed - set(others))
+    assert not missing and not stray, f"{len(missing)} owed values missing (e.g. {missing[:3]}), {len(stray)} " \
+                                      f"values nobody owed (e.g. {stray[:3]})"
+    extra = {v: n for v, n in got.items() if v in owed and n > sent[v]}
+    assert not extra, f"values on the topic more often than they were sent: {dict(list(extra.items())[:3])}"
+    assert {v: got[v] for v in others} == dict(others), "records of other writers lost or repeated"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flywheel.bus import make_consumer, make_producer
+from flywheel.kafka.clients import make_consumer, make_producer
 
 pytestmark = pytest.mark.integration
 

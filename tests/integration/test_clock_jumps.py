@@ -3,9 +3,9 @@ clock corrected, forward or backward by minutes to hours, while a stage runs or 
 and a restart.
 
 Every time-driven rule of the stages reads one clock: the ``now`` that the loop
-(ingest/runner.py, ``StreamRunner.step``) takes from ``time.time()`` once per turn and hands to
+(flywheel/stream/runner.py, ``StreamRunner.step``) takes from ``time.time()`` once per turn and hands to
 ``process`` and ``tick``. The stage-level tests drive a stage turn by turn with that ``now``; the
-broker tests run the real loop and replace the runner's clock (``ingest.runner.time``), leaving
+broker tests run the real loop and replace the runner's clock (``flywheel.stream.runner.time``), leaving
 kafka-python's own clock alone.
 
 Two kinds of jump are told apart: one of a stage's host alone (its clock now disagrees with
@@ -29,8 +29,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.coordinator.assignors.range import RangePartitionAssignor
 from prometheus_client import CollectorRegistry
 
-import ingest.runner
-from flywheel.bus import LagGauge, make_consumer, make_output_producer
+import flywheel.stream.runner
 from flywheel.contracts import (
     MAX_DEADLETTER_BYTES,
     DeadLetterEvent,
@@ -40,10 +39,14 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.kafka.clients import make_consumer
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, RewardSettings
-from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import StreamRunner
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.runner import StreamRunner
+from flywheel.stream.store import StateStore
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from ingest.stage import IngestStage
 from reward.stage import SCHEMA as REWARD_SCHEMA
@@ -350,7 +353,7 @@ class Ingest:
         settings = stage_settings(kafka_settings, topics, data_dir, FLYWHEEL_INGEST_WINDOW_S=str(WINDOW_S),
                                   FLYWHEEL_INGEST_GRACE_S="0.5", FLYWHEEL_INGEST_ORPHAN_WAIT_S=str(WINDOW_S))
         self.store = StateStore(data_dir / "ingest" / "state.sqlite3", INGEST_SCHEMA)
-        self.outbox = Outbox(self.store, make_output_producer(kafka_settings, "ingest"), kafka_settings.bootstrap)
+        self.outbox = Outbox(self.store, make_output_producer(kafka_settings, "ingest"))
         self.consumer = make_consumer(kafka_settings, "ingest", group,
                                       partition_assignment_strategy=[RangePartitionAssignor])
         registry = new_registry()
@@ -400,7 +403,7 @@ def test_the_loop_after_a_vm_pause_folds_the_feedback_that_waited_in_kafka(kafka
     the feedback waiting in Kafka before it closes the window (shards close only once caught
     up), so the episode carries the accept."""
     clock = Clock(T0)
-    monkeypatch.setattr(ingest.runner, "time", clock.module())
+    monkeypatch.setattr(flywheel.stream.runner, "time", clock.module())
     group = f"{topics.prefix}ingest-{uuid.uuid4().hex[:6]}"
     stage = Ingest(kafka_settings, topics, tmp_path, group)
     try:
@@ -426,7 +429,7 @@ def test_the_loop_when_its_clock_steps_forward_keeps_the_window_open_for_feedbac
     """The real loop, its host's clock stepping 10 minutes ahead 1 s into a 5 s window (serving's
     clock right): the user's accept 2 s after the completion, sent 2 s after the step, must count."""
     clock = Clock(T0)
-    monkeypatch.setattr(ingest.runner, "time", clock.module())
+    monkeypatch.setattr(flywheel.stream.runner, "time", clock.module())
     stage = Ingest(kafka_settings, topics, tmp_path, f"{topics.prefix}ingest-{uuid.uuid4().hex[:6]}")
     try:
         completed = clock.time()
@@ -448,7 +451,7 @@ def test_the_loop_when_its_clock_steps_forward_keeps_feedback_waiting_for_its_ge
     waits for it; the ingest host's clock steps 10 minutes ahead; the generation comes 0.5 s
     later by the real clock. The accept must join it."""
     clock = Clock(T0)
-    monkeypatch.setattr(ingest.runner, "time", clock.module())
+    monkeypatch.setattr(flywheel.stream.runner, "time", clock.module())
     stage = Ingest(kafka_settings, topics, tmp_path, f"{topics.prefix}ingest-{uuid.uuid4().hex[:6]}")
     try:
         given = clock.time()
@@ -471,7 +474,7 @@ def test_the_loop_when_the_fleets_clock_steps_back_closes_open_windows_on_time(
     counts (no loss either way), and the window must close when its 5 s have passed, not an
     hour later: until then the generation's episode, and its training signal, are held back."""
     clock = Clock(T0)
-    monkeypatch.setattr(ingest.runner, "time", clock.module())
+    monkeypatch.setattr(flywheel.stream.runner, "time", clock.module())
     stage = Ingest(kafka_settings, topics, tmp_path, f"{topics.prefix}ingest-{uuid.uuid4().hex[:6]}")
     try:
         _send(kafka_settings, topics.generations, "g", encode(small_generation("g", clock.time())))

@@ -19,16 +19,16 @@ from conftest import accept_feedback as feedback
 from conftest import read_all, running, stage_settings
 from conftest import small_generation as generation
 
-from flywheel.bus import make_producer
-from flywheel.cli import build_parser
+from cli.main import build_parser
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
     decode,
     encode,
 )
-from flywheel.deadletters import REPLAY_HEADER, read_letters
-from flywheel.deadletters import run as deadletters
+from cli.deadletters import REPLAY_HEADER, read_letters
+from cli.deadletters import run as deadletters
+from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration
 WINDOW_S = 2.0

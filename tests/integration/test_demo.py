@@ -17,7 +17,7 @@ def test_demo_runs_the_loop_and_stops(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") and k not in dist_vars}
     env.update(FLYWHEEL_DATA_DIR=str(tmp_path), FLYWHEEL_MODEL_DIR=str(tmp_path / "model"))
     out = subprocess.run(
-        [sys.executable, "-m", "flywheel.cli", "demo", "--users", "8", "--wait", "240"],
+        [sys.executable, "-m", "cli", "demo", "--users", "8", "--wait", "240"],
         env=env, capture_output=True, text=True, timeout=480, check=False,
     )
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("[demo]")]

@@ -14,13 +14,15 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import Producer as ConfluentProducer
 from conftest import read_all
+from ingest.exactly_once import OUTBOX_HEADER
 from kafka import TopicPartition
 from kafka.errors import MessageSizeTooLargeError
 from relay_helpers import Crash, Relay, feed
 
-from flywheel.bus import make_output_producer
-from ingest.archive import ParquetArchive
-from ingest.exactly_once import OUTBOX_HEADER, Outbox, StateStore
+from flywheel.kafka.producers import make_output_producer
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.store import StateStore
 
 pytestmark = pytest.mark.integration
 SCHEMA = pa.schema([pa.field("v", pa.string())])
@@ -51,7 +53,7 @@ def archive(tmp_path) -> ParquetArchive:
 def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings, topics, tmp_path):
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 50)
-    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    first = Outbox(store, make_output_producer(out_settings, "t1"), {"a": archive(tmp_path)})
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
     with pytest.raises(Crash):
@@ -59,7 +61,7 @@ def test_crash_after_send_before_mark_is_not_resent(kafka_settings, out_settings
     store.mark_delivered = real_mark
     first.producer.close()
 
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    second = Outbox(store, make_output_producer(out_settings, "t2"), {"a": archive(tmp_path)})
     assert second.recover({0, 1}) == 100  # all rows were in Kafka
     assert second.deliver({0, 1}, wait=True) == 0
     values = sorted(r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10))
@@ -74,7 +76,7 @@ def test_recovery_passes_over_outbox_headers_another_client_wrote(kafka_settings
     recovery scan with an error."""
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 10)
-    first = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    first = Outbox(store, make_output_producer(kafka_settings, "t1"), {"a": archive(tmp_path)})
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())
     with pytest.raises(Crash):
@@ -88,7 +90,7 @@ def test_recovery_passes_over_outbox_headers_another_client_wrote(kafka_settings
     assert other.flush(30) == 0
     del other  # its threads stop with it, before the broker does
 
-    second = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap, {"a": archive(tmp_path)})
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"), {"a": archive(tmp_path)})
     assert second.recover({0, 1}) == 20 and second.deliver({0, 1}, wait=True) == 0
     second.producer.close()
     store.close()
@@ -101,7 +103,7 @@ def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_
     before the first ack left the recovery scan to read every partition from offset 0."""
     from contextlib import closing
 
-    from flywheel.bus import make_producer
+    from flywheel.kafka.clients import make_producer
 
     with closing(make_producer(kafka_settings, "history")) as producer:
         for i in range(60):
@@ -109,7 +111,7 @@ def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_
         producer.flush()
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 20)
-    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap)
+    first = Outbox(store, make_output_producer(out_settings, "t1"))
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed before any ack counted
     with pytest.raises(Crash):
@@ -119,7 +121,7 @@ def test_a_first_send_is_confirmed_from_the_partitions_end_so_recovery_reads_no_
     marks = {(sh, p): store.out_mark(sh, topics.episodes, p) for sh in (0, 1) for p in (0, 1)}
     assert set(marks.values()) == {30}  # where the partitions ended before the first send
 
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(out_settings, "t2"))
     assert second.recover({0, 1}) == 40 and second.deliver({0, 1}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=100, timeout_s=10)]
     assert len(values) == 100 and len(set(values) - {b"old"}) == 40
@@ -146,7 +148,7 @@ def test_rows_sent_before_partitions_were_added_are_found_where_they_went(
     keyed rows now hash elsewhere, and recovery must look where they went, not send them again."""
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.deadletter, 20)
-    first = Outbox(store, OnePartition(make_output_producer(out_settings, "t1")), kafka_settings.bootstrap)
+    first = Outbox(store, OnePartition(make_output_producer(out_settings, "t1")))
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed after the acks
     with pytest.raises(Crash):
@@ -154,7 +156,7 @@ def test_rows_sent_before_partitions_were_added_are_found_where_they_went(
     store.mark_delivered = real_mark
     first.producer.close()
 
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(out_settings, "t2"))
     assert second.partitions(topics.deadletter) == 2
     assert second.recover({0, 1}) == 40 and second.deliver({0, 1}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=40, timeout_s=10)]
@@ -172,14 +174,14 @@ def test_crash_between_archive_files_and_dequeue_writes_nothing_twice(tmp_path):
     first = {"a": archive(tmp_path / "a"), "b": archive(tmp_path / "b")}
     first["b"].write = lambda *a, **k: (_ for _ in ()).throw(Crash())  # dies while writing b
     with pytest.raises(Crash):
-        Outbox(store, None, "", first).archive(force=True)
+        Outbox(store, None, first).archive(force=True)
     assert store.queued == 30 and len(first["a"].files()) == 1
     store.close()
 
     store = StateStore(tmp_path / "s.sqlite3")  # the restart
     second = {"a": archive(tmp_path / "a"), "b": archive(tmp_path / "b")}
     assert store.queued == 30
-    assert Outbox(store, None, "", second).archive() == 15  # due at once after a start; a settled by its file
+    assert Outbox(store, None, second).archive() == 15  # due at once after a start; a settled by its file
     assert store.queued == 0 and store.queued_batches(100) == []
     for name in "ab":
         assert len(second[name].files()) == 1
@@ -234,11 +236,11 @@ def test_failed_report_for_a_landed_record_is_not_resent(kafka_settings, out_set
         for i in range(10):
             store.append(0, topics.deadletter, "same-key", f"v{i}".encode())  # one output partition
     producer = LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=3)
-    first = Outbox(store, producer, kafka_settings.bootstrap)
+    first = Outbox(store, producer)
     first.deliver({0}, wait=True)  # rows 1-3 "fail" (but landed), rows 4-10 are acked
     first.producer.close()  # crash before the failed rows are settled
 
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(out_settings, "t2"))
     assert second.recover({0}) == 3  # the scan starts early enough to find all three
     assert second.deliver({0}, wait=True) == 0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=10, timeout_s=10)]
@@ -253,8 +255,7 @@ def test_failed_sends_are_settled_without_sending_or_archiving_twice(kafka_setti
         for i in range(10):
             store.append(0, topics.episodes, "same-key", f"v{i}".encode(), archive="a")
     arch = archive(tmp_path)
-    outbox = Outbox(store, LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=4),
-                    kafka_settings.bootstrap, {"a": arch})
+    outbox = Outbox(store, LandedButReportedFailed(make_output_producer(out_settings, "t1"), n=4), {"a": arch})
     assert outbox.deliver({0}, wait=True) == 6  # four reports "failed", though their rows landed
     assert len(store.pending({0})) == 4
     assert outbox.deliver({0}, wait=True) == 0  # settled by the scan: found, nothing resent
@@ -274,7 +275,7 @@ def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings
     with store.txn():
         for i in range(5):
             store.append(1, topics.deadletter, "same-key", f"s1-{i}".encode())
-    first = Outbox(store, make_output_producer(out_settings, "t1"), kafka_settings.bootstrap)
+    first = Outbox(store, make_output_producer(out_settings, "t1"))
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # killed after the acks
     with pytest.raises(Crash):
@@ -282,7 +283,7 @@ def test_another_shards_acks_do_not_hide_a_crashed_shards_records(kafka_settings
     store.mark_delivered = real_mark
     first.producer.close()
 
-    second = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(out_settings, "t2"))
     with store.txn():
         for i in range(5):
             store.append(0, topics.deadletter, "same-key", f"s0-{i}".encode())  # same partition
@@ -300,7 +301,7 @@ def test_a_broker_that_does_not_answer_holds_outputs_back_without_failing(broker
     Now delivery stops short, in order, says why and for how long, and resumes once it answers."""
     store = StateStore(tmp_path / "s.sqlite3")
     fill(store, topics.episodes, 20)
-    outbox = Outbox(store, make_output_producer(out_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(out_settings, "t"))
     assert outbox.stuck_s() == 0.0
     broker.pause()
     try:
@@ -370,7 +371,7 @@ def test_a_row_the_broker_refuses_at_every_try_shows_as_a_stall(kafka_settings, 
         for i in range(10):
             store.append(0, topics.episodes, f"k{i}", b"too-big" if i == 3 else f"v{i}".encode())
     producer = RefusesOne(make_output_producer(out_settings, "t"), b"too-big")
-    outbox = Outbox(store, producer, kafka_settings.bootstrap)
+    outbox = Outbox(store, producer)
     started, delivered = time.monotonic(), 0
     while time.monotonic() - started < 1.5:  # as the stage's loop turns
         delivered += outbox.deliver({0}, wait=True)
@@ -392,9 +393,10 @@ def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_sett
     that turn had polled are read again (its transaction rolled back), so each is relayed once."""
     import threading
 
-    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.kafka.clients import make_consumer
+    from flywheel.kafka.lag import LagGauge
     from flywheel.metrics import new_registry
-    from ingest.runner import StreamRunner
+    from flywheel.stream.runner import StreamRunner
 
     feed_generations(kafka_settings, topics, 30)
     stop, made = threading.Event(), {}
@@ -402,7 +404,7 @@ def test_a_turn_that_fails_on_the_broker_is_retried_and_skips_nothing(kafka_sett
     def run() -> None:  # SQLite objects belong to the thread that made them: the loop's, here
         store = StateStore(tmp_path / "s.sqlite3")
         made["stage"] = _FailsOnce(store, topics.episodes)
-        outbox = Outbox(store, make_output_producer(out_settings, "t"), kafka_settings.bootstrap)
+        outbox = Outbox(store, make_output_producer(out_settings, "t"))
         consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
         made["runner"] = StreamRunner(made["stage"], store, outbox, consumer, [topics.generations],
                                       LagGauge("ingest", new_registry()), 100, 100)
@@ -434,14 +436,14 @@ def test_a_record_the_client_refuses_holds_back_nothing_else(kafka_settings, out
     with store.txn():
         for i in range(8):
             store.append(i % 2, topics.episodes, f"k{i}", b"x" * 200_000 if i == 2 else f"v{i}".encode())
-    outbox = Outbox(store, make_output_producer(small, "t1"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(small, "t1"))
     delivered = sum(outbox.deliver({0, 1}, wait=True) for _ in range(3))
     assert delivered == 7 and [len(r.value) for r in store.pending({0, 1})] == [200_000]
     time.sleep(0.3)
     assert outbox.stuck_s() >= 0.3
     outbox.producer.close()
 
-    raised = Outbox(store, make_output_producer(out_settings, "t2"), kafka_settings.bootstrap)
+    raised = Outbox(store, make_output_producer(out_settings, "t2"))
     assert raised.recover({0, 1}) == 0 and raised.deliver({0, 1}, wait=True) == 1 and raised.stuck_s() == 0.0
     values = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, expect=8, timeout_s=10)]
     assert len(values) == 8 and len(set(values)) == 8
@@ -461,7 +463,7 @@ def test_recovery_reads_no_partition_the_shard_never_sent_to(kafka_settings, top
     real_read = exactly_once.read_to_end
     monkeypatch.setattr(exactly_once, "read_to_end", lambda bootstrap, starts, **kw: scans.append(starts) or
                         real_read(bootstrap, starts, **kw))
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t1"))
     assert outbox.recover({0, 1}) == 0 and scans == []
     outbox.producer.close()
     store.close()
@@ -472,7 +474,7 @@ def test_recovery_reads_no_partition_the_shard_never_sent_to(kafka_settings, top
         older.db.execute("DELETE FROM meta WHERE k='marks_first'")
     older.close()
     older = StateStore(tmp_path / "old.sqlite3")  # reopened with rows owed: not marked complete
-    outbox = Outbox(older, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    outbox = Outbox(older, make_output_producer(kafka_settings, "t2"))
     assert outbox.recover({0, 1}) == 0 and len(scans) == 1 and set(scans[0].values()) == {0}
     assert outbox.deliver({0, 1}, wait=True) == 20
     outbox.producer.close()
@@ -482,7 +484,8 @@ def test_recovery_reads_no_partition_the_shard_never_sent_to(kafka_settings, top
 def test_a_retired_kafka_python_producer_has_reported_its_sends_when_retire_returns(kafka_settings, topics):
     """Its failures must be in before the next producer's acks can be counted: an ack counted
     first would move the partition's confirmed point past a failed record that may have landed."""
-    from flywheel.bus import KafkaPythonOutput, make_producer
+    from flywheel.kafka.clients import make_producer
+    from flywheel.kafka.producers import KafkaPythonOutput
 
     cfg = kafka_settings.model_copy(update={"linger_ms": 2000})
     out = KafkaPythonOutput(lambda: make_producer(cfg, "t", max_block_ms=5000))
@@ -514,14 +517,15 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
     """An output that cannot be written must not copy the whole input stream into the state
     store: past ``max_owed`` rows the loop stops reading (the backlog waits in the input topic,
     where lag shows it) and reads on once half are delivered. Every record goes out once."""
-    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.kafka.clients import make_consumer
+    from flywheel.kafka.lag import LagGauge
     from flywheel.metrics import new_registry
-    from ingest.runner import StreamRunner
+    from flywheel.stream.runner import StreamRunner
 
     feed_generations(kafka_settings, topics, 300)
     store = StateStore(tmp_path / "s.sqlite3")
     producer = Unwritable(make_output_producer(out_settings, "t"), topics.episodes)
-    outbox = Outbox(store, producer, kafka_settings.bootstrap)
+    outbox = Outbox(store, producer)
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
     runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 20, 50, max_owed=50)
@@ -552,13 +556,14 @@ def test_input_pauses_while_the_outbox_owes_too_much_and_resumes_once_half_is_de
 def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(kafka_settings, topics, tmp_path):
     """The recovery scan that sets up an assigned shard can fail on the broker: the shard stays
     paused and is set up again on the next turn, and nothing of it is processed before that."""
-    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.kafka.clients import make_consumer
+    from flywheel.kafka.lag import LagGauge
     from flywheel.metrics import new_registry
-    from ingest.runner import StreamRunner
+    from flywheel.stream.runner import StreamRunner
 
     feed_generations(kafka_settings, topics, 40)
     store = StateStore(tmp_path / "s.sqlite3")
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
     real_recover, failures = outbox.recover, []
 
     def recover(shards):
@@ -586,7 +591,7 @@ def test_an_assignment_whose_recovery_fails_is_settled_again_on_the_next_turn(ka
 def deliver_retrying(runner, n: int, failed_turn) -> int:
     """Turn ``runner`` until it delivered ``n`` records, retrying a turn that fails on the broker
     as StreamRunner.run does (``failed_turn(exc)`` checks each); returns how many failed."""
-    from ingest.runner import BROKER_ERRORS
+    from flywheel.stream.runner import BROKER_ERRORS
 
     deadline, failed = time.monotonic() + 30, 0
     while runner.delivered < n:
@@ -609,13 +614,14 @@ def test_a_partition_whose_start_cannot_be_read_is_set_up_again_on_the_next_turn
     """A partition the store never read gets its start stored before any of its records is read;
     when the broker gives no start in time, the turn fails (retried by the loop) with nothing
     stored or read, and the next turn sets the partition up."""
-    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.kafka.clients import make_consumer
+    from flywheel.kafka.lag import LagGauge
     from flywheel.metrics import new_registry
-    from ingest.runner import StreamRunner
+    from flywheel.stream.runner import StreamRunner
 
     feed_generations(kafka_settings, topics, 40)
     store = StateStore(tmp_path / "s.sqlite3")
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}relay")
     real_position, asked = consumer.position, []
 
@@ -645,15 +651,16 @@ def test_a_store_made_afresh_starts_where_the_group_committed(kafka_settings, to
     """A data_dir lost with its disk: the new store starts each partition at the offsets the lost
     one committed to the group (nothing it delivered is sent again), stores those starts, and
     goes on from there."""
-    from flywheel.bus import LagGauge, make_consumer
+    from flywheel.kafka.clients import make_consumer
+    from flywheel.kafka.lag import LagGauge
     from flywheel.metrics import new_registry
-    from ingest.runner import StreamRunner
+    from flywheel.stream.runner import StreamRunner
 
     group = f"{topics.prefix}relay"
     parts = [TopicPartition(topics.generations, p) for p in (0, 1)]
 
     def run(store: StateStore, delivered: int) -> dict[tuple[str, int], int]:
-        outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+        outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
         consumer = make_consumer(kafka_settings, "t", group)
         runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                               LagGauge("ingest", new_registry()), 10, 50)

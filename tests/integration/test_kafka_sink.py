@@ -1,4 +1,4 @@
-"""flywheel.bus.KafkaSink on the real broker: a record is owed until Kafka acks it, whatever fails.
+"""flywheel.kafka.producers.KafkaSink on the real broker: a record is owed until Kafka acks it, whatever fails.
 
 The broker is paused (SIGSTOP): a queued send waits for its ack, and a send to a topic the producer
 has no metadata for cannot even be queued. That one is sent again once the broker answers, and
@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from flywheel.bus import KafkaSink, ensure_topics, make_producer
+from flywheel.kafka.clients import ensure_topics, make_producer
+from flywheel.kafka.producers import KafkaSink
 from tests.conftest import read_all
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ import pytest
 from kafka import TopicPartition
 from prometheus_client import CollectorRegistry
 
-from flywheel.bus import LagGauge, make_consumer, make_producer
+from flywheel.kafka.clients import make_consumer, make_producer
+from flywheel.kafka.lag import LagGauge
 
 pytestmark = pytest.mark.integration
 

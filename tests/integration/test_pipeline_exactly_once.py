@@ -37,8 +37,8 @@ import pandas as pd
 import pytest
 from conftest import read_all
 from conftest import stage_env as base_stage_env
+from ingest.exactly_once import out_partition
 
-from flywheel.bus import DEADLETTER_PREFIX_BYTES, make_producer
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
@@ -49,8 +49,9 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.kafka.clients import make_producer
 from flywheel.settings import RewardSettings, load_settings
-from ingest.exactly_once import out_partition
+from flywheel.stream.deadletters import DEADLETTER_PREFIX_BYTES
 from ingest.stage import DEADLETTER_REASONS as INGEST_REASONS
 from reward.guards import within_cap
 from reward.stage import DEADLETTER_REASONS as REWARD_REASONS
@@ -422,7 +423,7 @@ def test_pipeline_survives_a_foreign_member_of_its_consumer_groups(kafka_setting
     offsets (not the group's) and recover its outbox: still exactly once."""
     from kafka.coordinator.assignors.range import RangePartitionAssignor
 
-    from flywheel.bus import make_consumer
+    from flywheel.kafka.clients import make_consumer
     from flywheel.settings import load_settings
     from ingest.main import run as run_ingest
     from reward.main import run as run_reward

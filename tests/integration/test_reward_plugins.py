@@ -16,7 +16,6 @@ from contextlib import closing
 import pytest
 from conftest import read_all, running, stage_env, stage_settings
 
-from flywheel.bus import make_producer
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
@@ -26,6 +25,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
+from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ import httpx
 import openai
 import pytest
 
-from flywheel.bus import ensure_topics
 from flywheel.contracts import FeedbackEvent, GenerationEvent, Topics, decode, encode
+from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import KafkaSettings, ServeSettings, Settings
 from serving.identity import pseudonymise

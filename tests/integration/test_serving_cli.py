@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from flywheel.broker import free_port
+from local.broker import free_port
 from flywheel.contracts import FeedbackEvent, GenerationEvent, decode
 from tests.conftest import read_all
 
@@ -26,7 +26,7 @@ def test_serve_process_answers_and_flushes_on_sigterm(broker, topics, tiny_model
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
            "FLYWHEEL_API_KEYS": "sk-cli", "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "flywheel.cli", "serve"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url, auth = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sk-cli"}
     try:
@@ -64,7 +64,7 @@ def test_serve_process_refuses_unverified_weights(tiny_model_dir, tmp_path):
     shutil.copytree(tiny_model_dir, bad)
     (bad / "flywheel-manifest.json").unlink()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(bad), "FLYWHEEL_API_KEYS": "k"}
-    done = subprocess.run([sys.executable, "-m", "flywheel.cli", "serve"], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "cli", "serve"], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 2
     assert "refusing" in done.stderr

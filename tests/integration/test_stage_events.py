@@ -1,31 +1,34 @@
-"""Operational events the stages meet in production, on the real broker: topics deleted and
-recreated under a stage's confirmed points and stored offsets, turns that outlast the consumer's
-``max_poll_interval_ms``, and a state store that cannot be written.
+"""Operational events the stages meet in production, on the real broker: output topics deleted
+and recreated under a stage's outbox, input topics under its stored offsets, turns that outlast
+the consumer's ``max_poll_interval_ms``, and a state store that cannot be written.
 
-Harnesses as in test_ingest_recovery.py: an in-process :class:`~ingest.exactly_once.Outbox` or
-:class:`~ingest.runner.StreamRunner` with a relay stage, a "crash" simulated by making the
+Delivery is at least once (docs/exactly-once.md): a row acked but not yet deleted from the outbox
+when the process dies is sent again, and its readers drop the repeat by its key. So these tests
+ask that every record owed reaches its topic, and that a record appears more than once only where
+it was sent more than once.
+
+Harnesses as in test_ingest_recovery.py: an in-process :class:`~flywheel.stream.outbox.Outbox` or
+:class:`~flywheel.stream.runner.StreamRunner` with a relay stage, a "crash" simulated by making the
 bookkeeping call fail after its effect happened.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import pytest
 from conftest import read_all
 from kafka import KafkaAdminClient, KafkaProducer, TopicPartition
-from relay_helpers import Crash, Relay, feed
+from relay_helpers import Crash, Relay, assert_at_least_once, count_sends, feed
 
-from flywheel.bus import (
-    LagGauge,
-    ensure_topics,
-    high_watermarks,
-    make_consumer,
-    make_output_producer,
-)
+from flywheel.kafka.clients import ensure_topics, high_watermarks, make_consumer
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
-from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import StreamRunner
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.runner import StreamRunner
+from flywheel.stream.store import StateStore
 
 pytestmark = pytest.mark.integration
 
@@ -54,91 +57,95 @@ def owe(store: StateStore, topic: str, values: list[str]) -> None:
 
 
 def deliver_then_crash(store: StateStore, outbox: Outbox) -> None:
-    """Send what shard 0 owes and "die" after Kafka acked it, before the outbox recorded it."""
-    real = store.mark_delivered
-    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())
+    """Send what shard 0 owes and "die" after Kafka acked it, before the outbox deleted the rows:
+    the next start sends them again."""
+    real = store.delivered
+    store.delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())
     try:
         with pytest.raises(Crash):
             outbox.deliver({0}, wait=True)
     finally:
-        store.mark_delivered = real
+        store.delivered = real
         outbox.producer.close()
 
 
 # -- an output topic deleted and recreated ------------------------------------------------------
-def test_confirmed_points_follow_an_output_topic_recreated_between_runs(kafka_settings, topics, tmp_path):
+def test_an_output_topic_recreated_between_runs_gets_every_row_owed_after_it(kafka_settings, topics, tmp_path):
     """The operator recreates an output topic as docs/exactly-once.md asks: stage stopped, outbox
-    empty. Its offsets restart at 0, below the confirmed point the store kept. Acks of the new
-    topic must bring the point down to them: a point left at the old end hides from the recovery
-    scan every unacked row below it once the topic has grown past it, and those rows are sent
-    a second time."""
+    empty. The rows owed afterwards reach the new topic, and a crash after their acks, before
+    the outbox deleted them, sends them again: each of them twice, nothing of the old topic's,
+    every other row once."""
     out = topics.deadletter
     store = StateStore(tmp_path / "s.sqlite3")
     owe(store, out, [f"old{i}" for i in range(50)])
-    first = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    first = Outbox(store, make_output_producer(kafka_settings, "t1"))
     assert first.deliver({0}, wait=True) == 50 and store.owed == 0
     first.producer.close()
-    (part,) = {p for sh, t, p in store.marked() if t == out}
-    assert store.out_mark(0, out, part) == 50
 
     recreate(kafka_settings, out)  # between runs, the outbox empty
 
-    second = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"))
     owe(store, out, [f"new{i}" for i in range(20)])
-    assert second.deliver({0}, wait=True) == 20  # acked at offsets 0-19 of the new topic
+    assert second.deliver({0}, wait=True) == 20 and store.owed == 0
     second.producer.close()
-    end = high_watermarks(kafka_settings.bootstrap, [TopicPartition(out, part)], client_id="test")
-    assert store.out_mark(0, out, part) <= end[TopicPartition(out, part)], (
-        f"confirmed point {store.out_mark(0, out, part)} is past the recreated partition's end {end}: "
-        "acks below the point never move it")
 
-    third = Outbox(store, make_output_producer(kafka_settings, "t3"), kafka_settings.bootstrap)
+    third = Outbox(store, make_output_producer(kafka_settings, "t3"))
     owe(store, out, [f"late{i}" for i in range(40)])
-    deliver_then_crash(store, third)  # landed at offsets 20-59, unconfirmed
+    deliver_then_crash(store, third)  # acked, still owed
+    assert store.owed == 40
 
-    fourth = Outbox(store, make_output_producer(kafka_settings, "t4"), kafka_settings.bootstrap)
-    found = fourth.recover({0})
-    fourth.deliver({0}, wait=True)
+    fourth = Outbox(store, make_output_producer(kafka_settings, "t4"))
+    assert fourth.deliver({0}, wait=True) == 40 and store.owed == 0
     fourth.producer.close()
-    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=60, timeout_s=10)]
-    assert found == 40 and len(values) == 60 and len(set(values)) == 60, (
-        f"recovery found {found} of 40 landed rows; the topic holds {len(values)} records, "
-        f"{len(values) - len(set(values))} of them twice")
+    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=100, timeout_s=10)]
+    want = Counter({f"new{i}".encode(): 1 for i in range(20)}) + Counter({f"late{i}".encode(): 2 for i in range(40)})
+    assert Counter(values) == want, (
+        f"the recreated topic holds {len(values)} records, {len(set(values))} distinct; "
+        f"missing {sorted(set(want) - set(values))[:3]}, unexpected {sorted(set(values) - set(want))[:3]}")
+    store.close()
 
 
-
-def test_a_recovery_scan_reads_an_output_topic_recreated_under_a_running_stage_from_its_start(
-        kafka_settings, topics, tmp_path):
-    """The topic is recreated while the stage runs; its next rows land at the new topic's first
-    offsets, and the stage dies before their acks are recorded. By its restart others have
-    written past the old confirmed point. The topic's id has changed since the store last
-    checked it, so the scan reads the new topic from its start and finds those rows: none is
-    sent twice."""
+def test_an_output_topic_recreated_under_a_running_stage_loses_no_record(kafka_settings, topics, tmp_path):
+    """The topic is deleted and created again while the stage runs, with the producer that wrote
+    to the old one. The rows owed afterwards reach the new topic (a send that fails on the change
+    is sent again); then the stage dies after acks it did not record, others write to the topic,
+    and the restart sends those rows again. The new topic holds every row owed since the
+    recreation, the others' records once each, and a row twice only where it was sent twice."""
     out = topics.deadletter
     store = StateStore(tmp_path / "s.sqlite3")
     owe(store, out, [f"old{i}" for i in range(50)])
-    running = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    running = Outbox(store, make_output_producer(kafka_settings, "t1"))
     assert running.deliver({0}, wait=True) == 50
-    (part,) = {p for sh, t, p in store.marked() if t == out}
-    assert store.out_mark(0, out, part) == 50
+    sent = count_sends(running)
 
     recreate(kafka_settings, out)  # under the running stage
-    owe(store, out, [f"new{i}" for i in range(30)])
-    deliver_then_crash(store, running)  # landed at offsets 0-29 of the new topic, unconfirmed
-    others = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
-    for i in range(60):
-        others.send(out, key=b"same-key", value=b"other%d" % i)
-    others.flush()
-    others.close()
+    new = [f"new{i}" for i in range(30)]
+    owe(store, out, new)
+    deadline = time.monotonic() + 30
+    while store.owed:
+        assert time.monotonic() < deadline, f"{store.owed} rows still owed 30 s after the topic was recreated"
+        running.deliver({0})
+        time.sleep(0.05)
+    late = [f"late{i}" for i in range(20)]
+    owe(store, out, late)
+    deliver_then_crash(store, running)  # acked, still owed
+    assert store.owed == 20
+    others = [b"other%d" % i for i in range(60)]
+    writer = KafkaProducer(bootstrap_servers=kafka_settings.bootstrap)
+    for value in others:
+        writer.send(out, key=b"same-key", value=value)
+    writer.flush()
+    writer.close()
 
-    restarted = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
-    found = restarted.recover({0})
-    restarted.deliver({0}, wait=True)
+    restarted = Outbox(store, make_output_producer(kafka_settings, "t2"))
+    sent_after = count_sends(restarted)
+    assert restarted.deliver({0}, wait=True) == 20 and store.owed == 0
     restarted.producer.close()
-    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=90, timeout_s=10)]
-    assert found == 30 and sorted(values) == sorted([b"new%d" % i for i in range(30)] + [b"other%d" % i
-                                                                                            for i in range(60)]), (
-        f"recovery found {found} of 30 landed rows; the topic holds {len(values)} records")
+    values = [r.value for r in read_all(kafka_settings.bootstrap, out, expect=30 + 2 * 20 + 60, timeout_s=10)]
+    assert_at_least_once(values, [v.encode() for v in new + late], sent + sent_after, others)
+    assert all(values.count(v.encode()) == 2 for v in late), "the rows acked before the crash, sent again, " \
+        "are each there twice"
+    store.close()
 
 
 # -- an input topic deleted and recreated -------------------------------------------------------
@@ -146,7 +153,7 @@ def relay(kafka_settings, topics, store: StateStore, group: str, n: int, timeout
           stage: Relay | None = None, **overrides) -> StreamRunner:
     """Run a relay of generations -> episodes on ``store`` until it read ``n`` records and owes
     nothing (or ``timeout_s`` passed), then stop it. ``overrides``: the consumer's."""
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
     consumer = make_consumer(kafka_settings, "t", group, **overrides)
     runner = StreamRunner(stage or Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
@@ -237,7 +244,7 @@ def test_a_state_store_that_cannot_be_written_stops_the_loop_and_a_restart_loses
     producer.close()
 
     store = StateStore(tmp_path / "s.sqlite3")
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g1")
     runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)
@@ -274,7 +281,7 @@ def test_health_counts_the_rows_delivered_while_a_rebalance_is_settled(kafka_set
     run above), so a stage evicted every turn by a slow labeler reports a fraction of its output."""
     feed(kafka_settings, topics.generations, 20, key="a", value="v-a")
     store = StateStore(tmp_path / "s.sqlite3")
-    outbox = Outbox(store, make_output_producer(kafka_settings, "t"), kafka_settings.bootstrap)
+    outbox = Outbox(store, make_output_producer(kafka_settings, "t"))
     consumer = make_consumer(kafka_settings, "t", f"{topics.prefix}g")
     runner = StreamRunner(Relay(store, topics.episodes), store, outbox, consumer, [topics.generations],
                           LagGauge("ingest", new_registry()), 10, 50)

@@ -4,7 +4,7 @@ Ingest and reward each run as two processes (shard 0 and shard 1) on the real br
 messy dataset of test_pipeline_exactly_once streams through and processes are SIGKILLed and
 restarted: the topics and the archives (split over the two data_dirs) must still hold exactly the
 expected records, and each process must have handled only its own shard. Processes whose stores
-differ and whose shards overlap are refused by the shard claims (ingest/claims.py).
+differ and whose shards overlap are refused by the shard claims (flywheel/stream/claims.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import urllib.request
 
 import pandas as pd
 import pytest
+from ingest.exactly_once import out_partition
 from test_pipeline_exactly_once import Stages, build_dataset, check_outcome, produce, stage_env
 
 from flywheel.settings import SettingsError, load_settings
-from ingest.exactly_once import out_partition
 
 pytestmark = pytest.mark.integration
 
@@ -121,7 +121,7 @@ def test_colliding_processes_are_refused(kafka_settings, topics, tmp_path):
 
 def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings, topics):
     """A group that has not answered does not keep a stage down; its verdict applies when it comes."""
-    from ingest.claims import ShardClaims
+    from flywheel.stream.claims import ShardClaims
 
     claims = ShardClaims(kafka_settings, "ingest", f"{topics.prefix}ingest", [topics.generations], "e1", (0,))
     try:
@@ -137,7 +137,7 @@ def test_unanswered_claim_runs_unverified_then_obeys_the_verdict(kafka_settings,
 def test_a_stop_ends_the_wait_for_a_verdict(broker, kafka_settings, topics):
     """A process told to stop while its claim waits (a rollout, a crash loop, a broker that does
     not answer) stops there: False, nothing granted, without waiting out the group's answer."""
-    from ingest.claims import ShardClaims
+    from flywheel.stream.claims import ShardClaims
 
     stop = threading.Event()
     claims = ShardClaims(kafka_settings, "ingest", f"{topics.prefix}ingest", [topics.generations], "e1", (0,))
@@ -156,8 +156,8 @@ def test_a_stop_ends_the_wait_for_a_verdict(broker, kafka_settings, topics):
 def test_a_copy_of_a_store_on_another_machine_is_refused(kafka_settings, topics, monkeypatch):
     """A data_dir copied (or restored) onto another host keeps its store's epoch: both copies
     would number their outputs alike, so the second is refused like another store."""
+    from flywheel.stream.claims import ShardClaims, ShardConflict
     from ingest import claims as claims_module
-    from ingest.claims import ShardClaims, ShardConflict
 
     group = f"{topics.prefix}ingest"
     first = ShardClaims(kafka_settings, "ingest", group, [topics.generations], "e1", (0, 1))
@@ -180,7 +180,7 @@ def test_a_copy_of_a_store_on_another_machine_is_refused(kafka_settings, topics,
 _FAR_HOLDER = """
 import socket, sys, time
 from flywheel.settings import KafkaSettings
-from ingest.claims import ShardClaims
+from flywheel.stream.claims import ShardClaims
 socket.gethostname = lambda: "elsewhere"
 claims = ShardClaims(KafkaSettings.model_validate_json(sys.argv[1]), "ingest", sys.argv[2], [sys.argv[3]], "e1", (0, 1))
 claims.wait_granted(timeout_s=60)
@@ -193,7 +193,7 @@ def test_a_moved_store_starts_once_its_dead_predecessors_session_expires(kafka_s
     """A store whose last process died on another machine (its volume moved here) is granted:
     the group's join waits for every member to rejoin, so the verdict comes once the dead
     member's session has expired, without its claim."""
-    from ingest.claims import ShardClaims
+    from flywheel.stream.claims import ShardClaims
 
     group = f"{topics.prefix}ingest"
     far = subprocess.Popen([sys.executable, "-c", _FAR_HOLDER, kafka_settings.model_dump_json(), group,

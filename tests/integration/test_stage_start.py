@@ -11,8 +11,8 @@ from contextlib import closing
 import pytest
 from conftest import read_all, small_generation, stage_env
 
-from flywheel.bus import make_producer
 from flywheel.contracts import EpisodeEvent, decode, encode
+from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 def test_a_stage_started_while_the_broker_is_down_waits_for_it(broker, kafka_settings, topics, tmp_path, stage):
     """A cluster restart can bring the stages up before the broker: each used to exit with a
     traceback after its first bootstrap timed out, to be restarted in a loop by its supervisor.
-    (Both start through ingest/runner.py's serve_stage: the reward run is in the slow suite.)"""
+    (Both start through flywheel/stream/runner.py's serve_stage: the reward run is in the slow suite.)"""
     log = tmp_path / f"{stage}.log"
     broker.pause()
     try:

@@ -20,10 +20,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import make_trainer, reward_event
 
-from flywheel.bus import DeadLetters, KafkaSink, make_consumer, make_producer
+from flywheel.checkpoints.manifest import MANIFEST_NAME, sha256_file
 from flywheel.contracts import CheckpointEvent, DeadLetterEvent, decode, encode
-from flywheel.manifest import MANIFEST_NAME, sha256_file
+from flywheel.kafka.clients import make_consumer, make_producer
+from flywheel.kafka.producers import KafkaSink
 from flywheel.metrics import new_registry
+from flywheel.stream.deadletters import DeadLetters
 from tests.conftest import read_all
 from trainer.announce import announced
 from trainer.batching import DEADLETTER_REASONS

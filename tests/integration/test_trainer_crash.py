@@ -25,8 +25,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
 
-from flywheel.bus import make_producer
 from flywheel.contracts import DeadLetterEvent, decode, encode
+from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration
 
@@ -135,7 +135,7 @@ def test_kill9_and_restart_trains_each_sample_exactly_once(kafka_settings, topic
     announced = read_all(kafka_settings.bootstrap, topics.checkpoints, expect=len(ls))
     assert {json.loads(r.value)["version"] for r in announced} >= {x["manifest"]["version"] for x in ls[1:]}
 
-    from trainer.store import CheckpointStore
+    from flywheel.checkpoints import CheckpointStore
 
     CheckpointStore(store).materialize(ls[-1]["manifest"]["version"])  # the chain verifies end to end
     assert os.path.exists(store / f"v{ls[-1]['manifest']['version']:08d}" / "ds")

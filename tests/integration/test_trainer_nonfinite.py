@@ -20,9 +20,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import ListSink, make_trainer, reward_event
 
-from flywheel.bus import DeadLetters
 from flywheel.contracts import DeadLetterEvent, RewardEvent, SamplingParams, decode, encode
 from flywheel.metrics import new_registry
+from flywheel.stream.deadletters import DeadLetters
 from trainer.batching import DEADLETTER_REASONS
 
 pytestmark = pytest.mark.integration

@@ -20,8 +20,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import make_trainer, reward_event
 
-from flywheel.bus import make_consumer, make_producer
 from flywheel.contracts import RewardEvent, encode
+from flywheel.kafka.clients import make_consumer, make_producer
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def test_a_rebalance_does_not_settle_buffered_records_as_duplicates(kafka_settin
     more = {3: 1, 4: 0, 5: 1, 6: 0, 7: 1}  # with the first three: two batches
     produce(kafka_settings, topics, more)
     # a group of its own: the embedded broker may never complete a join of a group whose members
-    # all just left (flywheel/broker.py); a restart resumes from the manifest, not the group
+    # all just left (local/broker.py); a restart resumes from the manifest, not the group
     tr2 = trainer(kafka_settings, topics, tiny_model_dir, tmp_path, f"{group}-2", batch=4)
     pump(tr2, lambda: reads_to_end(tr2, {0: 4, 1: 4}) and len(tr2.batcher.ready) < 4, 30,
          "the restarted trainer to read every partition to its end")

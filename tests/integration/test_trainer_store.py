@@ -17,8 +17,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import ROOT, ListSink, make_trainer, reward_event
 
-from flywheel import manifest
-from flywheel.manifest import ManifestError
+from flywheel.checkpoints import ManifestError, manifest
 from flywheel.metrics import new_registry
 
 pytestmark = pytest.mark.integration
@@ -83,7 +82,7 @@ def test_materialize_restores_a_loadable_verified_directory(chain, tmp_path):
 def test_flipped_byte_in_a_delta_is_detected(chain, tmp_path):
     import shutil
 
-    from trainer.store import CheckpointStore
+    from flywheel.checkpoints import CheckpointStore
 
     root = tmp_path / "copy"
     shutil.copytree(chain.store.root, root)
@@ -108,7 +107,7 @@ def test_tampered_weights_are_detected_by_the_cli(chain, tmp_path):
     w.write_bytes(bytes(raw))
     (root / "v00000004" / "model.safetensors").unlink(missing_ok=True)  # force the chain walk 3 -> 4
     env = {"FLYWHEEL_TRAINER_STORE": str(root), "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, "-m", "flywheel.cli", "checkpoint", "verify"]
+    cmd = [sys.executable, "-m", "cli", "checkpoint", "verify"]
     bad = subprocess.run([*cmd, "4"], check=False, env=env, capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 1 and "model.safetensors fails hash verification" in bad.stderr
     good = subprocess.run([*cmd, "2"], check=False, env=env, capture_output=True, text=True, cwd=ROOT)
@@ -119,8 +118,8 @@ def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
     """At trainer version 6 with max_staleness 4: v1 is stale (counted), v9 is unknown (dead letter)."""
     from collections import namedtuple
 
-    from flywheel.bus import DeadLetters
     from flywheel.contracts import DeadLetterEvent, decode, encode
+    from flywheel.stream.deadletters import DeadLetters
 
     Rec = namedtuple("Rec", "topic partition offset key value headers")
     sink = ListSink()
@@ -141,7 +140,7 @@ def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
 def test_mirror_to_an_fsspec_url(chain):
     import fsspec
 
-    from trainer.store import mirror
+    from flywheel.checkpoints import mirror
 
     uri = mirror(chain.store.path(6), "memory://bucket/ckpt")
     fs = fsspec.filesystem("memory")

@@ -19,10 +19,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
 
-from flywheel import manifest
-from flywheel.broker import free_port
-from flywheel.bus import make_producer
+from local.broker import free_port
+from flywheel.checkpoints import manifest
 from flywheel.contracts import encode
+from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration
 
@@ -66,7 +66,7 @@ def test_two_process_zero2_publishes_verified_versions(kafka_settings, topics, t
         rc = proc.wait(60)
     assert workers and rc == 0, log.read_text(errors="replace")[-3000:]
 
-    from trainer.store import CheckpointStore
+    from flywheel.checkpoints import CheckpointStore
 
     s = CheckpointStore(store)
     trained = [g for v in s.versions() for g in s.ledger(v)["trained"]]

@@ -2,7 +2,7 @@
 
 kafka-python raised the error out of ``poll()`` once and then spun at full CPU inside ``poll()``
 for good: one such batch stopped every reader of its partition, stage, trainer or tool, and no
-SIGTERM could stop them. flywheel/kafka_batches.py hands out a stand-in record in its place; the
+SIGTERM could stop them. flywheel/kafka/batches.py hands out a stand-in record in its place; the
 stages dead-letter it (``unreadable_batch``, with the offsets) and go on.
 
 The batches are broken in the producer (tests/broken_batches.py), after their CRC is written or
@@ -28,17 +28,14 @@ from kafka.record.memory_records import MemoryRecords
 from relay_helpers import Crash
 from trainer_helpers import ListSink, make_trainer, reward_event
 
-from flywheel.bus import (
-    DeadLetters,
-    make_consumer,
-    make_output_producer,
-    make_producer,
-    read_to_end,
-)
 from flywheel.contracts import DeadLetterEvent, RewardEvent, decode, encode
-from flywheel.kafka_batches import unreadable_batch
+from flywheel.kafka.batches import unreadable_batch
+from flywheel.kafka.clients import make_consumer, make_producer, read_to_end
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
-from ingest.exactly_once import Outbox, StateStore
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.store import StateStore
 from ingest.join import resolve
 from ingest.stage import episode_bytes
 from trainer.batching import DEADLETTER_REASONS
@@ -171,7 +168,7 @@ def test_recovery_sends_again_what_it_cannot_read_back(kafka_settings, topics, t
     with store.txn():
         for i in range(10):
             store.append(0, topics.episodes, f"k{i}", f"v{i}".encode())
-    first = Outbox(store, make_output_producer(cfg, "t1"), kafka_settings.bootstrap, {})
+    first = Outbox(store, make_output_producer(cfg, "t1"), {})
     intact = DefaultRecordBatchBuilder.build
     monkeypatch.setattr(DefaultRecordBatchBuilder, "build", lambda self: flip_a_byte(intact(self)))
     monkeypatch.setattr(store, "mark_delivered", lambda *a, **k: (_ for _ in ()).throw(Crash()))
@@ -180,7 +177,7 @@ def test_recovery_sends_again_what_it_cannot_read_back(kafka_settings, topics, t
     monkeypatch.undo()
     first.producer.close()
 
-    second = Outbox(store, make_output_producer(cfg, "t2"), kafka_settings.bootstrap, {})
+    second = Outbox(store, make_output_producer(cfg, "t2"), {})
     assert second.recover({0}) == 0
     assert "could not be read" in caplog.text and "sent again" in caplog.text
     assert second.deliver({0}, wait=True) == 10 and store.owed == 0

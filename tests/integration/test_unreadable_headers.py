@@ -2,7 +2,7 @@
 
 kafka-python decodes header keys strictly: such a record made ``poll()`` raise once and then spin
 at full CPU for good, so one bad producer stopped every reader of its partition, stage or tool.
-flywheel/kafka_headers.py reads it leniently; the stages dead-letter it and go on.
+flywheel/kafka/headers.py reads it leniently; the stages dead-letter it and go on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from conftest import small_generation as _generation
 from kafka import TopicPartition
 from kafka.partitioner.default import murmur2
 
-from flywheel.bus import make_producer, read_to_end
 from flywheel.contracts import (
     DeadLetterEvent,
     EpisodeEvent,
@@ -27,7 +26,8 @@ from flywheel.contracts import (
     decode,
     encode,
 )
-from flywheel.kafka_headers import UnreadableHeaderKey, unreadable_header
+from flywheel.kafka.clients import make_producer, read_to_end
+from flywheel.kafka.headers import UnreadableHeaderKey, unreadable_header
 from ingest.join import resolve
 from ingest.stage import episode_bytes
 

@@ -9,7 +9,7 @@ gauge, the stored and committed input offsets, a restart from them, the outbox r
 (read to the high watermark) and the trainer's offset book.
 
 Aborted transactions appear only where the test does not depend on a consumer filtering their
-records out, which the embedded broker cannot do (flywheel/broker.py). It does hold back the
+records out, which the embedded broker cannot do (local/broker.py). It does hold back the
 records of a transaction still open from a ``read_committed`` consumer (the last stable offset),
 which the last test relies on.
 """
@@ -30,11 +30,14 @@ from kafka.coordinator.assignors.range import RangePartitionAssignor
 from kafka.partitioner.default import murmur2
 from relay_helpers import Crash
 
-from flywheel.bus import LagGauge, high_watermarks, make_consumer, make_output_producer, read_to_end
 from flywheel.contracts import EpisodeEvent, decode, encode
+from flywheel.kafka.clients import high_watermarks, make_consumer, read_to_end
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
-from ingest.exactly_once import Outbox, StateStore
-from ingest.runner import StreamRunner
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.runner import StreamRunner
+from flywheel.stream.store import StateStore
 from ingest.stage import SCHEMA, IngestStage
 from trainer.batching import OffsetBook
 
@@ -103,7 +106,7 @@ class Ingest:
                                   FLYWHEEL_INGEST_GRACE_S="0", FLYWHEEL_INGEST_ORPHAN_WAIT_S=str(WINDOW_S))
         self.topics, self.registry = topics, new_registry()
         self.store = StateStore(data_dir / "ingest" / "state.sqlite3", SCHEMA)
-        self.outbox = Outbox(self.store, make_output_producer(kafka_settings, "ingest"), kafka_settings.bootstrap)
+        self.outbox = Outbox(self.store, make_output_producer(kafka_settings, "ingest"))
         self.consumer = make_consumer(kafka_settings, "ingest", group,
                                       partition_assignment_strategy=[RangePartitionAssignor])
         self.runner = StreamRunner(IngestStage(settings.ingest, topics, self.store, self.registry), self.store,
@@ -334,7 +337,7 @@ def test_a_recovery_scan_ends_on_an_output_partition_that_ends_in_a_commit_marke
         for i in range(10):
             store.append(0, topics.deadletter, "same-key", f"v{i}".encode())
     part = partition_of("same-key")
-    first = Outbox(store, make_output_producer(kafka_settings, "t1"), kafka_settings.bootstrap)
+    first = Outbox(store, make_output_producer(kafka_settings, "t1"))
     real_mark = store.mark_delivered
     store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
     with pytest.raises(Crash):
@@ -348,7 +351,7 @@ def test_a_recovery_scan_ends_on_an_output_partition_that_ends_in_a_commit_marke
         foreign.commit_transaction(10)
     del foreign
 
-    second = Outbox(store, make_output_producer(kafka_settings, "t2"), kafka_settings.bootstrap)
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"))
     started = time.monotonic()
     found = second._scan({(topics.deadletter, part): set()}, {(topics.deadletter, part): 0}, timeout_s=5.0)
     assert found == set() and time.monotonic() - started < 5.0

@@ -79,10 +79,11 @@ def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None
     where DeepSpeed's accelerator is cuda), with no Kafka clients unless
     ``trainer_kw`` gives them (``consumer``, ``sink``, ``deadletters``): its steps and publishes
     can be driven directly. ``cfg``: trainer settings."""
+    from flywheel.checkpoints import open_store
     from trainer import dist
     from trainer.loop import Trainer
     from trainer.losses import LossConfig
-    from trainer.main import ds_config, store_for
+    from trainer.main import ds_config
     from trainer.metrics import TrainerMetrics
     from trainer.policy import Policy
 
@@ -92,4 +93,4 @@ def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None
     t = settings.trainer
     loss = LossConfig(t.loss, t.clip_low, t.clip_high, t.tis_cap, t.entropy_coef, t.kl_coef)
     policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr)
-    return Trainer(settings, policy, store_for(settings), TrainerMetrics(new_registry()), **(trainer_kw or {}))
+    return Trainer(settings, policy, open_store(settings), TrainerMetrics(new_registry()), **(trainer_kw or {}))

@@ -1,5 +1,6 @@
-"""Edges of the episode archive's two paths (ingest/archive.py): the batch JSON reader must
-write what the row path writes, and fall back to it where it refuses a record the row path takes."""
+"""Edges of the episode archive's two paths (ingest/archive.py, written through the runtime's
+ParquetArchive, flywheel/stream/archive.py): the batch JSON reader must write what the row path
+writes, and fall back to it where it refuses a record the row path takes."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flywheel.contracts import GenerationEvent, SamplingParams, encode
-from ingest import archive
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-from ingest.exactly_once import ArchiveRow
+from flywheel.stream import archive
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.store import ArchiveRow
+from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.join import Resolution
 from ingest.stage import episode_bytes
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from flywheel.configdoc import example_toml
+from cli.configdoc import example_toml
 from flywheel.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

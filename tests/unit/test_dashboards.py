@@ -19,9 +19,9 @@ def _registered() -> set[str]:
     for pkg in (*STAGES, "flywheel"):
         for path in (ROOT / pkg).rglob("*.py"):
             names.update(re.findall(r'"((?:serving|ingest|reward|trainer)_[a-z0-9_]+)"', path.read_text()))
-    for stage in ("ingest", "reward", "trainer"):  # flywheel/bus.py builds these from the stage name
+    for stage in ("ingest", "reward", "trainer"):  # flywheel/kafka/lag.py and flywheel/stream build these from the stage name
         names.update({f"{stage}_deadletters_total", f"{stage}_consumer_lag_records"})
-    for stage in ("ingest", "reward"):  # ingest/runner.py builds these from the stage name
+    for stage in ("ingest", "reward"):  # flywheel/stream/runner.py builds these from the stage name
         names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
     return names
 

@@ -1,4 +1,4 @@
-"""Table tests for the dead-letter tool's pure parts (flywheel/deadletters.py)."""
+"""Table tests for the dead-letter tool's pure parts (cli/deadletters.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from flywheel.cli import build_parser
+from cli.main import build_parser
 from flywheel.contracts import (
     MAX_RECORD_BYTES,
     ContractError,
@@ -17,7 +17,7 @@ from flywheel.contracts import (
     decode,
     encode,
 )
-from flywheel.deadletters import (
+from cli.deadletters import (
     Letter,
     Selection,
     Summary,
@@ -31,9 +31,10 @@ from flywheel.deadletters import (
 T = Topics("p.")
 
 
-def dl(reason="invalid", stage="ingest", topic="p.feedback", at=1000.0, value=b'{"x":1}', key=b"g1") -> DeadLetterEvent:
+def dl(reason="invalid", stage="ingest", topic="p.feedback", at=1000.0, value=b'{"x":1}', key=b"g1",
+       offset=7) -> DeadLetterEvent:
     return DeadLetterEvent(stage=stage, reason=reason, detail="why", source_topic=topic, source_partition=1,
-                           source_offset=7, key_b64=base64.b64encode(key).decode() if key is not None else None,
+                           source_offset=offset, key_b64=base64.b64encode(key).decode() if key is not None else None,
                            value_b64=base64.b64encode(value).decode(), failed_at=at)
 
 
@@ -75,7 +76,8 @@ def test_command_line_filters_name_topics_by_kind_and_ages_from_now():
 
 def test_summary_counts_by_stage_reason_and_topic_with_time_span():
     summary = Summary()
-    for event in (dl(at=30.0), dl(at=10.0), dl(at=20.0), dl("orphan_feedback", at=5.0), dl(stage="reward", topic="p.episodes")):
+    for event in (dl(at=30.0, offset=1), dl(at=10.0, offset=2), dl(at=20.0, offset=3), dl("orphan_feedback", at=5.0),
+                  dl(stage="reward", topic="p.episodes")):
         summary.add(event)
     assert summary.rows == {("ingest", "invalid", "p.feedback"): [3, 10.0, 30.0],
                             ("ingest", "orphan_feedback", "p.feedback"): [1, 5.0, 5.0],
@@ -83,6 +85,17 @@ def test_summary_counts_by_stage_reason_and_topic_with_time_span():
     lines = summary.render().splitlines()
     assert lines[1].split()[:4] == ["ingest", "invalid", "p.feedback", "3"]  # biggest first
     assert Summary().render() == "no dead letters match"
+
+
+def test_summary_counts_a_letter_delivered_twice_once():
+    # the stages' outboxes deliver at least once: the same stage, reason and source record is one
+    # letter, however often it is on the topic; the same record failing at another stage is not
+    summary = Summary()
+    for event in (dl(offset=1), dl(offset=1, at=1001.0), dl(offset=2), dl(offset=1, stage="reward")):
+        summary.add(event)
+    assert summary.rows[("ingest", "invalid", "p.feedback")][0] == 2
+    assert summary.rows[("reward", "invalid", "p.feedback")][0] == 1
+    assert summary.repeats == 1 and "1 repeated deliveries" in summary.render()
 
 
 def test_plan_replay_refuses_foreign_topics_empty_and_truncated_values():

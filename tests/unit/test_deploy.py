@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from ingest.runner import STOP_CLOSE_MS, STOP_FLUSH_S
+from flywheel.stream.runner import STOP_CLOSE_MS, STOP_FLUSH_S
 
 COMPOSE = Path(__file__).resolve().parents[2] / "deploy" / "docker-compose.yml"
 
@@ -22,7 +22,7 @@ def _seconds(duration: str) -> float:
 
 def test_every_flywheel_service_outlasts_a_stop_during_a_broker_stall():
     # A stop waits up to STOP_FLUSH_S for acks and up to STOP_CLOSE_MS for each of the stage's
-    # consumers and its claims poller (ingest/runner.py, ingest/claims.py): about 15 s measured.
+    # consumers and its claims poller (flywheel/stream/runner.py, flywheel/stream/claims.py): about 15 s measured.
     # Docker's default grace (10 s) ends it with SIGKILL part way; twice the bound leaves room.
     needed = 2 * (STOP_FLUSH_S + 3 * STOP_CLOSE_MS / 1000)
     services = yaml.safe_load(COMPOSE.read_text())["services"]

@@ -21,7 +21,7 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import IngestSettings
-from ingest.exactly_once import StateStore
+from flywheel.stream.store import StateStore
 from ingest.join import (
     closes_at,
     generation_deadline,
@@ -485,11 +485,12 @@ def test_spliced_episode_is_the_encoded_episode(feedback):
 def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path, monkeypatch, chunk, parses):
     import pyarrow.parquet as pq
 
-    from ingest import archive
-    from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
+    from flywheel.stream import archive
+    from flywheel.stream.archive import ParquetArchive
+    from flywheel.stream.store import ArchiveRow
+    from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 
     monkeypatch.setattr(archive, "TABLE_CHUNK", chunk)  # large batches are parsed in chunks
-    from ingest.exactly_once import ArchiveRow
 
     values = [
         episode_bytes(encode(gen("a", 100)), resolve([]), 1000.0),
@@ -512,7 +513,7 @@ def test_episode_archive_batch_path_writes_the_row_path_files(tmp_path, monkeypa
 
 
 def test_hours_of_formats_each_stamp_like_hour_of():
-    from ingest.archive import hour_of, hours_of
+    from flywheel.stream.archive import hour_of, hours_of
 
     # both sides of hour boundaries (1699999200 is one), and hours out of order
     stamps = [1700000000.0, 1699999199.999, 1699999200.0, 1700006400.25, 1700000000.5, 0.0]
@@ -527,8 +528,9 @@ def test_a_write_past_2_gib_of_text_across_an_hour_splits_into_its_hours(tmp_pat
     each column's chunks into one array, which Arrow cannot do past 2 GiB of string data."""
     import pyarrow.parquet as pq
 
-    from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-    from ingest.exactly_once import ArchiveRow
+    from flywheel.stream.archive import ParquetArchive
+    from flywheel.stream.store import ArchiveRow
+    from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 
     prompt = "x" * (4 * 1024 * 1024 - 4096)
     g = gen("g", 100).model_copy(update={"prompt_text": prompt})

@@ -1,5 +1,5 @@
 """kafka-python's fetch reader with flywheel's stand-in for unreadable batches
-(flywheel/kafka_batches.py), on batches built by kafka-python's own builder and then broken. The
+(flywheel/kafka/batches.py), on batches built by kafka-python's own builder and then broken. The
 real-broker story is in tests/integration/test_unreadable_batches.py."""
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from kafka.consumer.fetcher import ConsumerRecord, Fetcher
 from kafka.record.default_records import DefaultRecordBatch
 from kafka.record.memory_records import MemoryRecords
 
-from flywheel import kafka_batches
-from flywheel.bus import DeadLetters
 from flywheel.contracts import DeadLetterEvent, GenerationEvent, decode
-from flywheel.deadletters import Letter, plan_replay
-from flywheel.kafka_batches import UnreadableBatch, require_codecs, unreadable_batch
+from cli.deadletters import Letter, plan_replay
+from flywheel.kafka import batches as kafka_batches
+from flywheel.kafka.batches import UnreadableBatch, require_codecs, unreadable_batch
 from flywheel.metrics import new_registry
-from ingest.runner import decode_keyed
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.runner import decode_keyed
 
 # (importing flywheel.bus installed the tolerant reader, as in every flywheel process)
 TP = TopicPartition("t", 0)

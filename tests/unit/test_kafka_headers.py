@@ -1,4 +1,4 @@
-"""kafka-python's record reader with flywheel's lenient header keys (flywheel/kafka_headers.py),
+"""kafka-python's record reader with flywheel's lenient header keys (flywheel/kafka/headers.py),
 on record batches built by kafka-python's own builder. The real-broker story is in
 tests/integration/test_unreadable_headers.py."""
 
@@ -8,8 +8,10 @@ import pytest
 from kafka.errors import CorruptRecordError
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-import flywheel.bus  # noqa: F401 - installs the lenient reader, as for every reader in a flywheel process
-from flywheel.kafka_headers import UnreadableHeaderKey, unreadable_header
+from flywheel.kafka.headers import UnreadableHeaderKey, unreadable_header
+from flywheel.kafka.patches import install_client_patches
+
+install_client_patches()  # the lenient reader, as every reader in a flywheel process has it
 
 
 class _NotUtf8(str):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kafka.errors import KafkaTimeoutError
 
-from flywheel.bus import KafkaSink
+from flywheel.kafka.producers import KafkaSink
 
 
 class Future:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ingest.exactly_once import StateStore, seq_runs
+from flywheel.stream.store import StateStore, seq_runs
 
 
 @pytest.mark.parametrize(("seqs", "runs"), [
@@ -40,7 +40,7 @@ def test_mark_delivered_deletes_exactly_the_given_rows_and_moves_marks(tmp_path)
 def _archive(root):
     import pyarrow as pa
 
-    from ingest.archive import ParquetArchive
+    from flywheel.stream.archive import ParquetArchive
 
     return ParquetArchive(root, pa.schema([pa.field("v", pa.string())]), lambda v: (0.0, {"v": v.decode()}))
 
@@ -78,11 +78,11 @@ def test_a_rolled_back_batch_queues_nothing_and_seqs_are_never_reused(tmp_path):
 
 
 def test_the_archive_is_written_when_enough_rows_wait_or_the_oldest_is_old(tmp_path):
-    from ingest.exactly_once import Outbox
+    from flywheel.stream.outbox import Outbox
 
     store = StateStore(tmp_path / "s.sqlite3")
     arch = _archive(tmp_path / "arch")
-    outbox = Outbox(store, None, "", {"a": arch}, archive_max_rows=5, archive_max_age_s=3600)
+    outbox = Outbox(store, None, {"a": arch}, archive_max_rows=5, archive_max_age_s=3600)
     outbox.archive(force=True)  # nothing queued yet: nothing written
 
     def add(n: int) -> None:
@@ -129,7 +129,7 @@ def test_outbox_rows_of_an_older_store_move_to_the_archive_queue(tmp_path):
 
 
 def _scraped(gauge, stage: str, store: StateStore):
-    """Register ``gauge`` (a stage gauge of ingest/runner.py) for ``store``; returns a scrape."""
+    """Register ``gauge`` (a stage gauge of flywheel/stream/runner.py) for ``store``; returns a scrape."""
     from prometheus_client import generate_latest
 
     from flywheel.metrics import new_registry
@@ -140,7 +140,7 @@ def _scraped(gauge, stage: str, store: StateStore):
 
 
 def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
-    from ingest.runner import archive_queue_gauge
+    from flywheel.stream.serve import archive_queue_gauge
 
     store = StateStore(tmp_path / "s.sqlite3")
     scrape = _scraped(archive_queue_gauge, "reward", store)
@@ -155,8 +155,8 @@ def test_archive_queue_gauge_reads_the_queue_at_scrape_time(tmp_path):
 def test_an_archive_file_is_named_durably_before_it_is_written_off(tmp_path, monkeypatch):
     """After the rename the folder is fsynced (and the root, for a new hour's folder): the queue
     rows are dropped next, and an un-fsynced rename may not survive a node loss."""
+    from flywheel.stream.store import ArchiveRow
     from ingest import archive
-    from ingest.exactly_once import ArchiveRow
 
     synced: list = []
     monkeypatch.setattr(archive, "fsync_dir", lambda path: synced.append((path, sorted(p.name for p in path.iterdir()))))
@@ -189,8 +189,8 @@ def test_a_large_batch_is_queued_for_the_archive_in_bounded_entries_and_written_
         tmp_path, monkeypatch):
     """One transaction can queue more archive bytes than SQLite stores in one blob (a backlog of
     large episodes): its rows are split into entries, and an archive write takes a bounded part."""
+    from flywheel.stream.outbox import Outbox
     from ingest import exactly_once
-    from ingest.exactly_once import Outbox
 
     monkeypatch.setattr(exactly_once, "QUEUE_ENTRY_BYTES", 1000)
     monkeypatch.setattr(exactly_once, "ARCHIVE_WRITE_BYTES", 3000)
@@ -204,7 +204,7 @@ def test_a_large_batch_is_queued_for_the_archive_in_bounded_entries_and_written_
     part = store.queued_batches(10**6)
     assert sum(len(rows) for _, rows in part) == 12  # entries until 3000 bytes of them are in hand
     arch = _archive(tmp_path / "arch")
-    outbox = Outbox(store, None, "", {"a": arch}, archive_max_rows=10**6)
+    outbox = Outbox(store, None, {"a": arch}, archive_max_rows=10**6)
     assert outbox.archive(force=True) == 25 and store.queued == 0 and len(arch.files()) == 3
     assert sorted(v[:3] for f in arch.files() for v in _values(f)) == [f"{i:03d}" for i in range(25)]
 
@@ -223,7 +223,7 @@ class ScriptedProducer:
         return 1
 
     def send(self, token, topic, partition, key, value, headers) -> None:
-        from flywheel.bus import RecordRefused
+        from flywheel.kafka.producers import RecordRefused
 
         if value == self.refuse:
             raise RecordRefused("larger than the client's limit")
@@ -251,7 +251,7 @@ def scripted(tmp_path, monkeypatch):
 def test_an_ack_listed_before_a_failure_to_its_partition_does_not_move_the_confirmed_point(scripted):
     """The failed record may have landed below the acked one: moving the point past it would
     hide it from the recovery scan, which would then send it again."""
-    from ingest.exactly_once import Outbox
+    from flywheel.stream.outbox import Outbox
 
     store, producer = scripted, ScriptedProducer()
     with store.txn():
@@ -266,7 +266,7 @@ def test_an_ack_listed_before_a_failure_to_its_partition_does_not_move_the_confi
 
 
 def test_a_record_the_client_refuses_stays_owed_and_stalled_while_the_rest_flow(scripted):
-    from ingest.exactly_once import Outbox
+    from flywheel.stream.outbox import Outbox
 
     store, producer = scripted, ScriptedProducer(refuse=b"huge")
     with store.txn():
@@ -286,7 +286,7 @@ def test_a_record_the_client_refuses_stays_owed_and_stalled_while_the_rest_flow(
 
 
 def test_the_rows_owed_are_counted_through_commits_rollbacks_deliveries_and_restarts(tmp_path):
-    from ingest.runner import outbox_gauge
+    from flywheel.stream.serve import outbox_gauge
 
     store = StateStore(tmp_path / "s.sqlite3")
     scrape = _scraped(outbox_gauge, "ingest", store)
@@ -312,7 +312,8 @@ def test_the_rows_owed_are_counted_through_commits_rollbacks_deliveries_and_rest
 def test_files_of_an_earlier_store_beside_the_archive_do_not_settle_a_new_stores_queue(tmp_path):
     """A state store made afresh next to an old archive numbers its rows from 1 again: the old
     files hold those numbers under another epoch, and must not count as holding the new rows."""
-    from ingest.exactly_once import ArchiveRow, Outbox
+    from flywheel.stream.outbox import Outbox
+    from flywheel.stream.store import ArchiveRow
 
     arch = _archive(tmp_path / "arch")
     arch.write("0ld0ld0ld0ld", [ArchiveRow(seq, "a", b"old%d" % seq) for seq in range(1, 11)])
@@ -321,7 +322,7 @@ def test_files_of_an_earlier_store_beside_the_archive_do_not_settle_a_new_stores
         for i in range(10):
             store.append(0, "out", None, b"new%d" % i, archive="a")
     assert arch.archived_seqs(store.epoch, 1, 10) == set()
-    assert Outbox(store, None, "", {"a": arch}).archive(force=True) == 10
+    assert Outbox(store, None, {"a": arch}).archive(force=True) == 10
     assert sorted(v for f in arch.files() for v in _values(f)) == sorted(
         [f"old{s}" for s in range(1, 11)] + [f"new{i}" for i in range(10)])
 
@@ -366,7 +367,7 @@ def _owe(store: StateStore, n: int, shard: int = 0) -> None:
 def test_a_full_window_of_sends_waits_for_its_acks_and_a_slow_broker_does_not_stop_the_turn(scripted):
     """``max_in_flight`` sends at once, then the turn waits for acks; a broker slower than the
     flush timeout leaves them in flight for a later turn (or fails a turn that must wait)."""
-    from ingest.exactly_once import Outbox
+    from flywheel.stream.outbox import Outbox
 
     store, producer = scripted, AckingProducer()
     _owe(store, 5)
@@ -391,8 +392,8 @@ def test_no_end_offset_for_a_first_send_holds_the_rows_back_until_one_comes(scri
     """A shard's first send to a partition needs that partition's end first (its confirmed
     point): while the broker gives none, nothing is sent, the outbox says why and counts as
     stalled, and the next turn that gets one sends."""
+    from flywheel.stream.outbox import Outbox
     from ingest import exactly_once
-    from ingest.exactly_once import Outbox
 
     store, producer = scripted, AckingProducer()
     _owe(store, 2)
@@ -424,8 +425,10 @@ def test_a_failed_send_with_others_in_flight_drains_them_and_settles_before_rese
     resent: a row that landed after all is not sent twice, one that did not is sent again."""
     from types import SimpleNamespace
 
+    from ingest.exactly_once import OUTBOX_HEADER
+
+    from flywheel.stream.outbox import Outbox
     from ingest import exactly_once
-    from ingest.exactly_once import OUTBOX_HEADER, Outbox
 
     store, producer = scripted, AckingProducer()
     _owe(store, 3)

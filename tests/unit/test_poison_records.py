@@ -37,8 +37,9 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import IngestSettings, RewardSettings
-from ingest.archive import EPISODE_SCHEMA, ParquetArchive, episode_row, episode_table
-from ingest.exactly_once import StateStore
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.store import StateStore
+from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.join import is_from_future, resolve
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from ingest.stage import IngestStage, episode_bytes

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 
 from flywheel.contracts import RewardEvent, SamplingParams, encode
-from ingest.archive import ParquetArchive
-from ingest.exactly_once import ArchiveRow
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.store import ArchiveRow
 from reward.report import REWARD_SCHEMA, read_rewards, report, reward_row, reward_table, summarise
 
 
@@ -107,7 +107,7 @@ def test_flagged_users_are_ranked_by_abuse_flags_only(tmp_path):
 
 
 def test_the_report_refuses_a_negative_top():
-    from flywheel.cli import build_parser
+    from cli.main import build_parser
 
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["reward", "report", "--top", "-1"])
@@ -148,7 +148,7 @@ def test_a_report_without_repeats_says_nothing_of_them(tmp_path):
 def test_the_report_command_reads_the_archive_under_the_data_dir(tmp_path, monkeypatch, capsys):
     """`flywheel reward report` with no --archive reads <data_dir>/archive/rewards, where the
     stage writes it, and prints the tables."""
-    from flywheel.cli import main as cli_main
+    from cli.main import main as cli_main
 
     events = [reward(0, "a", "accept", 0.75), reward(1, "b", "reject", -0.25, ("constant_user",))]
     ParquetArchive(tmp_path / "archive" / "rewards", REWARD_SCHEMA, reward_row, reward_table).write(

@@ -365,7 +365,7 @@ def _rewards(tmp_path, name: str, batches: list[list], fail_at: int | None = Non
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import RewardEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     path = tmp_path / name / "s.sqlite3"
@@ -424,7 +424,7 @@ def test_stage_dead_letters_an_episode_its_labeler_fails_on_and_labels_its_repla
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import DeadLetterEvent, RewardEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     broken = {"g3"}
@@ -461,7 +461,7 @@ def test_labeled_ids_are_remembered_for_dedupe_retention_s(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import Topics
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
@@ -484,7 +484,7 @@ def test_a_labeler_message_that_cannot_be_encoded_still_makes_a_dead_letter(tmp_
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import DeadLetterEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     name = f"v{uuid.uuid4().hex[:6]}"
@@ -510,7 +510,7 @@ def test_guard_penalties_that_make_the_reward_infinite_fail_the_episode(tmp_path
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import DeadLetterEvent, RewardEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.report import reward_table
     from reward.stage import SCHEMA, RewardStage
 
@@ -551,7 +551,7 @@ def test_a_bad_episode_is_dead_lettered_by_its_own_shard(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import DeadLetterEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
@@ -572,7 +572,7 @@ def test_every_guard_action_is_counted_by_flag(tmp_path):
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import RewardEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
@@ -617,7 +617,7 @@ def _reward_stage(tmp_path, name: str):
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import Topics
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     store = StateStore(tmp_path / name / "s.sqlite3", SCHEMA)
@@ -772,7 +772,7 @@ def _stage_rewards(tmp_path, cfg: RewardSettings, episodes: list[EpisodeEvent]):
     from prometheus_client import CollectorRegistry
 
     from flywheel.contracts import RewardEvent, Topics, decode
-    from ingest.exactly_once import StateStore
+    from flywheel.stream.store import StateStore
     from reward.stage import SCHEMA, RewardStage
 
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)

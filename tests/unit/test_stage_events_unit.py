@@ -17,7 +17,7 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import RewardSettings
-from ingest.exactly_once import StateStore
+from flywheel.stream.store import StateStore
 from reward.stage import SCHEMA, RewardStage
 
 LIVE = 1_800_000_000.0  # the wall clock in these tests (3600 divides it)
@@ -104,9 +104,9 @@ def test_an_archive_write_the_disk_refuses_leaves_no_partial_file_behind(tmp_pat
     import pyarrow as pa
     import pytest
 
-    from ingest import archive as archive_mod
-    from ingest.archive import ParquetArchive
-    from ingest.exactly_once import Outbox
+    from flywheel.stream import archive as archive_mod
+    from flywheel.stream.archive import ParquetArchive
+    from flywheel.stream.outbox import Outbox
 
     def parquet() -> ParquetArchive:
         return ParquetArchive(tmp_path / "archive", pa.schema([pa.field("v", pa.string())]),
@@ -126,9 +126,9 @@ def test_an_archive_write_the_disk_refuses_leaves_no_partial_file_behind(tmp_pat
     monkeypatch.setattr(archive_mod.pq, "write_table", disk_full)
     for _ in range(3):  # the stage and two restarts by its supervisor
         with pytest.raises(OSError):
-            Outbox(store, None, "", {"a": parquet()}).archive(force=True)
+            Outbox(store, None, {"a": parquet()}).archive(force=True)
     monkeypatch.setattr(archive_mod.pq, "write_table", real_write)  # the operator freed space
-    assert Outbox(store, None, "", {"a": parquet()}).archive(force=True) == 30 and store.queued == 0
+    assert Outbox(store, None, {"a": parquet()}).archive(force=True) == 30 and store.queued == 0
     left = sorted(p.name for p in (tmp_path / "archive").rglob("*") if p.is_file() and p.suffix != ".parquet")
     assert len(parquet().files()) == 1 and left == [], f"partial files left behind: {left}"
     store.close()
@@ -139,8 +139,8 @@ def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(
     start of the archive's only writer removes it, and keeps every finished file."""
     import pyarrow as pa
 
-    from ingest.archive import ParquetArchive
-    from ingest.exactly_once import ArchiveRow
+    from flywheel.stream.archive import ParquetArchive
+    from flywheel.stream.store import ArchiveRow
 
     def parquet() -> ParquetArchive:
         return ParquetArchive(tmp_path / "archive", pa.schema([pa.field("v", pa.string())]),

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from flywheel.settings import SettingsError, load_settings
-from ingest.claims import Claim, ClaimAssignor, judge
-from ingest.exactly_once import ShardMismatch, StateStore
-from ingest.runner import DataDirBusy, lock_data_dir
+from flywheel.stream.claims import Claim, ClaimAssignor, judge
+from flywheel.stream.serve import DataDirBusy, lock_data_dir
+from flywheel.stream.store import ShardMismatch, StateStore
 
 
 def test_store_keeps_the_shards_it_was_first_run_with(tmp_path):

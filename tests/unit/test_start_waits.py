@@ -1,4 +1,4 @@
-"""The start's first broker call (ingest/runner.py until_the_broker_answers): retried while the
+"""The start's first broker call (flywheel/stream/serve.py until_the_broker_answers): retried while the
 broker does not answer, and given up at once when the process is told to stop, even while the
 call itself is blocked on a broker that does not answer."""
 
@@ -11,8 +11,8 @@ import time
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from ingest import runner
-from ingest.runner import until_the_broker_answers
+from flywheel.stream.serve import until_the_broker_answers
+from flywheel.stream import serve as runner
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +41,7 @@ def test_a_call_that_fails_on_the_broker_is_retried_until_it_answers(caplog):
         if len(calls) < 3:
             raise KafkaTimeoutError("no broker")
 
-    with caplog.at_level(logging.WARNING, logger="ingest.runner"):
+    with caplog.at_level(logging.WARNING, logger="flywheel.stream.serve"):
         assert until_the_broker_answers(call, threading.Event(), "ingest") is True
     assert len(calls) == 3
     said = [r.getMessage() for r in caplog.records if "does not answer at start" in r.getMessage()]

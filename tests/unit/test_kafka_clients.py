@@ -1,4 +1,4 @@
-"""flywheel/bus.py: read_to_end's time limit is on going nowhere, not on the whole read; topics are
+"""flywheel/kafka/clients.py: read_to_end's time limit is on going nowhere, not on the whole read; topics are
 created to take the records the stages write.
 
 Fakes stand in for Kafka here: what is tested is the loop's clock, which a real broker
@@ -13,7 +13,7 @@ import time
 import pytest
 from kafka import TopicPartition
 
-from flywheel import bus
+from flywheel.kafka import clients as bus
 
 TP = TopicPartition("t", 0)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flywheel import manifest
+from flywheel.checkpoints import manifest
 
 
 def test_verify_and_tamper(tiny_model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Where a consumer can read a partition up to: the last stable offset, kept by kafka-python.
 
-The stages read their inputs ``read_committed`` (flywheel/bus.py ``make_consumer``): a product's
+The stages read their inputs ``read_committed`` (flywheel/kafka/clients.py ``make_consumer``): a product's
 producer may write the input topics in transactions, and the records of a transaction that is
 still open may yet be aborted, so they are no input until it commits (on a real cluster, aborted
 records are never handed out at all). Such a consumer reads a partition up to its *last stable

@@ -2,6 +2,8 @@
 
 Both rebuild the version from its chain (nearest full weights + deltas) and check every file and
 tensor hash on the way; a corrupted or tampered file fails with the version and file named.
+The store is the one the settings name (:func:`~flywheel.checkpoints.store.open_store`), so these
+run wherever the store is readable, without the trainer or its dependencies.
 """
 
 from __future__ import annotations
@@ -9,13 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flywheel.manifest import ManifestError
+from flywheel.checkpoints.manifest import ManifestError
+from flywheel.checkpoints.store import open_store
 from flywheel.settings import Settings
-from trainer.main import store_for
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    store = store_for(settings)
+    store = open_store(settings)
     version = args.version if args.version is not None else store.latest()
     if version is None:
         print(f"no versions in {store.root}", file=sys.stderr)

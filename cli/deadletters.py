@@ -1,7 +1,7 @@
 """``flywheel deadletters``: summarise, show and replay the dead-letter topic.
 
 Every stage sends what it cannot use to ``<prefix>deadletter`` as a :class:`DeadLetterEvent`
-with the reason and the original key and bytes (flywheel/bus.py). This is the on-call side of
+with the reason and the original key and bytes (flywheel/stream/deadletters.py). This is the on-call side of
 that promise (runbook: dashboards/runbooks/dead-letters.md)::
 
     flywheel deadletters summary [filters]          counts by stage, reason and source topic
@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 
 from kafka import KafkaConsumer, TopicPartition
 
-from flywheel.bus import make_producer, partitions_of, read_to_end
 from flywheel.contracts import MAX_DEADLETTER_BYTES, ContractError, DeadLetterEvent, Topics, decode
+from flywheel.kafka.clients import make_producer, partitions_of, read_to_end
 from flywheel.settings import KafkaSettings, Settings
 
 REPLAY_HEADER = "flywheel-replay-of"
@@ -110,8 +110,18 @@ class Summary:
     """Counts of the selected dead letters by (stage, reason, source topic), with time span."""
 
     rows: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)  # [n, first, last]
+    #: idempotency keys of the letters counted: a letter delivered twice (the stages' outboxes
+    #: are at least once) names the same stage, reason and source record, and counts once
+    seen: set[tuple[str, str, str, int, int]] = field(default_factory=set)
+    repeats: int = 0
 
     def add(self, dl: DeadLetterEvent) -> None:
+        if dl.source_partition is not None and dl.source_offset is not None:
+            key = (dl.stage, dl.reason, dl.source_topic, dl.source_partition, dl.source_offset)
+            if key in self.seen:
+                self.repeats += 1
+                return
+            self.seen.add(key)
         row = self.rows.get((dl.stage, dl.reason, dl.source_topic))
         if row is None:
             self.rows[(dl.stage, dl.reason, dl.source_topic)] = [1, dl.failed_at, dl.failed_at]
@@ -126,9 +136,12 @@ class Summary:
         for (stage, reason, topic), (n, first, last) in sorted(self.rows.items(), key=lambda kv: -kv[1][0]):
             table.append((stage, reason, topic, str(int(n)), _when(first), _when(last)))
         widths = [max(len(row[i]) for row in table) for i in range(6)]
-        return "\n".join("  ".join(cell.rjust(w) if i == 3 else cell.ljust(w)
+        text = "\n".join("  ".join(cell.rjust(w) if i == 3 else cell.ljust(w)
                                    for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
                          for row in table)
+        if self.repeats:
+            text += f"\n({self.repeats} repeated deliveries of the same letters not counted)"
+        return text
 
 
 def show(letters: Iterable[Letter], limit: int, width: int = 300) -> str:

@@ -41,7 +41,7 @@ def _settings(args: argparse.Namespace, overrides: dict[str, Any] | None = None)
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from flywheel.broker import EmbeddedBroker
+    from local.broker import EmbeddedBroker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker = EmbeddedBroker(port=args.port, host=args.host).start()
@@ -74,8 +74,8 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
-    from flywheel.bus import ensure_topics
     from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics
 
     settings = _settings(args)
     topics = Topics(settings.topic_prefix)
@@ -86,7 +86,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     if args.config_cmd == "example":
-        from flywheel.configdoc import example_toml
+        from cli.configdoc import example_toml
 
         print(example_toml(), end="")
         return 0
@@ -96,7 +96,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def _role(module: str) -> Callable[[argparse.Namespace], int]:
-    """A subcommand whose work lives in a stage package's ``main.run(settings, args)``."""
+    """A subcommand whose work lives in a module's ``run(settings, args)`` (a stage's ``main``, or a
+    module of this package)."""
 
     def run(args: argparse.Namespace) -> int:
         settings = _settings(args)
@@ -106,7 +107,7 @@ def _role(module: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _age(text: str) -> float:
-    from flywheel.deadletters import parse_age
+    from cli.deadletters import parse_age
 
     return parse_age(text)
 
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--dry-run", action="store_true", help="replay: count what would be sent, send nothing")
     dl.add_argument("--again", action="store_true",
                     help="replay: also the letters an earlier replay sent (they count twice once the stages forget their ids)")
-    dl.set_defaults(func=_role("flywheel.deadletters"))
+    dl.set_defaults(func=_role("cli.deadletters"))
 
     tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")
     tr.set_defaults(func=_role("trainer.main"))
@@ -182,16 +183,16 @@ def build_parser() -> argparse.ArgumentParser:
     ck = sub.add_parser("checkpoint", help="checkpoint store utilities").add_subparsers(dest="ckpt_cmd", required=True)
     cv = ck.add_parser("verify", help="rebuild a version from its delta chain and check every hash")
     cv.add_argument("version", type=int, nargs="?", default=None, help="default: the latest")
-    cv.set_defaults(func=_role("trainer.tools"), action="verify")
+    cv.set_defaults(func=_role("flywheel.checkpoints.cli"), action="verify")
     cr = ck.add_parser("reconstruct", help="write a verified, loadable HF directory of a version")
     cr.add_argument("version", type=int)
     cr.add_argument("out", type=Path)
-    cr.set_defaults(func=_role("trainer.tools"), action="reconstruct")
+    cr.set_defaults(func=_role("flywheel.checkpoints.cli"), action="reconstruct")
 
     d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
     d.add_argument("--users", type=int, default=16, help="synthetic users in the pipeline phase (4 samples each)")
     d.add_argument("--wait", type=float, default=240, help="seconds to wait for rewards and a checkpoint")
-    d.set_defaults(func=_role("flywheel.demo"))
+    d.set_defaults(func=_role("local.demo"))
     return p
 
 

@@ -4,13 +4,13 @@ Kafka header keys are strings, but brokers do not check them, so any producer ca
 is not UTF-8. kafka-python 3 decodes header keys strictly while it unpacks a fetched batch: the
 error comes out of ``poll()`` once, and every later ``poll()`` on that partition then spins at full
 CPU without returning. One such record would stop every reader of its partition for good, on every
-restart: the stages, the outbox recovery scan, the trainer, the dead-letter tools.
+restart: the stages, the trainer, the dead-letter tools.
 
 Java clients decode header keys leniently. :func:`tolerate_bad_header_keys` does the same for
 kafka-python: a record whose header key is not UTF-8 is read with that key as an
 :class:`UnreadableHeaderKey`, a string with the bad bytes escaped (``\\xff``) that keeps the raw
 bytes. Readers that only look for their own headers go on; the stages' edge dead-letters such a
-record as ``undecodable`` (ingest/runner.py), because its producer is broken.
+record as ``undecodable`` (flywheel/stream/runner.py), because its producer is broken.
 
 The hook wraps a private method of kafka-python's record reader. tests/unit/test_kafka_headers.py
 reads such records from batches built by kafka-python itself, and

@@ -20,15 +20,16 @@ stage process claims its shards:
 Claims with the same epoch on the same host never collide: they are one store's processes, a
 restarted process and its predecessor whose session has not expired yet (the data_dir lock
 keeps two live ones apart on one machine). The same epoch on two hosts is a copy of the store (a
-data_dir copied or restored elsewhere) and collides like another store: both would number their
-outputs alike, and each one's recovery could take the other's records for its own. (A store
+data_dir copied or restored elsewhere) and collides like another store: both would run the same
+shards from diverging copies of one state, and name their archive files alike. (A store
 whose volume moved to another machine starts there once its dead predecessor's session has
 expired: a join waits for every member to rejoin or expire, so no verdict judges a claim that
 died before the join.) Between different stores a holder of a grant beats a newcomer, then the
 earlier start wins. The data_dir lock covers one machine; this covers any number. It cannot
 stop a process that stalls past the claims group's session timeout and then carries on with the
-batch in hand before its next check (the classic zombie): only broker-side fencing
-(transactions) closes that, see docs/exactly-once.md.
+batch in hand before its next check (the classic zombie): what it then sends is a repeat its
+readers drop by key, or an output of a record the new owner also processes, dropped the same way
+(docs/exactly-once.md).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from flywheel.settings import SettingsError
 
 if TYPE_CHECKING:
     from flywheel.settings import KafkaSettings
-    from ingest.runner import StopFlag
+    from flywheel.stream.runner import StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ log = logging.getLogger(__name__)
 #: unverified. A join takes a few seconds; every member must rejoin, and members poll the group
 #: once per loop turn.
 CLAIM_WAIT_S = 30.0
-#: How often a wait at start (this one; the first broker call, ingest/runner.py) looks whether
+#: How often a wait at start (this one; the first broker call, flywheel/stream/serve.py) looks whether
 #: the process was told to stop.
 STOP_CHECK_S = 0.1
 
@@ -172,7 +173,7 @@ class ShardClaims:
 
     def __init__(self, cfg: KafkaSettings, stage: str, group_id: str, topics: list[str], epoch: str,
                  shards: tuple[int, ...]) -> None:
-        from flywheel.bus import make_consumer
+        from flywheel.kafka.clients import make_consumer
 
         self.stage = stage
         self.assignor = ClaimAssignor(epoch, shards)
@@ -205,7 +206,7 @@ class ShardClaims:
         the claims guard against a mistaken deployment and are not part of the exactly-once
         protocol, so a group that cannot answer must not keep a stage down. A verdict that comes
         later still applies (:meth:`check`). The embedded broker can leave a group unable to
-        finish a join after some leave patterns (flywheel/broker.py), which is where this bites.
+        finish a join after some leave patterns (local/broker.py), which is where this bites.
         ``stop`` is looked at every ``STOP_CHECK_S``: a SIGTERM while the broker does not answer
         must not wait out ``timeout_s`` too, or the stop outlasts a supervisor's grace period.
         """
@@ -244,7 +245,7 @@ class ShardClaims:
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop polling and leave the claims group, within about twice ``timeout_s`` whatever the
-        broker does (a stop must fit a supervisor's grace period: ingest/runner.py STOP_FLUSH_S)."""
+        broker does (a stop must fit a supervisor's grace period: flywheel/stream/runner.py STOP_FLUSH_S)."""
         self._stop.set()
         self._poller.join(timeout=timeout_s)
         self.consumer.close(autocommit=False, timeout_ms=int(timeout_s * 1000))

@@ -35,8 +35,8 @@ from typing import Any, Self
 
 import httpx
 
-from flywheel.broker import EmbeddedBroker, free_port
-from flywheel.bus import ensure_topics
+from local.broker import EmbeddedBroker, free_port
+from flywheel.checkpoints import MANIFEST_NAME
 from flywheel.contracts import (
     CheckpointEvent,
     DeadLetterEvent,
@@ -47,6 +47,7 @@ from flywheel.contracts import (
     Topics,
     decode,
 )
+from flywheel.kafka.clients import ensure_topics
 from flywheel.settings import Settings
 
 PROMPTS = (
@@ -91,7 +92,7 @@ def _say(msg: str) -> None:
 
 
 def _ensure_model(model_dir: Path) -> Path:
-    if (model_dir / "flywheel-manifest.json").is_file():
+    if (model_dir / MANIFEST_NAME).is_file():
         return model_dir
     from flywheel.modelinit import ModelSpec, init_model
 
@@ -122,7 +123,7 @@ class _process:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = log_path.open("ab")
-        cmd = [sys.executable, "-m", "flywheel.cli", *role]
+        cmd = [sys.executable, "-m", "cli", *role]
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Self:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from trainer import delta as D
+from flywheel.checkpoints import delta as D
 
 
 def _pair(dtype, frac, seed=0):

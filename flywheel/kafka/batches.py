@@ -19,7 +19,7 @@ record in place of the records that could not be read:
   not wire bytes.
 
 Readers then handle it as any record they cannot use: the stages and the trainer dead-letter it
-as ``unreadable_batch`` with the offsets (:meth:`flywheel.bus.DeadLetters.send_unreadable`), so
+as ``unreadable_batch`` with the offsets (:meth:`flywheel.stream.deadletters.DeadLetters.send_unreadable`), so
 on-call sees which records are gone and where the bytes are.
 
 Batches compressed with any codec Kafka defines (gzip, snappy, lz4, zstd) are readable: their

@@ -8,7 +8,7 @@ real cluster instead. Run it alone with ``flywheel broker``.
 Quirks that shape the tests: it holds a group join for half the session timeout (tests use a
 short one); it keeps no offset-commit metadata; it cannot filter aborted transactional records;
 it answers offset requests (``end_offsets``, ``seek_to_end``) with a wrong end, so lag and the
-ends of partitions come from fetch responses' high watermarks (flywheel/bus.py); and a group
+ends of partitions come from fetch responses' high watermarks (flywheel/kafka/lag.py); and a group
 whose members all left at about the same time sometimes never completes a later join, so tests
 give every test its own consumer groups. It stores a batch whose CRC is wrong as it is (tests
 use that to make unreadable batches), but a batch whose compression bits name no codec stops it.

@@ -1,10 +1,11 @@
-"""The consume -> process -> deliver loop shared by the ingest and reward stages.
+"""The consume -> process -> deliver loop every stream stage runs on.
 
-A :class:`Stage` holds the stage's logic; :class:`StreamRunner` drives it through the exactly-once
-protocol of ingest/exactly_once.py: on partition assignment it seeks to the stored offsets and
-settles the outbox (recovery), then per poll it runs ``stage.process`` and ``stage.tick`` inside
-one state-store transaction together with the input offsets, delivers the outbox, writes the
-archive queue out when it is due, and commits the offsets to the consumer group for lag tools.
+A :class:`Stage` holds the stage's rules; :class:`StreamRunner` drives it: on partition
+assignment it seeks each input partition to the offset in the state store, then per poll it runs
+``stage.process`` and ``stage.tick`` inside one state-store transaction together with the input
+offsets (flywheel/stream/store.py), sends the outbox and collects its acks
+(flywheel/stream/outbox.py), writes the archive queue out when it is due, and commits the
+positions to the consumer group for lag tools.
 
 **When the broker does not answer** (an outage, a stall, a partition without a leader) the loop
 keeps turning instead of exiting: a failed turn is retried after a pause, outputs wait in the
@@ -17,15 +18,13 @@ resumes from the stored state.
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Protocol, TypeVar
+from contextlib import contextmanager
+from typing import Protocol, TypeVar
 
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
@@ -33,7 +32,6 @@ from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
 
-from flywheel.bus import DeadLetters, LagGauge, partitions_of, topic_ids
 from flywheel.contracts import (
     CONTRACT_REASONS,
     MAX_RECORD_BYTES,
@@ -43,22 +41,20 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
-from flywheel.kafka_batches import unreadable_batch
-from flywheel.kafka_ends import readable_end
-from flywheel.kafka_headers import unreadable_header
+from flywheel.kafka.batches import unreadable_batch
+from flywheel.kafka.clients import partitions_of, topic_ids
+from flywheel.kafka.ends import readable_end
+from flywheel.kafka.headers import unreadable_header
+from flywheel.kafka.lag import LagGauge
 from flywheel.settings import SettingsError
-from ingest.claims import STOP_CHECK_S, ShardClaims
-from ingest.exactly_once import Archive, Outbox, OutputUnavailable, StateStore
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
-    from flywheel.settings import Settings
+from flywheel.stream.deadletters import DeadLetters
+from flywheel.stream.outbox import Outbox
+from flywheel.stream.store import StateStore
 
 log = logging.getLogger(__name__)
 
 #: Errors of a broker that does not answer (or answers with an error): the loop retries them.
-BROKER_ERRORS: tuple[type[BaseException], ...] = (KafkaError, TimeoutError, OutputUnavailable)
+BROKER_ERRORS: tuple[type[BaseException], ...] = (KafkaError, TimeoutError)
 try:
     from confluent_kafka import KafkaException
 
@@ -70,8 +66,8 @@ except ImportError:  # pragma: no cover - confluent-kafka is a dependency; kafka
 RETRY_PAUSE_S = 1.0
 
 #: A stop waits at most this long for the acks of sends in flight, and each consumer at most
-#: STOP_CLOSE_MS to leave its group: unacked sends are settled by the next start's recovery scan
-#: and leaving is best effort, while the whole stop must fit a supervisor's grace period
+#: STOP_CLOSE_MS to leave its group: unacked sends stay in the outbox and the next start sends
+#: them again, and leaving is best effort, while the whole stop must fit a supervisor's grace period
 #: (Kubernetes gives 30 s before SIGKILL). Unbounded, a stop during a broker stall took 29-36 s.
 STOP_FLUSH_S = 5.0
 STOP_CLOSE_MS = 2000
@@ -102,7 +98,7 @@ def decode_keyed(cls: type[E], rec: ConsumerRecord, dead: DeadLetters,
     a generation's records sharing a partition number (see docs/exactly-once.md). A header key
     that is not UTF-8 breaks the Kafka protocol: its producer is broken, so the record is
     ``undecodable`` even when its value is fine. A stand-in for records that could not be read
-    from their batch is ``unreadable_batch`` (flywheel/kafka_batches.py).
+    from their batch is ``unreadable_batch`` (flywheel/kafka/batches.py).
     """
     if rec.headers and (marker := unreadable_batch(rec.headers)) is not None:
         dead.send_unreadable(rec, marker)
@@ -170,6 +166,9 @@ class StreamRunner(ConsumerRebalanceListener):
         max_owed: int = MAX_OWED_ROWS,
     ) -> None:
         self.stage, self.store, self.outbox, self.consumer = stage, store, outbox, consumer
+        # where the consumer reads: the topic ids of the inputs are asked there
+        servers = consumer.config["bootstrap_servers"]
+        self.bootstrap = servers if isinstance(servers, str) else ",".join(servers)
         self.max_owed = max_owed
         self.holding = False  # input paused: the outbox owes max_owed rows
         self.topics, self.lag, self.max_batch, self.poll_ms = topics, lag, max_batch, poll_ms
@@ -195,7 +194,7 @@ class StreamRunner(ConsumerRebalanceListener):
         """Own ``shards`` of every input outright: no group membership, so no rebalances.
 
         The partitions are set up by the loop like a group assignment (seek to the stored
-        offsets, settle the outbox, resume); the group id still receives offset commits for lag
+        offsets, resume); the group id still receives offset commits for lag
         tools. Every shard must exist in every input, or the join would silently miss records.
         """
         for topic in self.topics:
@@ -212,7 +211,7 @@ class StreamRunner(ConsumerRebalanceListener):
     # -- rebalance ------------------------------------------------------------------------
     # kafka-python calls these on its network thread, which must not touch the store (SQLite is
     # per thread) or block. New partitions are paused here and set up by the loop thread before
-    # any of their records is processed: seek to the stored offsets, settle the outbox, resume.
+    # any of their records is processed: seek to the stored offsets, resume.
     def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
         with self._lock:
             self._revoked |= {tp.partition for tp in revoked}
@@ -249,7 +248,7 @@ class StreamRunner(ConsumerRebalanceListener):
         for tp in assigned:
             self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
         shards = {tp.partition for tp in assigned}
-        self.outbox.recover(shards)
+        # what a previous owner stored and did not see acked is sent again (at least once)
         self.delivered += self.outbox.deliver(shards)
         self.owned |= shards
         self.consumer.resume(*assigned)
@@ -266,7 +265,7 @@ class StreamRunner(ConsumerRebalanceListener):
         has grown past them: read from there, they were lost without a trace.
         """
         changed, recreated = self.store.changed_ids(
-            topic_ids(self.outbox.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
+            topic_ids(self.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
         if not changed:
             return stored
         restart = {key: 0 for key in [*stored, *((tp.topic, tp.partition) for tp in assigned)] if key[0] in recreated}
@@ -345,7 +344,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self._settle_rebalance()
         self._hold_input()
         # While sends await their acks, poll briefly: an idle input must not hold delivered
-        # records in the outbox (and the confirmed output offsets back) for a whole poll_ms.
+        # records in the outbox for a whole poll_ms.
         timeout = 0 if self._more_due else min(self.poll_ms, 10) if self.outbox.in_flight else self.poll_ms
         batches = self.consumer.poll(timeout_ms=timeout, max_records=self.max_batch)
         if self._assigned or self._revoked:
@@ -407,7 +406,7 @@ class StreamRunner(ConsumerRebalanceListener):
 
     def run(self, stop: StopFlag, check: Callable[[], None] | None = None) -> None:
         """Step until ``stop``; ``check()`` runs before every step and stops the loop by raising
-        (the shard claims, ingest/claims.py)."""
+        (the shard claims, flywheel/stream/claims.py)."""
         while not stop.is_set():
             if check is not None:
                 check()
@@ -443,12 +442,12 @@ class StreamRunner(ConsumerRebalanceListener):
     def finish(self) -> None:
         """Deliver what is in flight and write the archive queue out: a clean stop leaves
         nothing behind in the outbox or the queue (but for sends the broker did not ack, which
-        the next start settles by its recovery scan)."""
+        the next start sends again)."""
         with gc_paused():
             try:
                 self.delivered += self.outbox.flush(STOP_FLUSH_S)
             except BROKER_ERRORS as exc:
-                log.warning("stopping with %d sends unacknowledged (%s); the next start settles them",
+                log.warning("stopping with %d sends unacknowledged (%s); the next start sends them again",
                             self.outbox.in_flight, exc)
             self.outbox.archive(force=True)
 
@@ -480,180 +479,3 @@ def gc_paused() -> Iterator[None]:
 
 class StopFlag(Protocol):
     def is_set(self) -> bool: ...
-
-
-def serve_stage(
-    *,
-    settings: Settings,
-    name: str,
-    group_id: str,
-    inputs: list[str],
-    schema: str,
-    make_stage: Callable[[StateStore, CollectorRegistry], Stage],
-    archives: Callable[[], dict[str, Archive]],
-    host: str,
-    port: int,
-    max_batch: int,
-    poll_ms: int,
-    stop: StopFlag,
-    shards: Sequence[int] = (),
-) -> None:
-    """Wire a stage to Kafka, its state store and its ops server, and run it until ``stop``.
-
-    ``shards``: the input partitions this process owns (see :meth:`StreamRunner._assign_static`);
-    empty for all of them through the consumer group.
-    """
-    from kafka.coordinator.assignors.range import RangePartitionAssignor
-
-    from flywheel.bus import ensure_topics, make_consumer, make_output_producer
-    from flywheel.contracts import Topics
-    from flywheel.metrics import new_registry, serve_ops
-
-    registry = new_registry()
-    log.info("%s: checking the topics on the broker at %s", name, settings.kafka.bootstrap)
-    if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
-                                    stop, name):
-        log.info("%s: stopped before the broker answered", name)
-        return  # nothing was opened yet
-    with ExitStack() as held:  # released in reverse on any exit, a refused start included
-        held.enter_context(lock_data_dir(settings.data_dir / name, name))
-        store = StateStore(settings.data_dir / name / "state.sqlite3", schema)
-        held.callback(store.close)
-        stage = make_stage(store, registry)
-        archive_queue_gauge(name, store, registry)
-        outbox_gauge(name, store, registry)
-        producer = make_output_producer(settings.kafka, name)
-        held.callback(producer.close)
-        outbox = Outbox(store, producer, settings.kafka.bootstrap, archives(),
-                        archive_max_rows=settings.archive.max_rows,
-                        archive_max_age_s=settings.archive.max_age_s)
-        # Range assignment gives one member the same partition number of every input topic,
-        # which the join needs (a generation and its feedback share a partition number).
-        consumer = make_consumer(settings.kafka, name, group_id,
-                                 partition_assignment_strategy=[RangePartitionAssignor])
-        held.callback(consumer.close, autocommit=False, timeout_ms=STOP_CLOSE_MS)
-        runner = StreamRunner(stage, store, outbox, consumer, inputs, LagGauge(name, registry),
-                              max_batch, poll_ms, shards)
-        stalled_gauge(name, runner, registry)
-        # nothing is processed before the claims group grants this process its shards
-        claims = ShardClaims(settings.kafka, name, group_id, inputs, store.epoch, tuple(shards))
-        held.callback(claims.close)
-        if not claims.wait_granted(stop):
-            return  # stopped before the shards were granted: nothing was processed
-
-        def health() -> tuple[bool, dict[str, object]]:
-            ok, detail = runner.healthy()
-            return ok, {**detail, "claims": claims.state}
-
-        ops = serve_ops(registry, health, host, port)
-        held.callback(ops.shutdown)
-        log.info("%s running: inputs %s, shards %s, ops on %s:%d, state %s", name, inputs,
-                 list(shards) or "all (consumer group)", host, ops.server_port, settings.data_dir / name)
-        runner.run(stop, claims.check)
-
-
-def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str) -> bool:
-    """Run ``call`` (the start's first broker call) until it does not fail on the broker;
-    False if ``stop`` came first.
-
-    A stage started while the broker is down (a cluster restart, a node coming up first) waits
-    for it, saying so once, as a running stage does, instead of exiting to be restarted in a loop.
-    """
-    said = False
-    while not stop.is_set():
-        try:
-            if not unless_stopped(call, stop):
-                return False
-        except BROKER_ERRORS as exc:
-            if not said:
-                log.warning("%s: the broker does not answer at start (%s: %s); retrying until it does",
-                            name, type(exc).__name__, exc)
-                said = True
-        else:
-            return True
-        end = time.monotonic() + RETRY_PAUSE_S
-        while not stop.is_set() and time.monotonic() < end:
-            time.sleep(0.05)
-    return False
-
-
-def unless_stopped(call: Callable[[], None], stop: StopFlag) -> bool:
-    """Run ``call`` on a thread of its own: True once it returns (its exception is raised here),
-    False as soon as ``stop`` is set, leaving it behind.
-
-    A call blocked on a broker that does not answer (a client's bootstrap, an admin request) ends
-    only at its timeout, 30 s by default: a SIGTERM then would outlast a supervisor's grace
-    period. What is left behind holds nothing the stage owns, and dies with the process.
-    """
-    failed: list[Exception] = []
-
-    def run() -> None:
-        try:
-            call()
-        except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread, which decides
-            failed.append(exc)
-
-    worker = threading.Thread(target=run, name="start-call", daemon=True)
-    worker.start()
-    while not stop.is_set():
-        worker.join(STOP_CHECK_S)
-        if not worker.is_alive():
-            if failed:
-                raise failed[0]
-            return True
-    return False
-
-
-def stalled_gauge(stage: str, runner: StreamRunner, registry: CollectorRegistry) -> None:
-    """``<stage>_stalled_seconds``: how long the stage has made no progress with the broker, read
-    at scrape time (dashboards/runbooks/stage-stalled.md)."""
-    from prometheus_client import Gauge
-
-    Gauge(f"{stage}_stalled_seconds", "Seconds without progress with the broker: turns failing in a row, "
-          "or outputs owed with no ack (0 while it is fine)", registry=registry).set_function(runner.stalled_s)
-
-
-def outbox_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
-    """``<stage>_outbox_rows``: records stored and not yet acked by Kafka, read at scrape time.
-
-    Near the sends in flight while the broker takes them; it grows while an output cannot be
-    written, and input pauses at ``MAX_OWED_ROWS`` (dashboards/runbooks/stage-stalled.md).
-    """
-    from prometheus_client import Gauge
-
-    Gauge(f"{stage}_outbox_rows", "Records the stage owes to Kafka: stored in its outbox, not yet acked",
-          registry=registry).set_function(lambda: store.owed)
-
-
-def archive_queue_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
-    """``<stage>_archive_queue_rows``: rows waiting for the Parquet archive, read at scrape time.
-
-    It saws between 0 and about ``archive.max_rows``; a queue that only grows means the archive
-    is not being written (see docs/exactly-once.md).
-    """
-    from prometheus_client import Gauge
-
-    Gauge(f"{stage}_archive_queue_rows", "Rows queued for the stage's Parquet archive, not yet in a file",
-          registry=registry).set_function(lambda: store.queued)
-
-
-class DataDirBusy(SettingsError):
-    """Another live process runs this stage on the same data directory."""
-
-
-def lock_data_dir(folder: Path, name: str) -> IO[bytes]:
-    """Hold an exclusive lock on ``folder`` for the life of the process (released by the OS on
-    any exit, ``kill -9`` included).
-
-    Two live processes on one state store would each think they own its shards. Several
-    processes of a stage need a data_dir each and disjoint ``shards``.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    fh = open(folder / "lock", "ab")  # noqa: SIM115 - held open until the stage stops
-    try:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fh.close()
-        raise DataDirBusy(f"another {name} process is running on {folder}: each process of a stage "
-                          f"needs a data_dir of its own (and shards of its own)") from None
-    return fh

@@ -5,7 +5,7 @@ Layout under the store root (``<data_dir>/checkpoints`` by default)::
     v00000003/
       config.json, tokenizer files   copied from the model directory (HF layout: vLLM loads it)
       model.safetensors              weights in the served dtype (pruned on old non-snapshot versions)
-      delta.fwd                      lossless delta from the parent's model.safetensors (trainer/delta.py)
+      delta.fwd                      lossless delta from the parent's model.safetensors (delta.py)
       ledger.json                    generation ids trained in this version, drops by reason
       flywheel-manifest.json         version, parent, step, samples, hashes, metrics, data offsets
       ds/                            DeepSpeed checkpoint (optimizer state), newest few versions only
@@ -18,6 +18,10 @@ either the old latest version or the new one, never half of one.
 ``flywheel checkpoint verify|reconstruct`` and serving use :func:`CheckpointStore.materialize`:
 walk the parent chain back to the nearest version that still holds full weights, apply deltas
 forward, and check every delta file, every tensor and the final file against the manifests.
+
+The trainer's rank 0 is the only writer (:meth:`CheckpointStore.staging_dir`, then
+:meth:`CheckpointStore.commit`); :func:`open_store` opens the store a deployment's settings name,
+for the trainer and for readers alike.
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flywheel import manifest
+from flywheel.checkpoints import delta as deltas
+from flywheel.checkpoints import manifest
+from flywheel.checkpoints.manifest import ManifestError
 from flywheel.durable import fsync_dir, fsync_tree
-from flywheel.manifest import ManifestError
-from trainer import delta as deltas
+
+if TYPE_CHECKING:
+    from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +189,14 @@ class CheckpointStore:
                 shutil.copy2(p, out / p.name)
         manifest.verify_dir(out)
         return out
+
+
+def open_store(settings: Settings) -> CheckpointStore:
+    """The local store ``settings`` name: the trainer's ``store`` when it is a directory, else
+    ``<data_dir>/checkpoints`` (an fsspec URL there is a mirror the trainer uploads to)."""
+    cfg = settings.trainer
+    local = cfg.store if cfg.store and "://" not in cfg.store else str(settings.data_dir / "checkpoints")
+    return CheckpointStore(Path(local), full_every=cfg.full_every, keep_full=cfg.keep_full, keep_optimizer=cfg.keep_optimizer)
 
 
 def _check_file(man: dict[str, Any], name: str, data: bytes, version: int) -> None:

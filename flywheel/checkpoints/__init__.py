@@ -1,0 +1,45 @@
+"""The checkpoint store's format, shared by its writer (the trainer) and its readers (serving, the
+``flywheel checkpoint`` commands, a release controller, tools).
+
+A published version is a Hugging Face model directory under the store root plus a manifest of
+per-file and per-tensor sha256 hashes; old versions keep only a lossless delta from their parent.
+
+    store = open_store(settings)          # or CheckpointStore(root) for a directory at hand
+    store.versions(), store.latest()      # published versions, oldest first
+    store.manifest(v), store.ledger(v)    # what a version holds and what it was trained on
+    store.materialize_bytes(v)            # verify: rebuild v's weights from its chain, every hash checked
+    store.export(v, out)                  # reconstruct: a verified, loadable model directory in ``out``
+    verify_dir(model_dir)                 # check any model directory against its manifest
+
+Modules: :mod:`.store` (layout, atomic publish, pruning, reconstruction, fsspec mirror),
+:mod:`.manifest` (manifests and hashes), :mod:`.delta` (the delta codec), :mod:`.cli`
+(``flywheel checkpoint verify|reconstruct``). Nothing here imports torch or a stage package.
+"""
+
+from flywheel.checkpoints.delta import DeltaError
+from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError, verify_dir
+from flywheel.checkpoints.store import (
+    DELTA,
+    LEDGER,
+    WEIGHTS,
+    CheckpointStore,
+    mirror,
+    open_store,
+    verify_tensors,
+    vname,
+)
+
+__all__ = [
+    "DELTA",
+    "LEDGER",
+    "MANIFEST_NAME",
+    "WEIGHTS",
+    "CheckpointStore",
+    "DeltaError",
+    "ManifestError",
+    "mirror",
+    "open_store",
+    "verify_dir",
+    "verify_tensors",
+    "vname",
+]

@@ -1,0 +1,239 @@
+"""Runs a stream stage as a process: a stage declares itself (:class:`StageSpec`) and
+:func:`serve_stage` wires it to Kafka, its state store, its archives and its ops server.
+
+Start-up, in order: create the topics (waiting for a broker that does not answer yet), lock the
+data_dir, open the state store, claim the shards (flywheel/stream/claims.py), open ``/health``
+and ``/metrics``, run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
+(:func:`stop_on_signals`). Every step holds only what the ones before it opened, and is released
+in reverse on any exit, a refused start included.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING
+
+from flywheel.settings import SettingsError
+from flywheel.stream.claims import STOP_CHECK_S, ShardClaims
+from flywheel.stream.outbox import Archive, Outbox
+from flywheel.stream.runner import (
+    BROKER_ERRORS,
+    RETRY_PAUSE_S,
+    STOP_CLOSE_MS,
+    Stage,
+    StopFlag,
+    StreamRunner,
+)
+from flywheel.stream.store import StateStore
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """All a stage declares to run on the stream runtime; the rest is the runtime's.
+
+    ``name`` names the process everywhere: its data_dir folder, its metrics' prefix, its Kafka
+    client ids. ``tables`` is the SQL of the stage's own tables in the state store, and ``rules``
+    builds the stage's logic on that store. ``outputs`` are the topics it writes (with the
+    dead-letter topic); each output record carries its idempotency key, by which its readers drop
+    repeats (docs/exactly-once.md).
+    """
+
+    name: str
+    group_id: str
+    inputs: list[str]
+    outputs: list[str]
+    tables: str
+    rules: Callable[[StateStore, CollectorRegistry], Stage]
+    archives: Callable[[], dict[str, Archive]]
+    host: str
+    port: int
+    max_batch: int
+    poll_ms: int
+    #: The input partitions this process owns; empty for all of them through the consumer group.
+    shards: Sequence[int] = ()
+
+
+def stop_on_signals() -> threading.Event:
+    """A flag set by SIGTERM or SIGINT: the loop finishes its turn, delivers and stops."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = None) -> None:
+    """Wire ``spec`` to Kafka, its state store and its ops server, and run it until ``stop``
+    (default: SIGTERM or SIGINT)."""
+    from kafka.coordinator.assignors.range import RangePartitionAssignor
+
+    from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics, make_consumer
+    from flywheel.kafka.lag import LagGauge
+    from flywheel.kafka.producers import make_output_producer
+    from flywheel.metrics import new_registry, serve_ops
+
+    stop = stop if stop is not None else stop_on_signals()
+    name, registry = spec.name, new_registry()
+    log.info("%s: checking the topics on the broker at %s", name, settings.kafka.bootstrap)
+    if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
+                                    stop, name):
+        log.info("%s: stopped before the broker answered", name)
+        return  # nothing was opened yet
+    with ExitStack() as held:  # released in reverse on any exit, a refused start included
+        held.enter_context(lock_data_dir(settings.data_dir / name, name))
+        store = StateStore(settings.data_dir / name / "state.sqlite3", spec.tables)
+        held.callback(store.close)
+        stage = spec.rules(store, registry)
+        archive_queue_gauge(name, store, registry)
+        outbox_gauge(name, store, registry)
+        producer = make_output_producer(settings.kafka, name)
+        held.callback(producer.close)
+        outbox = Outbox(store, producer, spec.archives(),
+                        archive_max_rows=settings.archive.max_rows,
+                        archive_max_age_s=settings.archive.max_age_s)
+        # Range assignment gives one member the same partition number of every input topic,
+        # which the join needs (a generation and its feedback share a partition number).
+        consumer = make_consumer(settings.kafka, name, spec.group_id,
+                                 partition_assignment_strategy=[RangePartitionAssignor])
+        held.callback(consumer.close, autocommit=False, timeout_ms=STOP_CLOSE_MS)
+        runner = StreamRunner(stage, store, outbox, consumer, spec.inputs,
+                              LagGauge(name, registry), spec.max_batch, spec.poll_ms, spec.shards)
+        stalled_gauge(name, runner, registry)
+        # nothing is processed before the claims group grants this process its shards
+        claims = ShardClaims(settings.kafka, name, spec.group_id, spec.inputs, store.epoch, tuple(spec.shards))
+        held.callback(claims.close)
+        if not claims.wait_granted(stop):
+            return  # stopped before the shards were granted: nothing was processed
+
+        def health() -> tuple[bool, dict[str, object]]:
+            ok, detail = runner.healthy()
+            return ok, {**detail, "claims": claims.state}
+
+        ops = serve_ops(registry, health, spec.host, spec.port)
+        held.callback(ops.shutdown)
+        log.info("%s running: inputs %s, outputs %s, shards %s, ops on %s:%d, state %s", name, spec.inputs,
+                 spec.outputs, list(spec.shards) or "all (consumer group)", spec.host, ops.server_port,
+                 settings.data_dir / name)
+        runner.run(stop, claims.check)
+
+
+def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str) -> bool:
+    """Run ``call`` (the start's first broker call) until it does not fail on the broker;
+    False if ``stop`` came first.
+
+    A stage started while the broker is down (a cluster restart, a node coming up first) waits
+    for it, saying so once, as a running stage does, instead of exiting to be restarted in a loop.
+    """
+    said = False
+    while not stop.is_set():
+        try:
+            if not unless_stopped(call, stop):
+                return False
+        except BROKER_ERRORS as exc:
+            if not said:
+                log.warning("%s: the broker does not answer at start (%s: %s); retrying until it does",
+                            name, type(exc).__name__, exc)
+                said = True
+        else:
+            return True
+        end = time.monotonic() + RETRY_PAUSE_S
+        while not stop.is_set() and time.monotonic() < end:
+            time.sleep(0.05)
+    return False
+
+
+def unless_stopped(call: Callable[[], None], stop: StopFlag) -> bool:
+    """Run ``call`` on a thread of its own: True once it returns (its exception is raised here),
+    False as soon as ``stop`` is set, leaving it behind.
+
+    A call blocked on a broker that does not answer (a client's bootstrap, an admin request) ends
+    only at its timeout, 30 s by default: a SIGTERM then would outlast a supervisor's grace
+    period. What is left behind holds nothing the stage owns, and dies with the process.
+    """
+    failed: list[Exception] = []
+
+    def run() -> None:
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - raised again on the caller's thread, which decides
+            failed.append(exc)
+
+    worker = threading.Thread(target=run, name="start-call", daemon=True)
+    worker.start()
+    while not stop.is_set():
+        worker.join(STOP_CHECK_S)
+        if not worker.is_alive():
+            if failed:
+                raise failed[0]
+            return True
+    return False
+
+
+def stalled_gauge(stage: str, runner: StreamRunner, registry: CollectorRegistry) -> None:
+    """``<stage>_stalled_seconds``: how long the stage has made no progress with the broker, read
+    at scrape time (dashboards/runbooks/stage-stalled.md)."""
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_stalled_seconds", "Seconds without progress with the broker: turns failing in a row, "
+          "or outputs owed with no ack (0 while it is fine)", registry=registry).set_function(runner.stalled_s)
+
+
+def outbox_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
+    """``<stage>_outbox_rows``: records stored and not yet acked by Kafka, read at scrape time.
+
+    Near the sends in flight while the broker takes them; it grows while an output cannot be
+    written, and input pauses at ``MAX_OWED_ROWS`` (dashboards/runbooks/stage-stalled.md).
+    """
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_outbox_rows", "Records the stage owes to Kafka: stored in its outbox, not yet acked",
+          registry=registry).set_function(lambda: store.owed)
+
+
+def archive_queue_gauge(stage: str, store: StateStore, registry: CollectorRegistry) -> None:
+    """``<stage>_archive_queue_rows``: rows waiting for the Parquet archive, read at scrape time.
+
+    It saws between 0 and about ``archive.max_rows``; a queue that only grows means the archive
+    is not being written (see docs/exactly-once.md).
+    """
+    from prometheus_client import Gauge
+
+    Gauge(f"{stage}_archive_queue_rows", "Rows queued for the stage's Parquet archive, not yet in a file",
+          registry=registry).set_function(lambda: store.queued)
+
+
+class DataDirBusy(SettingsError):
+    """Another live process runs this stage on the same data directory."""
+
+
+def lock_data_dir(folder: Path, name: str) -> IO[bytes]:
+    """Hold an exclusive lock on ``folder`` for the life of the process (released by the OS on
+    any exit, ``kill -9`` included).
+
+    Two live processes on one state store would each think they own its shards. Several
+    processes of a stage need a data_dir each and disjoint ``shards``.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fh = open(folder / "lock", "ab")  # noqa: SIM115 - held open until the stage stops
+    try:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fh.close()
+        raise DataDirBusy(f"another {name} process is running on {folder}: each process of a stage "
+                          f"needs a data_dir of its own (and shards of its own)") from None
+    return fh
