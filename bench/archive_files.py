@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pandas as pd
 
-from local.broker import EmbeddedBroker
 from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
 from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
 from flywheel.kafka.lag import LagGauge
@@ -42,6 +41,7 @@ from flywheel.stream.runner import StreamRunner
 from flywheel.stream.store import StateStore
 from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, SCHEMA, IngestStage
+from local.broker import EmbeddedBroker
 
 
 def trickle(cfg: KafkaSettings, topics: Topics, rate: float, seconds: float, done: list[int]) -> None:

@@ -37,7 +37,6 @@ from pathlib import Path
 
 from stage_floor import REWARD_STEPS, Rate, floor_rows, ingest_steps
 
-from local.broker import EmbeddedBroker
 from flywheel.contracts import (
     EpisodeEvent,
     FeedbackEvent,
@@ -59,6 +58,7 @@ from flywheel.stream.store import StateStore
 from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
 from ingest.stage import SCHEMA as INGEST_SCHEMA
+from local.broker import EmbeddedBroker
 from reward.report import REWARD_SCHEMA, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, RewardStage
 from reward.stage import SCHEMA as REWARD_SCHEMA_SQL

@@ -177,9 +177,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from local.broker import EmbeddedBroker
     from flywheel.modelinit import ModelSpec, init_model
     from flywheel.settings import ServeSettings
+    from local.broker import EmbeddedBroker
     from serving.engine import configure_vllm_env
 
     configure_vllm_env(ServeSettings(cpu_threads_bind=args.bind))

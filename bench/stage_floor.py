@@ -45,7 +45,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
-from ingest.exactly_once import OUTBOX_HEADER
 from kafka import TopicPartition
 
 from flywheel.contracts import (
@@ -139,11 +138,11 @@ def floor_rate(cfg: KafkaSettings, topics_in: list[str], topic_out: str, expect:
                 outputs = batch(records)
                 if held is not None:
                     held.hold(batch_id, records, outputs)
-                header, on_ack = b"floor:%d:" % batch_id, acks_of(batch_id)
+                on_ack = acks_of(batch_id)
                 owed[batch_id] = len(outputs)
-                for i, (part, key, value) in enumerate(outputs):
-                    producer.produce(topic_out, value, key, partition=part,
-                                     headers=[(OUTBOX_HEADER, header + b"%d" % i)], on_delivery=on_ack)
+                for _part, key, value in outputs:
+                    # partitioned by key, as the stages' outbox sends (flywheel/stream/outbox.py)
+                    producer.produce(topic_out, value, key, on_delivery=on_ack)
                 seen += len(records)
             producer.poll(0 if records else 0.01)
             done = _settle(owed)

@@ -34,10 +34,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))  # the feed and raw consumer of ingest_throughput
 from ingest_throughput import WINDOW_S, produce, raw_rate
 
-from local.broker import EmbeddedBroker
 from flywheel.contracts import Topics
 from flywheel.kafka.clients import ensure_topics
 from flywheel.settings import KafkaSettings
+from local.broker import EmbeddedBroker
 
 
 def free_port() -> int:

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 
 from trainer_helpers import reward_event
 
-from local.broker import EmbeddedBroker
 from flywheel.contracts import Topics, encode
 from flywheel.kafka.clients import ensure_topics, make_producer
 from flywheel.modelinit import ModelSpec, init_model
 from flywheel.settings import KafkaSettings, Settings, TrainerSettings
+from local.broker import EmbeddedBroker
 
 
 def produce(kafka: KafkaSettings, topic: str, n: int) -> list:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections import Counter
 from contextlib import closing
 
 import pytest
@@ -74,7 +75,9 @@ def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broke
     """SIGTERM while the broker is stalled, with windows closing into sends it does not ack: the
     stop must end before a supervisor's grace period does (Kubernetes: 30 s, then SIGKILL).
     Each step of it waited on the broker in turn (acks 30 s, then each consumer's group leave
-    up to 30 s): 29-36 s. What is left unacked is settled by the next start, once each."""
+    up to 30 s): 29-36 s. What the stop left unacked stays in the outbox and the next start sends
+    it again (at least once, docs/exactly-once.md): every generation gets its episode, and one
+    gets two only where its first send, unacked at the stop, landed after all."""
     env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_INGEST_WINDOW_S="1", FLYWHEEL_INGEST_GRACE_S="0",
                     FLYWHEEL_LOG_LEVEL="INFO")
     log = tmp_path / "ingest.log"
@@ -96,14 +99,22 @@ def test_a_stage_stopped_during_a_broker_stall_exits_within_a_grace_period(broke
     finally:
         if proc.poll() is None:
             proc.kill()
-    proc = _start("ingest", env, log)  # the restart settles what the stop left
+    proc = _start("ingest", env, log)  # the restart sends again what the stop left unacked
     try:
-        episodes = read_all(kafka_settings.bootstrap, topics.episodes, expect=len(gids), timeout_s=90)
+        deadline = time.monotonic() + 90
+        while True:  # repeats count towards read_all's expect: read again until every id is there
+            episodes = read_all(kafka_settings.bootstrap, topics.episodes, expect=len(gids),
+                                timeout_s=max(1.0, deadline - time.monotonic()))
+            got = Counter(decode(EpisodeEvent, r.value).generation_id for r in episodes)
+            if set(got) >= set(gids) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
-    got = sorted(decode(EpisodeEvent, r.value).generation_id for r in episodes)
-    assert got == sorted(gids)
+    assert sorted(got) == sorted(gids), f"{len(set(gids) - set(got))} generations without an episode"
+    # a row goes out once before the stop and at most once more after it
+    assert max(got.values()) <= 2, {g: n for g, n in got.items() if n > 2}
 
 
 @pytest.mark.slow

@@ -23,19 +23,14 @@ from conftest import read_all, running, stage_settings
 from conftest import small_generation as _generation
 from kafka import TopicPartition
 from kafka.consumer.fetcher import Fetcher
-from kafka.record.default_records import DefaultRecordBatchBuilder
 from kafka.record.memory_records import MemoryRecords
-from relay_helpers import Crash
 from trainer_helpers import ListSink, make_trainer, reward_event
 
 from flywheel.contracts import DeadLetterEvent, RewardEvent, decode, encode
 from flywheel.kafka.batches import unreadable_batch
 from flywheel.kafka.clients import make_consumer, make_producer, read_to_end
-from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
 from flywheel.stream.deadletters import DeadLetters
-from flywheel.stream.outbox import Outbox
-from flywheel.stream.store import StateStore
 from ingest.join import resolve
 from ingest.stage import episode_bytes
 from trainer.batching import DEADLETTER_REASONS
@@ -65,7 +60,7 @@ def test_every_reader_gets_past_an_unreadable_batch(kafka_settings, topics, brea
     marker = unreadable_batch(got[-2].headers)
     assert marker is not None and (marker.first, marker.last) == (read[-1] + 1, 3)
     assert got[-1].value == b"after"
-    # the reader behind the outbox recovery scan and the dead-letter tools
+    # the reader behind the dead-letter tools
     scanned = [rec.offset for _, rec in read_to_end(kafka_settings.bootstrap, {TopicPartition(topic, 0): 0},
                                                      client_id="test", timeout_s=20)]
     assert scanned == [*read, 3, 4]
@@ -157,32 +152,3 @@ def test_the_trainer_dead_letters_a_stand_in_and_settles_its_offset(tiny_model_d
     assert tr.book.is_settled("t.rewards", 0, 21)  # nothing of it can be trained: it holds no floor back
     assert tr.m.dropped.labels("unreadable_batch")._value.get() == 1
     assert not tr.seen_ids
-
-
-def test_recovery_sends_again_what_it_cannot_read_back(kafka_settings, topics, tmp_path, monkeypatch, caplog):
-    """Rows whose outbox headers are in a batch that cannot be read are not confirmed: a recovery
-    scan that meets the batch logs it and goes on, and the rows are sent again (the reader
-    downstream folds their repeats by generation_id), rather than counted as delivered."""
-    cfg = kafka_settings.model_copy(update={"producer_client": "kafka-python"})
-    store = StateStore(tmp_path / "s.sqlite3")
-    with store.txn():
-        for i in range(10):
-            store.append(0, topics.episodes, f"k{i}", f"v{i}".encode())
-    first = Outbox(store, make_output_producer(cfg, "t1"), {})
-    intact = DefaultRecordBatchBuilder.build
-    monkeypatch.setattr(DefaultRecordBatchBuilder, "build", lambda self: flip_a_byte(intact(self)))
-    monkeypatch.setattr(store, "mark_delivered", lambda *a, **k: (_ for _ in ()).throw(Crash()))
-    with pytest.raises(Crash):  # "killed" right after the acks of batches that cannot be read back
-        first.deliver({0}, wait=True)
-    monkeypatch.undo()
-    first.producer.close()
-
-    second = Outbox(store, make_output_producer(cfg, "t2"), {})
-    assert second.recover({0}) == 0
-    assert "could not be read" in caplog.text and "sent again" in caplog.text
-    assert second.deliver({0}, wait=True) == 10 and store.owed == 0
-    readable = [r.value for r in read_all(kafka_settings.bootstrap, topics.episodes, timeout_s=5)
-                if unreadable_batch(r.headers) is None]
-    assert sorted(readable) == sorted(f"v{i}".encode() for i in range(10))
-    second.producer.close()
-    store.close()

@@ -5,8 +5,8 @@ A committed transaction leaves a control record (its commit marker) in every par
 wrote: the data records' offsets have gaps, and a partition's high watermark sits one past a
 marker that no consumer ever receives as a record. What depends on that: the ingest stage's
 ``caught_up`` (join windows close only on shards read up to their high watermark), the lag
-gauge, the stored and committed input offsets, a restart from them, the outbox recovery scan
-(read to the high watermark) and the trainer's offset book.
+gauge, the stored and committed input offsets, a restart from them, the readers to the high
+watermark (the dead-letter tools') and the trainer's offset book.
 
 Aborted transactions appear only where the test does not depend on a consumer filtering their
 records out, which the embedded broker cannot do (local/broker.py). It does hold back the
@@ -326,24 +326,29 @@ def test_a_transaction_still_open_is_not_joined_and_holds_no_window_back(kafka_s
     assert eps == [(ok, "ignore", ()), (pending, "accept", (f"f-{pending}",))]
 
 
-# -- readers to the high watermark: the outbox recovery scan, the trainer's offset book ---------
+# -- readers to the high watermark: the dead-letter tools' reader, the trainer's offset book ----
 @pytest.mark.timeout(60)
-def test_a_recovery_scan_ends_on_an_output_partition_that_ends_in_a_commit_marker(kafka_settings, topics, tmp_path):
+def test_an_output_partition_that_ends_in_a_commit_marker_is_read_to_its_end_and_written_on(
+        kafka_settings, topics, tmp_path):
     """Output topics are anyone's to write to (the dead-letter topic above all): a transactional
-    writer leaves the partition ending in a commit marker, past every record. The recovery scan
-    reads to the high watermark; it must end there, find the rows that landed and send none twice."""
+    writer leaves the partition ending in a commit marker, past every record. The reader to the
+    high watermark (``read_to_end``: ``flywheel deadletters``) must end there, not wait out its
+    timeout for a record that never comes; and a stage's outbox goes on writing to the partition:
+    rows acked before a crash, and not recorded, are sent again after it (at least once), each
+    landing twice, beside the foreign records once each."""
     store = StateStore(tmp_path / "s.sqlite3")
     with store.txn():
         for i in range(10):
             store.append(0, topics.deadletter, "same-key", f"v{i}".encode())
     part = partition_of("same-key")
     first = Outbox(store, make_output_producer(kafka_settings, "t1"))
-    real_mark = store.mark_delivered
-    store.mark_delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
+    real = store.delivered
+    store.delivered = lambda *a, **k: (_ for _ in ()).throw(Crash())  # "killed" right after the acks
     with pytest.raises(Crash):
         first.deliver({0}, wait=True)
-    store.mark_delivered = real_mark
+    store.delivered = real
     first.producer.close()
+    assert store.owed == 10
     foreign = producer_of(kafka_settings, "transactional")
     for _ in range(2):
         foreign.begin_transaction()
@@ -351,15 +356,19 @@ def test_a_recovery_scan_ends_on_an_output_partition_that_ends_in_a_commit_marke
         foreign.commit_transaction(10)
     del foreign
 
-    second = Outbox(store, make_output_producer(kafka_settings, "t2"))
+    tp = TopicPartition(topics.deadletter, part)
     started = time.monotonic()
-    found = second._scan({(topics.deadletter, part): set()}, {(topics.deadletter, part): 0}, timeout_s=5.0)
-    assert found == set() and time.monotonic() - started < 5.0
-    assert second.recover({0}) == 10 and second.deliver({0}, wait=True) == 0
+    read = [rec.value for _, rec in read_to_end(kafka_settings.bootstrap, {tp: 0}, client_id="test", timeout_s=5.0)]
+    assert time.monotonic() - started < 5.0 and sorted(read) == sorted([b"foreign"] * 2 + [f"v{i}".encode()
+                                                                                         for i in range(10)])
+    assert high_watermarks(kafka_settings.bootstrap, [tp], client_id="test")[tp] > 12  # past the records: markers
+
+    second = Outbox(store, make_output_producer(kafka_settings, "t2"))
+    assert second.deliver({0}, wait=True) == 10 and store.owed == 0
     second.producer.close()
     store.close()
-    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=12, timeout_s=10)]
-    assert sorted(values) == sorted([b"foreign"] * 2 + [f"v{i}".encode() for i in range(10)])
+    values = [r.value for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=22, timeout_s=10)]
+    assert sorted(values) == sorted([b"foreign"] * 2 + [f"v{i}".encode() for i in range(10)] * 2)
 
 
 def test_the_trainers_offset_book_settles_past_the_markers_and_resumes_after_them(kafka_settings, topics):
