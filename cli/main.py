@@ -10,6 +10,8 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel topics                        create the topics this deployment uses
     flywheel ingest | reward | train       the pipeline stages
     flywheel deadletters summary|show|replay   what the stages could not use, and its replay
+    flywheel release serve                 the release controller: gates, canaries, approvals, API
+    flywheel release list|show|approve|... its REST API from a terminal (release/client.py)
     flywheel demo                          the whole loop on one machine, then stop
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,6 +109,63 @@ def _role(module: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+#: The CLI's own variable (a person's token), not a setting: kept out of settings parsing, which
+#: refuses unknown FLYWHEEL_* names.
+RELEASE_TOKEN_ENV = "FLYWHEEL_RELEASE_TOKEN"
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    """``flywheel release <command>``: the REST API's client, against ``--url`` with ``--token``."""
+    from release.client import main as client_main
+
+    token = args.token or os.environ.get(RELEASE_TOKEN_ENV) or None
+    return client_main(args, args.url or _release_url(args), token)
+
+
+def _release_url(args: argparse.Namespace) -> str:
+    """The API's address from the settings (host and port); read quietly: a client command prints
+    its answer, not the settings log line the server roles start with."""
+    env = {k: v for k, v in os.environ.items() if k != RELEASE_TOKEN_ENV}
+    release = load_settings(env=env, config_file=args.config).release
+    host = "127.0.0.1" if release.host in ("", "0.0.0.0", "::") else release.host  # a bind-all address
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{release.port}"
+
+
+def _add_release(sub: Any) -> None:
+    """``flywheel release serve`` runs the controller (release/main.py); the rest call its API."""
+    rel = sub.add_parser("release", help="the release controller: `serve` it, or list, show, approve, ... through its API")
+    cmds = rel.add_subparsers(dest="release_cmd", required=True)
+    cmds.add_parser("serve", help="run the controller loop and its REST API and console").set_defaults(
+        func=_role("release.main"))
+    api = argparse.ArgumentParser(add_help=False)  # what every API command takes
+    api.add_argument("--url", default=None, help="the API (default http://<release.host>:<release.port>)")
+    api.add_argument("--token", default=None, help=f"bearer token (default ${RELEASE_TOKEN_ENV})")
+
+    def command(name: str, help_text: str, version: str | None = None, reason: str | None = None) -> None:
+        c = cmds.add_parser(name, parents=[api], help=help_text)
+        if version == "positional":
+            c.add_argument("version", type=_count)
+        elif version == "option":
+            c.add_argument("--version", type=_count, default=None, help="only this version")
+        if reason is not None:
+            c.add_argument("--reason", required=reason == "required", default=None,
+                           help="why, for the audit log" + (" (required)" if reason == "required" else ""))
+        c.set_defaults(func=cmd_release)
+
+    command("status", "stable and canary versions, pause, lease, controller health")
+    command("list", "every candidate with its state and verdicts")
+    command("show", "one candidate: gate, live analysis and audit entries", version="positional")
+    command("approve", "promote a version awaiting approval (approver)", version="positional", reason="optional")
+    command("reject", "turn a version down (approver)", version="positional", reason="optional")
+    command("rollback", "send every user back to stable, ending the live canary (approver)",
+            version="option", reason="optional")
+    command("pause", "stop starting gates and canaries (admin)", reason="required")
+    command("resume", "start gates and canaries again (admin)", reason="required")
+    command("audit", "the audit log, newest first", version="option")
+    cmds.choices["audit"].add_argument("--limit", type=_count, default=None, help="at most this many entries")
+
+
 def _age(text: str) -> float:
     from cli.deadletters import parse_age
 
@@ -188,6 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("version", type=int)
     cr.add_argument("out", type=Path)
     cr.set_defaults(func=_role("flywheel.checkpoints.cli"), action="reconstruct")
+
+    _add_release(sub)
 
     d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
     d.add_argument("--users", type=int, default=16, help="synthetic users in the pipeline phase (4 samples each)")

@@ -242,6 +242,8 @@ class ReleaseEvent(_Event):
 
     kind: Literal["release"] = "release"
     revision: int = Field(ge=0)
+    #: The deployment this routing is for (``release.deployment``); serving follows its own only.
+    deployment: str = Field(default="flywheel", min_length=1, max_length=128)
     stable_version: int = Field(ge=0)
     canary_version: int | None = None
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)

@@ -350,6 +350,71 @@ class ArchiveSettings(_Section):
     the topics by up to this much; larger values mean fewer, larger files."""
 
 
+class ReleaseSettings(_Section):
+    """The release controller (``flywheel release serve``, release/README.md)."""
+
+    database_url: str = ""
+    """Where the controller keeps candidates, the audit log and its lease
+    (``FLYWHEEL_DATABASE_URL``): ``postgresql://...`` in production; empty means an SQLite file
+    under ``<data_dir>/release/``."""
+    host: str = "127.0.0.1"
+    """Interface of the REST API and the web console."""
+    port: int = Field(default=8100, ge=0, le=65535)
+    """Port of the REST API and the web console (``FLYWHEEL_RELEASE_PORT``); 0 picks a free one."""
+    tokens: tuple[str, ...] = ()
+    """Bearer tokens of the people and tools that use the API, each ``name:role:token`` with role
+    ``viewer``, ``approver`` or ``admin`` (``FLYWHEEL_RELEASE_TOKENS``, comma-separated). An
+    approval records the name. Empty: every route answers 401."""
+    group_id: str = "flywheel-release"
+    """Consumer group on the checkpoints, episodes and rewards topics (for lag tools; the
+    controller reads every topic from where its database says it has measured)."""
+    deployment: str = "flywheel"
+    """The deployment whose routing this controller publishes (serving follows its own)."""
+    auto_promote: bool = False
+    """Promote a canary whose analysis passes without waiting for an approver. A written policy:
+    the audit log names it as the actor. Off by default: a person approves."""
+    promotion_interval_s: float = Field(default=4 * 3600.0, ge=0)
+    """At most one promotion per this many seconds (hours in production, minutes in a demo)."""
+    canary_share: float = Field(default=0.1, gt=0, le=1)
+    """Share of users (by a hash of their pseudonymous id) routed to the canary."""
+    prompts_file: Path | None = None
+    """Held-out prompts for the offline gate, one JSON object per line with a ``prompt``; empty
+    takes the default set release/prompts.jsonl ships."""
+    gate_max_new_tokens: int = Field(default=24, ge=1)
+    """Tokens generated per held-out prompt, for candidate and stable alike."""
+    gate_max_length_ratio: float = Field(default=2.0, gt=1)
+    """The candidate's mean output length must stay within this factor of stable's."""
+    gate_max_kl: float = Field(default=1.0, gt=0)
+    """Most mean per-token KL of the candidate from stable (nats) on the held-out prompts."""
+    gate_min_entropy_ratio: float = Field(default=0.5, gt=0, le=1)
+    """The candidate's per-token entropy must stay above this share of stable's."""
+    gate_min_distinct_ratio: float = Field(default=0.8, gt=0, le=1)
+    """The candidate's share of distinct completions must stay above this share of stable's."""
+    alpha: float = Field(default=0.05, gt=0, lt=1)
+    """False-alarm rate of the canary analysis, however often it is looked at."""
+    min_events: int = Field(default=50, ge=1)
+    """Accepts and rejects each arm needs before any verdict."""
+    deadline_s: float = Field(default=3600.0, gt=0)
+    """A canary with no verdict by then is held for a person (Inconclusive)."""
+    error_limit: int = Field(default=3, ge=1)
+    """Failed measurements or gates before the candidate is rolled back (never promoted)."""
+    max_error_rate_increase: float = Field(default=0.02, ge=0)
+    """Guardrail: the canary's share of failed generations over stable's."""
+    max_latency_ratio: float = Field(default=1.5, gt=1)
+    """Guardrail: the canary's p95 latency over stable's."""
+    max_length_ratio: float = Field(default=2.0, gt=1)
+    """Guardrail: the canary's mean output length against stable's, either way."""
+    max_reject_share_increase: float = Field(default=0.15, ge=0)
+    """Guardrail: the canary's share of rejects over stable's."""
+    max_flag_rate_increase: float = Field(default=0.05, ge=0)
+    """Guardrail: the canary's share of rewards the reward guards flagged over stable's."""
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    """The controller lease lapses this long after its holder last renewed it; another
+    controller then takes over."""
+    tick_s: float = Field(default=1.0, gt=0)
+    """How often the controller looks at its candidates."""
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -371,14 +436,19 @@ class Settings(_Section):
     """The reward stage (``flywheel reward``)."""
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
     """The stages' Parquet archives of episodes and rewards."""
+    release: ReleaseSettings = Field(default_factory=ReleaseSettings)
+    """The release controller (``flywheel release serve``)."""
 
 
 #: Environment names kept short because operators type them most.
 _ALIASES: dict[str, tuple[str, ...]] = {
     "FLYWHEEL_API_KEYS": ("serve", "api_keys"),
     "FLYWHEEL_KAFKA_BOOTSTRAP": ("kafka", "bootstrap"),
+    "FLYWHEEL_DATABASE_URL": ("release", "database_url"),
 }
-_NOT_SETTINGS = {"FLYWHEEL_CONFIG"}
+#: Variables of the same prefix that are not settings: the config file's path, and the token the
+#: ``flywheel release`` client commands send (a person's, not the deployment's).
+_NOT_SETTINGS = {"FLYWHEEL_CONFIG", "FLYWHEEL_RELEASE_TOKEN"}
 
 
 class SettingsError(ValueError):
@@ -473,5 +543,11 @@ def describe(settings: Settings) -> str:
     serve = data.get("serve", {})
     if serve.get("api_keys"):
         serve["api_keys"] = [k[:3] + "***" for k in serve["api_keys"]]
+    release = data.get("release", {})
+    if release.get("tokens"):  # name:role:token -> name:role:***
+        release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]
+    if release.get("database_url") and "@" in release["database_url"]:  # a password may sit before the @
+        scheme, _, rest = release["database_url"].partition("://")
+        release["database_url"] = f"{scheme}://***@{rest.rpartition('@')[2]}"
     serve["user_id_salt"] = "***"
     return json.dumps(data, sort_keys=True)

@@ -35,7 +35,6 @@ from typing import Any, Self
 
 import httpx
 
-from local.broker import EmbeddedBroker, free_port
 from flywheel.checkpoints import MANIFEST_NAME
 from flywheel.contracts import (
     CheckpointEvent,
@@ -49,6 +48,7 @@ from flywheel.contracts import (
 )
 from flywheel.kafka.clients import ensure_topics
 from flywheel.settings import Settings
+from local.broker import EmbeddedBroker, free_port
 
 PROMPTS = (
     "Write a function that returns the first value",

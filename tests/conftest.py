@@ -26,8 +26,8 @@ TEST_HEARTBEAT_MS = 500
 
 @pytest.fixture(scope="session")
 def broker():
-    from local.broker import EmbeddedBroker
     from flywheel.kafka.patches import install_client_patches
+    from local.broker import EmbeddedBroker
 
     install_client_patches()  # the tests' own readers read as every flywheel reader does
 
@@ -168,6 +168,36 @@ def running(stage_run, settings) -> Iterator[threading.Thread]:
     finally:
         stop.set()
         thread.join(timeout=30)
+
+
+#: The PostgreSQL database the release store's tests use (each test gets a schema of its own in it).
+#: Not a FLYWHEEL_* name: settings parsing refuses unknown ones.
+RELEASE_TEST_POSTGRES_URL = os.environ.get("RELEASE_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def release_db_url(request, tmp_path) -> Iterator[str]:
+    """A fresh, empty release database, once per backend the store supports: an SQLite file under
+    the test's tmp_path, or a throwaway schema in PostgreSQL (``search_path`` set through the URL,
+    so the store's unqualified table names land in it), dropped afterwards. Skipped, saying why,
+    when no PostgreSQL answers at ``RELEASE_TEST_POSTGRES_URL``."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'release.sqlite3'}"
+        return
+    import psycopg
+
+    try:
+        admin = psycopg.connect(RELEASE_TEST_POSTGRES_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"no PostgreSQL at {RELEASE_TEST_POSTGRES_URL}: {exc}")
+    schema = f"release_test_{uuid.uuid4().hex[:12]}"
+    admin.execute(f'CREATE SCHEMA "{schema}"')
+    sep = "&" if "?" in RELEASE_TEST_POSTGRES_URL else "?"
+    try:
+        yield f"{RELEASE_TEST_POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
+    finally:
+        admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+        admin.close()
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

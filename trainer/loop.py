@@ -35,9 +35,6 @@ import torch
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from safetensors.torch import save_file
 
-from flywheel.stream.deadletters import DeadLetters
-from flywheel.kafka.producers import KafkaSink
-from flywheel.kafka.lag import LagGauge
 from flywheel.checkpoints import WEIGHTS, CheckpointStore
 from flywheel.contracts import (
     ContractError,
@@ -47,7 +44,10 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.kafka.batches import unreadable_batch
+from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
+from flywheel.stream.deadletters import DeadLetters
 from trainer import dist
 from trainer.announce import announced, checkpoint_event, mark_announced
 from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason

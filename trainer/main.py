@@ -45,13 +45,13 @@ def ds_config(settings: Settings, world: int) -> dict[str, Any]:
 
 def build(settings: Settings):
     """Everything but the loop: process group, policy, store, Kafka clients (rank 0), metrics."""
-    from flywheel.stream.deadletters import DeadLetters
-    from flywheel.kafka.producers import KafkaSink
-    from flywheel.kafka.lag import LagGauge
-    from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
     from flywheel.checkpoints import open_store
     from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+    from flywheel.kafka.lag import LagGauge
+    from flywheel.kafka.producers import KafkaSink
     from flywheel.metrics import new_registry
+    from flywheel.stream.deadletters import DeadLetters
     from trainer import dist
     from trainer.batching import DEADLETTER_REASONS
     from trainer.loop import Trainer

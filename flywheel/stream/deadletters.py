@@ -84,9 +84,16 @@ class DeadLetters:
             truncated=truncated,
             failed_at=now(),
         )
-        # the dead letter's own Kafka key only spreads letters over partitions: a bounded prefix
-        # keeps a record with a huge key from doubling the letter's size
-        dl_key = key[:1024].decode("utf-8", "replace") if key is not None else None
+        # The dead letter's own Kafka key spreads letters over partitions and puts a letter sent
+        # twice (outboxes are at least once) where the first one went: the source's key (a
+        # bounded prefix, so a huge key does not double the letter's size), or for a record
+        # without one its source coordinates (a keyless letter would land anywhere each time).
+        if key is not None:
+            dl_key: str | None = key[:1024].decode("utf-8", "replace")
+        elif partition is not None and offset is not None:
+            dl_key = f"{source_topic}[{partition}]@{offset}"
+        else:
+            dl_key = None
         self.sink.write(self.topic, dl_key, encode(event))
         self.counter.labels(reason).inc()
         return event

@@ -5,7 +5,7 @@ them. A row whose send failed, or that was in flight when the process died, is s
 record may therefore reach its topic twice, and every consumer drops the repeat by the key it
 carries (docs/exactly-once.md). The producer picks each record's partition from its key (Kafka's
 default murmur2 partitioner, in both clients), so a repeat lands where the original did and the
-same consumer shard sees both.
+same consumer shard sees both (dead letters are keyed too: flywheel/stream/deadletters.py).
 
 Acks are collected on later loop turns: the loop keeps processing while the broker acks the
 previous batch, with at most ``max_in_flight`` rows sent and unacked.

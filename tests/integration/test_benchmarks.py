@@ -59,3 +59,21 @@ def test_decode_cost_prints_a_row_per_record_kind():
     for _, size, parse, full, ratio in rows:
         assert int(size) > 0 and float(parse) > 0 and float(full) > 0
         assert float(ratio) == pytest.approx(float(full) / float(parse), abs=0.01)
+
+
+def test_canary_stats_prints_both_tables():
+    rows = run_bench("canary_stats.py", "--quick")
+    shapes = [re.sub(r"\d[\d.,]*", "#", " ".join(label.split())) for label, _, _ in rows]
+    lift = ["# vs # fixed-horizon z-test, power # (sim #)", "# vs # always-valid e-process, mean (cap if none)",
+            "# vs # always-valid e-process, median", "# vs # always-valid e-process, #th percentile",
+            "# vs # always-valid e-process, cap (PASS by it #)"]
+    assert shapes == [*lift, *lift,
+                      "always-valid e-process, every pair: false PASS",
+                      "always-valid e-process, every pair: any verdict",
+                      "z-test, every pair: false PASS", "z-test, every pair: any verdict",
+                      "z-test, once at the last pair: false PASS"]
+    assert rows[0][2] == rows[5][2] == 1.0  # each fixed-horizon row: the base of the rows after it
+    assert rows[2][2] < 1 and rows[7][2] < 1  # the median canary needs fewer pairs than the fixed test
+    # watched after every pair, the z-test raises false alarms at several times its nominal rate,
+    # the e-process at most at about its nominal rate (seeded, 300 runs: the margins are wide)
+    assert rows[12][2] > 3 and rows[10][2] < rows[12][2] / 3

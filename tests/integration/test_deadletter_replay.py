@@ -19,6 +19,8 @@ from conftest import accept_feedback as feedback
 from conftest import read_all, running, stage_settings
 from conftest import small_generation as generation
 
+from cli.deadletters import REPLAY_HEADER, read_letters
+from cli.deadletters import run as deadletters
 from cli.main import build_parser
 from flywheel.contracts import (
     DeadLetterEvent,
@@ -26,8 +28,6 @@ from flywheel.contracts import (
     decode,
     encode,
 )
-from cli.deadletters import REPLAY_HEADER, read_letters
-from cli.deadletters import run as deadletters
 from flywheel.kafka.clients import make_producer
 
 pytestmark = pytest.mark.integration

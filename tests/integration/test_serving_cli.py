@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from local.broker import free_port
 from flywheel.contracts import FeedbackEvent, GenerationEvent, decode
+from local.broker import free_port
 from tests.conftest import read_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

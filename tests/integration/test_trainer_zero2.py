@@ -19,10 +19,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
 
-from local.broker import free_port
 from flywheel.checkpoints import manifest
 from flywheel.contracts import encode
 from flywheel.kafka.clients import make_producer
+from local.broker import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -8,15 +8,6 @@ import json
 
 import pytest
 
-from cli.main import build_parser
-from flywheel.contracts import (
-    MAX_RECORD_BYTES,
-    ContractError,
-    DeadLetterEvent,
-    Topics,
-    decode,
-    encode,
-)
 from cli.deadletters import (
     Letter,
     Selection,
@@ -26,6 +17,15 @@ from cli.deadletters import (
     replay_waves,
     selection_from_args,
     show,
+)
+from cli.main import build_parser
+from flywheel.contracts import (
+    MAX_RECORD_BYTES,
+    ContractError,
+    DeadLetterEvent,
+    Topics,
+    decode,
+    encode,
 )
 
 T = Topics("p.")

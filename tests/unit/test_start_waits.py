@@ -11,8 +11,8 @@ import time
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from flywheel.stream.serve import until_the_broker_answers
 from flywheel.stream import serve as runner
+from flywheel.stream.serve import until_the_broker_answers
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,170 @@
+"""What the canary's always-valid test costs in events, and what watching does to a classic test.
+
+Run: ``python bench/canary_stats.py [--runs 2000] [--null-runs 10000] [--null-pairs 10000]
+[--seed 20250101] [--quick]`` (about 5 s on 2 cores; ``--quick``: a smoke run under a second).
+Simulated users only (numpy, seeded): nothing is served, nothing is written. A pair is one
+outcome of each arm: with a 10% canary share, pairs grow as the canary's outcomes do.
+
+(a) Pairs until a verdict. Canary and stable users accept at the given rates; after every pair
+    the discordant-pair e-process of release/sequential.py is checked, as the controller does,
+    until it says PASS or FAIL or the cap is reached. Printed: the median and 90th percentile of
+    the pairs it needed, against the sample size per arm a fixed-horizon one-sided two-proportion
+    z-test needs for the same power (the share of runs the sequential test passed by its cap),
+    from the normal approximation:
+    n = (z_{1-alpha} sqrt(2 pbar qbar) + z_{power} sqrt(p1 q1 + p2 q2))^2 / (p2 - p1)^2.
+    That z-test's power at n is also simulated, as a check on the approximation.
+(b) False alarms under continuous monitoring: equal rates (0.30 vs 0.30), checked after every pair
+    from the 50th (the judge's ``min_events``) to the last. The e-process against the same z-test
+    at the same alpha, both one-sided ("canary better": a false PASS) and both ways (any verdict;
+    the judge runs both one-sided tests, each at alpha, so nominally 2 alpha). The z-test checked
+    once at the last pair is the reference: it holds its nominal rate.
+
+The e-process is evaluated with the module's own ``log_e_better``: it grows with the canary's wins
+W and falls with its losses L, so a run crosses 1/alpha exactly when its (W, L) path reaches the
+least W that crosses for its L, a boundary computed once per run length.
+
+Rows read ``label  count  ratio ...``; the ratio is against the fixed-horizon z-test's sample
+size in (a) and against the nominal false-alarm rate in (b).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from statistics import NormalDist
+
+import numpy as np
+
+from release.sequential import PairCount, log_e_better
+
+STABLE_RATE = 0.30
+MIN_EVENTS = 50  # the judge's default: no verdict before 50 outcomes per arm
+_N = NormalDist()
+
+
+def crossing_boundary(alpha: float, losses_max: int) -> np.ndarray:
+    """b[l]: the fewest canary wins at which ``log_e_better`` reaches log(1/alpha) with l losses
+    (``log_e_worse`` mirrors it: losses >= b[wins])."""
+    threshold = math.log(1 / alpha)
+    b = np.empty(losses_max + 1, dtype=np.int64)
+    w = 0
+    for losses in range(losses_max + 1):  # nondecreasing in l: carry w over
+        while log_e_better(PairCount(0, w, losses)) < threshold:
+            w += 1
+        b[losses] = w
+    return b
+
+
+def outcomes(rng: np.random.Generator, runs: int, pairs: int, p_canary: float, p_stable: float):
+    return rng.random((runs, pairs)) < p_canary, rng.random((runs, pairs)) < p_stable
+
+
+def first_index(hit: np.ndarray) -> np.ndarray:
+    """Per row, the 1-based index of the first True, or a huge number when there is none."""
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, np.iinfo(np.int64).max)
+
+
+def fixed_horizon_n(p1: float, p2: float, alpha: float, power: float) -> int:
+    """Per-arm sample size of the one-sided two-proportion z-test (normal approximation)."""
+    pbar = (p1 + p2) / 2
+    num = _N.inv_cdf(1 - alpha) * math.sqrt(2 * pbar * (1 - pbar)) + _N.inv_cdf(power) * math.sqrt(
+        p1 * (1 - p1) + p2 * (1 - p2))
+    return math.ceil((num / (p2 - p1)) ** 2)
+
+
+def z_scores(canary: np.ndarray, stable: np.ndarray) -> np.ndarray:
+    """The pooled two-proportion z after each pair (NaN while every outcome so far is the same)."""
+    n = np.arange(1, canary.shape[1] + 1)
+    pc, ps = np.cumsum(canary, axis=1) / n, np.cumsum(stable, axis=1) / n
+    pooled = (pc + ps) / 2
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (pc - ps) / np.sqrt(pooled * (1 - pooled) * 2 / n)
+
+
+def pairs_to_verdict(rng: np.random.Generator, p_canary: float, runs: int, cap: int, alpha: float) -> None:
+    canary, stable = outcomes(rng, runs, cap, p_canary, STABLE_RATE)
+    wins, losses = np.cumsum(canary & ~stable, axis=1), np.cumsum(stable & ~canary, axis=1)
+    b = crossing_boundary(alpha, cap)
+    passed, failed = first_index(wins >= b[losses]), first_index(losses >= b[wins])
+    stop = np.minimum(passed, failed)
+    power = float(np.mean(passed < failed))  # PASS first, by the cap
+    wrong = int(np.sum(failed < passed))
+    # a power of 1 has no finite fixed-horizon size: use the largest the run count can resolve
+    target = min(power, 1 - 0.5 / runs)
+    n_fixed = fixed_horizon_n(STABLE_RATE, p_canary, alpha, target)
+    k_c, k_s = rng.binomial(n_fixed, p_canary, runs), rng.binomial(n_fixed, STABLE_RATE, runs)
+    pooled = (k_c + k_s) / (2 * n_fixed)
+    z = (k_c - k_s) / n_fixed / np.sqrt(pooled * (1 - pooled) * 2 / n_fixed)
+    z_power = float(np.mean(z >= _N.inv_cdf(1 - alpha)))
+    rates = f"{STABLE_RATE:.2f} vs {p_canary:.2f}"
+
+    def row(label: str, pairs: float) -> None:
+        shown = f"{pairs:,.0f}" if pairs <= cap else f">{cap:,}"
+        print(f"{rates:<14}{label:<52}{shown:>8}{pairs / n_fixed:>9.2f}")
+
+    row(f"fixed-horizon z-test, power {target:.3f} (sim {z_power:.3f})", n_fixed)
+    row("always-valid e-process, mean (cap if none)", float(np.mean(np.minimum(stop, cap))))
+    row("always-valid e-process, median", float(np.median(stop)))
+    row("always-valid e-process, 90th percentile", float(np.percentile(stop, 90, method="higher")))
+    row(f"always-valid e-process, cap (PASS by it {power:.3f})", cap)
+    if wrong:
+        print(f"{'':<14}(wrong-way FAIL first in {wrong} of {runs} runs)")
+
+
+def false_alarms(rng: np.random.Generator, runs: int, pairs: int, alpha: float) -> None:
+    b = crossing_boundary(alpha, pairs)
+    z_one = _N.inv_cdf(1 - alpha)
+    counts = dict.fromkeys(("e_pass", "e_any", "z_pass", "z_any", "z_once"), 0)
+    chunk = max(1, 2_000_000 // pairs)  # bounded memory whatever the run length
+    for start in range(0, runs, chunk):
+        canary, stable = outcomes(rng, min(chunk, runs - start), pairs, STABLE_RATE, STABLE_RATE)
+        wins, losses = np.cumsum(canary & ~stable, axis=1), np.cumsum(stable & ~canary, axis=1)
+        e_pass = (wins >= b[losses])[:, MIN_EVENTS - 1:].any(axis=1)
+        e_fail = (losses >= b[wins])[:, MIN_EVENTS - 1:].any(axis=1)
+        z = z_scores(canary, stable)[:, MIN_EVENTS - 1:]
+        z_pass, z_fail = (z >= z_one).any(axis=1), (z <= -z_one).any(axis=1)
+        counts["e_pass"] += int(e_pass.sum())
+        counts["e_any"] += int((e_pass | e_fail).sum())
+        counts["z_pass"] += int(z_pass.sum())
+        counts["z_any"] += int((z_pass | z_fail).sum())
+        counts["z_once"] += int((z[:, -1] >= z_one).sum())
+    for label, key, nominal in [
+        ("always-valid e-process, every pair: false PASS", "e_pass", alpha),
+        ("always-valid e-process, every pair: any verdict", "e_any", 2 * alpha),
+        ("z-test, every pair: false PASS", "z_pass", alpha),
+        ("z-test, every pair: any verdict", "z_any", 2 * alpha),
+        ("z-test, once at the last pair: false PASS", "z_once", alpha),
+    ]:
+        rate = counts[key] / runs
+        print(f"{label:<50}{counts[key]:>9,}{rate / nominal:>10.2f}{rate:>8.3f}{nominal:>9.2f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=2000, help="simulated canaries per lift in (a)")
+    ap.add_argument("--null-runs", type=int, default=10_000, help="simulated canaries in (b)")
+    ap.add_argument("--null-pairs", type=int, default=10_000, help="pairs each canary in (b) is watched for")
+    ap.add_argument("--alpha", type=float, default=0.05)
+    ap.add_argument("--seed", type=int, default=20250101)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few runs, short canaries")
+    args = ap.parse_args()
+    if args.quick:
+        args.runs, args.null_runs, args.null_pairs = 100, 300, 1000
+    rng = np.random.default_rng(args.seed)
+    t0 = time.perf_counter()
+
+    print(f"(a) pairs until a verdict, one-sided alpha {args.alpha}, {args.runs:,} runs per lift, seed {args.seed}")
+    print(f"{'rates':<14}{'test':<52}{'pairs':>8}{'x fixed':>9}")
+    for p_canary, cap in ((0.36, 3000), (0.40, 1500)):
+        pairs_to_verdict(rng, p_canary, args.runs, cap, args.alpha)
+    print()
+    print(f"(b) false alarms at equal rates ({STABLE_RATE:.2f} vs {STABLE_RATE:.2f}), {args.null_runs:,} runs, "
+          f"checked after every pair from the {MIN_EVENTS}th to the {args.null_pairs:,}th")
+    print(f"{'test':<50}{'flagged':>9}{'x nominal':>10}{'rate':>8}{'nominal':>9}")
+    false_alarms(rng, args.null_runs, args.null_pairs, args.alpha)
+    print(f"\n{time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""What a person (or the controller) can do to a candidate, each one transition of the store with
+the routing it implies. The REST API, the CLI (through the API) and the controller all call these,
+so a rule lives in one place.
+
+A refused action raises :class:`ActionRefused` with a reason a person can act on; the API answers
+it with 409.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from release.states import LIVE, State, TransitionRefused
+from release.store import ReleaseStore, Routing
+
+
+class ActionRefused(ValueError):
+    """The action cannot be taken now; ``str()`` says why."""
+
+
+def promote(store: ReleaseStore, version: int, actor: str, reason: str, interval_s: float,
+            evidence: dict[str, Any] | None = None) -> None:
+    """Make ``version`` stable and end its canary (an approval, or the auto-promote policy)."""
+    cand = _known(store, version)
+    if cand.state not in (State.AWAITING_APPROVAL, State.HELD, State.CANARY):
+        raise ActionRefused(f"version {version} is {cand.state.value}: only a version awaiting approval "
+                            "(or held for a decision) can be promoted")
+    last = store.last_promotion_at()
+    if last is not None and time.time() - last < interval_s:
+        wait = interval_s - (time.time() - last)
+        raise ActionRefused(f"a version was promoted {time.time() - last:.0f}s ago: the next promotion is "
+                            f"allowed in {wait:.0f}s (release.promotion_interval_s = {interval_s:.0f})")
+    _move(store, version, State.PROMOTED, actor, reason, evidence, Routing(version, None, 0.0))
+
+
+def reject(store: ReleaseStore, version: int, actor: str, reason: str) -> None:
+    """Turn ``version`` down; if it serves canary traffic, that traffic goes back to stable."""
+    cand = _known(store, version)
+    routing = Routing(store.stable_version(), None, 0.0) if cand.state in LIVE else None
+    _move(store, version, State.REJECTED, actor, reason, None, routing)
+
+
+def rollback(store: ReleaseStore, actor: str, reason: str, evidence: dict[str, Any] | None = None,
+             version: int | None = None) -> int:
+    """Send every user back to stable, ending the live canary (``version``, or whichever is live);
+    returns the version rolled back."""
+    live = [c for c in store.candidates(set(LIVE)) if version is None or c.version == version]
+    if not live:
+        raise ActionRefused("no canary is live: there is nothing to roll back" if version is None
+                            else f"version {version} is not serving canary traffic")
+    cand = live[-1]
+    _move(store, cand.version, State.ROLLED_BACK, actor, reason, evidence, Routing(store.stable_version(), None, 0.0))
+    return cand.version
+
+
+def pause(store: ReleaseStore, actor: str, reason: str) -> bool:
+    """Stop the pipeline from starting gates and canaries (a live canary keeps being measured and
+    is still rolled back on a failure); False when it was paused already."""
+    return store.set_paused(True, actor, reason or "no reason given")
+
+
+def resume(store: ReleaseStore, actor: str, reason: str) -> bool:
+    return store.set_paused(False, actor, reason or "no reason given")
+
+
+def _known(store: ReleaseStore, version: int):
+    cand = store.get(version)
+    if cand is None:
+        raise ActionRefused(f"no version {version} was ever published to this controller")
+    return cand
+
+
+def _move(store: ReleaseStore, version: int, target: State, actor: str, reason: str,
+          evidence: dict[str, Any] | None, routing: Routing | None) -> None:
+    try:
+        if not store.transition(version, target, actor, reason, evidence, routing):
+            raise ActionRefused(f"version {version} is already {target.value}")
+    except TransitionRefused as exc:
+        raise ActionRefused(str(exc)) from None

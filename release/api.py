@@ -1,0 +1,422 @@
+"""The release controller's REST API: what the console, the CLI (``flywheel release ...``) and
+people's tools read and do.
+
+``make_app(store, settings, status)`` builds the FastAPI app; ``flywheel release serve``
+(release/main.py) runs it next to the controller loop, and tests run it on a loopback port.
+
+Routes and the least role each needs (release/auth.py; a higher role may do what a lower may):
+
+=======  ===================================  ========  =============================================
+method   path                                 role      what
+=======  ===================================  ========  =============================================
+GET      /api/status                          viewer    stable, live canary, pause, revision, lease,
+                                                        and the controller's own ``status()``
+GET      /api/candidates                      viewer    every candidate with verdict summaries
+GET      /api/candidates/{version}            viewer    one, with gate, live analysis and audit
+POST     /api/candidates/{version}/approve    approver  promote it (``{"reason"}`` optional)
+POST     /api/candidates/{version}/reject     approver  turn it down (``{"reason"}`` optional)
+POST     /api/rollback                        approver  end the live canary (``{"reason", "version"}``)
+POST     /api/pause                           admin     stop starting gates and canaries (``{"reason"}``)
+POST     /api/resume                          admin     start them again (``{"reason"}``)
+GET      /api/audit?version=&limit=           viewer    the audit log, newest first
+GET      /health, /metrics, /openapi.json     none      operators' probes and the schema
+=======  ===================================  ========  =============================================
+
+Every error is ``{"detail": "<a sentence for a person>"}``: 401 (with ``WWW-Authenticate:
+Bearer``) without a valid token, 403 naming the role needed, 404 for a candidate never seen, 409 for
+an action the rules refuse now (an unknown, superseded or decided version, a promotion inside
+``release.promotion_interval_s``: release/actions.py says why), 400 for a body that is not JSON,
+413 for one over 16 KiB, 422 for one that does not fit the route. The token is checked before the
+body is read, so a caller without one learns nothing about what the route expects.
+
+The store is used by one request at a time (a lock): SQLite and psycopg connections must not run
+two transactions at once. Give the app a :class:`ReleaseStore` of its own, not the controller
+loop's, so the two never share a connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flywheel.metrics import new_registry
+from flywheel.settings import ReleaseSettings
+from release import actions
+from release.actions import ActionRefused
+from release.auth import STATE_KEY, Role, parse_tokens, require
+from release.store import Candidate, ReleaseStore
+
+log = logging.getLogger(__name__)
+
+#: Longest reason a person may give (the audit log keeps it whole; routing reasons are cut there too).
+MAX_REASON_CHARS = 2000
+#: Largest request body read: a reason and a version fit many times over.
+MAX_BODY_BYTES = 16 * 1024
+#: Versions are BIGINT in the store; a larger number would fail in the database, not here.
+MAX_VERSION = 2**63 - 1
+
+Version = Annotated[int, Path(ge=0, le=MAX_VERSION, description="a published checkpoint version")]
+Viewer = Annotated[str, Depends(require(Role.VIEWER))]
+Approver = Annotated[str, Depends(require(Role.APPROVER))]
+Admin = Annotated[str, Depends(require(Role.ADMIN))]
+
+
+# -- request bodies (client -> release API) -----------------------------------------------------
+
+class ReasonBody(BaseModel):
+    """Body of approve and reject: why, for the audit log (optional)."""
+
+    # forbid: a misspelt field ("reson") would otherwise be dropped and the action logged without it
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
+
+
+class RollbackBody(ReasonBody):
+    """Body of rollback; ``version`` makes it refuse unless that version is the live canary (so a
+    person rolls back the canary they looked at, not one that started since)."""
+
+    version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
+
+
+class RequiredReasonBody(BaseModel):
+    """Body of pause and resume: an admin says why the pipeline stops or starts."""
+
+    model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
+    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
+
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def _body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
+    """A dependency reading the JSON body into ``model``. Declared after the role dependency, so it
+    runs only for a caller with a valid token (FastAPI solves dependencies in declaration order;
+    a body parameter would be parsed before any of them)."""
+
+    async def read(request: Request) -> B:
+        raw = await _read_capped(request)
+        try:
+            data = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HTTPException(400, f"the body is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise HTTPException(422, "the body must be a JSON object, e.g. {\"reason\": \"...\"}")
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise HTTPException(422, _explain(exc.errors())) from None
+
+    return read
+
+
+async def _read_capped(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    raw = bytearray()
+    async for chunk in request.stream():  # chunked bodies carry no length: count as they come
+        raw += chunk
+        if len(raw) > MAX_BODY_BYTES:
+            raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    return bytes(raw)
+
+
+def _explain(errors: Any) -> str:
+    """Pydantic's errors as one sentence: ``reason: String should have at most 2000 characters``."""
+    parts = []
+    for err in errors:
+        loc = list(err.get("loc", ()))
+        if loc and loc[0] in ("body", "path", "query", "header"):
+            loc = loc[1:]  # the caller knows where they put it; the name is what matters
+        where = ".".join(str(p) for p in loc)
+        parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else str(err.get("msg", "invalid")))
+    return "; ".join(parts) or "invalid request"
+
+
+# -- responses (release API -> client) ----------------------------------------------------------
+
+def verdict_summary(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A gate result or live analysis cut to its verdict: ``{"outcome", "reason"}`` (the first
+    reason). Both are saved by the controller as a :class:`release.judge.Verdict`'s ``outcome`` and
+    ``reasons`` next to their measurements; anything else yields None fields, never an error."""
+    if not result:
+        return None
+    reasons = result.get("reasons")
+    first = reasons[0] if isinstance(reasons, list | tuple) and reasons else result.get("reason")
+    return {"outcome": result.get("outcome", result.get("verdict")), "reason": first}
+
+
+def candidate_row(c: Candidate) -> dict[str, Any]:
+    return {"version": c.version, "parent": c.parent, "state": c.state.value,
+            "created_at": c.created_at, "updated_at": c.updated_at, "step": c.checkpoint.get("step"),
+            "gate_summary": verdict_summary(c.gate), "analysis_summary": verdict_summary(c.analysis)}
+
+
+def candidate_detail(c: Candidate, store: ReleaseStore) -> dict[str, Any]:
+    return {**candidate_row(c), "uri": c.uri, "manifest_sha256": c.manifest_sha256,
+            "checkpoint": c.checkpoint, "gate": c.gate,
+            # the tally is the controller's working state (every id it has measured): not for people
+            "analysis": {k: v for k, v in c.analysis.items() if k != "tally"} if c.analysis else None,
+            "audit": [asdict(a) for a in store.audit(version=c.version)]}
+
+
+def status_body(store: ReleaseStore, settings: ReleaseSettings,
+                status: Callable[[], dict[str, Any]] | None) -> dict[str, Any]:
+    now = time.time()
+    rev = store.latest_revision()
+    lease = store.lease_holder()
+    last = store.last_promotion_at()
+    counts: dict[str, int] = {}
+    for c in store.candidates():
+        counts[c.state.value] = counts.get(c.state.value, 0) + 1
+    return {
+        "time": now,  # the server's clock, so a console can show ages without trusting its own
+        "stable_version": rev.stable_version if rev else 0,
+        "canary": ({"version": rev.canary_version, "share": rev.canary_share}
+                   if rev and rev.canary_version is not None else None),
+        "paused": store.paused(),
+        "revision": asdict(rev) if rev else None,
+        "lease": {"holder": lease[0], "expires_at": lease[1], "live": lease[1] > now} if lease else None,
+        "last_promotion_at": last,
+        "next_promotion_at": last + settings.promotion_interval_s if last is not None else None,
+        "promotion_interval_s": settings.promotion_interval_s,
+        "auto_promote": settings.auto_promote,
+        "candidates": counts,
+        "controller": _controller(status),
+    }
+
+
+def _controller(status: Callable[[], dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The controller's own report; a failing report is shown as one, not as a 500 that would
+    also hide everything the database knows."""
+    if status is None:
+        return None
+    try:
+        return dict(status())
+    except Exception as exc:  # any failure of the callback is reported (and logged), not raised
+        log.exception("the controller's status() failed")
+        return {"ok": False, "error": f"status() failed: {type(exc).__name__}: {exc}"}
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+class ApiMetrics:
+    """``release_api_*`` on the app's own registry (``app.state.registry``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter("release_api_requests_total", "Requests to the release API by route template and status",
+                                ["route", "method", "status"], registry=registry)
+        self.actions = Counter("release_api_actions_total",
+                               "Actions asked of the release API, by outcome (done, noop, refused)",
+                               ["action", "outcome"], registry=registry)
+
+
+def make_app(store: ReleaseStore, settings: ReleaseSettings,
+             status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+    """The API over ``store`` (module docstring). ``status``, when given, is the controller loop's
+    health report, shown under ``controller`` in ``/api/status`` and ``/health``. Raises
+    :class:`~flywheel.settings.SettingsError` for malformed ``settings.tokens``."""
+    app = FastAPI(title="flywheel release controller", docs_url=None, redoc_url=None)
+    setattr(app.state, STATE_KEY, parse_tokens(settings.tokens))
+    app.state.registry = registry = new_registry()
+    metrics = ApiMetrics(registry)
+    app.add_middleware(CountRequests, metrics=metrics)
+    _errors(app)
+    lock = threading.Lock()
+    _read_routes(app, store, settings, status, lock)
+    _action_routes(app, store, settings, metrics, lock)
+    _ops_routes(app, store, registry, status, lock)
+    _console(app)
+    return app
+
+
+def _read_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
+                 status: Callable[[], dict[str, Any]] | None, lock: threading.Lock) -> None:
+    # plain ``def`` handlers: FastAPI runs them on its thread pool, so a slow database blocks a
+    # worker thread and never the event loop that answers /health
+    @app.get("/api/status")
+    def get_status(_: Viewer) -> dict[str, Any]:
+        with lock:
+            return status_body(store, settings, status)
+
+    @app.get("/api/candidates")
+    def list_candidates(_: Viewer) -> dict[str, Any]:
+        with lock:
+            return {"candidates": [candidate_row(c) for c in store.candidates()]}
+
+    @app.get("/api/candidates/{version}")
+    def show_candidate(_: Viewer, version: Version) -> dict[str, Any]:
+        with lock:
+            cand = store.get(version)
+            if cand is None:
+                raise HTTPException(404, f"no version {version} was ever published to this controller")
+            return candidate_detail(cand, store)
+
+    @app.get("/api/audit")
+    def audit(_: Viewer, version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, Any]:
+        with lock:
+            return {"entries": [asdict(a) for a in store.audit(version=version, limit=limit)]}
+
+
+def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
+                   metrics: ApiMetrics, lock: threading.Lock) -> None:
+    @contextmanager
+    def acting(action: str, actor: str, version: int | None) -> Iterator[None]:
+        """One action at a time; a refusal is counted and written to the audit log (who tried
+        what, and why not), then answered as 409."""
+        with lock:
+            try:
+                yield
+            except ActionRefused as exc:
+                metrics.actions.labels(action, "refused").inc()
+                store.note(version, actor, f"{action} refused: {exc}")
+                raise
+        metrics.actions.labels(action, "done").inc()
+
+    @app.post("/api/candidates/{version}/approve", openapi_extra=_body_doc(ReasonBody))
+    def approve(actor: Approver, version: Version,
+                body: Annotated[ReasonBody, Depends(_body(ReasonBody))]) -> dict[str, Any]:
+        with acting("approve", actor, version):
+            cand = store.get(version)
+            evidence = ({"gate": verdict_summary(cand.gate), "analysis": verdict_summary(cand.analysis)}
+                        if cand else None)  # what the approver saw, kept with the decision
+            actions.promote(store, version, actor, body.reason or "approved (no reason given)",
+                            settings.promotion_interval_s, evidence)
+            rev = store.latest_revision()
+        return {"version": version, "state": "promoted", "revision": asdict(rev) if rev else None}
+
+    @app.post("/api/candidates/{version}/reject", openapi_extra=_body_doc(ReasonBody))
+    def reject(actor: Approver, version: Version,
+               body: Annotated[ReasonBody, Depends(_body(ReasonBody))]) -> dict[str, Any]:
+        with acting("reject", actor, version):
+            actions.reject(store, version, actor, body.reason or "rejected (no reason given)")
+        return {"version": version, "state": "rejected"}
+
+    @app.post("/api/rollback", openapi_extra=_body_doc(RollbackBody))
+    def rollback(actor: Approver, body: Annotated[RollbackBody, Depends(_body(RollbackBody))]) -> dict[str, Any]:
+        with acting("rollback", actor, body.version):
+            version = actions.rollback(store, actor, body.reason or "rolled back (no reason given)",
+                                       version=body.version)
+            rev = store.latest_revision()
+        return {"version": version, "state": "rolled_back", "revision": asdict(rev) if rev else None}
+
+    def pipeline(action: str, paused: bool, actor: str, reason: str) -> dict[str, Any]:
+        with lock:
+            changed = (actions.pause if paused else actions.resume)(store, actor, reason)
+        metrics.actions.labels(action, "done" if changed else "noop").inc()
+        return {"paused": paused, "changed": changed}
+
+    @app.post("/api/pause", openapi_extra=_body_doc(RequiredReasonBody))
+    def pause(actor: Admin, body: Annotated[RequiredReasonBody, Depends(_body(RequiredReasonBody))]) -> dict[str, Any]:
+        return pipeline("pause", True, actor, body.reason)
+
+    @app.post("/api/resume", openapi_extra=_body_doc(RequiredReasonBody))
+    def resume(actor: Admin, body: Annotated[RequiredReasonBody, Depends(_body(RequiredReasonBody))]) -> dict[str, Any]:
+        return pipeline("resume", False, actor, body.reason)
+
+
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """The body in /openapi.json: it is read by a dependency (see :func:`_body`), which FastAPI
+    does not describe by itself."""
+    return {"requestBody": {"required": model is RequiredReasonBody,
+                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,
+                status: Callable[[], dict[str, Any]] | None, lock: threading.Lock) -> None:
+    @app.get("/health")
+    def health() -> Response:
+        """200 while the database answers (and the controller, when it reports ``ok``, says so)."""
+        try:
+            with lock:
+                store.paused()
+            body: dict[str, Any] = {"ok": True, "database": "ok"}
+        except Exception as exc:  # noqa: BLE001 - any database failure makes the process unhealthy
+            body = {"ok": False, "database": f"unreachable: {type(exc).__name__}"}
+        controller = _controller(status)
+        if controller is not None:
+            body["controller"] = controller
+            body["ok"] = body["ok"] and controller.get("ok", True) is not False
+        return JSONResponse(body, status_code=200 if body["ok"] else 503)
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _console(app: FastAPI) -> None:
+    """Mount the web console (release/console.py) when it is installed; the API works without it."""
+    try:
+        from release import console
+    except ModuleNotFoundError as exc:
+        if exc.name != "release.console":
+            raise  # the console exists but something it imports does not: that is a bug to see
+        log.info("release/console.py is absent: serving the API without the web console")
+        return
+    app.include_router(console.router)
+
+
+def _errors(app: FastAPI) -> None:
+    """Every error as ``{"detail": "<sentence>"}`` (module docstring)."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> Response:
+        return JSONResponse({"detail": _explain(exc.errors())}, status_code=422)
+
+    @app.exception_handler(ActionRefused)
+    async def refused(_: Request, exc: ActionRefused) -> Response:
+        return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(Exception)
+    async def crash(_: Request, exc: Exception) -> Response:
+        # the server's fault (a database gone away), not the caller's: say so, keep the details in the log
+        return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the controller's log"},
+                            status_code=500)
+
+
+class CountRequests:
+    """ASGI middleware counting requests by route template (bounded labels: ``/api/candidates/
+    {version}``, not each version) and status."""
+
+    def __init__(self, app: Any, metrics: ApiMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def watch(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = scope.get("route")  # set by the router on the scope it was given, once matched
+            label = getattr(route, "path", "other")
+            self.metrics.requests.labels(label, scope.get("method", ""), str(status[0])).inc()
+
+
+__all__ = ["MAX_REASON_CHARS", "make_app", "verdict_summary"]

@@ -1,0 +1,259 @@
+"""``flywheel release ...``: the release controller's REST API (release/api.py) from a terminal.
+
+::
+
+    flywheel release status                       stable, canary, pause, lease, controller
+    flywheel release list                         every candidate, one line each
+    flywheel release show V                       one candidate: gate, live analysis, audit
+    flywheel release approve V [--reason R]       promote V (approver)
+    flywheel release reject V [--reason R]        turn V down (approver)
+    flywheel release rollback [--reason R] [--version V]   end the live canary (approver)
+    flywheel release pause --reason R             stop starting gates and canaries (admin)
+    flywheel release resume --reason R            start them again (admin)
+    flywheel release audit [--version V] [--limit N]
+
+Every command talks HTTP to ``--url`` (default ``http://<release.host>:<release.port>``) with
+``--token`` (default ``FLYWHEEL_RELEASE_TOKEN``), so it works from any machine that can reach the
+controller and does exactly what the console does, with the same checks and the same audit entries.
+An error from the API is printed as ``error: <message>``; the exit code is 2 when the token is
+missing, wrong or its role too low (401, 403), 1 for any other failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import httpx
+
+#: Exit codes: what went wrong, for scripts.
+EXIT_OK, EXIT_ERROR, EXIT_AUTH = 0, 1, 2
+
+
+class ApiError(Exception):
+    """The API answered with an error (``status`` 0: it could not be reached)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+class ReleaseClient:
+    """The JSON API over HTTP; every method returns the decoded body or raises :class:`ApiError`."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float = 10.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/api/status")
+
+    def candidates(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/api/candidates")["candidates"]
+
+    def candidate(self, version: int) -> dict[str, Any]:
+        return self._call("GET", f"/api/candidates/{version}")
+
+    def approve(self, version: int, reason: str | None) -> dict[str, Any]:
+        return self._call("POST", f"/api/candidates/{version}/approve", _reason(reason))
+
+    def reject(self, version: int, reason: str | None) -> dict[str, Any]:
+        return self._call("POST", f"/api/candidates/{version}/reject", _reason(reason))
+
+    def rollback(self, reason: str | None, version: int | None = None) -> dict[str, Any]:
+        body = _reason(reason) | ({"version": version} if version is not None else {})
+        return self._call("POST", "/api/rollback", body)
+
+    def pause(self, reason: str) -> dict[str, Any]:
+        return self._call("POST", "/api/pause", {"reason": reason})
+
+    def resume(self, reason: str) -> dict[str, Any]:
+        return self._call("POST", "/api/resume", {"reason": reason})
+
+    def audit(self, version: int | None = None, limit: int | None = None) -> list[dict[str, Any]]:
+        params = {k: v for k, v in (("version", version), ("limit", limit)) if v is not None}
+        return self._call("GET", "/api/audit", params=params)["entries"]
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None,
+              params: dict[str, Any] | None = None) -> Any:
+        try:
+            resp = self.http.request(method, path, json=body, params=params)
+        except httpx.HTTPError as exc:
+            raise ApiError(0, f"cannot reach the release controller at {self.url} "
+                              f"({type(exc).__name__}: {exc})") from None
+        if resp.status_code >= 400:
+            raise ApiError(resp.status_code, _message(resp))
+        try:
+            return resp.json()
+        except ValueError:
+            raise ApiError(resp.status_code, f"{self.url}{path} did not answer JSON: is it the "
+                                             "release controller?") from None
+
+
+def _reason(reason: str | None) -> dict[str, Any]:
+    return {"reason": reason} if reason else {}
+
+
+def _message(resp: httpx.Response) -> str:
+    """The API's ``detail`` sentence, or the status line when something else answered."""
+    try:
+        detail = resp.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return str(detail) if detail else f"HTTP {resp.status_code} {resp.reason_phrase}"
+
+
+# -- formatting ---------------------------------------------------------------------------------
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell, two spaces apart; the last column is not padded (it
+    holds free text such as reasons)."""
+    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c if i == len(r) - 1 else c.ljust(widths[i]) for i, c in enumerate(r)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def when(t: float | None) -> str:
+    """Epoch seconds as a UTC time a person reads (audit logs from several machines line up)."""
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def _verdict(summary: dict[str, Any] | None) -> str:
+    return (summary or {}).get("outcome") or "-"
+
+
+def format_candidates(candidates: list[dict[str, Any]]) -> str:
+    if not candidates:
+        return "no candidates yet: the controller has not seen a published checkpoint"
+    rows = [(c["version"], c.get("parent"), c.get("step"), c["state"], _verdict(c.get("gate_summary")),
+             _verdict(c.get("analysis_summary")), when(c.get("updated_at"))) for c in candidates]
+    return table(("VERSION", "PARENT", "STEP", "STATE", "GATE", "CANARY", "UPDATED"), rows)
+
+
+def format_audit(entries: list[dict[str, Any]]) -> str:
+    if not entries:
+        return "no audit entries"
+    rows = [(when(e["at"]), e["actor"], e.get("version"), _change(e), e["reason"]) for e in entries]
+    return table(("WHEN", "ACTOR", "VERSION", "CHANGE", "REASON"), rows)
+
+
+def _change(entry: dict[str, Any]) -> str:
+    if entry.get("to_state") is None:
+        return "-"
+    return f"{entry.get('from_state') or 'new'} -> {entry['to_state']}"
+
+
+def format_candidate(c: dict[str, Any]) -> str:
+    head = [("version", c["version"]), ("parent", c.get("parent")), ("step", c.get("step")),
+            ("state", c["state"]), ("created", when(c.get("created_at"))), ("updated", when(c.get("updated_at"))),
+            ("uri", c.get("uri")), ("manifest", c.get("manifest_sha256"))]
+    out = [table(("FIELD", "VALUE"), head)]
+    for title, full in (("gate", c.get("gate")), ("canary analysis", c.get("analysis"))):
+        out.append(f"\n{title}: " + _describe_result(full))
+    out.append("\naudit (newest first):\n" + format_audit(c.get("audit", [])))
+    return "\n".join(out)
+
+
+def _describe_result(result: dict[str, Any] | None) -> str:
+    """A gate result or analysis: its outcome and reasons, then its scalar measurements (the
+    nested ones, such as the confidence band's history, are for the console's charts)."""
+    if not result:
+        return "none yet"
+    lines = [str(result.get("outcome", result.get("verdict", "?")))]
+    reasons = result.get("reasons") or ([result["reason"]] if result.get("reason") else [])
+    lines += [f"  - {r}" for r in reasons]
+    scalars = [(k, v) for k, v in sorted(result.items())
+               if k not in ("outcome", "verdict", "reasons", "reason") and isinstance(v, str | int | float | bool)]
+    if scalars:
+        lines.append("  " + table(("MEASURE", "VALUE"), scalars).replace("\n", "\n  "))
+    return "\n".join(lines)
+
+
+def format_status(s: dict[str, Any]) -> str:
+    canary = s.get("canary")
+    rev = s.get("revision")
+    lease = s.get("lease")
+    rows = [
+        ("stable", f"v{s['stable_version']}"),
+        ("canary", f"v{canary['version']} ({canary['share']:.0%} of users)" if canary else "none"),
+        ("pipeline", "PAUSED" if s.get("paused") else "running"),
+        ("revision", f"{rev['revision']} ({'published' if rev['published'] else 'not yet published'}): "
+                     f"{rev['reason']}" if rev else "none yet"),
+        ("lease", f"{lease['holder']} ({'held' if lease['live'] else 'lapsed'}, until {when(lease['expires_at'])})"
+         if lease else "nobody"),
+        ("next promotion", _next_promotion(s)),
+        ("candidates", ", ".join(f"{n} {state}" for state, n in sorted(s.get("candidates", {}).items())) or "none"),
+    ]
+    if s.get("controller") is not None:
+        rows.append(("controller", ", ".join(f"{k}={v}" for k, v in sorted(s["controller"].items()))))
+    return table(("", ""), rows).split("\n", 1)[1]  # no header line for a key/value list
+
+
+def _next_promotion(s: dict[str, Any]) -> str:
+    at = s.get("next_promotion_at")
+    # compared with the server's clock: the interval is enforced there, not on this machine
+    return f"not before {when(at)}" if at is not None and at > s.get("time", 0) else "any time"
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+def _revision_note(resp: dict[str, Any]) -> str:
+    rev = resp.get("revision")
+    return f" (revision {rev['revision']}: stable v{rev['stable_version']})" if rev else ""
+
+
+def _pipeline_note(resp: dict[str, Any]) -> str:
+    state = "paused" if resp["paused"] else "running"
+    return f"pipeline {state}" if resp["changed"] else f"pipeline was already {state}: nothing changed"
+
+
+def run_command(client: ReleaseClient, args: argparse.Namespace) -> str:
+    """Do ``args.release_cmd`` and say what happened, in a line or a table."""
+    match args.release_cmd:
+        case "status":
+            return format_status(client.status())
+        case "list":
+            return format_candidates(client.candidates())
+        case "show":
+            return format_candidate(client.candidate(args.version))
+        case "approve":
+            return f"promoted v{args.version}" + _revision_note(client.approve(args.version, args.reason))
+        case "reject":
+            return f"rejected v{client.reject(args.version, args.reason)['version']}"
+        case "rollback":
+            resp = client.rollback(args.reason, args.version)
+            return f"rolled back v{resp['version']}" + _revision_note(resp)
+        case "pause":
+            return _pipeline_note(client.pause(args.reason))
+        case "resume":
+            return _pipeline_note(client.resume(args.reason))
+        case "audit":
+            return format_audit(client.audit(args.version, args.limit))
+    raise ValueError(f"unknown release command {args.release_cmd!r}")
+
+
+def main(args: argparse.Namespace, url: str, token: str | None,
+         out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run ``args.release_cmd`` against ``url``; prints the result, or ``error: <message>``."""
+    out, err = out or sys.stdout, err or sys.stderr
+    client = ReleaseClient(url, token)
+    try:
+        print(run_command(client, args), file=out)
+        return EXIT_OK
+    except ApiError as exc:
+        hint = ("; pass --token or set FLYWHEEL_RELEASE_TOKEN" if exc.status == 401 and not token else "")
+        print(f"error: {exc.message}{hint}", file=err)
+        return EXIT_AUTH if exc.status in (401, 403) else EXIT_ERROR
+    finally:
+        client.close()
+
+
+__all__ = ["ApiError", "ReleaseClient", "main", "table"]

@@ -1,0 +1,252 @@
+"""The release controller's loop: every published version gated, canaried, judged, then promoted,
+held for a person or rolled back; the desired routing published on ``flywheel.releases``.
+
+One turn (:meth:`Controller.tick`), while this process holds the lease (one active controller per
+database; another takes over when the lease lapses):
+
+1. read new ``CheckpointEvent`` records and record each version as a candidate (malformed ones are
+   dead-lettered; the topic is at least once and a known version is a no-op);
+2. with no canary live and the pipeline not paused: take the newest candidate (older waiting ones
+   are superseded), gate it offline (release/gate.py) and either start its canary (publishing the
+   routing) or reject it;
+3. with a canary live: measure it from the episodes and rewards (release/measure.py), judge it
+   (release/judge.py) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
+   the state; PASS promotes under the auto-promote policy, else awaits an approver;
+   INCONCLUSIVE past the deadline holds it for a person;
+4. publish every routing revision not yet acked.
+
+Each action is one transaction of the store (state, audit entry, routing revision); a ``kill -9``
+between two of them leaves a state the next turn picks up from: a candidate left in ``gating`` is
+gated again, an unpublished revision is published again (serving treats a revision it applied as
+a no-op), a canary's measurement resumes from the offsets saved with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from release import actions
+from release.gate import GateError, load_prompts, measure_gate
+from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_canary, judge_gate
+from release.measure import Tally
+from release.sequential import confidence_band, log_e_better, log_e_worse
+from release.states import LIVE, State
+from release.store import Candidate, ReleaseStore, Routing
+
+log = logging.getLogger(__name__)
+
+ACTOR = "controller"
+#: The written policy that promotes without a person, as the audit log names it.
+AUTO_POLICY = "auto-promote policy"
+#: A point is added to the console's history at most this often.
+HISTORY_EVERY_S = 2.0
+
+
+def canary_policy(cfg: Any) -> CanaryPolicy:
+    return CanaryPolicy(alpha=cfg.alpha, min_events=cfg.min_events, deadline_s=cfg.deadline_s,
+                        error_limit=cfg.error_limit, max_error_rate_increase=cfg.max_error_rate_increase,
+                        max_latency_ratio=cfg.max_latency_ratio, max_length_ratio=cfg.max_length_ratio,
+                        max_reject_share_increase=cfg.max_reject_share_increase,
+                        max_flag_rate_increase=cfg.max_flag_rate_increase)
+
+
+def gate_policy(cfg: Any) -> GatePolicy:
+    return GatePolicy(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
+                      min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio)
+
+
+class Controller:
+    """Drives candidates through release/states.py. ``streams`` is the Kafka side
+    (:class:`release.streams.Streams`); ``checkpoints`` the checkpoint store to load versions from."""
+
+    def __init__(self, settings: Any, store: ReleaseStore, streams: Any, checkpoints: Any) -> None:
+        self.settings, self.cfg = settings, settings.release
+        self.store, self.streams, self.checkpoints = store, streams, checkpoints
+        self.holder = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
+        self.active = False
+        self.last_tick = 0.0
+        self.prompts = load_prompts(self.cfg.prompts_file)
+        self.canary_policy, self.gate_policy = canary_policy(self.cfg), gate_policy(self.cfg)
+        self._gate_errors: dict[int, int] = {}
+
+    # -- the turn ---------------------------------------------------------------------------
+    def tick(self, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        self.last_tick = time.monotonic()
+        was_active, self.active = self.active, self.store.take_lease(self.holder, self.cfg.lease_ttl_s)
+        if not self.active:
+            if was_active:
+                log.warning("lost the controller lease: standing by")
+            return
+        if not was_active:
+            log.info("holding the controller lease as %s", self.holder)
+        for event in self.streams.new_checkpoints():
+            if self.store.add_candidate(event):
+                log.info("version %d is a candidate", event["version"])
+        live = self.store.candidates(set(LIVE))
+        if live:
+            self._measure(live[-1], now)
+        elif not self.store.paused():
+            self._next_candidate()
+        self._publish()
+
+    def status(self) -> dict[str, Any]:
+        holder = self.store.lease_holder()
+        return {"controller": self.holder, "active": self.active,
+                "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None,
+                "lease": {"holder": holder[0], "expires_at": holder[1]} if holder else None}
+
+    # -- gate -------------------------------------------------------------------------------
+    def _next_candidate(self) -> None:
+        waiting = self.store.candidates({State.CANDIDATE, State.GATING})
+        if not waiting:
+            return
+        newest = waiting[-1]
+        for old in waiting[:-1]:
+            self.store.transition(old.version, State.SUPERSEDED, ACTOR,
+                                  f"version {newest.version} is newer and waited too")
+        if newest.version <= self.store.stable_version():
+            self.store.transition(newest.version, State.SUPERSEDED, ACTOR,
+                                  f"stable is already version {self.store.stable_version()}")
+            return
+        self.store.transition(newest.version, State.GATING, ACTOR, "offline gate on the held-out prompts")
+        try:
+            verdict, record = self._gate(newest)
+        except (GateError, OSError, ValueError, RuntimeError) as exc:
+            self._gate_failed(newest, exc)
+            return
+        self.store.save(newest.version, gate={"outcome": verdict.outcome.value, "reasons": list(verdict.reasons),
+                                              "measurement": record})
+        if verdict.outcome == Outcome.PASS:
+            stable = self.store.stable_version()
+            # where the measurement starts: the topics' ends as the canary goes live (a crash
+            # before this is saved starts it at the first measurement instead, a little later)
+            offsets = self.streams.ends()
+            self.store.transition(
+                newest.version, State.CANARY, ACTOR,
+                f"gate passed; canary for {self.cfg.canary_share:.0%} of users against stable v{stable}",
+                {"gate": record}, Routing(stable, newest.version, self.cfg.canary_share))
+            tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time())
+            tally.offsets = offsets
+            self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": [],
+                                                      "tally": tally.to_dict()})
+        else:
+            self.store.transition(newest.version, State.REJECTED, ACTOR, "gate failed: " + "; ".join(verdict.reasons),
+                                  {"gate": record})
+
+    def _gate(self, cand: Candidate) -> tuple[Verdict, dict[str, Any]]:
+        stable = self.store.stable_version()
+        with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as tmp:
+            cand_dir = self._verified_dir(cand.version, cand.manifest_sha256, Path(tmp) / "candidate")
+            stable_dir = self._stable_dir(stable, Path(tmp) / "stable")
+            m = measure_gate(stable_dir, cand_dir, self.prompts, max_new_tokens=self.cfg.gate_max_new_tokens,
+                             trainer_metrics=cand.checkpoint.get("metrics", {}))
+        return judge_gate(m, self.gate_policy), asdict(m)
+
+    def _verified_dir(self, version: int, manifest_sha256: str, out: Path) -> Path:
+        """The version rebuilt from its delta chain, every hash checked, and its manifest the one
+        the checkpoint event announced."""
+        from flywheel.checkpoints import verify_dir
+
+        self.checkpoints.export(version, out)
+        verify_dir(out, expect_manifest_sha256=manifest_sha256)
+        return out
+
+    def _stable_dir(self, stable: int, out: Path) -> Path:
+        if stable == 0:
+            return Path(self.settings.model_dir)
+        cand = self.store.get(stable)
+        if cand is None:
+            raise GateError(f"stable version {stable} is not known to this controller")
+        return self._verified_dir(stable, cand.manifest_sha256, out)
+
+    def _gate_failed(self, cand: Candidate, exc: BaseException) -> None:
+        n = self._gate_errors[cand.version] = self._gate_errors.get(cand.version, 0) + 1
+        reason = f"gate error {n} of {self.cfg.error_limit}: {type(exc).__name__}: {exc}"
+        log.warning("version %d: %s", cand.version, reason)
+        if n >= self.cfg.error_limit:
+            self.store.transition(cand.version, State.REJECTED, ACTOR, reason)
+        else:
+            self.store.note(cand.version, ACTOR, reason)  # stays gating: the next turn tries again
+
+    # -- canary -----------------------------------------------------------------------------
+    def _measure(self, cand: Candidate, now: float) -> None:
+        tally = self._tally(cand, now)
+        try:
+            read = self.streams.read_into(tally)
+            log.debug("version %d: %d records measured, offsets %s", cand.version, read, tally.offsets)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement counts toward the error limit
+            tally.errors += 1
+            log.warning("version %d: measurement failed (%d of %d): %s", cand.version, tally.errors,
+                        self.cfg.error_limit, exc)
+        m = tally.measurement(now)
+        verdict = judge_canary(m, self.canary_policy)
+        self._record(cand, tally, verdict, now)
+        evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
+                    "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs)}
+        why = "; ".join(verdict.reasons)
+        if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
+            actions.rollback(self.store, ACTOR, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
+        elif cand.state != State.CANARY:
+            return  # awaiting a person: only a failure acts on its own
+        elif verdict.outcome == Outcome.PASS:
+            self._passed(cand, why, evidence)
+        elif verdict.outcome == Outcome.INCONCLUSIVE:
+            self.store.transition(cand.version, State.HELD, ACTOR, f"held for a person: {why}", evidence)
+
+    def _passed(self, cand: Candidate, why: str, evidence: dict[str, Any]) -> None:
+        if self.cfg.auto_promote:
+            try:
+                actions.promote(self.store, cand.version, AUTO_POLICY, f"analysis passed: {why}",
+                                self.cfg.promotion_interval_s, evidence)
+                return
+            except actions.ActionRefused as exc:
+                why = f"{why}; not promoted automatically: {exc}"
+        self.store.transition(cand.version, State.AWAITING_APPROVAL, ACTOR, f"analysis passed: {why}", evidence)
+
+    def _tally(self, cand: Candidate, now: float) -> Tally:
+        saved = (cand.analysis or {}).get("tally")
+        if saved:
+            return Tally.from_dict(saved)
+        rev = self.store.latest_revision()
+        tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
+                      started_at=rev.at if rev else now)
+        tally.offsets = self.streams.ends()  # measure what users do from now on
+        return tally
+
+    def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float) -> None:
+        m = tally.measurement(now)
+        band = confidence_band(m.pairs, self.canary_policy.alpha)
+        eb, ew = _exp(log_e_better(m.pairs)), _exp(log_e_worse(m.pairs))
+        if not tally.history or now - tally.history[-1]["t"] >= HISTORY_EVERY_S:
+            tally.history.append({"t": now, "stable_rate": m.stable.accept_rate, "canary_rate": m.canary.accept_rate,
+                                  "band_lo": band[0], "band_hi": band[1], "e_better": eb, "e_worse": ew})
+            del tally.history[:-500]  # the console draws the last few hundred points
+        arms = {name: {**asdict(arm), "accept_rate": arm.accept_rate, "error_rate": arm.error_rate,
+                       "reject_share": arm.reject_share, "flag_rate": arm.flag_rate}
+                for name, arm in (("stable", m.stable), ("canary", m.canary))}
+        self.store.save(cand.version, analysis={
+            "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
+            "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
+            "alpha": self.canary_policy.alpha, "elapsed_s": m.elapsed_s, "history": tally.history,
+            "tally": tally.to_dict()})
+
+    # -- routing ----------------------------------------------------------------------------
+    def _publish(self) -> None:
+        todo = self.store.unpublished()
+        if todo:
+            done = self.streams.publish(todo, self.cfg.deployment)
+            self.store.mark_published(done)
+
+
+def _exp(x: float) -> float:
+    """An e-value from its log, capped so that it stays a finite JSON number."""
+    return math.exp(min(x, 700.0))

@@ -1,0 +1,117 @@
+"""The offline gate: candidate against stable on held-out prompts, before any user sees it.
+
+Which engine generates: Hugging Face transformers on the controller's own CPU (or GPU), loading
+both versions from verified model directories. Not serving's vLLM engines: the gate must not take
+capacity from users, nor depend on serving being up, and it needs the full next-token
+distribution of both models on the same tokens (for KL and entropy), which a transformers forward
+gives directly while vLLM returns only top-k logprobs. The held-out set is small (dozens of
+prompts, a few dozen tokens each), so this costs seconds on the tiny model.
+
+What it measures (:class:`release.judge.GateMeasurement`): mean output length of each, the
+candidate's mean per-token KL from stable and both per-token entropies (exact, from the full
+distributions, on the candidate's own samples), the share of distinct completions of each, and the
+trainer's collapse signals from the checkpoint event. Judging is release/judge.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from release.judge import GateMeasurement
+
+log = logging.getLogger(__name__)
+
+#: The default held-out prompts, shipped with the package.
+DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+
+
+class GateError(RuntimeError):
+    """The gate could not be measured (a version that does not load, an empty prompt set)."""
+
+
+def load_prompts(path: Path | None) -> list[str]:
+    """Prompts from a JSON-lines file (``{"prompt": "..."}`` per line)."""
+    path = path or DEFAULT_PROMPTS
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(str(json.loads(line)["prompt"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise GateError(f"{path}:{n}: not a JSON object with a prompt ({exc})") from None
+    if not prompts:
+        raise GateError(f"{path} holds no prompts")
+    return prompts
+
+
+def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, max_new_tokens: int,
+                 trainer_metrics: dict[str, float], seed: int = 0) -> GateMeasurement:
+    """Sample each prompt from both models and compare them (module docstring)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(str(stable_dir))
+    stable = AutoModelForCausalLM.from_pretrained(str(stable_dir), dtype=torch.float32).eval()
+    cand = AutoModelForCausalLM.from_pretrained(str(candidate_dir), dtype=torch.float32).eval()
+    eos = tok.eos_token_id
+    s_len, c_len, kls, s_ent, c_ent = [], [], [], [], []
+    s_outs, c_outs = set(), set()
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([tok.encode(prompt) or [eos or 0]])
+            s_seq = _sample(stable, ids, max_new_tokens, eos)
+            c_seq = _sample(cand, ids, max_new_tokens, eos)
+            s_len.append(len(s_seq))
+            c_len.append(len(c_seq))
+            s_outs.add(tuple(s_seq))
+            c_outs.add(tuple(c_seq))
+            if s_seq:
+                s_ent.extend(_entropy_and_kl(stable, None, ids, s_seq)[0])
+            if c_seq:
+                ent, kl = _entropy_and_kl(cand, stable, ids, c_seq)
+                c_ent.extend(ent)
+                kls.extend(kl)
+    n = len(prompts)
+    return GateMeasurement(
+        prompts=n,
+        stable_length_mean=sum(s_len) / n, candidate_length_mean=sum(c_len) / n,
+        kl_from_stable=sum(kls) / len(kls) if kls else 0.0,
+        stable_entropy=sum(s_ent) / len(s_ent) if s_ent else 0.0,
+        candidate_entropy=sum(c_ent) / len(c_ent) if c_ent else 0.0,
+        stable_distinct=len(s_outs) / n, candidate_distinct=len(c_outs) / n,
+        trainer_metrics=dict(trainer_metrics),
+    )
+
+
+def _sample(model: Any, ids: Any, max_new: int, eos: int | None) -> list[int]:
+    """Up to ``max_new`` tokens sampled at temperature 1 (with the KV cache), without the prompt
+    and the end-of-sequence token."""
+    out = model.generate(ids, attention_mask=ids.new_ones(ids.shape), do_sample=True, temperature=1.0, top_k=0,
+                         top_p=1.0, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=eos or 0)
+    seq = out[0, ids.shape[1]:].tolist()
+    return seq[:seq.index(eos)] if eos is not None and eos in seq else seq
+
+
+def _entropy_and_kl(p_model: Any, q_model: Any | None, ids: Any, completion: list[int]) -> tuple[list[float], list[float]]:
+    """At each position of ``completion`` after ``ids``: the entropy of ``p_model``'s next-token
+    distribution and, with ``q_model``, KL(p || q). One forward of each model on the sequence."""
+    import torch
+
+    seq = torch.cat([ids, torch.tensor([completion])], dim=1)
+    start = ids.shape[1] - 1
+    lp = torch.log_softmax(p_model(seq).logits[0, start:-1].float(), -1)
+    entropy = [float(x) for x in -(lp.exp() * lp).sum(-1)]
+    if q_model is None:
+        return entropy, []
+    lq = torch.log_softmax(q_model(seq).logits[0, start:-1].float(), -1)
+    return entropy, [float(x) for x in (lp.exp() * (lp - lq)).sum(-1)]
+
+
+def gate_record(measurement: GateMeasurement) -> dict[str, Any]:
+    return asdict(measurement)

@@ -1,0 +1,212 @@
+"""Judging a canary and a gate: pure functions from measurements to a verdict with its reasons.
+
+Measuring (release/measure.py, release/gate.py) is separate from judging: everything here is a
+function of its arguments, table-tested rule by rule in tests/unit/test_release_judge.py. The
+phases follow Argo Rollouts' analysis: a verdict is RUNNING until the evidence says something,
+PASS or FAIL when it does, INCONCLUSIVE when the deadline passes first (a person decides), ERROR
+when measurements failed too often (never promotes; rolls back like FAIL).
+
+Order of the canary rules, first match wins:
+
+1. measurement errors at or past ``error_limit``: ERROR;
+2. fewer than ``min_events`` outcomes in either arm: RUNNING (no verdict on a handful of users);
+3. a guardrail breached (error rate, latency, output length, share of rejects, reward-guard
+   flags, each canary against stable): FAIL, naming it;
+4. the always-valid test says the canary is accepted less often: FAIL;
+5. it says the canary is accepted more often: PASS;
+6. past ``deadline_s`` without a verdict: INCONCLUSIVE;
+7. otherwise RUNNING.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from release.sequential import PairCount, log_e_better, log_e_worse
+
+
+class Outcome(StrEnum):
+    RUNNING = "running"
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    outcome: Outcome
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ArmStats:
+    """What one arm's users did, measured from the event streams (release/measure.py)."""
+
+    outcomes: int = 0  # episodes with an explicit accept, reject or edit
+    accepts: int = 0
+    rejects: int = 0
+    requests: int = 0  # generations served
+    errors: int = 0  # generations that ended in an error
+    latency_ms_p95: float = 0.0
+    completion_tokens_mean: float = 0.0
+    flagged: int = 0  # rewards the reward guards flagged (abuse, hacking)
+    rewards: int = 0
+
+    @property
+    def accept_rate(self) -> float:
+        return self.accepts / self.outcomes if self.outcomes else 0.0
+
+    @property
+    def reject_share(self) -> float:
+        """Explicit rejects among every generation served (an ignored answer is no reject)."""
+        return self.rejects / self.requests if self.requests else 0.0
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def flag_rate(self) -> float:
+        return self.flagged / self.rewards if self.rewards else 0.0
+
+
+@dataclass(frozen=True)
+class CanaryMeasurement:
+    stable: ArmStats
+    canary: ArmStats
+    pairs: PairCount
+    elapsed_s: float
+    measurement_errors: int = 0
+
+
+@dataclass(frozen=True)
+class CanaryPolicy:
+    """The limits a canary is judged by (``[release]`` settings)."""
+
+    alpha: float = 0.05
+    min_events: int = 50
+    deadline_s: float = 3600.0
+    error_limit: int = 3
+    max_error_rate_increase: float = 0.02
+    max_latency_ratio: float = 1.5
+    max_length_ratio: float = 2.0
+    max_reject_share_increase: float = 0.15
+    max_flag_rate_increase: float = 0.05
+
+
+def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
+    """The canary's verdict (module docstring: the rules, in order)."""
+    if m.measurement_errors >= policy.error_limit:
+        return Verdict(Outcome.ERROR, (f"{m.measurement_errors} measurements failed (limit {policy.error_limit})",))
+    short = [name for name, arm in (("stable", m.stable), ("canary", m.canary)) if arm.outcomes < policy.min_events]
+    if short:
+        return Verdict(Outcome.RUNNING, tuple(
+            f"{name} has {getattr(m, name).outcomes} of the {policy.min_events} outcomes needed before any verdict"
+            for name in short))
+    if breached := guardrails(m.stable, m.canary, policy):
+        return Verdict(Outcome.FAIL, breached)
+    threshold = math.log(1 / policy.alpha)
+    stats = (f"{m.pairs.wins} discordant pairs won by canary, {m.pairs.losses} by stable; accept rate "
+             f"{m.canary.accept_rate:.3f} against {m.stable.accept_rate:.3f}")
+    if log_e_worse(m.pairs) >= threshold:
+        return Verdict(Outcome.FAIL, ((f"canary accepted less often (e-value {math.exp(log_e_worse(m.pairs)):.1f} "
+                                      f">= {1 / policy.alpha:.0f}): {stats}"),))
+    if log_e_better(m.pairs) >= threshold:
+        return Verdict(Outcome.PASS, ((f"canary accepted more often (e-value {math.exp(log_e_better(m.pairs)):.1f} "
+                                      f">= {1 / policy.alpha:.0f}): {stats}"),))
+    if m.elapsed_s >= policy.deadline_s:
+        return Verdict(Outcome.INCONCLUSIVE, ((f"no verdict after {m.elapsed_s:.0f}s (deadline "
+                                              f"{policy.deadline_s:.0f}s): {stats}"),))
+    return Verdict(Outcome.RUNNING, (stats,))
+
+
+def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tuple[str, ...]:
+    """Every guardrail the canary breaches against stable, as reasons (empty: none).
+
+    The float limits are written as "not within" so that a NaN measurement breaches them."""
+    out = []
+    if canary.error_rate - stable.error_rate > policy.max_error_rate_increase:
+        out.append(f"guardrail error rate: {canary.error_rate:.3f} against {stable.error_rate:.3f} "
+                   f"(at most +{policy.max_error_rate_increase})")
+    if stable.latency_ms_p95 > 0 and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
+        out.append(f"guardrail latency: p95 {canary.latency_ms_p95:.0f} ms against {stable.latency_ms_p95:.0f} ms "
+                   f"(at most x{policy.max_latency_ratio})")
+    lo, hi = 1 / policy.max_length_ratio, policy.max_length_ratio
+    if stable.completion_tokens_mean > 0 and not lo <= canary.completion_tokens_mean / stable.completion_tokens_mean <= hi:
+        out.append(f"guardrail output length: {canary.completion_tokens_mean:.1f} tokens against "
+                   f"{stable.completion_tokens_mean:.1f} (within x{policy.max_length_ratio})")
+    if canary.reject_share - stable.reject_share > policy.max_reject_share_increase:
+        out.append(f"guardrail share of rejects: {canary.reject_share:.3f} against {stable.reject_share:.3f} "
+                   f"(at most +{policy.max_reject_share_increase})")
+    if canary.flag_rate - stable.flag_rate > policy.max_flag_rate_increase:
+        out.append(f"guardrail reward-guard flags: {canary.flag_rate:.3f} against {stable.flag_rate:.3f} "
+                   f"(at most +{policy.max_flag_rate_increase})")
+    return tuple(out)
+
+
+# -- the offline gate ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GateMeasurement:
+    """Candidate against stable on the held-out prompts (release/gate.py)."""
+
+    prompts: int
+    stable_length_mean: float
+    candidate_length_mean: float
+    kl_from_stable: float  # mean per token, nats, on the candidate's own samples
+    stable_entropy: float  # mean per-token entropy, nats
+    candidate_entropy: float
+    stable_distinct: float  # share of distinct completions
+    candidate_distinct: float
+    #: labeler/verifier name -> (stable mean, candidate mean)
+    scores: dict[str, tuple[float, float]] = field(default_factory=dict)
+    #: the trainer's own collapse signals from the checkpoint event
+    trainer_metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GatePolicy:
+    max_length_ratio: float = 2.0
+    max_kl: float = 1.0
+    min_entropy_ratio: float = 0.5
+    min_distinct_ratio: float = 0.8
+    max_score_drop: float = 0.1
+    min_trainer_entropy: float = 0.05
+    min_trainer_distinct: float = 0.2
+
+
+def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
+    """PASS when no check fails, FAIL naming every failed check. Each check is written as "not
+    within its limit", so a NaN measurement (a diverged candidate) fails it instead of passing."""
+    failed = []
+    if g.prompts == 0:
+        return Verdict(Outcome.ERROR, ("the held-out prompt set is empty",))
+    if g.stable_length_mean > 0:
+        ratio = g.candidate_length_mean / g.stable_length_mean
+        if not 1 / policy.max_length_ratio <= ratio <= policy.max_length_ratio:
+            failed.append(f"output length drift: {g.candidate_length_mean:.1f} tokens against "
+                          f"{g.stable_length_mean:.1f} (within x{policy.max_length_ratio})")
+    if not g.kl_from_stable <= policy.max_kl:
+        failed.append(f"KL from stable {g.kl_from_stable:.3f} nats/token (at most {policy.max_kl})")
+    if not g.candidate_entropy >= policy.min_entropy_ratio * g.stable_entropy:
+        failed.append(f"per-token entropy {g.candidate_entropy:.3f} against {g.stable_entropy:.3f} "
+                      f"(at least x{policy.min_entropy_ratio})")
+    if not g.candidate_distinct >= policy.min_distinct_ratio * g.stable_distinct:
+        failed.append(f"distinct completions {g.candidate_distinct:.2f} against {g.stable_distinct:.2f} "
+                      f"(at least x{policy.min_distinct_ratio})")
+    for name, (stable, candidate) in sorted(g.scores.items()):
+        if not stable - candidate <= policy.max_score_drop:
+            failed.append(f"{name}: {candidate:.3f} against {stable:.3f} (at most -{policy.max_score_drop})")
+    entropy = g.trainer_metrics.get("entropy")
+    if entropy is not None and not entropy >= policy.min_trainer_entropy:
+        failed.append(f"the trainer reports policy entropy {entropy:.3f} nats (at least {policy.min_trainer_entropy})")
+    distinct = g.trainer_metrics.get("distinct_frac")
+    if distinct is not None and not distinct >= policy.min_trainer_distinct:
+        failed.append(f"the trainer reports {distinct:.2f} distinct completions per batch "
+                      f"(at least {policy.min_trainer_distinct})")
+    if failed:
+        return Verdict(Outcome.FAIL, tuple(failed))
+    return Verdict(Outcome.PASS, (f"{g.prompts} held-out prompts: every check within its limit",))

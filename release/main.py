@@ -1,0 +1,85 @@
+"""Entrypoint of the release controller: ``flywheel release serve``.
+
+Runs the controller loop (release/controller.py) and, in the same process, the REST API and web
+console (release/api.py, release/console.py) on ``release.host:release.port`` (8100 by default,
+``FLYWHEEL_RELEASE_PORT``). State lives in ``FLYWHEEL_DATABASE_URL`` (PostgreSQL) or an SQLite
+file under ``<data_dir>/release/``. Several processes may run against one database: one holds the
+lease and acts, the others serve the API and stand by. SIGTERM or Ctrl-C stops it; ``kill -9`` is
+safe (release/store.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from typing import Any
+
+from flywheel.settings import Settings
+from flywheel.stream.serve import stop_on_signals
+
+log = logging.getLogger(__name__)
+
+
+class ApiServer:
+    """uvicorn on a thread of its own; ``port`` is known once :meth:`start` returns."""
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                                    access_log=False, lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name="release-api", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> ApiServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the release API did not start (is the port taken?)")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10.0)
+
+
+def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
+    """Serve until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
+    from flywheel.checkpoints import open_store
+    from flywheel.metrics import new_registry
+    from release.api import make_app
+    from release.auth import parse_tokens
+    from release.controller import Controller
+    from release.store import ReleaseStore, database_url
+    from release.streams import Streams
+
+    cfg = settings.release
+    parse_tokens(cfg.tokens)  # a malformed token entry stops the start, with the reason
+    stop = stop if stop is not None else stop_on_signals()
+    store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
+    streams = Streams(settings, new_registry())
+    controller = Controller(settings, store, streams, open_store(settings))
+    # the API gets a connection of its own: one connection is not for two threads' transactions
+    api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
+    api = ApiServer(make_app(api_store, cfg, controller.status), cfg.host, cfg.port).start()
+    log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
+    try:
+        while not stop.is_set():
+            try:
+                controller.tick()
+            except Exception:
+                log.exception("a controller turn failed; retrying")
+            stop.wait(cfg.tick_s) if hasattr(stop, "wait") else time.sleep(cfg.tick_s)
+    finally:
+        api.stop()
+        streams.close()
+        api_store.close()
+        store.close()
+    return 0

@@ -1,0 +1,102 @@
+"""An always-valid test of canary against stable: a discordant-pair e-process.
+
+Why not a classic test: the controller looks at the canary after every event, and a fixed-horizon
+test checked that often raises false alarms far above its nominal rate (bench/canary_stats.py
+measures both). An e-process can be checked after every event and stopped at any time: under
+equal accept rates it is a nonnegative martingale that starts at 1, so by Ville's inequality the
+chance it EVER reaches 1/alpha is at most alpha.
+
+The construction (exact, no asymptotics):
+
+- Pair the i-th canary outcome with the i-th stable outcome, by arrival order within each arm
+  (never by outcome). Keep the pairs whose outcomes differ (discordant pairs): W pairs where the
+  canary accepted and stable did not, L the other way round.
+- Under H0 (equal rates) each discordant pair is a canary win with probability 1/2, whatever the
+  common rate. Under "canary better" it is some p > 1/2.
+- The e-value against H0 for "canary better" is a mixture of likelihood ratios over a grid of
+  p > 1/2 with equal weights: E = mean_k (2 p_k)^W (2 (1 - p_k))^L. A mixture of test
+  martingales is one, so E is valid whatever p is; the grid only decides which lifts it finds
+  fastest. "Canary worse" mirrors it over p < 1/2.
+
+The confidence sequence inverts the same mixture around every candidate share p0 (see
+:func:`confidence_band`); the console draws it as a band.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Win shares the "canary better" mixture weighs equally (mirrored for "worse"). A grid rather
+#: than a Beta prior: exact with plain floats, and it covers lifts from a few points up.
+BETTER_GRID: tuple[float, ...] = (0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.9)
+
+
+@dataclass(frozen=True)
+class PairCount:
+    """Discordant pairs so far: canary won ``wins``, stable won ``losses``; ``pairs`` counts all."""
+
+    pairs: int = 0
+    wins: int = 0
+    losses: int = 0
+
+    def add(self, canary_accepted: bool, stable_accepted: bool) -> PairCount:
+        win = canary_accepted and not stable_accepted
+        loss = stable_accepted and not canary_accepted
+        return PairCount(self.pairs + 1, self.wins + win, self.losses + loss)
+
+
+def pair_outcomes(canary: list[bool], stable: list[bool]) -> PairCount:
+    """Pair two arms' outcomes by arrival order; the longer arm's extra outcomes wait for a partner."""
+    count = PairCount()
+    for c, s in zip(canary, stable):
+        count = count.add(c, s)
+    return count
+
+
+def _log_mix(wins: int, losses: int, grid: tuple[float, ...]) -> float:
+    terms = [wins * math.log(2 * p) + losses * math.log(2 * (1 - p)) for p in grid]
+    top = max(terms)
+    return top + math.log(sum(math.exp(t - top) for t in terms) / len(terms))
+
+
+def log_e_better(count: PairCount) -> float:
+    """log of the e-value against equal rates, for "the canary is accepted more often"."""
+    return _log_mix(count.wins, count.losses, BETTER_GRID)
+
+
+def log_e_worse(count: PairCount) -> float:
+    """log of the e-value against equal rates, for "the canary is accepted less often"."""
+    return _log_mix(count.losses, count.wins, BETTER_GRID)
+
+
+def confidence_band(count: PairCount, alpha: float, steps: int = 200) -> tuple[float, float]:
+    """An always-valid interval for the canary's win share among discordant pairs (0.5: no
+    difference), valid at every moment at once with probability at least 1 - 2 alpha: the
+    two-sided companion of the two one-sided tests the judge runs at alpha each.
+
+    A share p0 is inside while the e-value against "share = p0" stays below 1/(2 alpha). That
+    e-value mixes the same offsets as the judge's tests, on both sides of p0, so at p0 = 0.5 it is
+    the mean of ``e_better`` and ``e_worse``: whenever the judge says PASS or FAIL, 0.5 is outside.
+    """
+    w, lo_ = count.wins, count.losses
+    if w + lo_ == 0:
+        return 0.0, 1.0
+    threshold = math.log(1 / (2 * alpha))
+    offsets = [q - 0.5 for q in BETTER_GRID]
+    inside = []
+    for i in range(1, steps):
+        p0 = i / steps
+        terms = []
+        for d in offsets:
+            for q in (p0 + d, p0 - d):
+                if 0 < q < 1:
+                    terms.append(w * math.log(q / p0) + lo_ * math.log((1 - q) / (1 - p0)))
+        top = max(terms)
+        log_e = top + math.log(sum(math.exp(t - top) for t in terms) / (2 * len(offsets)))
+        if log_e < threshold:
+            inside.append(p0)
+    if not inside:  # the grid is too coarse for a very narrow band: the point estimate
+        share = w / (w + lo_)
+        return share, share
+    return max(0.0, min(inside) - 1 / steps), min(1.0, max(inside) + 1 / steps)

@@ -1,0 +1,327 @@
+"""The release controller's durable state: candidates, an append-only audit log, the release
+revisions it publishes, the pipeline's pause flag and the controller lease, in one database.
+
+SQLite by default (``<data_dir>/release/release.sqlite3``), PostgreSQL when
+``FLYWHEEL_DATABASE_URL`` names one (``postgresql://...``); the same SQL runs on both, and the
+state-machine tests run against both. Every transition is ONE transaction: the candidate's new
+state, its audit entry (who or what, when, why, and the measurements behind it) and, when the
+routing changes, the new release revision. A ``kill -9`` at any point leaves either all of it or
+none of it. Revisions are published to ``flywheel.releases`` after their transaction commits and
+marked published when Kafka acks them; a restart publishes the ones not marked (at least once:
+serving treats a revision it has applied as a no-op).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from release.states import FINAL, State, check
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS release_candidates (
+    version BIGINT PRIMARY KEY, parent BIGINT, state TEXT NOT NULL, uri TEXT NOT NULL,
+    manifest_sha256 TEXT NOT NULL, checkpoint TEXT NOT NULL, gate TEXT, analysis TEXT,
+    created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS release_audit (
+    id {ID}, version BIGINT, from_state TEXT, to_state TEXT, actor TEXT NOT NULL,
+    reason TEXT NOT NULL, evidence TEXT, at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS release_revisions (
+    revision BIGINT PRIMARY KEY, stable_version BIGINT NOT NULL, canary_version BIGINT,
+    canary_share DOUBLE PRECISION NOT NULL, reason TEXT NOT NULL, at DOUBLE PRECISION NOT NULL,
+    published INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS release_meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS release_lease (
+    name TEXT PRIMARY KEY, holder TEXT NOT NULL, expires_at DOUBLE PRECISION NOT NULL);
+"""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    version: int
+    parent: int | None
+    state: State
+    uri: str
+    manifest_sha256: str
+    checkpoint: dict[str, Any]
+    gate: dict[str, Any] | None
+    analysis: dict[str, Any] | None
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class AuditEntry:
+    id: int
+    version: int | None
+    from_state: str | None
+    to_state: str | None
+    actor: str
+    reason: str
+    evidence: dict[str, Any] | None
+    at: float
+
+
+@dataclass(frozen=True)
+class Revision:
+    """Desired routing, as published on ``flywheel.releases``."""
+
+    revision: int
+    stable_version: int
+    canary_version: int | None
+    canary_share: float
+    reason: str
+    at: float
+    published: bool = False
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What a transition changes in the routing (None: it changes nothing)."""
+
+    stable_version: int
+    canary_version: int | None
+    canary_share: float
+
+
+class _Db:
+    """The one place that knows which database it is: placeholders, ids, row locks."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.postgres = url.startswith(("postgresql://", "postgres://"))
+        if self.postgres:
+            import psycopg  # only a PostgreSQL deployment needs it
+
+            self.conn: Any = psycopg.connect(url, autocommit=True)
+            self.for_update = " FOR UPDATE"
+            # Revisions are numbered max + 1: two transactions changing the routing at once would
+            # read the same max and the second would fail on the duplicate key. They take turns
+            # on this lock (readers are not blocked); SQLite's BEGIN IMMEDIATE serialises already.
+            self.lock_revisions = "LOCK TABLE release_revisions IN SHARE ROW EXCLUSIVE MODE"
+            ddl = _SCHEMA.replace("{ID}", "BIGSERIAL PRIMARY KEY")
+            for stmt in filter(str.strip, ddl.split(";")):
+                self.conn.execute(stmt)
+        else:
+            path = Path(url.removeprefix("sqlite:///"))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = sqlite3.connect(str(path), isolation_level=None, timeout=30.0, check_same_thread=False)
+            self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA synchronous=FULL")
+            self.for_update = ""  # BEGIN IMMEDIATE already holds the write lock
+            self.lock_revisions = ""
+            self.conn.executescript(_SCHEMA.replace("{ID}", "INTEGER PRIMARY KEY AUTOINCREMENT"))
+
+    def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        if self.postgres:
+            sql = sql.replace("?", "%s")
+        return self.conn.execute(sql, params)
+
+    @contextmanager
+    def txn(self) -> Iterator[None]:
+        if self.postgres:
+            with self.conn.transaction():
+                yield
+            return
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def database_url(url: str | None, data_dir: Path) -> str:
+    """``url`` when given, else the embedded SQLite file under ``data_dir``."""
+    return url or f"sqlite:///{data_dir / 'release' / 'release.sqlite3'}"
+
+
+class ReleaseStore:
+    def __init__(self, url: str) -> None:
+        self.db = _Db(url)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- candidates ------------------------------------------------------------------------
+    def add_candidate(self, event: dict[str, Any], actor: str = "controller") -> bool:
+        """Record a published version as a candidate (a ``CheckpointEvent`` as a dict); False when
+        it is known already (the checkpoints topic is at least once)."""
+        now = time.time()
+        with self.db.txn():
+            if self.db.execute("SELECT 1 FROM release_candidates WHERE version=?", (event["version"],)).fetchone():
+                return False
+            self.db.execute(
+                "INSERT INTO release_candidates VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?)",
+                (event["version"], event.get("parent"), State.CANDIDATE.value, event["uri"],
+                 event["manifest_sha256"], json.dumps(event), now, now))
+            self._audit(event["version"], None, State.CANDIDATE, actor,
+                        f"version {event['version']} published by the trainer (step {event.get('step')})",
+                        {"metrics": event.get("metrics", {})}, now)
+        return True
+
+    def get(self, version: int) -> Candidate | None:
+        row = self.db.execute("SELECT * FROM release_candidates WHERE version=?", (version,)).fetchone()
+        return _candidate(row) if row else None
+
+    def candidates(self, states: set[State] | None = None) -> list[Candidate]:
+        rows = self.db.execute("SELECT * FROM release_candidates ORDER BY version").fetchall()
+        out = [_candidate(r) for r in rows]
+        return [c for c in out if states is None or c.state in states]
+
+    def save(self, version: int, *, gate: dict[str, Any] | None = None, analysis: dict[str, Any] | None = None) -> None:
+        """Keep a gate result or the live analysis with the candidate (not a transition)."""
+        with self.db.txn():
+            if gate is not None:
+                self.db.execute("UPDATE release_candidates SET gate=?, updated_at=? WHERE version=?",
+                                (json.dumps(gate), time.time(), version))
+            if analysis is not None:
+                self.db.execute("UPDATE release_candidates SET analysis=?, updated_at=? WHERE version=?",
+                                (json.dumps(analysis), time.time(), version))
+
+    def transition(self, version: int, target: State, actor: str, reason: str,
+                   evidence: dict[str, Any] | None = None, routing: Routing | None = None) -> bool:
+        """Move ``version`` to ``target`` with its audit entry, and the new routing if any, in one
+        transaction. False when it is already there (a no-op); ``TransitionRefused`` when the
+        table does not allow it; ``KeyError`` for an unknown version."""
+        now = time.time()
+        with self.db.txn():
+            row = self.db.execute(f"SELECT state FROM release_candidates WHERE version=?{self.db.for_update}",
+                                  (version,)).fetchone()
+            if row is None:
+                raise KeyError(f"no candidate version {version}")
+            current = State(row[0])
+            if not check(version, current, target):
+                return False
+            self.db.execute("UPDATE release_candidates SET state=?, updated_at=? WHERE version=?",
+                            (target.value, now, version))
+            self._audit(version, current, target, actor, reason, evidence, now)
+            if routing is not None:
+                self._route(routing, f"{target.value} v{version}: {reason}", now)
+            if target == State.PROMOTED:
+                self._set("last_promotion_at", str(now))
+        return True
+
+    # -- routing ---------------------------------------------------------------------------
+    def _route(self, routing: Routing, reason: str, now: float) -> None:
+        if self.db.lock_revisions:
+            self.db.execute(self.db.lock_revisions)
+        last = self.db.execute("SELECT max(revision) FROM release_revisions").fetchone()[0]
+        self.db.execute("INSERT INTO release_revisions VALUES (?, ?, ?, ?, ?, ?, 0)",
+                        ((last or 0) + 1, routing.stable_version, routing.canary_version,
+                         routing.canary_share, reason[:2000], now))
+
+    def latest_revision(self) -> Revision | None:
+        row = self.db.execute("SELECT * FROM release_revisions ORDER BY revision DESC LIMIT 1").fetchone()
+        return _revision(row) if row else None
+
+    def unpublished(self) -> list[Revision]:
+        rows = self.db.execute("SELECT * FROM release_revisions WHERE published=0 ORDER BY revision").fetchall()
+        return [_revision(r) for r in rows]
+
+    def mark_published(self, revisions: list[int]) -> None:
+        with self.db.txn():
+            for rev in revisions:
+                self.db.execute("UPDATE release_revisions SET published=1 WHERE revision=?", (rev,))
+
+    def stable_version(self) -> int:
+        """The version stable users get: the newest revision's, or 0 (the model serving started on)."""
+        rev = self.latest_revision()
+        return rev.stable_version if rev else 0
+
+    # -- pipeline and audit ----------------------------------------------------------------
+    def paused(self) -> bool:
+        return self._get("paused") == "1"
+
+    def set_paused(self, paused: bool, actor: str, reason: str) -> bool:
+        """Pause or resume the pipeline (audited); False when it already was."""
+        now = time.time()
+        with self.db.txn():
+            if (self._get("paused") == "1") == paused:
+                return False
+            self._set("paused", "1" if paused else "0")
+            self._audit(None, None, None, actor, ("paused: " if paused else "resumed: ") + reason, None, now)
+        return True
+
+    def last_promotion_at(self) -> float | None:
+        value = self._get("last_promotion_at")
+        return float(value) if value is not None else None
+
+    def note(self, version: int | None, actor: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
+        """An audit entry that changes no state (a refused approval, a gate that errored)."""
+        with self.db.txn():
+            self._audit(version, None, None, actor, reason, evidence, time.time())
+
+    def audit(self, version: int | None = None, limit: int = 200) -> list[AuditEntry]:
+        if version is None:
+            rows = self.db.execute("SELECT * FROM release_audit ORDER BY id DESC LIMIT ?", (limit,)).fetchall()
+        else:
+            rows = self.db.execute("SELECT * FROM release_audit WHERE version=? ORDER BY id DESC LIMIT ?",
+                                   (version, limit)).fetchall()
+        return [AuditEntry(r[0], r[1], r[2], r[3], r[4], r[5], json.loads(r[6]) if r[6] else None, r[7])
+                for r in rows]
+
+    # -- the controller lease --------------------------------------------------------------
+    def take_lease(self, holder: str, ttl_s: float, name: str = "controller") -> bool:
+        """Hold (or renew) the lease for ``ttl_s``; False while another holder's has not lapsed."""
+        now = time.time()
+        look = f"SELECT holder, expires_at FROM release_lease WHERE name=?{self.db.for_update}"
+        with self.db.txn():
+            row = self.db.execute(look, (name,)).fetchone()
+            if row is None:
+                # Two controllers starting together both find no row, and on PostgreSQL there is
+                # no row to lock yet: insert only if it is still missing, else judge the lease
+                # the other one just took (a plain INSERT failed here with a duplicate key).
+                if self.db.execute("INSERT INTO release_lease VALUES (?, ?, ?) ON CONFLICT (name) DO NOTHING "
+                                   "RETURNING name", (name, holder, now + ttl_s)).fetchall():
+                    return True
+                row = self.db.execute(look, (name,)).fetchone()
+            if row[0] != holder and row[1] > now:
+                return False
+            self.db.execute("UPDATE release_lease SET holder=?, expires_at=? WHERE name=?", (holder, now + ttl_s, name))
+            if row[0] != holder:
+                self._audit(None, None, None, holder, f"took over the controller lease from {row[0]} (lapsed)", None, now)
+        return True
+
+    def lease_holder(self, name: str = "controller") -> tuple[str, float] | None:
+        row = self.db.execute("SELECT holder, expires_at FROM release_lease WHERE name=?", (name,)).fetchone()
+        return (row[0], row[1]) if row else None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _audit(self, version: int | None, frm: State | None, to: State | None, actor: str, reason: str,
+               evidence: dict[str, Any] | None, at: float) -> None:
+        self.db.execute(
+            "INSERT INTO release_audit (version, from_state, to_state, actor, reason, evidence, at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (version, frm.value if frm else None, to.value if to else None, actor, reason,
+             json.dumps(evidence) if evidence is not None else None, at))
+
+    def _get(self, key: str) -> str | None:
+        row = self.db.execute("SELECT v FROM release_meta WHERE k=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def _set(self, key: str, value: str) -> None:
+        self.db.execute("INSERT INTO release_meta VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v=excluded.v",
+                        (key, value))
+
+
+def _candidate(r: Any) -> Candidate:
+    return Candidate(r[0], r[1], State(r[2]), r[3], r[4], json.loads(r[5]),
+                     json.loads(r[6]) if r[6] else None, json.loads(r[7]) if r[7] else None, r[8], r[9])
+
+
+def _revision(r: Any) -> Revision:
+    return Revision(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
+
+
+__all__ = ["FINAL", "AuditEntry", "Candidate", "ReleaseStore", "Revision", "Routing", "database_url"]

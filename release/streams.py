@@ -1,0 +1,149 @@
+"""The release controller's Kafka side: what it reads (checkpoints; episodes and rewards for the
+canary) and what it writes (routing revisions on ``flywheel.releases``, dead letters).
+
+- Checkpoints are read in the consumer group ``release.group_id`` and each batch's offsets are
+  committed on the next read, once the controller has stored the candidates: at least once, and a
+  version it knows is a no-op. A record that is not a valid ``CheckpointEvent`` is dead-lettered
+  with the reason.
+- Episodes and rewards are read without a group, from the offsets saved with the canary's tally
+  (release/measure.py), at most ``MAX_READ`` records a turn so a backlog does not stall the loop.
+- Revisions are sent keyed by the deployment and counted published only once Kafka acked them;
+  the store keeps the rest for the next turn.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from kafka import TopicPartition
+
+from flywheel.contracts import CheckpointEvent, ContractError, ReleaseEvent, Topics, decode, encode
+from flywheel.kafka.clients import (
+    ensure_topics,
+    high_watermarks,
+    make_consumer,
+    make_producer,
+    partitions_of,
+)
+from flywheel.kafka.producers import KafkaSink
+from flywheel.stream.deadletters import DeadLetters
+from release.measure import Tally
+from release.store import Revision
+
+log = logging.getLogger(__name__)
+
+#: Most episode and reward records folded into a canary's tally per turn.
+MAX_READ = 20_000
+DEADLETTER_REASONS = ("undecodable", "invalid", "unknown_version", "too_large")
+
+
+class Streams:
+    def __init__(self, settings: Any, registry: Any) -> None:
+        self.settings, self.kafka = settings, settings.kafka
+        self.topics = Topics(settings.topic_prefix)
+        ensure_topics(self.kafka, self.topics.all())
+        self.checkpoints = make_consumer(self.kafka, "release", settings.release.group_id, [self.topics.checkpoints])
+        self._uncommitted = False
+        self.reader = make_consumer(self.kafka, "release-measure", None)
+        self.measured = [self.topics.episodes, self.topics.rewards]
+        self.producer = make_producer(self.kafka, "release", max_block_ms=5000)
+        self.sink = KafkaSink(lambda: make_producer(self.kafka, "release-deadletters", max_block_ms=5000))
+        self.dead = DeadLetters(self.sink, self.topics.deadletter, "release", registry, DEADLETTER_REASONS)
+
+    def close(self) -> None:
+        self.sink.close()
+        self.producer.close(timeout=5)
+        self.reader.close()
+        self.checkpoints.close(autocommit=False)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def new_checkpoints(self, timeout_ms: int = 100) -> list[dict[str, Any]]:
+        """Valid checkpoint events that arrived since the last call, as dicts."""
+        if self._uncommitted:  # the caller stored the last batch's candidates
+            self.checkpoints.commit()
+            self._uncommitted = False
+        out = []
+        for recs in self.checkpoints.poll(timeout_ms=timeout_ms).values():
+            for rec in recs:
+                try:
+                    out.append(decode(CheckpointEvent, rec.value).model_dump(mode="json"))
+                except ContractError as exc:
+                    self.dead.send_record(rec, exc.reason, exc.detail)
+                self._uncommitted = True
+        if self._uncommitted:
+            self.sink.flush(10.0)  # the letters are acked before their offsets are committed
+        return out
+
+    # -- measuring --------------------------------------------------------------------------
+    def ends(self) -> dict[str, dict[int, int]]:
+        tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
+        ends = high_watermarks(self.kafka.bootstrap, tps, client_id=f"{self.kafka.client_id}-release")
+        out: dict[str, dict[int, int]] = {}
+        for tp, end in ends.items():
+            out.setdefault(tp.topic, {})[tp.partition] = end
+        return out
+
+    def read_into(self, tally: Tally, timeout_s: float = 0.5) -> int:
+        """Fold the episodes and rewards after the tally's offsets into it; returns how many."""
+        tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
+        if set(self.reader.assignment()) != set(tps):
+            self.reader.assign(tps)
+        for tp in tps:
+            # only where the reader is not already there: a seek drops what it has fetched ahead
+            want = tally.offsets.get(tp.topic, {}).get(tp.partition, 0)
+            if self.reader.position(tp, timeout_ms=5000) != want:
+                self.reader.seek(tp, want)
+        read, deadline = 0, time.monotonic() + timeout_s
+        while read < MAX_READ and time.monotonic() < deadline:
+            batches = self.reader.poll(timeout_ms=100, max_records=5000)
+            if not batches:
+                if self._caught_up(tps):
+                    break
+                continue
+            for tp, recs in batches.items():
+                for rec in recs:
+                    self._fold(tally, tp.topic, rec.value)
+                tally.offsets.setdefault(tp.topic, {})[tp.partition] = recs[-1].offset + 1
+                read += len(recs)
+        return read
+
+    def _caught_up(self, tps: list[TopicPartition]) -> bool:
+        for tp in tps:
+            high = self.reader.highwater(tp)
+            if high is None or self.reader.position(tp, timeout_ms=1000) < high:
+                return False
+        return True
+
+    def _fold(self, tally: Tally, topic: str, value: bytes | None) -> None:
+        # Ingest and reward validated these at their edges; a record this reader cannot use is
+        # theirs to dead-letter, not a measurement (it is skipped and counted in the log).
+        try:
+            record = json.loads(value or b"")
+            if topic == self.topics.episodes:
+                tally.add_episode(record)
+            else:
+                tally.add_reward(record)
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("skipped an unreadable %s record while measuring: %s", topic, exc)
+
+    # -- routing ----------------------------------------------------------------------------
+    def publish(self, revisions: list[Revision], deployment: str) -> list[int]:
+        """Send ``revisions`` in order; the ones Kafka acked."""
+        done = []
+        for rev in revisions:
+            event = ReleaseEvent(revision=rev.revision, deployment=deployment, stable_version=rev.stable_version,
+                                 canary_version=rev.canary_version, canary_share=rev.canary_share,
+                                 reason=rev.reason, updated_at=rev.at)
+            try:
+                self.producer.send(self.topics.releases, key=deployment, value=encode(event)).get(timeout=10)
+            except Exception as exc:  # noqa: BLE001 - the broker did not ack: kept for the next turn
+                log.warning("revision %d not published yet: %s", rev.revision, exc)
+                break
+            done.append(rev.revision)
+            log.info("published revision %d: stable v%d, canary %s at %.0f%% (%s)", rev.revision, rev.stable_version,
+                     f"v{rev.canary_version}" if rev.canary_version is not None else "none", 100 * rev.canary_share,
+                     rev.reason)
+        return done

@@ -1,0 +1,158 @@
+"""``flywheel release ...`` against a live API on loopback (release/api.py on uvicorn), over a real
+SQLite file and a real PostgreSQL schema. Most commands run in this process through
+``cli.main.main`` (the same code path as the console script, without a second interpreter start);
+one runs as ``python -m cli`` to check the process's exit code and streams for real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import test_release_api as shared
+from test_release_api import TOKENS, seed
+
+from cli.main import main
+from flywheel.settings import Settings
+from release.states import State
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The API module's fixtures, shared by assignment: pytest finds fixtures among a module's names.
+store = shared.store
+api = shared.api
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["release", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def columns(table: str) -> list[list[str]]:
+    return [line.split() for line in table.strip().splitlines()]
+
+
+def test_list_and_show_print_aligned_tables_of_versions_and_states(api, store, capsys):
+    seed(store, 1, State.PROMOTED)
+    seed(store, 2, State.SUPERSEDED, parent=1)
+    seed(store, 10, State.AWAITING_APPROVAL, parent=1)
+    store.save(10, gate={"outcome": "pass", "reasons": ["24 held-out prompts: every check within its limit"],
+                         "kl_from_stable": 0.02},
+               analysis={"outcome": "running", "reasons": ["stable has 12 of the 50 outcomes needed"],
+                         "e_better": 1.7, "band": [[1, 0.1, 0.9]]})
+    a = api()
+    code, out, err = run(capsys, "list", "--url", a.url, "--token", TOKENS["vera"])
+    assert (code, err) == (0, "")
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["VERSION", "PARENT", "STEP", "STATE", "GATE", "CANARY", "UPDATED"]
+    rows = columns(out)[1:]
+    assert [(r[0], r[1], r[3], r[4], r[5]) for r in rows] == [
+        ("1", "-", "promoted", "-", "-"), ("2", "1", "superseded", "-", "-"),
+        ("10", "1", "awaiting_approval", "pass", "running")]
+    state_at = lines[0].index("STATE")  # aligned: every row's state starts under its header
+    assert all(line[state_at:].split()[0] == row[3] for line, row in zip(lines[1:], rows, strict=True))
+
+    code, out, err = run(capsys, "show", "10", "--url", a.url, "--token", TOKENS["vera"])
+    assert code == 0, err
+    fields = dict(line.split(None, 1) for line in out.split("\n\n")[0].splitlines()[1:])
+    assert fields["state"] == "awaiting_approval" and fields["manifest"] == f"{10:064x}"
+    assert "gate: pass\n  - 24 held-out prompts: every check within its limit" in out
+    measures = {r[0]: r[1] for r in columns(out) if len(r) == 2}
+    assert measures["kl_from_stable"] == "0.02" and measures["e_better"] == "1.7"
+    assert "band" not in measures  # a history is for the console's chart, not a terminal
+    assert "canary analysis: running" in out
+    audit = out.split("audit (newest first):\n")[1]
+    assert [r[4:7] for r in columns(audit)[1:]] == [["canary", "->", "awaiting_approval"],
+                                                   ["gating", "->", "canary"], ["candidate", "->", "gating"],
+                                                   ["new", "->", "candidate"]]
+
+
+def test_approve_promotes_and_the_audit_names_the_approver(api, store, capsys):
+    seed(store, 1, State.PROMOTED)
+    seed(store, 2, State.AWAITING_APPROVAL, parent=1)
+    a = api()
+    code, out, err = run(capsys, "approve", "2", "--reason", "accept rate up 4 points",
+                         "--url", a.url, "--token", TOKENS["abe"])
+    assert (code, err) == (0, "")
+    rev = store.latest_revision()
+    assert out.strip() == f"promoted v2 (revision {rev.revision}: stable v2)"
+    assert store.get(2).state == State.PROMOTED and store.stable_version() == 2
+    code, out, _ = run(capsys, "audit", "--version", "2", "--limit", "1", "--url", a.url, "--token", TOKENS["vera"])
+    assert code == 0
+    header, row = out.strip().splitlines()
+    assert header.split() == ["WHEN", "ACTOR", "VERSION", "CHANGE", "REASON"]
+    assert row.split()[2:] == ["abe", "2", "awaiting_approval", "->", "promoted", "accept", "rate", "up", "4", "points"]
+
+    code, _, err = run(capsys, "approve", "2", "--url", a.url, "--token", TOKENS["abe"])  # a refusal: 409
+    assert code == 1 and err.startswith("error: version 2 is promoted")
+
+
+def test_wrong_token_exits_2_with_the_message(api, store):
+    seed(store, 1, State.AWAITING_APPROVAL)
+    a = api()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    done = subprocess.run([sys.executable, "-m", "cli", "release", "list", "--url", a.url, "--token", "wrong"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", "error: invalid token\n")
+
+
+def test_too_low_a_role_exits_2_and_other_failures_exit_1(api, store, capsys, monkeypatch):
+    seed(store, 1, State.AWAITING_APPROVAL)
+    a = api()
+    code, out, err = run(capsys, "approve", "1", "--url", a.url, "--token", TOKENS["vera"])
+    assert (code, out) == (2, "")
+    assert err == "error: this needs the approver role; vera is a viewer\n"
+    assert store.get(1).state == State.AWAITING_APPROVAL
+    monkeypatch.delenv("FLYWHEEL_RELEASE_TOKEN", raising=False)
+    code, _, err = run(capsys, "list", "--url", a.url)
+    assert code == 2 and "pass --token or set FLYWHEEL_RELEASE_TOKEN" in err
+    code, _, err = run(capsys, "reject", "99", "--url", a.url, "--token", TOKENS["abe"])
+    assert code == 1 and err == "error: no version 99 was ever published to this controller\n"
+    code, _, err = run(capsys, "pause", "--reason", "x" * 2001, "--url", a.url, "--token", TOKENS["ada"])
+    assert code == 1 and err.startswith("error: reason: String should have at most 2000 characters")
+    code, _, err = run(capsys, "list", "--url", "http://127.0.0.1:9", "--token", "t")  # nothing listens there
+    assert code == 1 and err.startswith("error: cannot reach the release controller at http://127.0.0.1:9")
+
+
+def test_url_and_token_default_to_the_settings_and_the_environment(api, store, capsys, monkeypatch):
+    a = api()
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("FLYWHEEL_RELEASE_PORT", a.url.rsplit(":", 1)[1])
+    monkeypatch.setenv("FLYWHEEL_RELEASE_TOKEN", TOKENS["ada"])  # the CLI's own variable, not a setting
+    code, out, err = run(capsys, "pause", "--reason", "rebalancing the cluster")
+    assert (code, out.strip(), err) == (0, "pipeline paused", "")
+    assert store.paused() and store.audit(limit=1)[0].actor == "ada"
+    code, out, _ = run(capsys, "pause", "--reason", "again")
+    assert out.strip() == "pipeline was already paused: nothing changed"
+    code, out, _ = run(capsys, "status")
+    assert code == 0
+    status = {r[0]: r[1:] for r in columns(out)}
+    assert status["pipeline"] == ["PAUSED"] and status["stable"] == ["v0"] and status["canary"] == ["none"]
+
+
+def test_serve_hands_the_settings_to_release_main(monkeypatch):
+    # release/main.py (the controller loop and this API) is its own module; the command only
+    # parses settings and calls its run(settings, args), imported when the command runs
+    calls = []
+    fake = types.ModuleType("release.main")
+    fake.run = lambda settings, args: calls.append((settings, args)) or 7  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "release.main", fake)
+    monkeypatch.setenv("FLYWHEEL_LOG_LEVEL", "WARNING")
+    assert main(["release", "serve"]) == 7
+    (settings, args), = calls
+    assert isinstance(settings, Settings) and args.release_cmd == "serve"
+
+
+def test_pause_and_resume_need_a_reason_before_anything_is_sent(capsys):
+    for command in ("pause", "resume"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["release", command, "--url", "http://127.0.0.1:9"])
+        assert exit_.value.code == 2
+        assert "--reason" in capsys.readouterr().err

@@ -1,0 +1,210 @@
+"""The release controller end to end: real broker, versions from real DeepSpeed steps, the real
+gate on the held-out prompts, users simulated as episodes on the real episodes topic.
+
+- a trained candidate passes the gate, is canaried (the releases topic says so), its users accept
+  more often, the analysis reaches PASS, a person approves through the CLI, and the releases
+  topic names it stable;
+- a degraded candidate (its output head scaled until it all but repeats its top token) fails the
+  gate and never reaches users;
+- a candidate that passes the gate but that users reject more often is rolled back by the
+  controller alone, and the audit log says why;
+- a second controller on the same database stands by while the first holds the lease.
+
+The controller is ticked by the test (the same ``tick`` its process loop calls), so each step is
+deterministic on a busy machine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import small_generation
+from kafka import TopicPartition
+from trainer_helpers import make_trainer, reward_event
+
+from flywheel.contracts import EpisodeEvent, ReleaseEvent, decode, encode
+from flywheel.kafka.clients import make_producer, read_to_end
+from flywheel.metrics import new_registry
+from flywheel.settings import ReleaseSettings, Settings
+from release.controller import Controller
+from release.gate import DEFAULT_PROMPTS
+from release.states import State
+from release.store import ReleaseStore
+from release.streams import Streams
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """A checkpoint store with v0 (the base), v1 and v2 from real steps, and v3 degraded."""
+    data = tmp_path_factory.mktemp("release-store")
+    tr = make_trainer(tiny_model_dir, data, loss="reinforce", lr=1e-4, full_every=2)
+    tr.start()  # publishes v0: the weights serving starts on
+    for n in range(2):
+        events = [reward_event(100 * n + k) for k in range(4)]
+        tr._train(events, [("t", 0, 100 * n + k) for k in range(4)])
+        tr.publish()
+    with torch.no_grad():  # a collapsed policy: one token takes nearly all the probability
+        head = tr.policy.module.get_output_embeddings().weight
+        head.mul_(60.0)
+    tr.publish()
+    return tr.store, data
+
+
+def checkpoint_event(store, version: int) -> dict:
+    from trainer.announce import checkpoint_event as make_event  # the trainer's own announcement
+
+    return make_event(store, version).model_dump(mode="json")
+
+
+def settings_for(kafka_settings, topics, model_dir, data_dir, db_url, **release) -> Settings:
+    # eight of the shipped held-out prompts keep the gate to seconds
+    prompts = data_dir / "prompts.jsonl"
+    prompts.write_text("".join(DEFAULT_PROMPTS.read_text().splitlines(keepends=True)[:8]))
+    cfg = {"database_url": db_url, "canary_share": 0.5, "min_events": 40, "alpha": 0.05, "promotion_interval_s": 0,
+               "gate_max_new_tokens": 12, "prompts_file": prompts, "tick_s": 0.1, "lease_ttl_s": 5, "deadline_s": 600}
+    cfg.update(release)
+    return Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=topics.prefix, kafka=kafka_settings,
+                    release=ReleaseSettings(**cfg))
+
+
+def publish_checkpoint(kafka_settings, topics, event: dict) -> None:
+    producer = make_producer(kafka_settings, "test")
+    producer.send(topics.checkpoints, key=str(event["version"]), value=json.dumps(event).encode()).get(10)
+    producer.close()
+
+
+def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: float, p_canary: float,
+                   n: int, seed: int) -> None:
+    """``n`` episodes per arm from distinct users, accepted with each arm's probability."""
+    rnd = random.Random(seed)
+    producer = make_producer(kafka_settings, "users")
+    now = time.time()
+    for i in range(n):
+        for version, p in ((stable, p_stable), (canary, p_canary)):
+            gid = f"g{seed}-{version}-{i}"
+            gen = small_generation(gid, now).model_copy(update={"model_version": version, "user_id": f"u{version}-{i}"})
+            ep = EpisodeEvent(generation=gen, signal="accept" if rnd.random() < p else "reject", resolved_at=now)
+            producer.send(topics.episodes, key=gid, value=encode(ep))
+    producer.flush()
+    producer.close()
+
+
+def releases(kafka_settings, topics) -> list[ReleaseEvent]:
+    """The releases topic up to its end, in revision order."""
+    starts = {TopicPartition(topics.releases, p): None for p in range(kafka_settings.partitions)}
+    got = [decode(ReleaseEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts, client_id="t")]
+    return sorted(got, key=lambda r: r.revision)
+
+
+def tick_until(controller: Controller, done, what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            live = controller.store.candidates()
+            raise AssertionError(f"timed out waiting for {what}: " + "; ".join(
+                f"v{c.version} {c.state.value} {json.dumps({k: (c.analysis or {}).get(k) for k in ('outcome', 'reasons', 'pairs')})}"
+                for c in live))
+        controller.tick()
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def run_controller(kafka_settings, topics, tiny_model_dir, trained, tmp_path):
+    made = []
+
+    def start(db_url: str | None = None, **release) -> tuple[Controller, ReleaseStore]:
+        store_dir = trained[1]
+        url = db_url or f"sqlite:///{tmp_path / 'release.sqlite3'}"
+        settings = settings_for(kafka_settings, topics, tiny_model_dir, store_dir, url, **release)
+        rs = ReleaseStore(url)
+        streams = Streams(settings, new_registry())
+        ctl = Controller(settings, rs, streams, trained[0])
+        made.append((rs, streams))
+        return ctl, rs
+
+    yield start
+    for rs, streams in made:
+        streams.close()
+        rs.close()
+
+
+def test_a_better_candidate_is_canaried_passes_and_is_promoted_on_approval(run_controller, kafka_settings, topics,
+                                                                            trained):
+    ctl, rs = run_controller()
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
+    tick_until(ctl, lambda: (c := rs.get(1)) is not None and c.state == State.CANARY, "v1 in canary")
+    assert rs.get(1).gate["outcome"] == "pass"
+    tick_until(ctl, lambda: rs.latest_revision().published, "the canary routing published")
+    canary = next(r for r in releases(kafka_settings, topics) if r.canary_version == 1)
+    assert (canary.stable_version, canary.canary_share) == (0, 0.5)
+
+    simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=1)
+    tick_until(ctl, lambda: rs.get(1).state == State.AWAITING_APPROVAL, "the analysis to pass")
+    analysis = rs.get(1).analysis
+    assert analysis["outcome"] == "pass" and analysis["canary"]["accept_rate"] > analysis["stable"]["accept_rate"]
+    assert analysis["e_better"] >= 20 and analysis["history"]
+
+    # a release engineer approves through the CLI, against the controller's REST API
+    from cli.main import main as flywheel
+    from release.api import make_app
+    from release.main import ApiServer
+
+    api_store = ReleaseStore(rs.db.url)
+    api = ApiServer(make_app(api_store, ctl.cfg.model_copy(update={"tokens": ("ann:approver:s3cret",)})),
+                    "127.0.0.1", 0).start()
+    try:
+        assert flywheel(["release", "approve", "1", "--reason", "users prefer it", "--url",
+                         f"http://127.0.0.1:{api.port}", "--token", "s3cret"]) == 0
+    finally:
+        api.stop()
+        api_store.close()
+    tick_until(ctl, lambda: rs.latest_revision().stable_version == 1 and rs.latest_revision().published,
+               "v1 stable, published")
+    assert any(r.stable_version == 1 and r.canary_version is None for r in releases(kafka_settings, topics))
+    assert rs.get(1).state == State.PROMOTED
+    assert [e.actor for e in rs.audit(1) if e.to_state == "promoted"] == ["ann"]
+
+
+def test_a_degraded_candidate_fails_the_gate_and_never_reaches_users(run_controller, kafka_settings, topics, trained):
+    ctl, rs = run_controller()
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 3))
+    tick_until(ctl, lambda: (c := rs.get(3)) is not None and c.state == State.REJECTED, "v3 rejected")
+    reasons = " ".join(rs.get(3).gate["reasons"])
+    assert "entropy" in reasons
+    ctl.tick()
+    assert not any(r.canary_version == 3 for r in releases(kafka_settings, topics))
+
+
+def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller, kafka_settings, topics, trained):
+    ctl, rs = run_controller()
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 2))
+    tick_until(ctl, lambda: (c := rs.get(2)) is not None and c.state == State.CANARY, "v2 in canary")
+    simulate_users(kafka_settings, topics, stable=0, canary=2, p_stable=0.7, p_canary=0.2, n=120, seed=2)
+    tick_until(ctl, lambda: rs.get(2).state == State.ROLLED_BACK, "the automatic rollback")
+    entry = next(e for e in rs.audit(2) if e.to_state == "rolled_back")
+    # the share-of-rejects guardrail or the sequential test, whichever the evidence reached first
+    assert entry.actor == "controller" and entry.reason.startswith("analysis fail: ")
+    assert "share of rejects" in entry.reason or "accepted less often" in entry.reason
+    assert entry.evidence["canary"]["accepts"] < entry.evidence["stable"]["accepts"]
+    tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
+    last = releases(kafka_settings, topics)[-1]
+    assert (last.stable_version, last.canary_version) == (0, None)
+
+
+def test_a_second_controller_stands_by_while_the_first_holds_the_lease(run_controller):
+    first, rs = run_controller()
+    first.tick()
+    second, _ = run_controller()
+    second.tick()
+    assert first.active and not second.active
+    assert rs.lease_holder()[0] == first.holder

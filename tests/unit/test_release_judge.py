@@ -1,0 +1,272 @@
+"""The canary and gate judges (release/judge.py), one narrow table test per rule.
+
+Each test starts from a measurement every rule is happy with (RUNNING for the canary, PASS for the
+gate) and changes one thing, so a failure names the rule that broke. Limits are checked on both
+sides: a value past the limit fails, the value at the limit (or just inside it, where floating
+point would make "at" ambiguous) does not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from release.judge import (
+    ArmStats,
+    CanaryMeasurement,
+    CanaryPolicy,
+    GateMeasurement,
+    GatePolicy,
+    Outcome,
+    judge_canary,
+    judge_gate,
+)
+from release.sequential import PairCount, log_e_better
+
+POLICY = CanaryPolicy()  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
+ARM = ArmStats(outcomes=200, accepts=60, requests=400, errors=4, latency_ms_p95=1000.0,
+               completion_tokens_mean=100.0, flagged=2, rewards=200)
+QUIET = PairCount(pairs=200, wins=20, losses=20)  # no evidence either way
+BETTER = PairCount(pairs=300, wins=60, losses=10)  # e-value far past 1/alpha for "better"
+WORSE = PairCount(pairs=300, wins=10, losses=60)
+BASE = CanaryMeasurement(stable=ARM, canary=ARM, pairs=QUIET, elapsed_s=600.0)
+
+
+def canary(**changes) -> CanaryMeasurement:
+    return replace(BASE, canary=replace(ARM, **changes))
+
+
+def test_the_base_measurement_is_running():
+    v = judge_canary(BASE, POLICY)
+    assert v.outcome == Outcome.RUNNING
+    assert v.reasons == ("20 discordant pairs won by canary, 20 by stable; accept rate 0.300 against 0.300",)
+
+
+# -- rule 1: measurement errors ------------------------------------------------------------------
+
+def test_error_at_the_error_limit():
+    v = judge_canary(replace(BASE, measurement_errors=POLICY.error_limit), POLICY)
+    assert v.outcome == Outcome.ERROR
+    assert v.reasons == ("3 measurements failed (limit 3)",)
+
+
+def test_errors_below_the_limit_are_no_verdict():
+    assert judge_canary(replace(BASE, measurement_errors=POLICY.error_limit - 1), POLICY).outcome == Outcome.RUNNING
+
+
+def test_errors_beat_every_other_rule():
+    worst = replace(BASE, measurement_errors=5, elapsed_s=10 * POLICY.deadline_s, pairs=BETTER,
+                    canary=replace(ARM, outcomes=3, latency_ms_p95=9000.0))
+    assert judge_canary(worst, POLICY).outcome == Outcome.ERROR
+
+
+# -- rule 2: a minimum sample --------------------------------------------------------------------
+
+@pytest.mark.parametrize(("stable_n", "canary_n", "short"), [
+    (49, 200, ["stable"]), (200, 49, ["canary"]), (10, 0, ["stable", "canary"])])
+def test_running_below_min_events_naming_the_short_arm(stable_n, canary_n, short):
+    m = replace(BASE, stable=replace(ARM, outcomes=stable_n), canary=replace(ARM, outcomes=canary_n),
+                pairs=BETTER, elapsed_s=2 * POLICY.deadline_s)  # evidence and deadline wait too
+    v = judge_canary(m, POLICY)
+    assert v.outcome == Outcome.RUNNING
+    assert [r.split()[0] for r in v.reasons] == short
+    n = {"stable": stable_n, "canary": canary_n}
+    assert all(f"has {n[name]} of the 50 outcomes needed" in r for name, r in zip(short, v.reasons))
+
+
+def test_a_short_arm_hides_a_breached_guardrail():
+    m = replace(BASE, canary=replace(ARM, outcomes=49, latency_ms_p95=9000.0))
+    assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
+
+
+def test_min_events_exactly_is_enough():
+    m = replace(BASE, stable=replace(ARM, outcomes=50, accepts=15), canary=replace(ARM, outcomes=50, accepts=15),
+                pairs=BETTER)
+    assert judge_canary(m, POLICY).outcome == Outcome.PASS
+
+
+# -- rule 3: guardrails, each alone --------------------------------------------------------------
+
+# name in the reason, canary fields past the limit, canary fields at / just inside it
+# (stable: 4/400 errors, p95 1000 ms, 100 tokens, 140/200 rejects, 2/200 flags)
+GUARDRAILS = [
+    ("guardrail error rate", {"errors": 13}, {"errors": 11}),  # +0.0225 / +0.0175 (limit +0.02)
+    ("guardrail latency", {"latency_ms_p95": 1500.5}, {"latency_ms_p95": 1500.0}),  # x1.5
+    ("guardrail output length", {"completion_tokens_mean": 200.5}, {"completion_tokens_mean": 200.0}),  # x2
+    ("guardrail output length", {"completion_tokens_mean": 49.5}, {"completion_tokens_mean": 50.0}),  # /2
+    ("guardrail share of rejects", {"accepts": 29}, {"accepts": 31}),  # +0.155 / +0.145 (limit +0.15)
+    ("guardrail reward-guard flags", {"flagged": 13}, {"flagged": 11}),  # +0.055 / +0.045 (limit +0.05)
+]
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
+                         ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
+def test_a_breached_guardrail_fails_naming_it(name, past, inside):
+    v = judge_canary(canary(**past), POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert len(v.reasons) == 1 and v.reasons[0].startswith(name + ":"), v.reasons
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
+                         ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
+def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
+    assert judge_canary(canary(**inside), POLICY).outcome == Outcome.RUNNING
+
+
+def test_guardrails_compare_with_stable_not_absolute():
+    # a canary as slow and error-prone as stable breaches nothing, however bad both are
+    bad = replace(ARM, errors=200, latency_ms_p95=30_000.0, flagged=150)
+    assert judge_canary(replace(BASE, stable=bad, canary=bad), POLICY).outcome == Outcome.RUNNING
+
+
+def test_an_unmeasured_stable_latency_or_length_is_not_compared():
+    stable = replace(ARM, latency_ms_p95=0.0, completion_tokens_mean=0.0)
+    m = replace(BASE, stable=stable, canary=replace(ARM, latency_ms_p95=5000.0, completion_tokens_mean=900.0))
+    assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
+
+
+@pytest.mark.parametrize("field", ["latency_ms_p95", "completion_tokens_mean"])
+def test_a_non_finite_canary_measurement_breaches_its_guardrail(field):
+    assert judge_canary(canary(**{field: math.nan}), POLICY).outcome == Outcome.FAIL
+
+
+def test_every_breached_guardrail_is_named():
+    v = judge_canary(canary(errors=40, latency_ms_p95=4000.0, flagged=50), POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert [r.split(":")[0] for r in v.reasons] == [
+        "guardrail error rate", "guardrail latency", "guardrail reward-guard flags"]
+
+
+def test_a_breached_guardrail_beats_a_passing_accept_rate():
+    v = judge_canary(replace(canary(latency_ms_p95=2000.0), pairs=BETTER), POLICY)
+    assert v.outcome == Outcome.FAIL and v.reasons[0].startswith("guardrail latency:")
+
+
+# -- rules 4 and 5: the always-valid test --------------------------------------------------------
+
+def test_fail_when_the_canary_is_clearly_accepted_less_often():
+    v = judge_canary(replace(BASE, pairs=WORSE), POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert v.reasons[0].startswith("canary accepted less often (e-value ")
+    assert "10 discordant pairs won by canary, 60 by stable" in v.reasons[0]
+
+
+def test_pass_when_the_canary_is_clearly_accepted_more_often():
+    v = judge_canary(replace(BASE, pairs=BETTER), POLICY)
+    assert v.outcome == Outcome.PASS
+    assert v.reasons[0].startswith("canary accepted more often (e-value ")
+    assert ">= 20)" in v.reasons[0]
+
+
+def first_passing_wins(losses: int, alpha: float) -> int:
+    w = losses
+    while log_e_better(PairCount(0, w, losses)) < math.log(1 / alpha):
+        w += 1
+    return w
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.01])
+def test_pass_exactly_where_the_e_value_reaches_one_over_alpha(alpha):
+    policy = replace(POLICY, alpha=alpha)
+    w = first_passing_wins(10, alpha)
+    assert judge_canary(replace(BASE, pairs=PairCount(300, w - 1, 10)), policy).outcome == Outcome.RUNNING
+    assert judge_canary(replace(BASE, pairs=PairCount(300, w, 10)), policy).outcome == Outcome.PASS
+    # mirrored: the same counts the other way round fail
+    assert judge_canary(replace(BASE, pairs=PairCount(300, 10, w)), policy).outcome == Outcome.FAIL
+    assert judge_canary(replace(BASE, pairs=PairCount(300, 10, w - 1)), policy).outcome == Outcome.RUNNING
+
+
+def test_a_smaller_alpha_asks_for_more_evidence():
+    assert first_passing_wins(10, 0.01) > first_passing_wins(10, 0.05)
+
+
+# -- rules 6 and 7: the deadline, and otherwise running ------------------------------------------
+
+def test_inconclusive_past_the_deadline_without_evidence():
+    v = judge_canary(replace(BASE, elapsed_s=POLICY.deadline_s), POLICY)
+    assert v.outcome == Outcome.INCONCLUSIVE
+    assert v.reasons[0].startswith("no verdict after 3600s (deadline 3600s): 20 discordant pairs")
+
+
+def test_evidence_past_the_deadline_still_decides():
+    late = replace(BASE, elapsed_s=2 * POLICY.deadline_s)
+    assert judge_canary(replace(late, pairs=BETTER), POLICY).outcome == Outcome.PASS
+    assert judge_canary(replace(late, pairs=WORSE), POLICY).outcome == Outcome.FAIL
+
+
+def test_running_before_the_deadline_without_evidence():
+    assert judge_canary(replace(BASE, elapsed_s=POLICY.deadline_s - 1), POLICY).outcome == Outcome.RUNNING
+
+
+# -- the offline gate ----------------------------------------------------------------------------
+
+GATE_POLICY = GatePolicy()  # length x2, KL 1.0, entropy x0.5, distinct x0.8, score -0.1, trainer 0.05 / 0.2
+GATE = GateMeasurement(prompts=32, stable_length_mean=20.0, candidate_length_mean=22.0, kl_from_stable=0.2,
+                       stable_entropy=2.0, candidate_entropy=1.8, stable_distinct=1.0, candidate_distinct=0.9,
+                       scores={"verifier": (0.6, 0.58), "labeler": (0.7, 0.72)},
+                       trainer_metrics={"entropy": 1.2, "distinct_frac": 0.7})
+
+
+def test_gate_passes_when_every_check_is_within_its_limit():
+    v = judge_gate(GATE, GATE_POLICY)
+    assert v.outcome == Outcome.PASS
+    assert v.reasons == ("32 held-out prompts: every check within its limit",)
+
+
+# reason prefix, changes past the limit, changes at / just inside it
+GATE_RULES = [
+    ("output length drift", {"candidate_length_mean": 40.5}, {"candidate_length_mean": 40.0}),
+    ("output length drift", {"candidate_length_mean": 9.5}, {"candidate_length_mean": 10.0}),
+    ("KL from stable", {"kl_from_stable": 1.01}, {"kl_from_stable": 1.0}),
+    ("per-token entropy", {"candidate_entropy": 0.99}, {"candidate_entropy": 1.0}),
+    ("distinct completions", {"candidate_distinct": 0.79}, {"candidate_distinct": 0.8}),
+    ("verifier", {"scores": {"verifier": (0.6, 0.49)}}, {"scores": {"verifier": (0.6, 0.51)}}),
+    ("the trainer reports policy entropy", {"trainer_metrics": {"entropy": 0.04, "distinct_frac": 0.7}},
+     {"trainer_metrics": {"entropy": 0.05, "distinct_frac": 0.7}}),
+    ("the trainer reports 0.19 distinct", {"trainer_metrics": {"entropy": 1.2, "distinct_frac": 0.19}},
+     {"trainer_metrics": {"entropy": 1.2, "distinct_frac": 0.2}}),
+]
+GATE_IDS = ["longer", "shorter", "kl", "entropy-ratio", "distinct-ratio", "score-drop", "trainer-entropy",
+            "trainer-distinct"]
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), GATE_RULES, ids=GATE_IDS)
+def test_gate_fails_a_check_past_its_limit_naming_it(name, past, inside):
+    v = judge_gate(replace(GATE, **past), GATE_POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert len(v.reasons) == 1 and v.reasons[0].startswith(name), v.reasons
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), GATE_RULES, ids=GATE_IDS)
+def test_gate_passes_a_check_at_its_limit(name, past, inside):
+    assert judge_gate(replace(GATE, **inside), GATE_POLICY).outcome == Outcome.PASS
+
+
+def test_gate_a_score_that_rises_or_is_new_is_no_failure():
+    assert judge_gate(replace(GATE, scores={"verifier": (0.1, 0.9)}), GATE_POLICY).outcome == Outcome.PASS
+    assert judge_gate(replace(GATE, scores={}, trainer_metrics={}), GATE_POLICY).outcome == Outcome.PASS
+
+
+def test_gate_names_every_failed_check():
+    g = replace(GATE, kl_from_stable=3.0, candidate_distinct=0.1,
+                scores={"verifier": (0.6, 0.1), "labeler": (0.9, 0.2)})
+    v = judge_gate(g, GATE_POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert [r.split()[0] for r in v.reasons] == ["KL", "distinct", "labeler:", "verifier:"]
+
+
+def test_gate_an_empty_prompt_set_is_an_error_whatever_else():
+    v = judge_gate(replace(GATE, prompts=0, kl_from_stable=9.0), GATE_POLICY)
+    assert v.outcome == Outcome.ERROR and v.reasons == ("the held-out prompt set is empty",)
+
+
+@pytest.mark.parametrize("changes", [
+    {"kl_from_stable": math.nan}, {"candidate_entropy": math.nan}, {"candidate_distinct": math.nan},
+    {"candidate_length_mean": math.inf}, {"scores": {"verifier": (0.6, math.nan)}},
+    {"trainer_metrics": {"entropy": math.nan}}, {"trainer_metrics": {"distinct_frac": math.nan}}],
+    ids=["kl", "entropy", "distinct", "length", "score", "trainer-entropy", "trainer-distinct"])
+def test_gate_fails_a_non_finite_measurement(changes):
+    # a diverged candidate measures NaN: the gate must not wave it through
+    assert judge_gate(replace(GATE, **changes), GATE_POLICY).outcome == Outcome.FAIL
