@@ -8,7 +8,6 @@ it with 409.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from release.states import LIVE, State, TransitionRefused
@@ -26,12 +25,7 @@ def promote(store: ReleaseStore, version: int, actor: str, reason: str, interval
     if cand.state not in (State.AWAITING_APPROVAL, State.HELD, State.CANARY):
         raise ActionRefused(f"version {version} is {cand.state.value}: only a version awaiting approval "
                             "(or held for a decision) can be promoted")
-    last = store.last_promotion_at()
-    if last is not None and time.time() - last < interval_s:
-        wait = interval_s - (time.time() - last)
-        raise ActionRefused(f"a version was promoted {time.time() - last:.0f}s ago: the next promotion is "
-                            f"allowed in {wait:.0f}s (release.promotion_interval_s = {interval_s:.0f})")
-    _move(store, version, State.PROMOTED, actor, reason, evidence, Routing(version, None, 0.0))
+    _move(store, version, State.PROMOTED, actor, reason, evidence, Routing(version, None, 0.0), interval_s)
 
 
 def reject(store: ReleaseStore, version: int, actor: str, reason: str) -> None:
@@ -72,9 +66,9 @@ def _known(store: ReleaseStore, version: int):
 
 
 def _move(store: ReleaseStore, version: int, target: State, actor: str, reason: str,
-          evidence: dict[str, Any] | None, routing: Routing | None) -> None:
+          evidence: dict[str, Any] | None, routing: Routing | None, interval_s: float | None = None) -> None:
     try:
-        if not store.transition(version, target, actor, reason, evidence, routing):
+        if not store.transition(version, target, actor, reason, evidence, routing, interval_s):
             raise ActionRefused(f"version {version} is already {target.value}")
     except TransitionRefused as exc:
         raise ActionRefused(str(exc)) from None

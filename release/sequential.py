@@ -96,7 +96,9 @@ def confidence_band(count: PairCount, alpha: float, steps: int = 200) -> tuple[f
         log_e = top + math.log(sum(math.exp(t - top) for t in terms) / (2 * len(offsets)))
         if log_e < threshold:
             inside.append(p0)
-    if not inside:  # the grid is too coarse for a very narrow band: the point estimate
+    if not inside:  # narrower than the grid: one grid step either side of the estimate
         share = w / (w + lo_)
-        return share, share
-    return max(0.0, min(inside) - 1 / steps), min(1.0, max(inside) + 1 / steps)
+        return max(0.0, share - 1 / steps), min(1.0, share + 1 / steps)
+    # the outermost grid shares not rejected: 0.5 is outside exactly when its own e-value is
+    # past the threshold, the moment the judge's verdict says so
+    return min(inside), max(inside)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from release.states import FINAL, State, check
+from release.states import FINAL, State, TransitionRefused, check
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS release_candidates (
@@ -190,7 +190,8 @@ class ReleaseStore:
                                 (json.dumps(analysis), time.time(), version))
 
     def transition(self, version: int, target: State, actor: str, reason: str,
-                   evidence: dict[str, Any] | None = None, routing: Routing | None = None) -> bool:
+                   evidence: dict[str, Any] | None = None, routing: Routing | None = None,
+                   promotion_interval_s: float | None = None) -> bool:
         """Move ``version`` to ``target`` with its audit entry, and the new routing if any, in one
         transaction. False when it is already there (a no-op); ``TransitionRefused`` when the
         table does not allow it; ``KeyError`` for an unknown version."""
@@ -203,6 +204,14 @@ class ReleaseStore:
             current = State(row[0])
             if not check(version, current, target):
                 return False
+            if target == State.PROMOTED and promotion_interval_s:
+                # inside the transaction, so two promotions at one moment cannot both pass it
+                last = self._get("last_promotion_at")
+                if last is not None and now - float(last) < promotion_interval_s:
+                    raise TransitionRefused(
+                        f"a version was promoted {now - float(last):.0f}s ago: the next promotion is allowed in "
+                        f"{promotion_interval_s - (now - float(last)):.0f}s (release.promotion_interval_s = "
+                        f"{promotion_interval_s:.0f})")
             self.db.execute("UPDATE release_candidates SET state=?, updated_at=? WHERE version=?",
                             (target.value, now, version))
             self._audit(version, current, target, actor, reason, evidence, now)

@@ -100,6 +100,6 @@ def test_every_deployed_scrape_job_is_watched_for_being_down():
     assert selector, rules["FlywheelProcessDown"]["expr"]
     scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
     jobs = [j["job_name"] for j in scrape["scrape_configs"]]
-    assert len(jobs) == 4  # serve, ingest, reward, trainer
+    assert len(jobs) == 5  # serve, ingest, reward, trainer, release
     unwatched = [j for j in jobs if not re.fullmatch(selector.group(1), j)]
     assert not unwatched, f"scrape jobs FlywheelProcessDown does not cover: {unwatched}"

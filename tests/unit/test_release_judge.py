@@ -26,7 +26,7 @@ from release.judge import (
 from release.sequential import PairCount, log_e_better
 
 POLICY = CanaryPolicy()  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
-ARM = ArmStats(outcomes=200, accepts=60, requests=400, errors=4, latency_ms_p95=1000.0,
+ARM = ArmStats(outcomes=200, accepts=60, rejects=100, requests=400, errors=4, latency_ms_p95=1000.0,
                completion_tokens_mean=100.0, flagged=2, rewards=200)
 QUIET = PairCount(pairs=200, wins=20, losses=20)  # no evidence either way
 BETTER = PairCount(pairs=300, wins=60, losses=10)  # e-value far past 1/alpha for "better"
@@ -90,13 +90,13 @@ def test_min_events_exactly_is_enough():
 # -- rule 3: guardrails, each alone --------------------------------------------------------------
 
 # name in the reason, canary fields past the limit, canary fields at / just inside it
-# (stable: 4/400 errors, p95 1000 ms, 100 tokens, 140/200 rejects, 2/200 flags)
+# (stable: 4/400 errors, p95 1000 ms, 100 tokens, 100/400 explicit rejects, 2/200 flags)
 GUARDRAILS = [
     ("guardrail error rate", {"errors": 13}, {"errors": 11}),  # +0.0225 / +0.0175 (limit +0.02)
     ("guardrail latency", {"latency_ms_p95": 1500.5}, {"latency_ms_p95": 1500.0}),  # x1.5
     ("guardrail output length", {"completion_tokens_mean": 200.5}, {"completion_tokens_mean": 200.0}),  # x2
     ("guardrail output length", {"completion_tokens_mean": 49.5}, {"completion_tokens_mean": 50.0}),  # /2
-    ("guardrail share of rejects", {"accepts": 29}, {"accepts": 31}),  # +0.155 / +0.145 (limit +0.15)
+    ("guardrail share of rejects", {"rejects": 161}, {"rejects": 159}),  # +0.1525 / +0.1475 (limit +0.15)
     ("guardrail reward-guard flags", {"flagged": 13}, {"flagged": 11}),  # +0.055 / +0.045 (limit +0.05)
 ]
 
@@ -113,6 +113,12 @@ def test_a_breached_guardrail_fails_naming_it(name, past, inside):
                          ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
 def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
     assert judge_canary(canary(**inside), POLICY).outcome == Outcome.RUNNING
+
+
+def test_an_ignored_answer_is_no_reject():
+    # fewer accepts, the same explicit rejects: the users ignored more answers, which the
+    # reject-share guardrail does not count (the accept-rate test judges accepts)
+    assert judge_canary(canary(accepts=20), POLICY).outcome == Outcome.RUNNING
 
 
 def test_guardrails_compare_with_stable_not_absolute():
