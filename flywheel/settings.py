@@ -380,6 +380,15 @@ class ReleaseSettings(_Section):
     prompts_file: Path | None = None
     """Held-out prompts for the offline gate, one JSON object per line with a ``prompt``; empty
     takes the default set release/prompts.jsonl ships."""
+    plugins: tuple[str, ...] = ()
+    """Modules imported at start that register verifiers and reward models (flywheel/scorers.py),
+    usually the same as ``reward.plugins``."""
+    gate_scorers: tuple[str, ...] = ()
+    """Verifiers and reward models the gate scores candidate and stable with, by name
+    (``verifier:compiles``, ``reward_model:helpful``); the candidate fails on a mean drop of more
+    than ``gate_max_score_drop``."""
+    gate_max_score_drop: float = Field(default=0.1, ge=0)
+    """Largest drop of a scorer's mean, candidate against stable, the gate allows."""
     gate_max_new_tokens: int = Field(default=24, ge=1)
     """Tokens generated per held-out prompt, for candidate and stable alike."""
     gate_max_length_ratio: float = Field(default=2.0, gt=1)

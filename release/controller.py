@@ -33,8 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.scorers import load_plugins
 from release import actions
-from release.gate import GateError, load_prompts, measure_gate
+from release.gate import GateError, load_prompts, measure_gate, scorers_named
 from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_canary, judge_gate
 from release.measure import Tally
 from release.sequential import confidence_band, log_e_better, log_e_worse
@@ -60,7 +61,8 @@ def canary_policy(cfg: Any) -> CanaryPolicy:
 
 def gate_policy(cfg: Any) -> GatePolicy:
     return GatePolicy(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
-                      min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio)
+                      min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio,
+                      max_score_drop=cfg.gate_max_score_drop)
 
 
 class Controller:
@@ -74,6 +76,8 @@ class Controller:
         self.active = False
         self.last_tick = 0.0
         self.prompts = load_prompts(self.cfg.prompts_file)
+        load_plugins(self.cfg.plugins, "release.plugins")
+        self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
         self.canary_policy, self.gate_policy = canary_policy(self.cfg), gate_policy(self.cfg)
         self._gate_errors: dict[int, int] = {}
 
@@ -148,7 +152,7 @@ class Controller:
             cand_dir = self._verified_dir(cand.version, cand.manifest_sha256, Path(tmp) / "candidate")
             stable_dir = self._stable_dir(stable, Path(tmp) / "stable")
             m = measure_gate(stable_dir, cand_dir, self.prompts, max_new_tokens=self.cfg.gate_max_new_tokens,
-                             trainer_metrics=cand.checkpoint.get("metrics", {}))
+                             trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers)
         return judge_gate(m, self.gate_policy), asdict(m)
 
     def _verified_dir(self, version: int, manifest_sha256: str, out: Path) -> Path:

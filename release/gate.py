@@ -9,14 +9,18 @@ prompts, a few dozen tokens each), so this costs seconds on the tiny model.
 
 What it measures (:class:`release.judge.GateMeasurement`): mean output length of each, the
 candidate's mean per-token KL from stable and both per-token entropies (exact, from the full
-distributions, on the candidate's own samples), the share of distinct completions of each, and the
-trainer's collapse signals from the checkpoint event. Judging is release/judge.py.
+distributions, on the candidate's own samples), the share of distinct completions of each, the
+mean score of each configured verifier and reward model (``release.gate_scorers``, from the
+registry the reward stage uses: flywheel/scorers.py) for both, and the trainer's collapse signals
+from the checkpoint event. Judging is release/judge.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -49,8 +53,50 @@ def load_prompts(path: Path | None) -> list[str]:
     return prompts
 
 
+#: A scorer as the gate calls it: (prompt, prompt tokens, completion, completion tokens) -> score or None.
+Scorer = Callable[[str, list[int], str, list[int]], "float | None"]
+
+
+def scorers_named(names: tuple[str, ...], reward_settings: Any) -> dict[str, Scorer]:
+    """The configured verifiers and reward models (flywheel/scorers.py), as the gate calls them.
+    An unknown name is a configuration error, raised at start."""
+    from flywheel import scorers
+    from flywheel.settings import SettingsError
+
+    out: dict[str, Scorer] = {}
+    for name in names:
+        kind, _, arg = name.partition(":")
+        if kind == "verifier" and arg in scorers.VERIFIERS:
+            out[name] = _verifier_scorer(scorers.VERIFIERS[arg])
+        elif kind == "reward_model" and arg in scorers.REWARD_MODELS:
+            model = scorers.REWARD_MODELS[arg](reward_settings)
+            out[name] = lambda p, _pt, c, _ct, model=model: model.score(p, c)
+        else:
+            raise SettingsError(f"release.gate_scorers: unknown scorer {name!r}; known: "
+                                f"{', '.join(scorers.known()) or 'none (register them in release.plugins modules)'}")
+    return out
+
+
+def _verifier_scorer(fn: Any) -> Scorer:
+    """A verifier takes an episode: the held-out answer as one, with no user signal."""
+    from flywheel.contracts import EpisodeEvent, GenerationEvent, SamplingParams
+
+    def score(prompt: str, prompt_ids: list[int], completion: str, completion_ids: list[int]) -> float | None:
+        t = time.time()
+        gen = GenerationEvent(
+            generation_id="gate", group_id="gate", model_name="gate", model_version=0, user_id="gate",
+            endpoint="completions", created_at=t, completed_at=t, latency_ms=0, prompt_text=prompt,
+            prompt_token_ids=tuple(prompt_ids) or (0,), completion_text=completion,
+            completion_token_ids=tuple(completion_ids), logprobs=tuple(0.0 for _ in completion_ids),
+            sampling=SamplingParams(temperature=1, top_p=1, max_tokens=max(1, len(completion_ids))),
+            finish_reason="stop")
+        return fn(EpisodeEvent(generation=gen, signal="ignore", resolved_at=t))
+    return score
+
+
 def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, max_new_tokens: int,
-                 trainer_metrics: dict[str, float], seed: int = 0) -> GateMeasurement:
+                 trainer_metrics: dict[str, float], seed: int = 0,
+                 scorers: dict[str, Scorer] | None = None) -> GateMeasurement:
     """Sample each prompt from both models and compare them (module docstring)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -62,11 +108,13 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
     eos = tok.eos_token_id
     s_len, c_len, kls, s_ent, c_ent = [], [], [], [], []
     s_outs, c_outs = set(), set()
+    answers: list[tuple[str, list[int], list[int], list[int]]] = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([tok.encode(prompt) or [eos or 0]])
             s_seq = _sample(stable, ids, max_new_tokens, eos)
             c_seq = _sample(cand, ids, max_new_tokens, eos)
+            answers.append((prompt, ids[0].tolist(), s_seq, c_seq))
             s_len.append(len(s_seq))
             c_len.append(len(c_seq))
             s_outs.add(tuple(s_seq))
@@ -85,8 +133,25 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
         stable_entropy=sum(s_ent) / len(s_ent) if s_ent else 0.0,
         candidate_entropy=sum(c_ent) / len(c_ent) if c_ent else 0.0,
         stable_distinct=len(s_outs) / n, candidate_distinct=len(c_outs) / n,
+        scores=_scores(scorers or {}, answers, tok.decode),
         trainer_metrics=dict(trainer_metrics),
     )
+
+
+def _scores(scorers: dict[str, Scorer], answers: list[tuple[str, list[int], list[int], list[int]]],
+            decode: Callable[[list[int]], str]) -> dict[str, tuple[float, float]]:
+    """Each scorer's mean over the prompts it scored for both versions: (stable, candidate)."""
+    out: dict[str, tuple[float, float]] = {}
+    for name, score in scorers.items():
+        pairs = []
+        for prompt, prompt_ids, s_seq, c_seq in answers:
+            s_val = score(prompt, prompt_ids, decode(s_seq), s_seq)
+            c_val = score(prompt, prompt_ids, decode(c_seq), c_seq)
+            if s_val is not None and c_val is not None:
+                pairs.append((float(s_val), float(c_val)))
+        if pairs:
+            out[name] = (sum(p[0] for p in pairs) / len(pairs), sum(p[1] for p in pairs) / len(pairs))
+    return out
 
 
 def _sample(model: Any, ids: Any, max_new: int, eos: int | None) -> list[int]:

@@ -34,31 +34,24 @@ start-up, as an unknown one does: it would give its components twice on every ep
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from math import isfinite
-from typing import Protocol
 
 from rapidfuzz.distance import Levenshtein
 
+from flywheel import scorers
 from flywheel.contracts import SIGNALS, EpisodeEvent
+from flywheel.scorers import RewardModel, Verifier
 from flywheel.settings import RewardSettings, SettingsError
 from reward.guards import GUARD_COMPONENTS
 
 Labeler = Callable[[EpisodeEvent], dict[str, float]]
-Verifier = Callable[[EpisodeEvent], float | None]
-
-
-class RewardModel(Protocol):
-    """A learned scorer of (prompt, completion); plugged in by name, not hard-coded."""
-
-    def score(self, prompt: str, completion: str) -> float: ...
-
 
 _FACTORIES: dict[str, Callable[[RewardSettings], Labeler]] = {}
-_VERIFIERS: dict[str, Verifier] = {}
-_REWARD_MODELS: dict[str, Callable[[RewardSettings], RewardModel]] = {}
+# verifiers and reward models live in the shared registry: the release gate scores with them too
+_VERIFIERS = scorers.VERIFIERS
+_REWARD_MODELS = scorers.REWARD_MODELS
 
 
 def register_labeler(name: str) -> Callable[[Callable[[RewardSettings], Labeler]], Callable[[RewardSettings], Labeler]]:
@@ -68,13 +61,9 @@ def register_labeler(name: str) -> Callable[[Callable[[RewardSettings], Labeler]
     return deco
 
 
-def register_verifier(name: str, fn: Verifier) -> None:
-    """A verifier returns a reward component for episodes it can check, None for the others."""
-    _VERIFIERS[name] = fn
-
-
-def register_reward_model(name: str, factory: Callable[[RewardSettings], RewardModel]) -> None:
-    _REWARD_MODELS[name] = factory
+#: Kept here too for plugins written against this module; new ones import flywheel.scorers.
+register_verifier = scorers.register_verifier
+register_reward_model = scorers.register_reward_model
 
 
 # -- pure scoring rules (table-tested) ----------------------------------------------------
@@ -168,11 +157,7 @@ class LabelerError(Exception):
 
 def load_plugins(modules: tuple[str, ...]) -> None:
     """Import ``reward.plugins``; a module that fails to import stops the stage with the reason."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # any failure of the user's module is a config error
-            raise SettingsError(f"reward.plugins: cannot import {name!r}: {type(exc).__name__}: {exc}") from exc
+    scorers.load_plugins(modules, "reward.plugins")
 
 
 def build_labeler(cfg: RewardSettings) -> Labeler:

@@ -30,7 +30,7 @@ from conftest import small_generation
 from kafka import TopicPartition
 from trainer_helpers import make_trainer, reward_event
 
-from flywheel.contracts import EpisodeEvent, ReleaseEvent, decode, encode
+from flywheel.contracts import DeadLetterEvent, EpisodeEvent, ReleaseEvent, decode, encode
 from flywheel.kafka.clients import make_producer, read_to_end
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings, Settings
@@ -175,12 +175,23 @@ def test_a_better_candidate_is_canaried_passes_and_is_promoted_on_approval(run_c
     assert [e.actor for e in rs.audit(1) if e.to_state == "promoted"] == ["ann"]
 
 
+def distinct_token_share(ep) -> float | None:
+    """A verifier a deployment might plug in: the share of distinct tokens in an answer."""
+    ids = ep.generation.completion_token_ids
+    return len(set(ids)) / len(ids) if ids else None
+
+
 def test_a_degraded_candidate_fails_the_gate_and_never_reaches_users(run_controller, kafka_settings, topics, trained):
-    ctl, rs = run_controller()
+    from flywheel.scorers import register_verifier
+
+    register_verifier("distinct_tokens", distinct_token_share)  # what a plugin module does on import
+    ctl, rs = run_controller(gate_scorers=("verifier:distinct_tokens",), gate_max_score_drop=0.2)
     publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 3))
     tick_until(ctl, lambda: (c := rs.get(3)) is not None and c.state == State.REJECTED, "v3 rejected")
     reasons = " ".join(rs.get(3).gate["reasons"])
-    assert "entropy" in reasons
+    assert "entropy" in reasons and "verifier:distinct_tokens" in reasons, reasons
+    stable_score, candidate_score = rs.get(3).gate["measurement"]["scores"]["verifier:distinct_tokens"]
+    assert candidate_score < stable_score - 0.2
     ctl.tick()
     assert not any(r.canary_version == 3 for r in releases(kafka_settings, topics))
 
@@ -201,6 +212,13 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     assert (last.stable_version, last.canary_version) == (0, None)
 
 
+def test_an_unknown_gate_scorer_stops_the_start_with_the_names_known(run_controller):
+    from flywheel.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="unknown scorer 'verifier:nope'"):
+        run_controller(gate_scorers=("verifier:nope",))
+
+
 def test_a_second_controller_stands_by_while_the_first_holds_the_lease(run_controller):
     first, rs = run_controller()
     first.tick()
@@ -208,3 +226,44 @@ def test_a_second_controller_stands_by_while_the_first_holds_the_lease(run_contr
     second.tick()
     assert first.active and not second.active
     assert rs.lease_holder()[0] == first.holder
+
+
+def test_a_malformed_checkpoint_record_is_dead_lettered_and_the_controller_goes_on(run_controller, kafka_settings,
+                                                                                   topics, trained):
+    ctl, rs = run_controller()
+    producer = make_producer(kafka_settings, "test")
+    producer.send(topics.checkpoints, key="x", value=b'{"kind": "checkpoint", "version": -3}').get(10)
+    producer.close()
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
+    tick_until(ctl, lambda: rs.get(1) is not None, "the valid candidate")
+    starts = {TopicPartition(topics.deadletter, p): None for p in range(kafka_settings.partitions)}
+    letters = [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts,
+                                                                            client_id="t")]
+    assert [(dl.stage, dl.reason, dl.source_topic) for dl in letters] == [("release", "invalid", topics.checkpoints)]
+    assert [c.version for c in rs.candidates()] == [1]
+
+
+def test_a_version_whose_manifest_is_not_the_announced_one_is_never_canaried(run_controller, kafka_settings, topics,
+                                                                            trained):
+    # the announcement names another manifest than the store holds (a tampered or mixed-up
+    # version): every gate attempt fails verification, counts toward the error limit, and the
+    # candidate is rejected without ever reaching users
+    ctl, rs = run_controller(error_limit=2)
+    event = checkpoint_event(trained[0], 2) | {"manifest_sha256": "0" * 64}
+    publish_checkpoint(kafka_settings, topics, event)
+    tick_until(ctl, lambda: (c := rs.get(2)) is not None and c.state == State.REJECTED, "v2 rejected")
+    errors = [e.reason for e in rs.audit(2) if "gate error" in e.reason]
+    assert len(errors) == 2 and all("manifest" in r.lower() for r in errors), errors
+    assert rs.latest_revision() is None  # no routing ever named it
+
+
+def test_an_auto_promote_policy_promotes_a_passing_canary_and_says_so(run_controller, kafka_settings, topics, trained):
+    ctl, rs = run_controller(auto_promote=True)
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
+    tick_until(ctl, lambda: (c := rs.get(1)) is not None and c.state == State.CANARY, "v1 in canary")
+    simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=3)
+    tick_until(ctl, lambda: rs.get(1).state == State.PROMOTED, "the automatic promotion")
+    entry = next(e for e in rs.audit(1) if e.to_state == "promoted")
+    assert entry.actor == "auto-promote policy" and "analysis passed" in entry.reason
+    tick_until(ctl, lambda: rs.latest_revision().published, "the routing published")
+    assert releases(kafka_settings, topics)[-1].stable_version == 1
