@@ -110,21 +110,21 @@ def raw_rate(cfg: KafkaSettings, inputs: list[str], expect: int) -> float:
 def relay_rate(cfg: KafkaSettings, inputs: list[str], out: str, expect: int) -> tuple[float, float]:
     """Consume ``inputs`` and send every record on unchanged, collecting each ack: no decode, no state.
 
-    The same loop shape and clients as a stage (consumer group poll, the stages' output producer
-    with the outbox header) without any of a stage's work, so its rate is a ceiling for any stage
+    The same loop shape and clients as a stage (consumer group poll, the stages' output producer,
+    partitioned by key) without any of a stage's work, so its rate is a ceiling for any stage
     that emits one record per input record in one process.
     """
     consumer = make_consumer(cfg, "bench-relay", f"relay-{uuid.uuid4().hex[:6]}", inputs)
     producer = make_output_producer(cfg, "bench-relay")
-    while not producer.partitions(out):  # metadata and connection before the clock starts
-        time.sleep(0.05)
+    producer.send(-1, out, "warm-up", b"{}")  # metadata and connection before the clock starts
+    producer.flush(60)
+    producer.reports()
     seen, start, cpu, first = 0, None, 0.0, 0
     while seen < expect:
         got = 0
         for tp, recs in consumer.poll(timeout_ms=200, max_records=5000).items():
             for rec in recs:
-                producer.send(seen + got, out, tp.partition, rec.key.decode(), rec.value,
-                              [("flywheel-outbox", b"relay:%d" % (seen + got))])
+                producer.send(seen + got, out, rec.key.decode(), rec.value)
                 got += 1
         producer.reports()
         if got and start is None:
