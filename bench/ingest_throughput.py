@@ -122,7 +122,7 @@ def relay_rate(cfg: KafkaSettings, inputs: list[str], out: str, expect: int) -> 
     seen, start, cpu, first = 0, None, 0.0, 0
     while seen < expect:
         got = 0
-        for tp, recs in consumer.poll(timeout_ms=200, max_records=5000).items():
+        for recs in consumer.poll(timeout_ms=200, max_records=5000).values():
             for rec in recs:
                 producer.send(seen + got, out, rec.key.decode(), rec.value)
                 got += 1

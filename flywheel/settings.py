@@ -402,7 +402,12 @@ class ReleaseSettings(_Section):
     alpha: float = Field(default=0.05, gt=0, lt=1)
     """False-alarm rate of the canary analysis, however often it is looked at."""
     min_events: int = Field(default=50, ge=1)
-    """Accepts and rejects each arm needs before any verdict."""
+    """Requests each arm must have served before a guardrail is judged, and accepts, rejects or
+    edits before the accept rate is."""
+    outcomes_per_user: int = Field(default=1, ge=1)
+    """Outcomes counted per user and arm. One keeps the canary test valid (a user's outcomes are
+    correlated, users are what the hash assigns to an arm); more reaches a verdict on fewer
+    users at the price of false alarms above ``alpha`` when users' tastes differ."""
     deadline_s: float = Field(default=3600.0, gt=0)
     """A canary with no verdict by then is held for a person (Inconclusive)."""
     error_limit: int = Field(default=3, ge=1)

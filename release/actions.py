@@ -19,10 +19,12 @@ class ActionRefused(ValueError):
 
 
 def promote(store: ReleaseStore, version: int, actor: str, reason: str, interval_s: float,
-            evidence: dict[str, Any] | None = None) -> None:
-    """Make ``version`` stable and end its canary (an approval, or the auto-promote policy)."""
+            evidence: dict[str, Any] | None = None, by_policy: bool = False) -> None:
+    """Make ``version`` stable and end its canary: a person's approval of a version awaiting it
+    (or held), or the auto-promote policy (``by_policy``) on a canary whose analysis passed."""
     cand = _known(store, version)
-    if cand.state not in (State.AWAITING_APPROVAL, State.HELD, State.CANARY):
+    allowed = (State.AWAITING_APPROVAL, State.HELD, State.CANARY) if by_policy else (State.AWAITING_APPROVAL, State.HELD)
+    if cand.state not in allowed:
         raise ActionRefused(f"version {version} is {cand.state.value}: only a version awaiting approval "
                             "(or held for a decision) can be promoted")
     _move(store, version, State.PROMOTED, actor, reason, evidence, Routing(version, None, 0.0), interval_s)

@@ -76,12 +76,17 @@ Admin = Annotated[str, Depends(require(Role.ADMIN))]
 
 # -- request bodies (client -> release API) -----------------------------------------------------
 
+#: Text without control characters but tabs and line breaks.
+PRINTABLE = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+
+
 class ReasonBody(BaseModel):
     """Body of approve and reject: why, for the audit log (optional)."""
 
     # forbid: a misspelt field ("reson") would otherwise be dropped and the action logged without it
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS)
+    # no control characters: PostgreSQL refuses NUL in text, and a reason is read by people
+    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS, pattern=PRINTABLE)
 
 
 class RollbackBody(ReasonBody):
@@ -95,7 +100,7 @@ class RequiredReasonBody(BaseModel):
     """Body of pause and resume: an admin says why the pipeline stops or starts."""
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
+    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS, pattern=PRINTABLE)
 
 
 B = TypeVar("B", bound=BaseModel)

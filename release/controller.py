@@ -79,7 +79,6 @@ class Controller:
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
         self.canary_policy, self.gate_policy = canary_policy(self.cfg), gate_policy(self.cfg)
-        self._gate_errors: dict[int, int] = {}
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -95,6 +94,7 @@ class Controller:
         for event in self.streams.new_checkpoints():
             if self.store.add_candidate(event):
                 log.info("version %d is a candidate", event["version"])
+        self.streams.commit_checkpoints()  # only once every one of them is stored
         live = self.store.candidates(set(LIVE))
         if live:
             self._measure(live[-1], now)
@@ -124,8 +124,13 @@ class Controller:
         self.store.transition(newest.version, State.GATING, ACTOR, "offline gate on the held-out prompts")
         try:
             verdict, record = self._gate(newest)
-        except (GateError, OSError, ValueError, RuntimeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure of a gate counts toward the limit, never promotes
             self._gate_failed(newest, exc)
+            return
+        if not self.store.take_lease(self.holder, self.cfg.lease_ttl_s):
+            # the gate outlasted the lease and another controller took over: it acts, not this one
+            self.active = False
+            log.warning("lost the controller lease during the gate of version %d: standing by", newest.version)
             return
         self.store.save(newest.version, gate={"outcome": verdict.outcome.value, "reasons": list(verdict.reasons),
                                               "measurement": record})
@@ -138,10 +143,11 @@ class Controller:
                 newest.version, State.CANARY, ACTOR,
                 f"gate passed; canary for {self.cfg.canary_share:.0%} of users against stable v{stable}",
                 {"gate": record}, Routing(stable, newest.version, self.cfg.canary_share))
-            tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time())
+            tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time(),
+                          outcomes_per_user=self.cfg.outcomes_per_user)
             tally.offsets = offsets
-            self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": [],
-                                                      "tally": tally.to_dict()})
+            self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
+                            tally=tally.to_dict())
         else:
             self.store.transition(newest.version, State.REJECTED, ACTOR, "gate failed: " + "; ".join(verdict.reasons),
                                   {"gate": record})
@@ -173,7 +179,8 @@ class Controller:
         return self._verified_dir(stable, cand.manifest_sha256, out)
 
     def _gate_failed(self, cand: Candidate, exc: BaseException) -> None:
-        n = self._gate_errors[cand.version] = self._gate_errors.get(cand.version, 0) + 1
+        # counted in the audit log, so a gate that kills the process (out of memory) still ends
+        n = 1 + sum(e.reason.startswith("gate error ") for e in self.store.audit(cand.version))
         reason = f"gate error {n} of {self.cfg.error_limit}: {type(exc).__name__}: {exc}"
         log.warning("version %d: %s", cand.version, reason)
         if n >= self.cfg.error_limit:
@@ -186,6 +193,7 @@ class Controller:
         tally = self._tally(cand, now)
         try:
             read = self.streams.read_into(tally)
+            tally.errors = 0  # the limit is on failures in a row, as in Argo's consecutiveErrorLimit
             log.debug("version %d: %d records measured, offsets %s", cand.version, read, tally.offsets)
         except Exception as exc:  # noqa: BLE001 - a failed measurement counts toward the error limit
             tally.errors += 1
@@ -199,6 +207,8 @@ class Controller:
         why = "; ".join(verdict.reasons)
         if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
             actions.rollback(self.store, ACTOR, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
+        elif cand.state == State.AWAITING_APPROVAL and self.cfg.auto_promote:
+            self._promote_when_allowed(cand, evidence)
         elif cand.state != State.CANARY:
             return  # awaiting a person: only a failure acts on its own
         elif verdict.outcome == Outcome.PASS:
@@ -210,19 +220,30 @@ class Controller:
         if self.cfg.auto_promote:
             try:
                 actions.promote(self.store, cand.version, AUTO_POLICY, f"analysis passed: {why}",
-                                self.cfg.promotion_interval_s, evidence)
+                                self.cfg.promotion_interval_s, evidence, by_policy=True)
                 return
             except actions.ActionRefused as exc:
-                why = f"{why}; not promoted automatically: {exc}"
+                why = f"{why}; waits to be promoted automatically: {exc}"
         self.store.transition(cand.version, State.AWAITING_APPROVAL, ACTOR, f"analysis passed: {why}", evidence)
 
+    def _promote_when_allowed(self, cand: Candidate, evidence: dict[str, Any]) -> None:
+        """Under the auto-promote policy, a passed canary that waited out the promotion interval."""
+        last = self.store.last_promotion_at()
+        if last is not None and time.time() - last < self.cfg.promotion_interval_s:
+            return
+        try:
+            actions.promote(self.store, cand.version, AUTO_POLICY, "analysis passed; the promotion interval is over",
+                            self.cfg.promotion_interval_s, evidence, by_policy=True)
+        except actions.ActionRefused as exc:  # raced with a person's decision: theirs stands
+            log.info("version %d not promoted automatically: %s", cand.version, exc)
+
     def _tally(self, cand: Candidate, now: float) -> Tally:
-        saved = (cand.analysis or {}).get("tally")
+        saved = self.store.tally(cand.version)
         if saved:
             return Tally.from_dict(saved)
         rev = self.store.latest_revision()
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
-                      started_at=rev.at if rev else now)
+                      started_at=rev.at if rev else now, outcomes_per_user=self.cfg.outcomes_per_user)
         tally.offsets = self.streams.ends()  # measure what users do from now on
         return tally
 
@@ -240,8 +261,8 @@ class Controller:
         self.store.save(cand.version, analysis={
             "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
-            "alpha": self.canary_policy.alpha, "elapsed_s": m.elapsed_s, "history": tally.history,
-            "tally": tally.to_dict()})
+            "alpha": self.canary_policy.alpha, "elapsed_s": m.elapsed_s, "history": tally.history},
+            tally=tally.to_dict())
 
     # -- routing ----------------------------------------------------------------------------
     def _publish(self) -> None:

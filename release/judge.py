@@ -8,14 +8,15 @@ when measurements failed too often (never promotes; rolls back like FAIL).
 
 Order of the canary rules, first match wins:
 
-1. measurement errors at or past ``error_limit``: ERROR;
-2. fewer than ``min_events`` outcomes in either arm: RUNNING (no verdict on a handful of users);
-3. a guardrail breached (error rate, latency, output length, share of rejects, reward-guard
-   flags, each canary against stable): FAIL, naming it;
-4. the always-valid test says the canary is accepted less often: FAIL;
-5. it says the canary is accepted more often: PASS;
-6. past ``deadline_s`` without a verdict: INCONCLUSIVE;
-7. otherwise RUNNING.
+1. measurement errors in a row at or past ``error_limit``: ERROR;
+2. once each arm has served ``min_events`` requests, a guardrail breached (error rate, latency,
+   output length, share of rejects, reward-guard flags, each canary against stable): FAIL,
+   naming it;
+3. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
+   the always-valid test says the canary is accepted less often: FAIL;
+4. ... or more often: PASS;
+5. past ``deadline_s`` without a verdict, enough traffic or not: INCONCLUSIVE (a person decides);
+6. otherwise RUNNING, saying what it waits for.
 """
 
 from __future__ import annotations
@@ -100,27 +101,30 @@ class CanaryPolicy:
 def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     """The canary's verdict (module docstring: the rules, in order)."""
     if m.measurement_errors >= policy.error_limit:
-        return Verdict(Outcome.ERROR, (f"{m.measurement_errors} measurements failed (limit {policy.error_limit})",))
-    short = [name for name, arm in (("stable", m.stable), ("canary", m.canary)) if arm.outcomes < policy.min_events]
-    if short:
-        return Verdict(Outcome.RUNNING, tuple(
-            f"{name} has {getattr(m, name).outcomes} of the {policy.min_events} outcomes needed before any verdict"
-            for name in short))
-    if breached := guardrails(m.stable, m.canary, policy):
+        return Verdict(Outcome.ERROR, ((f"{m.measurement_errors} measurements failed in a row "
+                                       f"(limit {policy.error_limit})"),))
+    # guardrails are judged on what was served, not on what users said: a canary whose answers
+    # all fail gets no accepts or rejects, and must still be rolled back
+    served = min(m.stable.requests, m.canary.requests) >= policy.min_events
+    if served and (breached := guardrails(m.stable, m.canary, policy)):
         return Verdict(Outcome.FAIL, breached)
+    short = [name for name, arm in (("stable", m.stable), ("canary", m.canary)) if arm.outcomes < policy.min_events]
     threshold = math.log(1 / policy.alpha)
     stats = (f"{m.pairs.wins} discordant pairs won by canary, {m.pairs.losses} by stable; accept rate "
              f"{m.canary.accept_rate:.3f} against {m.stable.accept_rate:.3f}")
-    if log_e_worse(m.pairs) >= threshold:
+    if not short and log_e_worse(m.pairs) >= threshold:
         return Verdict(Outcome.FAIL, ((f"canary accepted less often (e-value {math.exp(log_e_worse(m.pairs)):.1f} "
                                       f">= {1 / policy.alpha:.0f}): {stats}"),))
-    if log_e_better(m.pairs) >= threshold:
+    if not short and log_e_better(m.pairs) >= threshold:
         return Verdict(Outcome.PASS, ((f"canary accepted more often (e-value {math.exp(log_e_better(m.pairs)):.1f} "
                                       f">= {1 / policy.alpha:.0f}): {stats}"),))
+    waiting = tuple(f"{name} has {getattr(m, name).outcomes} of the {policy.min_events} outcomes needed "
+                    "before a verdict on accept rate" for name in short)
     if m.elapsed_s >= policy.deadline_s:
+        # no traffic at all ends here too: a canary nobody uses is held for a person, not kept forever
         return Verdict(Outcome.INCONCLUSIVE, ((f"no verdict after {m.elapsed_s:.0f}s (deadline "
-                                              f"{policy.deadline_s:.0f}s): {stats}"),))
-    return Verdict(Outcome.RUNNING, (stats,))
+                                              f"{policy.deadline_s:.0f}s): {stats}"), *waiting))
+    return Verdict(Outcome.RUNNING, waiting or (stats,))
 
 
 def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tuple[str, ...]:

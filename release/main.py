@@ -14,6 +14,7 @@ import argparse
 import logging
 import threading
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from flywheel.settings import Settings
@@ -63,23 +64,22 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     cfg = settings.release
     parse_tokens(cfg.tokens)  # a malformed token entry stops the start, with the reason
     stop = stop if stop is not None else stop_on_signals()
-    store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
-    streams = Streams(settings, new_registry())
-    controller = Controller(settings, store, streams, open_store(settings))
-    # the API gets a connection of its own: one connection is not for two threads' transactions
-    api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
-    api = ApiServer(make_app(api_store, cfg, controller.status), cfg.host, cfg.port).start()
-    log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
-    try:
+    with ExitStack() as held:  # released in reverse on any exit, a refused start included
+        store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
+        held.callback(store.close)
+        streams = Streams(settings, new_registry())
+        held.callback(streams.close)
+        controller = Controller(settings, store, streams, open_store(settings))
+        # the API gets a connection of its own: one connection is not for two threads' transactions
+        api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
+        held.callback(api_store.close)
+        api = ApiServer(make_app(api_store, cfg, controller.status), cfg.host, cfg.port).start()
+        held.callback(api.stop)
+        log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
         while not stop.is_set():
             try:
                 controller.tick()
-            except Exception:
+            except Exception:  # a turn that fails is logged and retried: the store is consistent
                 log.exception("a controller turn failed; retrying")
             stop.wait(cfg.tick_s) if hasattr(stop, "wait") else time.sleep(cfg.tick_s)
-    finally:
-        api.stop()
-        streams.close()
-        api_store.close()
-        store.close()
     return 0

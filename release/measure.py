@@ -9,13 +9,28 @@ on where it stopped.
 
 Outcomes are the explicit signals: ``accept`` is an accept; ``reject`` and ``edit`` are not (an
 edit is a partial accept at best, and the accept rate is what the canary promises to lift);
-``ignore`` is no outcome. Each user counts for at most ``max_per_user`` outcomes: with sticky
-routing one very active user would otherwise dominate an arm. Repeats (topics are at least once)
-are dropped by generation id.
+``ignore`` is no outcome.
+
+What keeps the sequential test valid (release/sequential.py):
+
+- **One outcome per user** by default (``outcomes_per_user``): users, not requests, are what the
+  hash assigns to an arm, and one user's outcomes are correlated; counted many times, a few
+  heavy users of differing taste make the two arms differ by chance far more often than alpha.
+  Each user's first outcomes are independent across users, so the pairs stay independent.
+- **Pairs close in time**: each canary outcome is paired with the first stable outcome made at or
+  after it (in the generations' own time), and stable outcomes in between are left unpaired. At a
+  10% canary share, pairing by arrival count would put a canary outcome next to a stable one from
+  far earlier, and any drift of the accept rate over the day would read as a difference.
+
+Repeats (topics are at least once) are dropped by generation id, within a bounded window of ids
+(a repeat arrives soon after its original: ``DEDUPE_IDS``). Latencies are kept as a bounded
+sample (``LATENCY_SAMPLE``) for the p95.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +38,21 @@ from release.judge import ArmStats, CanaryMeasurement
 from release.sequential import PairCount
 
 ARMS = ("stable", "canary")
+#: Generation ids remembered per stream to drop repeats (a repeat follows its original within
+#: one stage restart: far fewer records than this).
+DEDUPE_IDS = 200_000
+#: Latencies kept per arm for the p95 (the most recent).
+LATENCY_SAMPLE = 5_000
+
+
+def _time(outcome: tuple[float, bool]) -> float:
+    return outcome[0]
 
 
 @dataclass
 class Arm:
-    outcomes: list[bool] = field(default_factory=list)
+    #: (the generation's created_at, accepted) of each counted outcome
+    outcomes: list[tuple[float, bool]] = field(default_factory=list)
     rejects: int = 0
     requests: int = 0
     errors: int = 0
@@ -40,7 +65,7 @@ class Arm:
     def stats(self) -> ArmStats:
         lat = sorted(self.latencies_ms)
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0
-        return ArmStats(outcomes=len(self.outcomes), accepts=sum(self.outcomes), rejects=self.rejects,
+        return ArmStats(outcomes=len(self.outcomes), accepts=sum(o for _, o in self.outcomes), rejects=self.rejects,
                         requests=self.requests,
                         errors=self.errors, latency_ms_p95=p95,
                         completion_tokens_mean=self.tokens / self.requests if self.requests else 0.0,
@@ -54,13 +79,13 @@ class Tally:
     stable_version: int
     canary_version: int
     started_at: float
-    max_per_user: int = 50
+    outcomes_per_user: int = 1
     arms: dict[str, Arm] = field(default_factory=lambda: {a: Arm() for a in ARMS})
-    seen_episodes: set[str] = field(default_factory=set)
-    seen_rewards: set[str] = field(default_factory=set)
+    seen_episodes: deque[str] = field(default_factory=deque)
+    seen_rewards: deque[str] = field(default_factory=deque)
     #: topic -> partition -> next offset, saved with the tally
     offsets: dict[str, dict[int, int]] = field(default_factory=dict)
-    errors: int = 0  # measurements that failed (judge rule 1)
+    errors: int = 0  # measurements that failed in a row (judge rule 1)
     history: list[dict[str, float]] = field(default_factory=list)
 
     def arm_of(self, version: int) -> str | None:
@@ -70,45 +95,64 @@ class Tally:
             return "stable"
         return None
 
+    def __post_init__(self) -> None:
+        self._seen = {"episodes": set(self.seen_episodes), "rewards": set(self.seen_rewards)}
+
+    def _first(self, stream: str, gid: str) -> bool:
+        """Whether ``gid`` is new on ``stream`` (remembering it, and forgetting the oldest)."""
+        seen, order = self._seen[stream], self.seen_episodes if stream == "episodes" else self.seen_rewards
+        if gid in seen:
+            return False
+        seen.add(gid)
+        order.append(gid)
+        if len(order) > DEDUPE_IDS:
+            seen.discard(order.popleft())
+        return True
+
     def add_episode(self, ep: dict[str, Any]) -> None:
         """Fold one episode record (decoded JSON) in."""
         g = ep["generation"]
-        gid = g["generation_id"]
-        if gid in self.seen_episodes or g["created_at"] < self.started_at:
+        if g["created_at"] < self.started_at:
             return
         arm_name = self.arm_of(int(g["model_version"]))
-        if arm_name is None:
+        if arm_name is None or not self._first("episodes", g["generation_id"]):
             return
-        self.seen_episodes.add(gid)
         arm = self.arms[arm_name]
         arm.requests += 1
         arm.errors += g.get("finish_reason") == "abort"
         arm.latencies_ms.append(float(g.get("latency_ms", 0.0)))
+        del arm.latencies_ms[:-LATENCY_SAMPLE]
         arm.tokens += len(g.get("completion_token_ids", ()))
         signal = ep.get("signal")
         if signal in ("accept", "reject", "edit"):
+            arm.rejects += signal == "reject"
             user = ep.get("rater_id") or g["user_id"]
-            if arm.per_user.get(user, 0) < self.max_per_user:
+            if arm.per_user.get(user, 0) < self.outcomes_per_user:
                 arm.per_user[user] = arm.per_user.get(user, 0) + 1
-                arm.outcomes.append(signal == "accept")
-                arm.rejects += signal == "reject"
+                # by time alone (ties keep arrival order): an order that looked at the outcome
+                # would make the pairing look at it too
+                bisect.insort(arm.outcomes, (float(g["created_at"]), signal == "accept"), key=_time)
 
     def add_reward(self, rw: dict[str, Any]) -> None:
-        gid = rw["generation_id"]
-        if gid in self.seen_rewards:
-            return
+        if float(rw.get("generated_at", self.started_at)) < self.started_at:
+            return  # a generation from before the canary: not in the comparison
         arm_name = self.arm_of(int(rw["model_version"]))
-        if arm_name is None:
+        if arm_name is None or not self._first("rewards", rw["generation_id"]):
             return
-        self.seen_rewards.add(gid)
         arm = self.arms[arm_name]
         arm.rewards += 1
         arm.flagged += bool(rw.get("flags"))
 
     def pairs(self) -> PairCount:
-        count = PairCount()
-        for c, s in zip(self.arms["canary"].outcomes, self.arms["stable"].outcomes):
-            count = count.add(c, s)
+        """Each canary outcome with the first stable outcome at or after it (module docstring)."""
+        count, stable, j = PairCount(), self.arms["stable"].outcomes, 0
+        for t, accepted in self.arms["canary"].outcomes:
+            while j < len(stable) and stable[j][0] < t:
+                j += 1
+            if j == len(stable):
+                break  # later canary outcomes wait for a stable partner
+            count = count.add(accepted, stable[j][1])
+            j += 1
         return count
 
     def measurement(self, now: float) -> CanaryMeasurement:
@@ -120,22 +164,22 @@ class Tally:
     def to_dict(self) -> dict[str, Any]:
         return {
             "stable_version": self.stable_version, "canary_version": self.canary_version,
-            "started_at": self.started_at, "max_per_user": self.max_per_user,
-            "arms": {name: {"outcomes": [int(o) for o in a.outcomes], "rejects": a.rejects,
+            "started_at": self.started_at, "outcomes_per_user": self.outcomes_per_user,
+            "arms": {name: {"outcomes": [[t, int(o)] for t, o in a.outcomes], "rejects": a.rejects,
                             "requests": a.requests, "errors": a.errors,
                             "latencies_ms": a.latencies_ms, "tokens": a.tokens, "flagged": a.flagged,
                             "rewards": a.rewards, "per_user": a.per_user} for name, a in self.arms.items()},
-            "seen_episodes": sorted(self.seen_episodes), "seen_rewards": sorted(self.seen_rewards),
+            "seen_episodes": list(self.seen_episodes), "seen_rewards": list(self.seen_rewards),
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tally:
-        arms = {name: Arm([bool(o) for o in a["outcomes"]], a.get("rejects", 0), a["requests"], a["errors"],
-                          a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"], dict(a["per_user"]))
+        arms = {name: Arm([(float(t), bool(o)) for t, o in a["outcomes"]], a.get("rejects", 0), a["requests"],
+                          a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"], dict(a["per_user"]))
                 for name, a in d["arms"].items()}
-        return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("max_per_user", 50), arms,
-                   set(d["seen_episodes"]), set(d["seen_rewards"]),
+        return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("outcomes_per_user", 1), arms,
+                   deque(d["seen_episodes"]), deque(d["seen_rewards"]),
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
                    d.get("errors", 0), d.get("history", []))

@@ -5,9 +5,10 @@
     candidate ─► gating ─► canary ─► awaiting_approval ─► promoted
         │           │         │  │           │
         │           ▼         │  └─► held ───┤ (inconclusive past the deadline: a person decides)
-        │       rejected      │              ▼
-        ▼                     └────────► rolled_back (failed analysis, breached guardrail,
-    superseded (a newer candidate arrived while this one waited)        or a person)
+        │       rejected ◄────┤              ▼
+        ▼   (gate failed, or  └────────► rolled_back (failed analysis, breached guardrail,
+    superseded  a person)                             or a person)
+    (a newer candidate arrived before this one was gated)
 
 Under an auto-promote policy ``canary`` goes straight to ``promoted`` on a passing analysis.
 ``promoted``, ``rejected``, ``rolled_back`` and ``superseded`` are final. A transition to the state a
@@ -38,14 +39,13 @@ FINAL = frozenset({State.PROMOTED, State.REJECTED, State.ROLLED_BACK, State.SUPE
 ALLOWED: dict[State, frozenset[State]] = {
     State.CANDIDATE: frozenset({State.GATING, State.SUPERSEDED, State.REJECTED}),
     State.GATING: frozenset({State.CANARY, State.REJECTED, State.SUPERSEDED}),
-    State.CANARY: frozenset({State.AWAITING_APPROVAL, State.PROMOTED, State.HELD, State.ROLLED_BACK}),
-    State.AWAITING_APPROVAL: frozenset({State.PROMOTED, State.REJECTED, State.ROLLED_BACK, State.SUPERSEDED}),
+    # CANARY -> PROMOTED only under the auto-promote policy (release/actions.py); a person
+    # approves a version awaiting approval or held, and may reject a running canary
+    State.CANARY: frozenset({State.AWAITING_APPROVAL, State.PROMOTED, State.HELD, State.ROLLED_BACK, State.REJECTED}),
+    State.AWAITING_APPROVAL: frozenset({State.PROMOTED, State.REJECTED, State.ROLLED_BACK}),
     State.HELD: frozenset({State.PROMOTED, State.ROLLED_BACK, State.REJECTED}),
     **{s: frozenset() for s in FINAL},
 }
-
-#: States in which a candidate still waits for something (a newer candidate supersedes these).
-WAITING = frozenset({State.CANDIDATE, State.AWAITING_APPROVAL})
 
 #: States in which a candidate serves canary traffic.
 LIVE = frozenset({State.CANARY, State.AWAITING_APPROVAL, State.HELD})

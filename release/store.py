@@ -28,7 +28,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS release_candidates (
     version BIGINT PRIMARY KEY, parent BIGINT, state TEXT NOT NULL, uri TEXT NOT NULL,
     manifest_sha256 TEXT NOT NULL, checkpoint TEXT NOT NULL, gate TEXT, analysis TEXT,
-    created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL);
+    created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL,
+    -- the controller's working state of a live canary (release/measure.py), NULL once final
+    tally TEXT);
 CREATE TABLE IF NOT EXISTS release_audit (
     id {ID}, version BIGINT, from_state TEXT, to_state TEXT, actor TEXT NOT NULL,
     reason TEXT NOT NULL, evidence TEXT, at DOUBLE PRECISION NOT NULL);
@@ -162,7 +164,7 @@ class ReleaseStore:
             if self.db.execute("SELECT 1 FROM release_candidates WHERE version=?", (event["version"],)).fetchone():
                 return False
             self.db.execute(
-                "INSERT INTO release_candidates VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?)",
+                "INSERT INTO release_candidates VALUES (?, ?, ?, ?, ?, ?, NULL, NULL, ?, ?, NULL)",
                 (event["version"], event.get("parent"), State.CANDIDATE.value, event["uri"],
                  event["manifest_sha256"], json.dumps(event), now, now))
             self._audit(event["version"], None, State.CANDIDATE, actor,
@@ -171,17 +173,30 @@ class ReleaseStore:
         return True
 
     def get(self, version: int) -> Candidate | None:
-        row = self.db.execute("SELECT * FROM release_candidates WHERE version=?", (version,)).fetchone()
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM release_candidates WHERE version=?", (version,)).fetchone()
         return _candidate(row) if row else None
 
     def candidates(self, states: set[State] | None = None) -> list[Candidate]:
-        rows = self.db.execute("SELECT * FROM release_candidates ORDER BY version").fetchall()
-        out = [_candidate(r) for r in rows]
-        return [c for c in out if states is None or c.state in states]
+        if states is None:
+            rows = self.db.execute(f"SELECT {_COLUMNS} FROM release_candidates ORDER BY version").fetchall()
+        else:  # filtered in SQL: a history of many candidates is not parsed to find the live one
+            marks = ", ".join("?" for _ in states)
+            rows = self.db.execute(f"SELECT {_COLUMNS} FROM release_candidates WHERE state IN ({marks}) "
+                                   "ORDER BY version", tuple(sorted(s.value for s in states))).fetchall()
+        return [_candidate(r) for r in rows]
 
-    def save(self, version: int, *, gate: dict[str, Any] | None = None, analysis: dict[str, Any] | None = None) -> None:
-        """Keep a gate result or the live analysis with the candidate (not a transition)."""
+    def tally(self, version: int) -> dict[str, Any] | None:
+        """The saved working state of a live canary's measurement (None: none saved)."""
+        row = self.db.execute("SELECT tally FROM release_candidates WHERE version=?", (version,)).fetchone()
+        return json.loads(row[0]) if row and row[0] else None
+
+    def save(self, version: int, *, gate: dict[str, Any] | None = None, analysis: dict[str, Any] | None = None,
+             tally: dict[str, Any] | None = None) -> None:
+        """Keep a gate result, the live analysis or the measurement's tally with the candidate
+        (not a transition)."""
         with self.db.txn():
+            if tally is not None:
+                self.db.execute("UPDATE release_candidates SET tally=? WHERE version=?", (json.dumps(tally), version))
             if gate is not None:
                 self.db.execute("UPDATE release_candidates SET gate=?, updated_at=? WHERE version=?",
                                 (json.dumps(gate), time.time(), version))
@@ -214,6 +229,8 @@ class ReleaseStore:
                         f"{promotion_interval_s:.0f})")
             self.db.execute("UPDATE release_candidates SET state=?, updated_at=? WHERE version=?",
                             (target.value, now, version))
+            if target in FINAL:  # measuring is over: the analysis keeps the verdict and its numbers
+                self.db.execute("UPDATE release_candidates SET tally=NULL WHERE version=?", (version,))
             self._audit(version, current, target, actor, reason, evidence, now)
             if routing is not None:
                 self._route(routing, f"{target.value} v{version}: {reason}", now)
@@ -322,6 +339,10 @@ class ReleaseStore:
     def _set(self, key: str, value: str) -> None:
         self.db.execute("INSERT INTO release_meta VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v=excluded.v",
                         (key, value))
+
+
+#: Every column of a candidate but its tally (read alone, by the controller only).
+_COLUMNS = "version, parent, state, uri, manifest_sha256, checkpoint, gate, analysis, created_at, updated_at"
 
 
 def _candidate(r: Any) -> Candidate:

@@ -2,7 +2,7 @@
 canary) and what it writes (routing revisions on ``flywheel.releases``, dead letters).
 
 - Checkpoints are read in the consumer group ``release.group_id`` and each batch's offsets are
-  committed on the next read, once the controller has stored the candidates: at least once, and a
+  committed once the controller has stored its candidates: at least once, and a
   version it knows is a no-op. A record that is not a valid ``CheckpointEvent`` is dead-lettered
   with the reason.
 - Episodes and rewards are read without a group, from the offsets saved with the canary's tally
@@ -61,10 +61,9 @@ class Streams:
 
     # -- checkpoints ------------------------------------------------------------------------
     def new_checkpoints(self, timeout_ms: int = 100) -> list[dict[str, Any]]:
-        """Valid checkpoint events that arrived since the last call, as dicts."""
-        if self._uncommitted:  # the caller stored the last batch's candidates
-            self.checkpoints.commit()
-            self._uncommitted = False
+        """Valid checkpoint events that arrived since the last call, as dicts. Their offsets are
+        committed by :meth:`commit_checkpoints` once the caller has stored them; a turn that
+        fails before that reads them again (a known version is a no-op)."""
         out = []
         for recs in self.checkpoints.poll(timeout_ms=timeout_ms).values():
             for rec in recs:
@@ -73,9 +72,14 @@ class Streams:
                 except ContractError as exc:
                     self.dead.send_record(rec, exc.reason, exc.detail)
                 self._uncommitted = True
-        if self._uncommitted:
-            self.sink.flush(10.0)  # the letters are acked before their offsets are committed
         return out
+
+    def commit_checkpoints(self) -> None:
+        if self._uncommitted:
+            if not self.sink.settle(10.0):  # the letters are acked before their offsets are committed
+                raise TimeoutError("dead letters of checkpoint records not acked yet")
+            self.checkpoints.commit()
+            self._uncommitted = False
 
     # -- measuring --------------------------------------------------------------------------
     def ends(self) -> dict[str, dict[int, int]]:

@@ -92,7 +92,8 @@ def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: f
     for i in range(n):
         for version, p in ((stable, p_stable), (canary, p_canary)):
             gid = f"g{seed}-{version}-{i}"
-            gen = small_generation(gid, now).model_copy(update={"model_version": version, "user_id": f"u{version}-{i}"})
+            gen = small_generation(gid, now + i / 1000).model_copy(
+                update={"model_version": version, "user_id": f"u{version}-{i}"})
             ep = EpisodeEvent(generation=gen, signal="accept" if rnd.random() < p else "reject", resolved_at=now)
             producer.send(topics.episodes, key=gid, value=encode(ep))
     producer.flush()
@@ -125,12 +126,13 @@ def run_controller(kafka_settings, topics, tiny_model_dir, trained, tmp_path):
     def start(db_url: str | None = None, **release) -> tuple[Controller, ReleaseStore]:
         store_dir = trained[1]
         url = db_url or f"sqlite:///{tmp_path / 'release.sqlite3'}"
+        # a group of its own: the embedded broker holds a group's join for a member that left uncleanly
+        release.setdefault("group_id", f"release-{topics.prefix}")
         settings = settings_for(kafka_settings, topics, tiny_model_dir, store_dir, url, **release)
         rs = ReleaseStore(url)
         streams = Streams(settings, new_registry())
-        ctl = Controller(settings, rs, streams, trained[0])
-        made.append((rs, streams))
-        return ctl, rs
+        made.append((rs, streams))  # closed even when the controller refuses to start
+        return Controller(settings, rs, streams, trained[0]), rs
 
     yield start
     for rs, streams in made:
@@ -267,3 +269,56 @@ def test_an_auto_promote_policy_promotes_a_passing_canary_and_says_so(run_contro
     assert entry.actor == "auto-promote policy" and "analysis passed" in entry.reason
     tick_until(ctl, lambda: rs.latest_revision().published, "the routing published")
     assert releases(kafka_settings, topics)[-1].stable_version == 1
+
+
+def test_under_the_policy_a_canary_that_passed_inside_the_interval_is_promoted_once_it_ends(
+        run_controller, kafka_settings, topics, trained):
+    ctl, rs = run_controller(auto_promote=True, promotion_interval_s=6)
+    with rs.db.txn():  # a promotion just happened (the store's own record of it)
+        rs._set("last_promotion_at", str(time.time()))
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
+    tick_until(ctl, lambda: (c := rs.get(1)) is not None and c.state == State.CANARY, "v1 in canary")
+    simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=4)
+    tick_until(ctl, lambda: rs.get(1).state in (State.AWAITING_APPROVAL, State.PROMOTED), "the analysis to pass")
+    if rs.get(1).state == State.AWAITING_APPROVAL:  # passed inside the interval: it waits, saying why
+        assert "waits to be promoted automatically" in rs.audit(1)[0].reason
+    tick_until(ctl, lambda: rs.get(1).state == State.PROMOTED, "the promotion once the interval is over")
+    assert next(e for e in rs.audit(1) if e.to_state == "promoted").actor == "auto-promote policy"
+
+
+def test_flywheel_release_serve_runs_the_controller_and_its_api_and_stops_on_sigterm(kafka_settings, topics,
+                                                                                   tiny_model_dir, tmp_path):
+    """The deployed command: it holds the lease, answers on its port, and a SIGTERM stops it."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    import httpx
+    from conftest import stage_env
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, **stage_env(kafka_settings, topics, tmp_path), "FLYWHEEL_MODEL_DIR": str(tiny_model_dir),
+           "FLYWHEEL_RELEASE_PORT": str(port), "FLYWHEEL_RELEASE_TOKENS": "vic:viewer:t0ken",
+           "FLYWHEEL_RELEASE_GROUP_ID": f"{topics.prefix}release", "FLYWHEEL_LOG_LEVEL": "INFO"}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "release", "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, status = time.monotonic() + 90, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/api/status", headers={"Authorization": "Bearer t0ken"})
+                if r.status_code == 200 and (status := r.json())["controller"]["active"]:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        assert status is not None and status["controller"]["active"], proc.stdout.read() if proc.poll() else status
+        assert httpx.get(f"http://127.0.0.1:{port}/api/status").status_code == 401
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -242,11 +242,14 @@ def test_promote_respects_state_and_the_promotion_interval(store):
         actions.promote(store, 2, "bob", "again", interval_s=0)
 
 
-def test_held_and_canary_versions_can_be_promoted(store):
+def test_held_versions_can_be_promoted_and_a_running_canary_only_by_the_policy(store):
     to_state(store, 1, State.HELD)
     actions.promote(store, 1, "bob", "a person decided", interval_s=0)
     to_state(store, 2, State.CANARY)
-    actions.promote(store, 2, "auto-promote policy", "analysis passed", interval_s=0)
+    # a person cannot skip the analysis of a canary still being measured
+    with pytest.raises(ActionRefused, match="version 2 is canary: only a version awaiting approval"):
+        actions.promote(store, 2, "bob", "looks fine to me", interval_s=0)
+    actions.promote(store, 2, "auto-promote policy", "analysis passed", interval_s=0, by_policy=True)
     assert [store.get(v).state for v in (1, 2)] == [State.PROMOTED, State.PROMOTED]
 
 
@@ -264,15 +267,16 @@ def test_reject_sends_live_traffic_back_to_stable(store):
     assert (rev.stable_version, rev.canary_version, rev.canary_share) == (0, None, 0.0)
     assert rev.reason == "rejected v2: felt off"
 
-    to_state(store, 3, State.CANARY)  # a canary still being measured is rolled back, not rejected
-    with pytest.raises(ActionRefused, match="version 3 is canary: it cannot become rejected"):
-        actions.reject(store, 3, "alice", "no")
+    to_state(store, 3, State.CANARY)  # a person may turn down a canary still being measured
+    actions.reject(store, 3, "alice", "no")
+    rev = store.latest_revision()
+    assert store.get(3).state == State.REJECTED and (rev.canary_version, rev.canary_share) == (None, 0.0)
 
 
 def test_rollback_ends_the_live_canary(store):
     with pytest.raises(ActionRefused, match="no canary is live: there is nothing to roll back"):
         actions.rollback(store, "alice", "panic")
-    to_state(store, 1, State.CANARY)
+    to_state(store, 1, State.AWAITING_APPROVAL)
     actions.promote(store, 1, "bob", "ok", interval_s=0)
     to_state(store, 2, State.CANARY)
     with pytest.raises(ActionRefused, match="version 1 is not serving canary traffic"):

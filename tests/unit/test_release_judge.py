@@ -49,7 +49,7 @@ def test_the_base_measurement_is_running():
 def test_error_at_the_error_limit():
     v = judge_canary(replace(BASE, measurement_errors=POLICY.error_limit), POLICY)
     assert v.outcome == Outcome.ERROR
-    assert v.reasons == ("3 measurements failed (limit 3)",)
+    assert v.reasons == ("3 measurements failed in a row (limit 3)",)
 
 
 def test_errors_below_the_limit_are_no_verdict():
@@ -62,13 +62,13 @@ def test_errors_beat_every_other_rule():
     assert judge_canary(worst, POLICY).outcome == Outcome.ERROR
 
 
-# -- rule 2: a minimum sample --------------------------------------------------------------------
+# -- a minimum sample ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("stable_n", "canary_n", "short"), [
     (49, 200, ["stable"]), (200, 49, ["canary"]), (10, 0, ["stable", "canary"])])
 def test_running_below_min_events_naming_the_short_arm(stable_n, canary_n, short):
     m = replace(BASE, stable=replace(ARM, outcomes=stable_n), canary=replace(ARM, outcomes=canary_n),
-                pairs=BETTER, elapsed_s=2 * POLICY.deadline_s)  # evidence and deadline wait too
+                pairs=BETTER)  # the evidence waits for the minimum too
     v = judge_canary(m, POLICY)
     assert v.outcome == Outcome.RUNNING
     assert [r.split()[0] for r in v.reasons] == short
@@ -76,8 +76,22 @@ def test_running_below_min_events_naming_the_short_arm(stable_n, canary_n, short
     assert all(f"has {n[name]} of the 50 outcomes needed" in r for name, r in zip(short, v.reasons))
 
 
-def test_a_short_arm_hides_a_breached_guardrail():
-    m = replace(BASE, canary=replace(ARM, outcomes=49, latency_ms_p95=9000.0))
+def test_a_short_arm_is_still_held_at_the_deadline():
+    # a canary nobody gives feedback on (or that serving never routes to) must not stay forever
+    m = replace(BASE, canary=replace(ARM, outcomes=0, requests=0), pairs=BETTER, elapsed_s=POLICY.deadline_s)
+    v = judge_canary(m, POLICY)
+    assert v.outcome == Outcome.INCONCLUSIVE and any("canary has 0 of the 50 outcomes" in r for r in v.reasons)
+
+
+def test_guardrails_are_judged_on_requests_served_not_on_outcomes():
+    # every canary answer fails, so nobody accepts or rejects it: the error guardrail still fires
+    m = replace(BASE, canary=replace(ARM, outcomes=0, accepts=0, rejects=0, requests=400, errors=400))
+    v = judge_canary(m, POLICY)
+    assert v.outcome == Outcome.FAIL and v.reasons[0].startswith("guardrail error rate")
+
+
+def test_too_few_requests_hide_a_breached_guardrail():
+    m = replace(BASE, canary=replace(ARM, requests=49, latency_ms_p95=9000.0))
     assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 

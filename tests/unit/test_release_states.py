@@ -10,14 +10,14 @@ import itertools
 
 import pytest
 
-from release.states import ALLOWED, FINAL, LIVE, WAITING, State, TransitionRefused, check
+from release.states import ALLOWED, FINAL, LIVE, State, TransitionRefused, check
 
 S = State
 EXPECTED: dict[State, set[State]] = {
     S.CANDIDATE: {S.GATING, S.SUPERSEDED, S.REJECTED},
     S.GATING: {S.CANARY, S.REJECTED, S.SUPERSEDED},
-    S.CANARY: {S.AWAITING_APPROVAL, S.PROMOTED, S.HELD, S.ROLLED_BACK},
-    S.AWAITING_APPROVAL: {S.PROMOTED, S.REJECTED, S.ROLLED_BACK, S.SUPERSEDED},
+    S.CANARY: {S.AWAITING_APPROVAL, S.PROMOTED, S.HELD, S.ROLLED_BACK, S.REJECTED},
+    S.AWAITING_APPROVAL: {S.PROMOTED, S.REJECTED, S.ROLLED_BACK},
     S.HELD: {S.PROMOTED, S.ROLLED_BACK, S.REJECTED},
     S.PROMOTED: set(),
     S.REJECTED: set(),
@@ -70,8 +70,11 @@ def test_the_table_keeps_its_promises():
     # every live canary can be rolled back, and only a live one can be promoted
     assert all(S.ROLLED_BACK in ALLOWED[s] for s in LIVE)
     assert {c for c, targets in ALLOWED.items() if S.PROMOTED in targets} == LIVE
-    # a newer candidate can supersede every waiting one
-    assert all(S.SUPERSEDED in ALLOWED[s] for s in WAITING)
+    # a newer candidate supersedes the ones not yet gated; a live canary is never superseded
+    # (it would keep serving with no routing change): it is decided first
+    assert {c for c, targets in ALLOWED.items() if S.SUPERSEDED in targets} == {S.CANDIDATE, S.GATING}
+    # a person can turn down every live canary
+    assert all(S.REJECTED in ALLOWED[s] for s in LIVE)
     # from every state some final state is reachable (nothing gets stuck)
     for start in State:
         seen, todo = {start}, [start]
