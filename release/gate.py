@@ -102,16 +102,19 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
+    # the controller's own accelerator when it has one, else its CPU; float32 either way, so
+    # entropies and KL compare versions, not precisions
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     tok = AutoTokenizer.from_pretrained(str(stable_dir))
-    stable = AutoModelForCausalLM.from_pretrained(str(stable_dir), dtype=torch.float32).eval()
-    cand = AutoModelForCausalLM.from_pretrained(str(candidate_dir), dtype=torch.float32).eval()
+    stable = AutoModelForCausalLM.from_pretrained(str(stable_dir), dtype=torch.float32).to(device).eval()
+    cand = AutoModelForCausalLM.from_pretrained(str(candidate_dir), dtype=torch.float32).to(device).eval()
     eos = tok.eos_token_id
     s_len, c_len, kls, s_ent, c_ent = [], [], [], [], []
     s_outs, c_outs = set(), set()
     answers: list[tuple[str, list[int], list[int], list[int]]] = []
     with torch.no_grad():
         for prompt in prompts:
-            ids = torch.tensor([tok.encode(prompt) or [eos or 0]])
+            ids = torch.tensor([tok.encode(prompt) or [eos or 0]], device=device)
             s_seq = _sample(stable, ids, max_new_tokens, eos)
             c_seq = _sample(cand, ids, max_new_tokens, eos)
             answers.append((prompt, ids[0].tolist(), s_seq, c_seq))
@@ -168,7 +171,7 @@ def _entropy_and_kl(p_model: Any, q_model: Any | None, ids: Any, completion: lis
     distribution and, with ``q_model``, KL(p || q). One forward of each model on the sequence."""
     import torch
 
-    seq = torch.cat([ids, torch.tensor([completion])], dim=1)
+    seq = torch.cat([ids, torch.tensor([completion], device=ids.device)], dim=1)
     start = ids.shape[1] - 1
     lp = torch.log_softmax(p_model(seq).logits[0, start:-1].float(), -1)
     entropy = [float(x) for x in -(lp.exp() * lp).sum(-1)]

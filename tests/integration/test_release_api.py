@@ -63,7 +63,7 @@ PATHS: dict[State, tuple[State, ...]] = {
     State.CANARY: (State.GATING, State.CANARY),
     State.AWAITING_APPROVAL: (State.GATING, State.CANARY, State.AWAITING_APPROVAL),
     State.HELD: (State.GATING, State.CANARY, State.HELD),
-    State.SUPERSEDED: (State.GATING, State.CANARY, State.AWAITING_APPROVAL, State.SUPERSEDED),
+    State.SUPERSEDED: (State.SUPERSEDED,),  # superseded before its gate: a newer one came first
     State.PROMOTED: (State.GATING, State.CANARY, State.AWAITING_APPROVAL, State.PROMOTED),
 }
 

@@ -214,6 +214,24 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     assert (last.stable_version, last.canary_version) == (0, None)
 
 
+def test_a_routing_committed_but_not_published_before_a_crash_is_published_by_the_next_controller(
+        run_controller, kafka_settings, topics, trained):
+    # the controller died (kill -9) between a transition's commit and the publish that follows it
+    from release.store import Routing
+
+    _crashed, rs = run_controller()  # its store, written to as the crashed process left it
+    rs.add_candidate(checkpoint_event(trained[0], 1))
+    for state in (State.GATING, State.CANARY):
+        rs.transition(1, state, "controller", "before the crash",
+                      routing=Routing(0, 1, 0.5) if state == State.CANARY else None)
+    assert [r.revision for r in rs.unpublished()] == [1]
+    second, _ = run_controller()  # the restarted process
+    second.tick()
+    assert rs.unpublished() == []
+    got = releases(kafka_settings, topics)
+    assert [(r.revision, r.stable_version, r.canary_version, r.canary_share) for r in got] == [(1, 0, 1, 0.5)]
+
+
 def test_an_unknown_gate_scorer_stops_the_start_with_the_names_known(run_controller):
     from flywheel.settings import SettingsError
 
