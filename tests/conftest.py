@@ -194,8 +194,11 @@ def release_db_url(request, tmp_path) -> Iterator[str]:
     admin.execute(f'CREATE SCHEMA "{schema}"')
     sep = "&" if "?" in RELEASE_TEST_POSTGRES_URL else "?"
     try:
-        yield f"{RELEASE_TEST_POSTGRES_URL}{sep}options=-csearch_path%3D{schema}"
+        yield f"{RELEASE_TEST_POSTGRES_URL}{sep}options=-csearch_path%3D{schema}&application_name={schema}"
     finally:
+        # a killed test process's backend may hold its locks a moment longer: end it before the drop
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                      (schema,))
         admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
         admin.close()
 

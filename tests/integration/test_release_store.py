@@ -19,7 +19,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -31,30 +30,12 @@ from release.store import ReleaseStore, Routing
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
-POSTGRES = os.environ.get("TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'release' / 'release.sqlite3'}"
-        return
-    psycopg = pytest.importorskip("psycopg")
-    try:
-        admin = psycopg.connect(POSTGRES, autocommit=True, connect_timeout=3)
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"no PostgreSQL at {POSTGRES}: {exc}")
-    schema = f"release_test_{uuid.uuid4().hex[:12]}"
-    admin.execute(f"CREATE SCHEMA {schema}")
-    try:
-        sep = "&" if "?" in POSTGRES else "?"
-        yield f"{POSTGRES}{sep}options=-csearch_path%3D{schema}&application_name={schema}"
-    finally:
-        # a killed child's backend may hold its locks a moment longer: end it before the drop
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
-                      (schema,))
-        admin.execute(f"DROP SCHEMA {schema} CASCADE")
-        admin.close()
+@pytest.fixture
+def url(release_db_url):
+    """Every test here runs on each database the store supports (tests/conftest.py)."""
+    return release_db_url
 
 
 @pytest.fixture
