@@ -40,7 +40,7 @@ from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_cana
 from release.measure import Tally
 from release.sequential import confidence_band, log_e_better, log_e_worse
 from release.states import LIVE, State
-from release.store import Candidate, ReleaseStore, Routing
+from release.store import Candidate, LeaseLost, ReleaseStore, Routing
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class Controller:
         self.settings, self.cfg = settings, settings.release
         self.store, self.streams, self.checkpoints = store, streams, checkpoints
         self.holder = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
+        store.fence = self.holder  # every change this controller makes checks it still holds the lease
         self.active = False
         self.last_tick = 0.0
         self.prompts = load_prompts(self.cfg.prompts_file)
@@ -82,7 +83,13 @@ class Controller:
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
-        now = time.time() if now is None else now
+        try:
+            self._turn(time.time() if now is None else now)
+        except LeaseLost as exc:  # another controller took over while this turn ran: it acts now
+            self.active = False
+            log.warning("stopped mid-turn: %s; standing by", exc)
+
+    def _turn(self, now: float) -> None:
         self.last_tick = time.monotonic()
         was_active, self.active = self.active, self.store.take_lease(self.holder, self.cfg.lease_ttl_s)
         if not self.active:

@@ -148,9 +148,18 @@ def database_url(url: str | None, data_dir: Path) -> str:
     return url or f"sqlite:///{data_dir / 'release' / 'release.sqlite3'}"
 
 
+class LeaseLost(RuntimeError):
+    """A fenced store's holder no longer holds the controller lease: it must stand by."""
+
+
 class ReleaseStore:
     def __init__(self, url: str) -> None:
         self.db = _Db(url)
+        #: Set by a controller to its lease holder name: every transition and save of this store
+        #: then checks, inside its own transaction, that this holder still holds a live lease, so
+        #: a controller whose turn outlasted its lease cannot act after another took over. The
+        #: API's store is not fenced: people act whoever holds the lease.
+        self.fence: str | None = None
 
     def close(self) -> None:
         self.db.close()
@@ -195,6 +204,7 @@ class ReleaseStore:
         """Keep a gate result, the live analysis or the measurement's tally with the candidate
         (not a transition)."""
         with self.db.txn():
+            self._check_fence()
             if tally is not None:
                 self.db.execute("UPDATE release_candidates SET tally=? WHERE version=?", (json.dumps(tally), version))
             if gate is not None:
@@ -212,6 +222,7 @@ class ReleaseStore:
         table does not allow it; ``KeyError`` for an unknown version."""
         now = time.time()
         with self.db.txn():
+            self._check_fence(now)
             row = self.db.execute(f"SELECT state FROM release_candidates WHERE version=?{self.db.for_update}",
                                   (version,)).fetchone()
             if row is None:
@@ -324,6 +335,15 @@ class ReleaseStore:
         return (row[0], row[1]) if row else None
 
     # -- helpers ---------------------------------------------------------------------------
+    def _check_fence(self, now: float | None = None, name: str = "controller") -> None:
+        if self.fence is None:
+            return
+        row = self.db.execute(f"SELECT holder, expires_at FROM release_lease WHERE name=?{self.db.for_update}",
+                              (name,)).fetchone()
+        if row is None or row[0] != self.fence or row[1] < (now or time.time()):
+            raise LeaseLost(f"{self.fence} no longer holds the controller lease"
+                            + (f" ({row[0]} does)" if row and row[0] != self.fence else " (it lapsed)"))
+
     def _audit(self, version: int | None, frm: State | None, to: State | None, actor: str, reason: str,
                evidence: dict[str, Any] | None, at: float) -> None:
         self.db.execute(
@@ -354,4 +374,4 @@ def _revision(r: Any) -> Revision:
     return Revision(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
 
 
-__all__ = ["FINAL", "AuditEntry", "Candidate", "ReleaseStore", "Revision", "Routing", "database_url"]
+__all__ = ["FINAL", "AuditEntry", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "database_url"]

@@ -219,14 +219,17 @@ def test_a_routing_committed_but_not_published_before_a_crash_is_published_by_th
     # the controller died (kill -9) between a transition's commit and the publish that follows it
     from release.store import Routing
 
-    _crashed, rs = run_controller()  # its store, written to as the crashed process left it
+    crashed, rs = run_controller(lease_ttl_s=2)
+    assert rs.take_lease(crashed.holder, 2)  # it held the lease when it wrote, then died
     rs.add_candidate(checkpoint_event(trained[0], 1))
     for state in (State.GATING, State.CANARY):
         rs.transition(1, state, "controller", "before the crash",
                       routing=Routing(0, 1, 0.5) if state == State.CANARY else None)
     assert [r.revision for r in rs.unpublished()] == [1]
-    second, _ = run_controller()  # the restarted process
+    second, _ = run_controller(lease_ttl_s=2)  # the restarted process, once the dead one's lease lapsed
+    time.sleep(max(0.0, rs.lease_holder()[1] - time.time()) + 0.1)
     second.tick()
+    assert second.active
     assert rs.unpublished() == []
     got = releases(kafka_settings, topics)
     assert [(r.revision, r.stable_version, r.canary_version, r.canary_share) for r in got] == [(1, 0, 1, 0.5)]

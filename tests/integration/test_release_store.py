@@ -305,6 +305,34 @@ def test_only_one_controller_holds_the_lease_until_it_lapses(url):
         b.close()
 
 
+def test_a_controller_that_lost_the_lease_changes_nothing(url):
+    # a turn that outlasted the lease (a long gate): another controller took over meanwhile, and
+    # the first one's next transition and save are refused inside their own transactions
+    from release.store import LeaseLost
+
+    a, b = ReleaseStore(url), ReleaseStore(url)
+    a.fence, b.fence = "ctrl-a", "ctrl-b"
+    try:
+        assert a.take_lease("ctrl-a", ttl_s=0.3)
+        to_state(a, 1, State.CANARY)  # allowed while a holds it
+        time.sleep(0.4)
+        assert b.take_lease("ctrl-b", ttl_s=30)
+        with pytest.raises(LeaseLost, match="ctrl-a no longer holds the controller lease \\(ctrl-b does\\)"):
+            a.transition(1, State.ROLLED_BACK, "controller", "stale verdict", routing=Routing(0, None, 0.0))
+        with pytest.raises(LeaseLost):
+            a.save(1, analysis={"outcome": "fail"})
+        assert b.get(1).state == State.CANARY and b.get(1).analysis is None
+        assert b.transition(1, State.ROLLED_BACK, "controller", "the holder's verdict")
+        # the API's store is not fenced: people act whoever holds the lease
+        people = ReleaseStore(url)
+        to_state(people, 2, State.AWAITING_APPROVAL)
+        actions.promote(people, 2, "ann", "approved", interval_s=0)
+        people.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_two_controllers_starting_together_get_one_lease(url):
     # Both find no lease row; the second takes the lease while the first has looked and not yet
     # written. Exactly one may hold it, and neither may fail.
