@@ -102,6 +102,8 @@ class _Db:
             import psycopg  # only a PostgreSQL deployment needs it
 
             self.conn: Any = psycopg.connect(url, autocommit=True)
+            self._in_txn = False
+            self._operational_error = psycopg.OperationalError
             self.for_update = " FOR UPDATE"
             # Revisions are numbered max + 1: two transactions changing the routing at once would
             # read the same max and the second would fail on the duplicate key. They take turns
@@ -123,13 +125,26 @@ class _Db:
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         if self.postgres:
             sql = sql.replace("?", "%s")
+            if not self._in_txn:  # a read on its own (every write is in a transaction): safe to retry
+                self._reconnect_if_broken()
+                try:
+                    return self.conn.execute(sql, params)
+                except self._operational_error:
+                    if not self.conn.broken:
+                        raise
+                    self._reconnect_if_broken()
         return self.conn.execute(sql, params)
 
     @contextmanager
     def txn(self) -> Iterator[None]:
         if self.postgres:
-            with self.conn.transaction():
-                yield
+            self._reconnect_if_broken()
+            self._in_txn = True
+            try:
+                with self.conn.transaction():
+                    yield
+            finally:
+                self._in_txn = False
             return
         self.conn.execute("BEGIN IMMEDIATE")
         try:
@@ -138,6 +153,16 @@ class _Db:
             self.conn.execute("ROLLBACK")
             raise
         self.conn.execute("COMMIT")
+
+    def _reconnect_if_broken(self) -> None:
+        """A new connection when the server dropped this one (a database restart, a failover, an
+        idle timeout): the next statement or transaction runs on it rather than failing until
+        the process restarts. A transaction the drop cut off fails as a whole; its caller's next
+        turn redoes it."""
+        if self.conn.broken or self.conn.closed:
+            import psycopg
+
+            self.conn = psycopg.connect(self.url, autocommit=True)
 
     def close(self) -> None:
         self.conn.close()

@@ -411,3 +411,22 @@ def test_a_transition_killed_midway_leaves_nothing(url, step):
         assert [r.revision for r in again.unpublished()] == [r.revision for r in revisions_before] + [2]
     finally:
         again.close()
+
+
+def test_a_dropped_database_connection_is_made_again(url):
+    # a database restart or failover ends the connection: the next call works on a new one
+    if not url.startswith("postgresql"):
+        pytest.skip("SQLite has no server to drop the connection")
+    import psycopg
+
+    s = ReleaseStore(url)
+    try:
+        to_state(s, 1, State.GATING)
+        app = url.rsplit("application_name=", 1)[1]
+        with psycopg.connect(url.split("?")[0], autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+                          (app,))
+        assert s.get(1).state == State.GATING  # a read finds the connection gone and reads again on a new one
+        assert s.transition(1, State.CANARY, "controller", "after the reconnect", routing=Routing(0, 1, 0.1))
+    finally:
+        s.close()
