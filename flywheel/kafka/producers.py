@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kafka import KafkaProducer
+from kafka import errors as kafka_errors
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 
 from flywheel.kafka.clients import force_close, make_producer
@@ -41,6 +42,23 @@ class EventSink(Protocol):
 #: One delivery report: (token, error); ``error`` is None when the record was acked. Plain
 #: tuples: one per output record.
 Delivery = tuple[int, "BaseException | None"]
+
+
+#: Errors about one record (the broker refused it: too large for its topic, not allowed, no such
+#: topic), after which the producer goes on as before. Only other errors (a delivery timeout, a
+#: fenced or fatal producer) replace it: replacing it for these failed every other send in
+#: flight too, and sent them all again.
+_RECORD_ERRORS: tuple[type[BaseException], ...] = (
+    MessageSizeTooLargeError, kafka_errors.TopicAuthorizationFailedError, kafka_errors.RecordListTooLargeError,
+    kafka_errors.InvalidRecordError, kafka_errors.CorruptRecordError)
+
+
+@functools.cache
+def _rdkafka_record_errors() -> frozenset[int]:
+    from confluent_kafka import KafkaError as RdKafkaError
+
+    return frozenset({RdKafkaError.MSG_SIZE_TOO_LARGE, RdKafkaError.TOPIC_AUTHORIZATION_FAILED,
+                      RdKafkaError.RECORD_LIST_TOO_LARGE, RdKafkaError.INVALID_RECORD})
 
 
 class RecordRefused(Exception):
@@ -109,9 +127,10 @@ class KafkaPythonOutput:
     """:class:`OutputProducer` over kafka-python (:func:`make_producer`).
 
     Acks arrive on kafka-python's I/O thread; they are handed over through a deque, whose
-    append and popleft are atomic, so no report is lost between the two threads. A failed send
-    retires the producer (:class:`RenewableProducer`); its other pending sends fail with it, and
-    the outbox sends them again.
+    append and popleft are atomic, so no report is lost between the two threads. A send that
+    failed for another reason than its own record (``_RECORD_ERRORS``) retires the producer
+    (:class:`RenewableProducer`); its other pending sends fail with it, and the outbox sends them
+    again.
     """
 
     def __init__(self, factory: Callable[[], KafkaProducer]) -> None:
@@ -132,7 +151,8 @@ class KafkaPythonOutput:
         self._done.append((token, None))
 
     def _failed(self, producer: KafkaProducer, token: int, exc: BaseException) -> None:
-        if producer is self.producer.current:  # not the failures a retired producer's close causes
+        # not the failures a retired producer's close causes, nor a refusal of one record
+        if producer is self.producer.current and not isinstance(exc, _RECORD_ERRORS):
             self._failed_current = True
         self._done.append((token, exc))
 
@@ -165,7 +185,8 @@ class ConfluentOutput:
     thread inside ``poll``/``flush``, so reports need no lock. Idempotence (``acks=all``,
     sequence numbers per partition) is librdkafka's, as in kafka-python.
 
-    A failed send retires the producer for a new one, as in :class:`KafkaPythonOutput`. After
+    A send that failed for another reason than its own record retires the producer for a new one,
+    as in :class:`KafkaPythonOutput`. After
     giving up on a send, librdkafka bumps its producer epoch to go on; the embedded broker answers
     that bump by fencing the producer, which then fails every later send with PRODUCER_FENCED
     (not even flagged fatal). The retired producer's pending sends are purged and reported failed,
@@ -221,7 +242,8 @@ class ConfluentOutput:
         else:
             from confluent_kafka import KafkaException
 
-            if made == self.made:  # not the purged sends of a retired producer
+            # not the purged sends of a retired producer, nor a refusal of one record
+            if made == self.made and err.code() not in _rdkafka_record_errors():  # type: ignore[attr-defined]
                 self._failed_current = True
             self._done.append((token, KafkaException(err)))
 

@@ -98,3 +98,4 @@ def test_sink_delivers_what_it_owes_after_its_producer_gave_up_on_a_send(broker,
     keys = [r.key for r in read_all(kafka_settings.bootstrap, topics.deadletter, expect=3)]
     # at least once: the paused broker may still append the request it held when it resumes
     assert set(keys) == {b"k0", b"k1", b"k2"} and keys.count(b"k0") == keys.count(b"k2") == 1
+
