@@ -7,9 +7,10 @@ production.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, SSE
 streaming included), ``GET /v1/models``, ``POST /v1/feedback`` (202 once the event is durable),
-``GET /health``, ``GET /metrics``. Product routes need ``Authorization: Bearer <key>``;
-generation routes are rate limited per user (feedback is not: refusing it would bias the reward
-signal, and abuse is judged downstream by the reward guards).
+``GET /health``, ``GET /metrics``, and ``GET /openapi.json``, the schema of all of them
+(:mod:`serving.openapi`; there is no ``/docs`` page). Product routes need
+``Authorization: Bearer <key>``; generation routes are rate limited per user (feedback is not:
+refusing it would bias the reward signal, and abuse is judged downstream by the reward guards).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -33,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flywheel.contracts import MAX_FEEDBACK_BODY_BYTES, FeedbackEvent, Topics
 from flywheel.settings import Settings
 from serving import generate as gen
+from serving import openapi
 from serving.engine import Engine
 from serving.identity import (
     RateLimiter,
@@ -45,9 +47,15 @@ from serving.identity import (
 from serving.journal import JournalFull
 from serving.protocol import (
     ApiError,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
     ChatRequest,
+    CompletionChunk,
     CompletionRequest,
+    CompletionResponse,
+    FeedbackAccepted,
     FeedbackRequest,
+    ModelList,
     error_body,
     parse,
     validation_error,
@@ -122,14 +130,15 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
     gate = Gate(settings, metrics)
     ctx = gen.Ctx(settings.serve, engine, recorder, Topics(settings.topic_prefix), metrics.tokens)
     version = str(engine.model_version)
-    app = FastAPI(title="flywheel serving", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="flywheel serving", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.add_middleware(Observe, metrics=metrics, version=version)
     _errors(app)
+    openapi.install(app, settings.serve, len(engine.tokenizer))
 
     async def generation(request: Request, cls: type, prepare: Any) -> Response:
         key = gate.key(request)
         body = parse(cls, await read_body(request, settings.serve.max_body_bytes))
-        user_id = gate.user(request, key, body.user)
+        user_id = gate.user(request, key, body.end_user())
         gate.limit(user_id)
         prep = prepare(ctx, body, user_id)
         if body.stream:
@@ -139,35 +148,41 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
         choices = await gen.run_all(ctx, prep)
         return JSONResponse(gen.response_body(ctx, prep, choices))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest),
+              responses=openapi.responses(CompletionResponse, 400, 401, 404, 413, 429, chunk=CompletionChunk))
     async def completions(request: Request) -> Response:
         return await generation(request, CompletionRequest, gen.prepare_completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatRequest),
+              responses=openapi.responses(ChatCompletionResponse, 400, 401, 404, 413, 429,
+                                          chunk=ChatCompletionChunk))
     async def chat(request: Request) -> Response:
         return await generation(request, ChatRequest, gen.prepare_chat)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.responses(ModelList, 401))
     async def models(request: Request) -> Response:
         gate.key(request)
         return JSONResponse({"object": "list", "data": [{
             "id": settings.serve.model_name, "object": "model", "created": 0, "owned_by": "flywheel",
             "version": engine.model_version, "root": ctx.model_id}]})
 
-    @app.post("/v1/feedback")
+    @app.post("/v1/feedback", status_code=202, openapi_extra=openapi.body(FeedbackRequest),
+              responses=openapi.responses(FeedbackAccepted, 400, 401, 413, 503, ok_status=202))
     async def feedback(request: Request) -> Response:
         key = gate.key(request)
         limit = min(settings.serve.max_body_bytes, MAX_FEEDBACK_BODY_BYTES)
         body = parse(FeedbackRequest, await read_body(request, limit))
         return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "The engine and the publisher's state"},
+                                   503: {"description": "The engine is dead"}})
     async def health() -> Response:
         ok = engine.healthy()
         state = {"ok": ok, "engine": "ok" if ok else "dead", "model": ctx.model_id, **recorder.state()}
         return JSONResponse(state, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format"}})
     async def prometheus() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -7,17 +7,19 @@ token. :class:`VllmEngine` implements it over vLLM's ``AsyncLLM`` (CPU build or 
 build alike: nothing here is CPU-only).
 
 Logprobs: vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request asks
-``logprobs=0`` (only the sampled token), so each recorded logprob is log p(token) under the
-distribution the token was actually drawn from, after temperature / top-p / top-k. That is the
-behaviour policy the trainer's importance-sampling correction needs; raw logprobs would be the
-model's untempered distribution instead.
+``logprobs=N`` with N = 0 (only the sampled token) unless the client asked for alternatives, so
+each recorded logprob is log p(token) under the distribution the token was actually drawn from,
+after temperature / top-p / top-k. That is the behaviour policy the trainer's importance-sampling
+correction needs; raw logprobs would be the model's untempered distribution instead. Asking for
+N alternatives changes nothing sampled or recorded: vLLM reports the sampled token's logprob
+first and the top N from the same processed distribution beside it.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,6 +36,12 @@ class GenRequest:
     top_k: int = -1
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    #: Alternatives per token to report with their logprobs (the API's ``top_logprobs``).
+    top_logprobs: int = 0
+
+
+#: Per sampled token, the most likely tokens as (token id, logprob), most likely first.
+TopLogprobs = list[list[tuple[int, float]]]
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,8 @@ class Delta:
     logprobs: list[float]
     #: ``stop`` / ``length`` / ``abort`` on the last delta of a sequence, else None.
     finish_reason: str | None
+    #: Filled only when the request asked for ``top_logprobs > 0``.
+    top: TopLogprobs = field(default_factory=list)
 
 
 class Engine(Protocol):
@@ -122,7 +132,7 @@ class VllmEngine:
             top_k=max(0, req.top_k),
             seed=req.seed,
             stop=list(req.stop) or None,
-            logprobs=0,  # the sampled token's own logprob only
+            logprobs=req.top_logprobs,  # the sampled token's own logprob, and the top N
             detokenize=detokenize,
             # streamed requests take each step's new tokens; others only the finished sequence,
             # which saves the API one task wake-up per token
@@ -132,7 +142,7 @@ class VllmEngine:
     async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         async for out in self._llm.generate(prompt, self._params(req), request_id):
-            yield _delta(out)
+            yield _delta(out, req.top_logprobs)
 
     async def complete(self, req: GenRequest, request_id: str) -> Delta:
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
@@ -141,11 +151,11 @@ class VllmEngine:
             last = out
         if last is None:
             raise RuntimeError(f"engine returned nothing for {request_id}")
-        delta = _delta(last)
+        delta = _delta(last, req.top_logprobs)
         if req.stop:  # vLLM detokenized (stop strings need it); its text is authoritative
             return delta
         text = self.tokenizer.decode(delta.token_ids, skip_special_tokens=True)
-        return Delta(delta.token_ids, text, delta.logprobs, delta.finish_reason)
+        return replace(delta, text=text)
 
     def healthy(self) -> bool:
         return self._llm is not None and not self._llm.errored
@@ -158,12 +168,29 @@ class VllmEngine:
             self._llm = None
 
 
-def _delta(out: Any) -> Delta:
+def _delta(out: Any, n_top: int) -> Delta:
     o = out.outputs[0]
     ids = list(o.token_ids)
-    # logprobs=0: each step's dict holds exactly the sampled token
-    lps = [float(step[t].logprob) for t, step in zip(ids, o.logprobs or [])]
-    return Delta(ids, o.text, lps, _finish(o.finish_reason) if out.finished else None)
+    steps = o.logprobs or []
+    # each step's dict holds the sampled token (and, with n_top > 0, the top n_top beside it)
+    lps = [float(step[t].logprob) for t, step in zip(ids, steps)]
+    top = [_top(step, n_top) for step in steps] if n_top else []
+    return Delta(ids, o.text, lps, _finish(o.finish_reason) if out.finished else None, top)
+
+
+def _top(step: dict[int, Any], n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of one step, most likely first.
+
+    vLLM inserts the sampled token first (with its own rank), then the top ``n`` with ranks
+    1..n. A sampled token among those is one key, so the dict has ``n`` entries; otherwise it
+    has ``n + 1`` and the first is not one of the top ``n`` (even when a tie gives it a rank
+    that is).
+    """
+    items = list(step.items())
+    if len(items) > n:
+        items = items[1:]
+    items.sort(key=lambda kv: kv[1].rank)
+    return [(tid, float(lp.logprob)) for tid, lp in items[:n]]
 
 
 def _finish(reason: str | None) -> str:

@@ -9,6 +9,10 @@ own ``generation_id`` — the response id itself when ``n == 1`` (so a client ca
 ``response.id``), ``<id>-<i>`` otherwise — returned in the choice as an extra field. Each choice is
 its own engine request with its own seed (``seed + i`` when a seed is given), so the samples of a
 group are independent.
+
+Logprobs asked for (``logprobs`` / ``top_logprobs``) come back in OpenAI's shapes
+(:mod:`serving.logprobs`); the logprob recorded for each token is the same whether or not the
+client asked.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pydantic import ValidationError
 
 from flywheel.contracts import GenerationEvent, SamplingParams, Topics
 from flywheel.settings import ServeSettings
-from serving.engine import Delta, Engine, GenRequest
+from serving.engine import Delta, Engine, GenRequest, TopLogprobs
+from serving.logprobs import LogprobsFormat, Pieces
 from serving.protocol import ApiError, ChatRequest, CompletionRequest
 from serving.recorder import Recorder
 
@@ -45,6 +50,10 @@ class Ctx:
     recorder: Recorder
     topics: Topics
     tokens_counter: Any
+    pieces: Pieces = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.pieces = Pieces(self.engine.tokenizer)
 
     @property
     def model_id(self) -> str:
@@ -60,6 +69,8 @@ class Prepared:
     n: int
     user_id: str
     created_at: float
+    #: Alternatives per token to return with the logprobs; None: no logprobs in the response.
+    top_logprobs: int | None = None
 
     def generation_id(self, i: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{i}"
@@ -77,6 +88,7 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top: TopLogprobs = field(default_factory=list)
     finish_reason: str | None = None
 
 
@@ -107,7 +119,8 @@ def _limits(ctx: Ctx, n: int, max_tokens: int, n_prompt: int) -> None:
 
 def _gen(ids: list[int], body: Any, max_tokens: int) -> GenRequest:
     return GenRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
-                      top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops())
+                      top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops(),
+                      top_logprobs=body.top_logprobs_n() or 0)
 
 
 def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepared:
@@ -120,10 +133,11 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepa
         if any(t < 0 or t >= vocab for t in body.prompt):
             raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
         text, ids = tok.decode(body.prompt), list(body.prompt)
-    max_tokens = body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    # a deployment limit below OpenAI's default must not refuse requests that leave it out
+    max_tokens = body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS, ctx.serve.max_tokens_limit)
     _limits(ctx, body.n, max_tokens, len(ids))
     return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time())
+                    body.n, user_id, time.time(), body.top_logprobs_n())
 
 
 def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
@@ -138,7 +152,7 @@ def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
     max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
     _limits(ctx, body.n, max_tokens, len(ids))
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time())
+                    body.n, user_id, time.time(), body.top_logprobs_n())
 
 
 # -- running and recording ---------------------------------------------------------------------
@@ -168,6 +182,7 @@ def _add(choice: Choice, d: Delta) -> None:
     choice.token_ids += d.token_ids
     choice.text.append(d.text)
     choice.logprobs += d.logprobs
+    choice.top += d.top
     choice.finish_reason = d.finish_reason or choice.finish_reason
 
 
@@ -211,8 +226,11 @@ def response_body(ctx: Ctx, prep: Prepared, choices: list[Choice]) -> dict[str, 
     chat = prep.endpoint == "chat"
     out = []
     for c in choices:
+        logprobs = None
+        if prep.top_logprobs is not None:
+            logprobs = LogprobsFormat(ctx.pieces, chat).of(c.token_ids, c.logprobs, c.top)
         item: dict[str, Any] = {"index": c.index, "finish_reason": c.finish_reason,
-                                "logprobs": None, "generation_id": c.generation_id}
+                                "logprobs": logprobs, "generation_id": c.generation_id}
         if chat:
             item["message"] = {"role": "assistant", "content": "".join(c.text)}
         else:
@@ -240,6 +258,7 @@ async def stream_sse(ctx: Ctx, prep: Prepared, include_usage: bool) -> AsyncIter
     tasks = [asyncio.create_task(run_choice(ctx, prep, i, sink)) for i in range(prep.n)]
     waiter = asyncio.ensure_future(asyncio.gather(*tasks))
     started: set[int] = set()
+    formats = [LogprobsFormat(ctx.pieces, chat) for _ in range(prep.n)]  # offsets run per choice
     getter: asyncio.Future | None = None
     try:
         while not (waiter.done() and sink.empty()):
@@ -249,7 +268,8 @@ async def stream_sse(ctx: Ctx, prep: Prepared, include_usage: bool) -> AsyncIter
                 getter.cancel()
                 continue
             i, d = getter.result()
-            item: dict[str, Any] = {"index": i, "finish_reason": d.finish_reason, "logprobs": None,
+            logprobs = None if prep.top_logprobs is None else formats[i].of(d.token_ids, d.logprobs, d.top)
+            item: dict[str, Any] = {"index": i, "finish_reason": d.finish_reason, "logprobs": logprobs,
                                     "generation_id": prep.generation_id(i)}
             if chat:
                 item["delta"] = {"content": d.text} if i in started else {"role": "assistant", "content": d.text}

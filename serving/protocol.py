@@ -1,23 +1,36 @@
-"""The HTTP wire format: OpenAI-compatible request bodies, the feedback body, and error bodies.
+"""The HTTP wire format: OpenAI-compatible request and response bodies, feedback, and errors.
 
 Requests are parsed from raw bytes here (not by FastAPI's body binding) so every failure becomes
 an OpenAI-style 4xx that names the offending field::
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Validation is strict on types (``"max_tokens": "5"`` is an error, not a silent cast) and lenient
-on unknown fields, because OpenAI clients add new optional fields over time.
+Validation is strict on types (``"max_tokens": "5"`` is an error, not a silent cast) and on names:
+a field that is not a parameter of this API is refused by name, never silently dropped, because a
+client that sends ``tools`` or ``logit_bias`` and gets an answer back would believe it was honoured.
+OpenAI parameters this API does not implement are listed in ``UNSUPPORTED`` tables with the values
+that ask for nothing (``presence_penalty: 0``, ``echo: false``, ``tools: []``), which clients send by
+default and which are accepted; any other value is a 400 naming the parameter and saying why.
+
+The same models are published as the OpenAPI schema (``GET /openapi.json``, :mod:`serving.openapi`):
+request models exactly as validated, response models as the app writes them (the integration and
+fuzz tests check real responses against them).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from flywheel.contracts import Duration, EpochSeconds, Signal, may_hold_surrogates
 
+#: OpenAI's bounds on how many alternatives per token may be asked for.
+MAX_COMPLETION_LOGPROBS = 5
+MAX_CHAT_TOP_LOGPROBS = 20
+INT64 = 2**63
 
 class ApiError(Exception):
     """An error the client caused (or must wait out); rendered as an OpenAI error body."""
@@ -50,36 +63,147 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """An OpenAI parameter this API does not implement.
+
+    ``accepted`` are the values that ask for nothing (what clients send by default); they are
+    accepted and mean what they say. Any other value is refused with ``reason``.
+    """
+
+    reason: str
+    accepted: tuple[Any, ...] = (None,)
+
+    def asks_nothing(self, value: Any) -> bool:
+        # 0 and 0.0 are the same number, but False is not 0 and "0" is not 0
+        return any(value == a and _kind(value) == _kind(a) for a in self.accepted)
+
+
+def _kind(v: Any) -> str:
+    return "number" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
+
+
+def _document_unsupported(schema: dict[str, Any], cls: type) -> None:
+    """JSON schema hook: unsupported parameters appear with the only values they accept."""
+    props = schema.setdefault("properties", {})
+    for name, rule in getattr(cls, "UNSUPPORTED", {}).items():
+        props[name] = {"enum": list(rule.accepted),
+                       "description": f"Not supported: {rule.reason}. Only these values are accepted."}
+
+
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True,
+                              json_schema_extra=_document_unsupported)
+
+    #: OpenAI parameters refused unless they ask for nothing (see the module docstring).
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {}
+    #: How a parameter of this model is named in errors (nested models: ``stream_options.``).
+    PARAM_PREFIX: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not cls.UNSUPPORTED:
+            return data
+        kept = dict(data)
+        for name, rule in cls.UNSUPPORTED.items():
+            if name in kept and not rule.asks_nothing(kept.pop(name)):
+                # not a ValueError: pydantic lets it through as is, with its parameter name
+                raise ApiError(400, f"{cls.PARAM_PREFIX}{name} is not supported: {rule.reason}",
+                               f"{cls.PARAM_PREFIX}{name}")
+        return kept
+
+
+_RECORDED = ("it changes the sampling distribution in a way a recorded generation cannot carry "
+             "(the trainer recomputes logprobs from the recorded sampling parameters)")
+_TOOLS = "tool and function calling are not implemented"
 
 
 class StreamOptions(_Req):
+    PARAM_PREFIX: ClassVar[str] = "stream_options."
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "include_obfuscation": Unsupported("stream chunks are never padded", (None, False)),
+    }
+
     include_usage: bool = False
+    """Send a last chunk with token usage (and no choices) before ``data: [DONE]``."""
 
 
 class _Sampling(_Req):
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        "presence_penalty": Unsupported(_RECORDED, (None, 0)),
+        "frequency_penalty": Unsupported(_RECORDED, (None, 0)),
+        "logit_bias": Unsupported(_RECORDED, (None, {})),
+    }
+
     model: str = Field(min_length=1)
+    """The served model's name, or ``name@vN``."""
     max_tokens: int | None = Field(default=None, ge=1)
+    """Tokens to sample at most (the deployment sets an upper bound, ``serve.max_tokens_limit``)."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, lt=2**31)
+    """Not an OpenAI parameter (vLLM's): sample from the k most likely tokens; -1 (or any k above
+    the vocabulary) for all. Bounded: the engine's request encoding overflows past 64 bits."""
     n: int = Field(default=1, ge=1)
+    """Choices to sample; they form one group (GRPO). Bounded by ``serve.max_n``."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    """Up to 4 strings; sampling stops before the first one produced."""
+    seed: int | None = Field(default=None, ge=-INT64, lt=INT64)
+    """Choice ``i`` of a request samples with ``seed + i``."""
     user: str | None = Field(default=None, max_length=256)
+    """The product's id for its end user (pseudonymised before anything is recorded)."""
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    """OpenAI's newer name for ``user``; either may be sent (the same value if both)."""
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> _Sampling:
+        if self.safety_identifier is not None and self.user not in (None, self.safety_identifier):
+            raise ApiError(400, "user and safety_identifier name the same end user: send one, or "
+                                "both with the same value", "safety_identifier")
+        if "" in self.stops():  # vLLM would stop before the first token
+            raise ApiError(400, "stop strings must not be empty", "stop")
+        return self
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
+    def end_user(self) -> str | None:
+        return self.user if self.user is not None else self.safety_identifier
+
+    def top_logprobs_n(self) -> int | None:
+        """Alternatives per token to return with their logprobs; None: no logprobs at all."""
+        raise NotImplementedError
+
 
 class CompletionRequest(_Sampling):
-    #: A string, or token ids (the OpenAI API accepts both).
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        **_Sampling.UNSUPPORTED,
+        "echo": Unsupported("echoing the prompt (and its logprobs) is not implemented", (None, False)),
+        "suffix": Unsupported("insertion (text after the completion) is not implemented", (None, "")),
+    }
+
     prompt: str | list[int]
+    """A string, or token ids (the OpenAI API accepts both; a batch of prompts is not accepted)."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """Return each sampled token's logprob and the ``logprobs`` most likely alternatives."""
+    best_of: int | None = Field(default=None, ge=1)
+    """Accepted only equal to ``n``: choosing the best of more samples server-side is not
+    implemented (every sample is returned, and recorded, as a choice)."""
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of={self.best_of} is not supported: only best_of equal to n "
+                                f"(here {self.n}); every sample is returned as a choice", "best_of")
+        return self
+
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(_Req):
@@ -98,14 +222,49 @@ class ChatMessage(_Req):
 
 
 class ChatRequest(_Sampling):
+    UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
+        **_Sampling.UNSUPPORTED,
+        "response_format": Unsupported("structured output (JSON mode, JSON schema) is not implemented",
+                                       (None, {"type": "text"})),
+        "tools": Unsupported(_TOOLS, (None, [])),
+        "tool_choice": Unsupported(_TOOLS, (None, "none")),
+        "parallel_tool_calls": Unsupported(_TOOLS),
+        "functions": Unsupported(_TOOLS, (None, [])),
+        "function_call": Unsupported(_TOOLS, (None, "none")),
+        "modalities": Unsupported("only text is generated", (None, ["text"])),
+        "audio": Unsupported("only text is generated"),
+        "prediction": Unsupported("predicted outputs are not implemented"),
+        "reasoning_effort": Unsupported("reasoning controls are not implemented"),
+        "verbosity": Unsupported("verbosity controls are not implemented"),
+        "web_search_options": Unsupported("web search is not available"),
+        "service_tier": Unsupported("this deployment has one service tier", (None, "auto", "default")),
+        "store": Unsupported("stored completions (read back through the API) are not implemented; "
+                             "every generation is recorded for training whatever this says", (None, False)),
+        "metadata": Unsupported("stored completions are not implemented, so there is nothing to tag",
+                                (None, {})),
+        "prompt_cache_key": Unsupported("prompt cache controls are not implemented"),
+        "prompt_cache_retention": Unsupported("prompt cache controls are not implemented"),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
-    #: The newer name of ``max_tokens`` in the chat API; either may be sent.
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    """The newer name of ``max_tokens`` in the chat API; either may be sent (this one wins)."""
+    logprobs: bool | None = None
+    """Return each sampled token's logprob (with ``top_logprobs`` alternatives)."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
+    """Most likely alternatives per token, with their logprobs; needs ``logprobs: true``."""
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return self
+
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class FeedbackRequest(_Req):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
     feedback_id: str = Field(min_length=1, max_length=128)
     generation_id: str = Field(min_length=1, max_length=128)
     signal: Signal
@@ -155,5 +314,159 @@ def validation_error(errors: list[Any]) -> ApiError:
         name = ".".join(loc) or None
         param = param or name
         msg = err.get("msg", "invalid value")
+        if err.get("type") == "extra_forbidden":
+            msg = "unknown parameter, not permitted (the parameters this API takes are in /openapi.json)"
         parts.append(f"{name}: {msg}" if name else msg)
     return ApiError(400, "; ".join(parts) or "invalid request", param)
+
+
+# -- responses (serving -> client) -------------------------------------------------------------
+# The app writes these bodies as plain dicts (no per-chunk model building on the streaming path);
+# these models are their published schema, and the tests validate real responses against them.
+class _Resp(BaseModel):
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class ErrorDetail(_Resp):
+    message: str
+    type: str
+    """``invalid_request_error``, ``authentication_error``, ``rate_limit_error`` or ``server_error``."""
+    param: str | None = None
+    """The request parameter at fault (dotted for nested ones), when one is."""
+    code: str | None = None
+
+
+class ErrorResponse(_Resp):
+    error: ErrorDetail
+
+
+class Usage(_Resp):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+FinishReason = Literal["stop", "length", "abort"] | None
+
+
+class CompletionLogprobs(_Resp):
+    """OpenAI's legacy completions shape; one entry per sampled token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    """The ``logprobs`` most likely tokens, and the sampled one, by token text."""
+    text_offset: list[int]
+    """Where each token starts in the completion text (characters)."""
+
+
+class TopLogprob(_Resp):
+    token: str
+    """The token's text; ``bytes:\\xNN...`` when its bytes are not whole UTF-8 characters."""
+    logprob: float
+    """Log-probability under the distribution sampled from (after temperature, top-p, top-k);
+    -9999.0 stands for a token that could not be sampled."""
+    bytes: list[int] | None
+    """The token's UTF-8 bytes (concatenated in order they give the text back)."""
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Resp):
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class _Choice(_Resp):
+    index: int
+    finish_reason: FinishReason
+    """``abort`` when the request was cut short (not an OpenAI value); null until the last chunk."""
+    generation_id: str
+    """Not an OpenAI field: the id to send feedback on (the response id when ``n`` is 1)."""
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None
+
+
+class CompletionResponse(_Resp):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    """``name@vN``: the exact model version that answered."""
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    """Always in a full response; in a stream only in the last chunk, with ``include_usage``."""
+
+
+class CompletionChunk(CompletionResponse):
+    """One ``data:`` line of a streamed completion (``text`` is the new text only)."""
+
+
+class AssistantMessage(_Resp):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Choice):
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionResponse(_Resp):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(_Resp):
+    role: Literal["assistant"] | None = None
+    """Only in a choice's first chunk."""
+    content: str
+
+
+class ChatChunkChoice(_Choice):
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+
+
+class ChatCompletionChunk(_Resp):
+    """One ``data:`` line of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Resp):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    version: int
+    """The model version being served."""
+    root: str
+    """``name@vN``."""
+
+
+class ModelList(_Resp):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class FeedbackAccepted(_Resp):
+    id: str
+    """The ``feedback_id`` sent."""
+    object: Literal["feedback"]
+    status: Literal["accepted"]
+    generation_id: str

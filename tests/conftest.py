@@ -204,3 +204,73 @@ def release_db_url(request, tmp_path) -> Iterator[str]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# -- serving: one engine for the session, apps on loopback ports ---------------------------------
+@pytest.fixture
+def engine(tiny_model_dir):
+    """``(loop, engine)``: the session's one vLLM engine and the event loop it runs on
+    (tests/serving_helpers.py); shut down right after the last test that uses it."""
+    from serving_helpers import ENGINE
+
+    return ENGINE.get(tiny_model_dir)
+
+
+@pytest.fixture
+def serve(engine, broker, tiny_model_dir, tmp_path):
+    """Factory: start an app on the shared engine with ``ServeSettings`` overrides, its own
+    recorder, journal and uuid topics, on a fresh loopback port; stopped after the test."""
+    from serving_helpers import KEY, SALT, Served
+
+    from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics
+    from flywheel.metrics import new_registry
+    from flywheel.settings import KafkaSettings, ServeSettings, Settings
+    from serving.app import create_app
+    from serving.main import make_recorder
+    from serving.server import AppServer
+
+    loop, eng = engine
+    started = []
+
+    def start(prefix: str | None = None, **overrides) -> Served:
+        topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
+        kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
+        ensure_topics(kafka, [topics.generations, topics.feedback])
+        serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, **overrides})
+        settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path, topic_prefix=topics.prefix,
+                            kafka=kafka, serve=serve_cfg)
+        registry = new_registry()
+        recorder = make_recorder(settings, registry)
+        server = AppServer(create_app(settings, eng, recorder, registry), loop).start()
+        started.append((server, recorder))
+        return Served(server.url, settings, recorder, topics)
+
+    yield start
+    for server, recorder in started:
+        server.stop()
+        recorder.stop()
+
+
+_last_engine_user: dict[int, object] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own fixtures (its apps) are torn down first
+    session = item.session
+    if id(session) not in _last_engine_user:
+        users = [it for it in session.items if "engine" in getattr(it, "fixturenames", ())]
+        _last_engine_user[id(session)] = users[-1] if users else None
+    if _last_engine_user[id(session)] is item:
+        from serving_helpers import ENGINE
+
+        ENGINE.close()  # the stages' and trainer's tests after it get the cores and memory back
+
+
+def pytest_sessionfinish(session):
+    import sys
+
+    helpers = sys.modules.get("serving_helpers")
+    if helpers is not None:  # a run stopped early (-x, Ctrl-C) never reached the last user
+        helpers.ENGINE.close()

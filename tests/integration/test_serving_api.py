@@ -1,8 +1,8 @@
 """Serving end to end: real vLLM engine, real broker, real HTTP on loopback, the official openai client.
 
-One engine (about 25 s to start) is shared by the whole module; each test gets its own app,
-recorder, journal and uuid topics on a fresh loopback port. Records are checked on the topics with
-a real Kafka consumer.
+One engine (about 25 s to start) is shared by the session's serving tests (tests/conftest.py);
+each test gets its own app, recorder, journal and uuid topics on a fresh loopback port. Records
+are checked on the topics with a real Kafka consumer.
 """
 
 from __future__ import annotations
@@ -12,96 +12,19 @@ import json
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from serving_helpers import KEY, SALT, generations
 
 from flywheel.contracts import FeedbackEvent, GenerationEvent, Topics, decode, encode
-from flywheel.kafka.clients import ensure_topics
-from flywheel.metrics import new_registry
-from flywheel.settings import KafkaSettings, ServeSettings, Settings
+from flywheel.settings import ServeSettings, Settings
 from serving.identity import pseudonymise
 from serving.journal import Journal
 from tests.conftest import read_all
 
 pytestmark = pytest.mark.integration
-
-KEY = "sk-test"
-SALT = "test-salt"
-
-
-async def _make_engine(model_dir: Path):
-    from serving.engine import VllmEngine
-
-    return VllmEngine(ServeSettings(max_num_seqs=32), model_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from serving.server import LoopThread
-
-    loop = LoopThread()
-    eng = loop.call(lambda: _make_engine(tiny_model_dir), timeout_s=300)
-    yield loop, eng
-    loop.call(lambda: _shutdown(eng), timeout_s=60)
-    loop.stop()
-
-
-async def _shutdown(eng) -> None:  # on the loop the engine's output handler runs on
-    eng.shutdown()
-
-
-class Served:
-    def __init__(self, url: str, settings: Settings, recorder, topics: Topics) -> None:
-        self.url, self.settings, self.recorder, self.topics = url, settings, recorder, topics
-        self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
-
-    def post(self, path: str, body: object, key: str | None = KEY, **kw) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        headers.update(kw.pop("headers", {}))
-        if isinstance(body, (bytes, str)):
-            return httpx.post(self.url + path, content=body, headers=headers, timeout=60, **kw)
-        return httpx.post(self.url + path, json=body, headers=headers, timeout=60, **kw)
-
-
-@pytest.fixture
-def serve(engine, broker, tiny_model_dir, tmp_path):
-    """Factory: start an app with ``ServeSettings`` overrides on fresh topics; stopped afterwards."""
-    from serving.app import create_app
-    from serving.main import make_recorder
-    from serving.server import AppServer
-
-    loop, eng = engine
-    started = []
-
-    def start(prefix: str | None = None, **overrides) -> Served:
-        topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
-        kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
-        ensure_topics(kafka, [topics.generations, topics.feedback])
-        serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, **overrides})
-        settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path, topic_prefix=topics.prefix,
-                            kafka=kafka, serve=serve_cfg)
-        registry = new_registry()
-        recorder = make_recorder(settings, registry)
-        server = AppServer(create_app(settings, eng, recorder, registry), loop).start()
-        started.append((server, recorder))
-        return Served(server.url, settings, recorder, topics)
-
-    yield start
-    for server, recorder in started:
-        server.stop()
-        recorder.stop()
-
-
-def generations(broker, served: Served, expect: int) -> dict[str, GenerationEvent]:
-    records = read_all(broker.bootstrap, served.topics.generations, expect=expect)
-    events = [decode(GenerationEvent, r.value) for r in records]
-    counts = Counter(e.generation_id for e in events)
-    assert all(c == 1 for c in counts.values()), f"duplicated generations: {counts}"
-    assert all(r.key.decode() == decode(GenerationEvent, r.value).generation_id for r in records)
-    return {e.generation_id: e for e in events}
 
 
 def check_event(ev: GenerationEvent, model: str, text: str, group: str, endpoint: str) -> None:

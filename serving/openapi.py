@@ -1,0 +1,135 @@
+"""The published API description: ``GET /openapi.json`` (OpenAPI 3.1; no ``/docs`` page).
+
+The app reads request bodies itself (:func:`serving.protocol.parse`, for OpenAI-style errors), so
+FastAPI cannot see them; this module puts them in: each body is the JSON schema of the pydantic
+model that validates it, refused OpenAI parameters included with the only values they accept.
+Responses are the models in :mod:`serving.protocol`, streamed ones as ``text/event-stream``
+whose ``data:`` lines are the ``*Chunk`` schemas. This deployment's own bounds (the served model's
+name, ``serve.max_n``, ``serve.max_tokens_limit``, the vocabulary for prompt token ids) are written
+into the schema, so a client (or the fuzz test, ``tests/integration/test_serving_fuzz.py``) sees the
+limits the server enforces; what no schema can say (a prompt's length in tokens against the
+context) is still a 400. The product
+routes (``/v1/*``) declare the bearer-key scheme; ``/health`` and ``/metrics`` need no key.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import metadata
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from flywheel.settings import ServeSettings
+from serving.protocol import (
+    ChatCompletionChunk,
+    ChatRequest,
+    CompletionChunk,
+    CompletionRequest,
+    ErrorResponse,
+    FeedbackRequest,
+)
+
+BEARER = "bearerAuth"
+_REF = "#/components/schemas/{model}"
+_REQUESTS = (CompletionRequest, ChatRequest, FeedbackRequest)
+_CHUNKS = (CompletionChunk, ChatCompletionChunk)
+
+
+def body(model: type[BaseModel]) -> dict[str, Any]:
+    """``openapi_extra`` for a route whose JSON body ``model`` validates."""
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def responses(ok: type[BaseModel], *errors: int, ok_status: int = 200,
+              chunk: type[BaseModel] | None = None) -> dict[int | str, Any]:
+    """FastAPI ``responses=``: ``ok`` as JSON (and, with ``chunk``, as an SSE stream) plus errors."""
+    out: dict[int | str, Any] = {ok_status: {"model": ok}}
+    if chunk is not None:
+        out[ok_status]["content"] = {"text/event-stream": {"schema": _sse_event(chunk)}}
+    for status in errors:
+        out[status] = {"model": ErrorResponse}
+    return out
+
+
+def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI before 3.2 has ``schema`` describe each event):
+    its ``data`` is a ``chunk`` as JSON, or ``[DONE]`` in the last event."""
+    return {
+        "type": "object", "required": ["data"],
+        "description": f"With stream: true, each event's data is a {chunk.__name__}; the last is [DONE].",
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"anyOf": [
+                {"type": "string", "contentMediaType": "application/json",
+                 "contentSchema": {"$ref": _REF.format(model=chunk.__name__)}},
+                {"const": "[DONE]"},
+            ]},
+        },
+    }
+
+
+def install(app: FastAPI, serve: ServeSettings, vocab_size: int) -> None:
+    """Serve the schema built here (once, then cached) at the app's ``openapi_url``."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = build(app, serve, vocab_size)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def build(app: FastAPI, serve: ServeSettings, vocab_size: int) -> dict[str, Any]:
+    try:
+        version = metadata.version("flywheel")
+    except metadata.PackageNotFoundError:
+        version = "0"
+    schema = get_openapi(title=app.title, version=version, routes=app.routes,
+                         description=(__doc__ or "").split("\n\n")[0])
+    components = schema.setdefault("components", {})
+    schemas = components.setdefault("schemas", {})
+    for model in _REQUESTS:
+        _add(schemas, model, "validation")
+    for model in _CHUNKS:
+        _add(schemas, model, "serialization")
+    for name in ("CompletionRequest", "ChatRequest"):
+        _deployment_bounds(schemas[name]["properties"], serve, vocab_size)
+    components["securitySchemes"] = {BEARER: {
+        "type": "http", "scheme": "bearer",
+        "description": "A product key (serve.api_keys, FLYWHEEL_API_KEYS): `Authorization: Bearer <key>`.",
+    }}
+    for path, operations in schema["paths"].items():
+        if path.startswith("/v1/"):
+            for op in operations.values():
+                op["security"] = [{BEARER: []}]
+    return schema
+
+
+def _add(schemas: dict[str, Any], model: type[BaseModel], mode: Any) -> None:
+    s = model.model_json_schema(ref_template=_REF, mode=mode)
+    schemas.update(s.pop("$defs", {}))
+    schemas[model.__name__] = s
+
+
+def _deployment_bounds(props: dict[str, Any], serve: ServeSettings, vocab_size: int) -> None:
+    """What this deployment accepts, beyond what the request models say for any deployment."""
+    props["model"]["pattern"] = f"^{re.escape(serve.model_name)}(@.*)?$"  # generate.check_model
+    props["model"]["examples"] = [serve.model_name]
+    for field in ("max_tokens", "max_completion_tokens"):
+        if field in props:
+            _maximum(props[field], serve.max_tokens_limit)
+    _maximum(props["n"], serve.max_n)
+    for branch in props.get("prompt", {}).get("anyOf", []):
+        if branch.get("type") == "array":  # token ids
+            branch["items"] = {**branch.get("items", {}), "minimum": 0, "maximum": vocab_size - 1}
+
+
+def _maximum(prop: dict[str, Any], limit: int) -> None:
+    """Bound the integer branch of ``prop`` (``int`` or ``int | None``)."""
+    for branch in [prop, *prop.get("anyOf", [])]:
+        if branch.get("type") == "integer":
+            branch["maximum"] = limit
