@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -91,6 +92,22 @@ class SamplingParams(BaseModel):
     logprobs_mode: Literal["processed", "raw"] = "processed"
 
 
+#: Which of serving's routes answered a request: the stable version, the canary, or a version the
+#: request named itself (``flywheel@v12``, evaluation traffic that canary statistics leave out).
+Route = Literal["stable", "canary", "pinned"]
+
+
+class VersionSpan(BaseModel):
+    """Completion tokens ``[start, end)`` were sampled by ``version`` (a request that straddled a
+    weight swap has two or more)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Int64
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
 # serving -> ingest
 class GenerationEvent(_Event):
     """One sampled completion, complete enough for off-policy RL."""
@@ -115,6 +132,12 @@ class GenerationEvent(_Event):
     logprobs: tuple[Logprob, ...]
     sampling: SamplingParams
     finish_reason: FinishReason
+    #: The route that answered: canary statistics count ``stable`` and ``canary`` only.
+    route: Route = "stable"
+    #: Set only when some token was sampled by another version than ``model_version`` (the
+    #: version the request was routed to and the response names): a weight swap landed while it
+    #: ran. Which tokens each version sampled, as vLLM reports it.
+    version_spans: tuple[VersionSpan, ...] = ()
 
     @model_validator(mode="after")
     def _one_logprob_per_token(self) -> GenerationEvent:
@@ -125,6 +148,12 @@ class GenerationEvent(_Event):
             )
         if self.completed_at < self.created_at:
             raise ValueError("completed_at is before created_at")
+        if self.version_spans:
+            spans = self.version_spans
+            bounds_ok = spans[0].start == 0 and spans[-1].end == len(self.completion_token_ids)
+            if not bounds_ok or any(a.end != b.start for a, b in itertools.pairwise(spans)) or \
+                    any(s.end < s.start for s in spans):
+                raise ValueError("version_spans must cover the completion tokens in order")
         return self
 
 
@@ -236,9 +265,24 @@ class CheckpointEvent(_Event):
     created_at: EpochSeconds
 
 
+class VersionRef(BaseModel):
+    """Where a released version lives and the manifest hash its checkpoint event announced."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = Field(ge=1)
+    uri: str = Field(min_length=1, max_length=4096)
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 # release -> serving
 class ReleaseEvent(_Event):
-    """Desired routing: which version is stable, which is canary, and the canary's share."""
+    """Desired routing: which version is stable, which is canary, and the canary's share.
+
+    Every version above 0 comes with a :class:`VersionRef` (``stable_ref`` / ``canary_ref``), so
+    serving fetches and verifies it from this record alone; version 0 is the model directory
+    serving was started with.
+    """
 
     kind: Literal["release"] = "release"
     revision: int = Field(ge=0)
@@ -247,8 +291,24 @@ class ReleaseEvent(_Event):
     stable_version: int = Field(ge=0)
     canary_version: int | None = None
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    stable_ref: VersionRef | None = None
+    canary_ref: VersionRef | None = None
     reason: str = ""
     updated_at: EpochSeconds
+
+    @model_validator(mode="after")
+    def _refs_name_their_versions(self) -> ReleaseEvent:
+        for role, version, ref in (("stable", self.stable_version, self.stable_ref),
+                                   ("canary", self.canary_version, self.canary_ref)):
+            if ref is not None and ref.version != version:
+                raise ValueError(f"{role}_ref is for version {ref.version}, not {role}_version {version}")
+            if version is not None and version > 0 and ref is None:
+                raise ValueError(f"{role}_version {version} has no {role}_ref saying where it is")
+        if self.canary_version is None and self.canary_ref is not None:
+            raise ValueError("canary_ref without a canary_version")
+        if self.canary_version is not None and self.canary_version == self.stable_version:
+            raise ValueError("canary_version equals stable_version")
+        return self
 
 
 # any stage -> deadletter

@@ -145,6 +145,20 @@ class ServeSettings(_Section):
     publish_queue_max: int = Field(default=100_000, ge=1)
     """Events waiting for the background publisher; beyond it generations are counted as
     dropped and feedback answers 503."""
+    engines: int = Field(default=2, ge=1, le=2)
+    """vLLM engines serving runs (``FLYWHEEL_SERVE_ENGINES``): 2 serves a canary beside stable
+    and loads a new version into the idle engine without pausing anyone; 1 halves the memory,
+    follows stable releases by reloading in place, and refuses releases that name a canary."""
+    follow_releases: bool = True
+    """Follow ``release.deployment``'s routing on the releases topic (docs/serving-releases.md);
+    false serves the model directory only."""
+    release_wait_s: float = Field(default=30.0, gt=0)
+    """How long serving waits at start for the releases topic and the checkpoint store before it
+    opens its port on the last release it applied (or the model directory)."""
+    pin_api_keys: tuple[str, ...] = ()
+    """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic);
+    empty lets every key pin. Pinned requests are recorded with ``route=pinned`` and left out of
+    canary statistics."""
 
 
 class TrainerSettings(_Section):
@@ -555,8 +569,9 @@ def describe(settings: Settings) -> str:
     """Settings as one JSON line for the start-up log, with secrets masked."""
     data = settings.model_dump(mode="json")
     serve = data.get("serve", {})
-    if serve.get("api_keys"):
-        serve["api_keys"] = [k[:3] + "***" for k in serve["api_keys"]]
+    for keys in ("api_keys", "pin_api_keys"):
+        if serve.get(keys):
+            serve[keys] = [k[:3] + "***" for k in serve[keys]]
     release = data.get("release", {})
     if release.get("tokens"):  # name:role:token -> name:role:***
         release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]

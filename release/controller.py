@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.contracts import VersionRef
 from flywheel.scorers import load_plugins
 from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
@@ -275,8 +276,13 @@ class Controller:
     def _publish(self) -> None:
         todo = self.store.unpublished()
         if todo:
-            done = self.streams.publish(todo, self.cfg.deployment)
+            done = self.streams.publish(todo, self.cfg.deployment, self._ref)
             self.store.mark_published(done)
+
+    def _ref(self, version: int) -> VersionRef | None:
+        cand = self.store.get(version)
+        return None if cand is None else VersionRef(version=version, uri=cand.uri,
+                                                     manifest_sha256=cand.manifest_sha256)
 
 
 def _exp(x: float) -> float:

@@ -16,11 +16,20 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kafka import TopicPartition
 
-from flywheel.contracts import CheckpointEvent, ContractError, ReleaseEvent, Topics, decode, encode
+from flywheel.contracts import (
+    CheckpointEvent,
+    ContractError,
+    ReleaseEvent,
+    Topics,
+    VersionRef,
+    decode,
+    encode,
+)
 from flywheel.kafka.clients import (
     ensure_topics,
     high_watermarks,
@@ -134,12 +143,17 @@ class Streams:
             log.warning("skipped an unreadable %s record while measuring: %s", topic, exc)
 
     # -- routing ----------------------------------------------------------------------------
-    def publish(self, revisions: list[Revision], deployment: str) -> list[int]:
-        """Send ``revisions`` in order; the ones Kafka acked."""
+    def publish(self, revisions: list[Revision], deployment: str,
+                ref: Callable[[int], VersionRef | None]) -> list[int]:
+        """Send ``revisions`` in order, each version with ``ref(version)`` (where serving fetches
+        it); the ones Kafka acked."""
         done = []
         for rev in revisions:
+            canary = rev.canary_version
             event = ReleaseEvent(revision=rev.revision, deployment=deployment, stable_version=rev.stable_version,
-                                 canary_version=rev.canary_version, canary_share=rev.canary_share,
+                                 canary_version=canary, canary_share=rev.canary_share,
+                                 stable_ref=ref(rev.stable_version) if rev.stable_version else None,
+                                 canary_ref=ref(canary) if canary else None,
                                  reason=rev.reason, updated_at=rev.at)
             try:
                 self.producer.send(self.topics.releases, key=deployment, value=encode(event)).get(timeout=10)

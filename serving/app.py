@@ -1,6 +1,7 @@
 """The serving API: an app factory over an engine and a recorder.
 
-``create_app(settings, engine, recorder, registry)`` builds the FastAPI app; nothing in it
+``create_app(settings, fleet, recorder, registry)`` builds the FastAPI app over the engines a
+:class:`~serving.versions.Fleet` holds (``Fleet([engine])`` for one); nothing in it
 reaches for globals, so tests and the demo construct it in-process and run it on a loopback port
 (see :mod:`serving.server`), and ``flywheel serve`` (:mod:`serving.main`) does the same in
 production.
@@ -36,6 +37,7 @@ from flywheel.settings import Settings
 from serving import generate as gen
 from serving import openapi
 from serving.engine import Engine
+from serving.follow import ReleaseFollower
 from serving.identity import (
     RateLimiter,
     bearer_key,
@@ -61,6 +63,7 @@ from serving.protocol import (
     validation_error,
 )
 from serving.recorder import Recorder
+from serving.versions import Fleet
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback")
 
@@ -125,22 +128,26 @@ class Gate:
                            headers={"Retry-After": retry_after_header(wait)})
 
 
-def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry: CollectorRegistry) -> FastAPI:
+def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, registry: CollectorRegistry,
+               follower: ReleaseFollower | None = None) -> FastAPI:
+    """The app over ``fleet`` (or one engine); ``follower`` adds the release state to ``/health``."""
     metrics = AppMetrics(registry)
     gate = Gate(settings, metrics)
-    ctx = gen.Ctx(settings.serve, engine, recorder, Topics(settings.topic_prefix), metrics.tokens)
-    version = str(engine.model_version)
+    if not isinstance(fleet, Fleet):
+        fleet = Fleet([fleet], registry)
+    ctx = gen.Ctx(settings.serve, fleet, recorder, Topics(settings.topic_prefix), metrics.tokens)
     app = FastAPI(title="flywheel serving", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.add_middleware(Observe, metrics=metrics, version=version)
+    app.add_middleware(Observe, metrics=metrics, default_version=lambda: str(fleet.version_of("stable")))
     _errors(app)
-    openapi.install(app, settings.serve, len(engine.tokenizer))
+    openapi.install(app, settings.serve, len(fleet.tokenizer))
 
     async def generation(request: Request, cls: type, prepare: Any) -> Response:
         key = gate.key(request)
         body = parse(cls, await read_body(request, settings.serve.max_body_bytes))
         user_id = gate.user(request, key, body.end_user())
         gate.limit(user_id)
-        prep = prepare(ctx, body, user_id)
+        prep = prepare(ctx, body, user_id, key)
+        request.scope.setdefault("state", {})["model_version"] = str(prep.version)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(gen.stream_sse(ctx, prep, include_usage),
@@ -149,12 +156,12 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
         return JSONResponse(gen.response_body(ctx, prep, choices))
 
     @app.post("/v1/completions", openapi_extra=openapi.body(CompletionRequest),
-              responses=openapi.responses(CompletionResponse, 400, 401, 404, 413, 429, chunk=CompletionChunk))
+              responses=openapi.responses(CompletionResponse, 400, 401, 403, 404, 413, 429, chunk=CompletionChunk))
     async def completions(request: Request) -> Response:
         return await generation(request, CompletionRequest, gen.prepare_completion)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi.body(ChatRequest),
-              responses=openapi.responses(ChatCompletionResponse, 400, 401, 404, 413, 429,
+              responses=openapi.responses(ChatCompletionResponse, 400, 401, 403, 404, 413, 429,
                                           chunk=ChatCompletionChunk))
     async def chat(request: Request) -> Response:
         return await generation(request, ChatRequest, gen.prepare_chat)
@@ -162,9 +169,13 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
     @app.get("/v1/models", responses=openapi.responses(ModelList, 401))
     async def models(request: Request) -> Response:
         gate.key(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": settings.serve.model_name, "object": "model", "created": 0, "owned_by": "flywheel",
-            "version": engine.model_version, "root": ctx.model_id}]})
+        name, versions = settings.serve.model_name, fleet.served_versions()
+        # the deployment (routed by user), then each loaded version a request may pin
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "flywheel",
+                 "version": versions["stable"], "root": ctx.model_id(versions["stable"])}]
+        data += [{"id": ctx.model_id(v), "object": "model", "created": 0, "owned_by": "flywheel",
+                  "version": v, "route": r, "root": ctx.model_id(v), "parent": name} for r, v in versions.items()]
+        return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/feedback", status_code=202, openapi_extra=openapi.body(FeedbackRequest),
               responses=openapi.responses(FeedbackAccepted, 400, 401, 413, 503, ok_status=202))
@@ -174,11 +185,18 @@ def create_app(settings: Settings, engine: Engine, recorder: Recorder, registry:
         body = parse(FeedbackRequest, await read_body(request, limit))
         return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
 
-    @app.get("/health", responses={200: {"description": "The engine and the publisher's state"},
-                                   503: {"description": "The engine is dead"}})
+    @app.get("/health", responses={200: {"description": "The engines', releases' and publisher's state"},
+                                   503: {"description": "An engine is dead"}})
     async def health() -> Response:
-        ok = engine.healthy()
-        state = {"ok": ok, "engine": "ok" if ok else "dead", "model": ctx.model_id, **recorder.state()}
+        ok = fleet.healthy()
+        versions = fleet.served_versions()
+        state: dict[str, Any] = {
+            "ok": ok, "engine": "ok" if ok else "dead", "model": ctx.model_id(versions["stable"]),
+            "versions": versions, "engines": [{"slot": s.index, "version": s.version, "in_flight": s.in_flight,
+                                               "loading": s.loading} for s in fleet.slots],
+            **recorder.state()}
+        if follower is not None:
+            state["releases"] = follower.state()
         return JSONResponse(state, status_code=200 if ok else 503)
 
     @app.get("/metrics", response_class=PlainTextResponse,
@@ -194,8 +212,10 @@ class Observe:
     (so a streamed response is timed to its end). Plain ASGI, not ``BaseHTTPMiddleware``, which
     would re-wrap every streamed chunk."""
 
-    def __init__(self, app: Any, metrics: AppMetrics, version: str) -> None:
-        self.app, self.metrics, self.version = app, metrics, version
+    def __init__(self, app: Any, metrics: AppMetrics, default_version: Any) -> None:
+        # a generation names the version it ran on in the request's state; other routes count
+        # under the stable version
+        self.app, self.metrics, self.default_version = app, metrics, default_version
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -204,6 +224,10 @@ class Observe:
             return
         route = path if path in ROUTES else "other"  # bounded label values
         start, status = time.perf_counter(), [500]
+        state = scope.setdefault("state", {})
+
+        def version() -> str:
+            return state.get("model_version") or self.default_version()
 
         async def watch(message: Any) -> None:
             if message["type"] == "http.response.start":
@@ -211,12 +235,12 @@ class Observe:
             await send(message)
             last = message["type"] == "http.response.body" and not message.get("more_body", False)
             if last and status[0] < 400:
-                self.metrics.latency.labels(route, self.version).observe(time.perf_counter() - start)
+                self.metrics.latency.labels(route, version()).observe(time.perf_counter() - start)
 
         try:
             await self.app(scope, receive, watch)
         finally:
-            self.metrics.requests.labels(route, self.version, str(status[0])).inc()
+            self.metrics.requests.labels(route, version(), str(status[0])).inc()
 
 
 async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, metrics: AppMetrics) -> Response:

@@ -53,6 +53,9 @@ class Delta:
     finish_reason: str | None
     #: Filled only when the request asked for ``top_logprobs > 0``.
     top: TopLogprobs = field(default_factory=list)
+    #: On a sequence's last delta: ``(version, start, end)`` spans of the versions that sampled
+    #: its tokens, as vLLM reports them (two or more when a weight swap landed mid-request).
+    versions: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Engine(Protocol):
@@ -69,6 +72,11 @@ class Engine(Protocol):
         ...
 
     def healthy(self) -> bool: ...
+
+    async def reload(self, model_dir: Path, version: int) -> float:
+        """Load verified weights from ``model_dir`` as ``version`` without failing a request;
+        the seconds requests were paused."""
+        ...
 
     def shutdown(self) -> None: ...
 
@@ -115,6 +123,32 @@ class VllmEngine:
         self.logprobs_mode = "processed"
         self._llm = AsyncLLM.from_engine_args(args)
         self.max_model_len = int(self._llm.model_config.max_model_len)
+        self._version_labelled = False
+
+    async def _label(self) -> None:
+        # vLLM tags every step's output with this label and reports spans of it per request
+        if not self._version_labelled:
+            await self._llm.update_weight_version(str(self.model_version))
+            self._version_labelled = True
+
+    async def reload(self, model_dir: Path, version: int) -> float:
+        """Pause (``keep``: running requests stay where they are; ``clear_cache``: their KV is
+        recomputed under the new weights, so every later token is the new version's alone),
+        reload the safetensors in ``model_dir``, relabel, resume. ``model_dir`` must already be
+        verified: vLLM loads whatever it finds there and only warns about missing tensors."""
+        import time
+
+        await self._label()
+        t0 = time.perf_counter()
+        await self._llm.pause_generation(mode="keep", clear_cache=True)
+        try:
+            await self._llm.collective_rpc("reload_weights", kwargs={
+                "weights_path": str(model_dir), "is_checkpoint_format": True})
+            await self._llm.update_weight_version(str(version))
+            self.model_version = version
+        finally:
+            await self._llm.resume_generation()
+        return time.perf_counter() - t0
 
     def _params(self, req: GenRequest, final_only: bool = False) -> Any:
         # Without stop strings a non-streamed sequence is decoded once here (``complete``), so
@@ -140,11 +174,13 @@ class VllmEngine:
         )
 
     async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
+        await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         async for out in self._llm.generate(prompt, self._params(req), request_id):
             yield _delta(out, req.top_logprobs)
 
     async def complete(self, req: GenRequest, request_id: str) -> Delta:
+        await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         last = None
         async for out in self._llm.generate(prompt, self._params(req, final_only=True), request_id):
@@ -175,7 +211,16 @@ def _delta(out: Any, n_top: int) -> Delta:
     # each step's dict holds the sampled token (and, with n_top > 0, the top n_top beside it)
     lps = [float(step[t].logprob) for t, step in zip(ids, steps)]
     top = [_top(step, n_top) for step in steps] if n_top else []
-    return Delta(ids, o.text, lps, _finish(o.finish_reason) if out.finished else None, top)
+    return Delta(ids, o.text, lps, _finish(o.finish_reason) if out.finished else None, top,
+                 _spans(getattr(o, "weight_versions", None)))
+
+
+def _spans(spans: Any) -> list[tuple[int, int, int]]:
+    """vLLM's weight-version spans as ints; empty when it reported none or a label is not ours."""
+    try:
+        return [(int(s.version), int(s.start), int(s.end)) for s in spans or ()]
+    except (TypeError, ValueError):
+        return []
 
 
 def _top(step: dict[int, Any], n: int) -> list[tuple[int, float]]:

@@ -29,12 +29,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from flywheel.contracts import GenerationEvent, SamplingParams, Topics
+from flywheel.contracts import GenerationEvent, SamplingParams, Topics, VersionSpan
 from flywheel.settings import ServeSettings
-from serving.engine import Delta, Engine, GenRequest, TopLogprobs
+from serving.engine import Delta, GenRequest, TopLogprobs
 from serving.logprobs import LogprobsFormat, Pieces
 from serving.protocol import ApiError, ChatRequest, CompletionRequest
 from serving.recorder import Recorder
+from serving.versions import Fleet, Slot
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +47,17 @@ class Ctx:
     """What a request needs from the app: passed down, never global."""
 
     serve: ServeSettings
-    engine: Engine
+    fleet: Fleet
     recorder: Recorder
     topics: Topics
     tokens_counter: Any
     pieces: Pieces = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pieces = Pieces(self.engine.tokenizer)
+        self.pieces = Pieces(self.fleet.tokenizer)
 
-    @property
-    def model_id(self) -> str:
-        return f"{self.serve.model_name}@v{self.engine.model_version}"
+    def model_id(self, version: int) -> str:
+        return f"{self.serve.model_name}@v{version}"
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,11 @@ class Prepared:
     created_at: float
     #: Alternatives per token to return with the logprobs; None: no logprobs in the response.
     top_logprobs: int | None = None
+    #: The engine slot the request runs on, the route that chose it, and the version it held then
+    #: (what the response names and the events record as ``model_version``).
+    slot: Slot | None = None
+    route: str = "stable"
+    version: int = 0
 
     def generation_id(self, i: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{i}"
@@ -90,14 +95,35 @@ class Choice:
     logprobs: list[float] = field(default_factory=list)
     top: TopLogprobs = field(default_factory=list)
     finish_reason: str | None = None
+    versions: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 # -- preparing ---------------------------------------------------------------------------------
-def check_model(ctx: Ctx, model: str) -> None:
+def pinned_version(ctx: Ctx, model: str) -> int | None:
+    """None for the deployment's name (routed by user), N for ``<name>@vN`` (pinned)."""
     name = ctx.serve.model_name
-    if model != name and not model.startswith(f"{name}@"):
-        raise ApiError(404, f"model {model!r} does not exist; this deployment serves {name!r}",
-                       "model", code="model_not_found")
+    if model == name:
+        return None
+    tag = model[len(name) + 1:] if model.startswith(f"{name}@") else None
+    if tag is None or not (tag[:1] == "v" and tag[1:].isdigit() and len(tag) < 20):
+        raise ApiError(404, f"model {model!r} does not exist; this deployment serves {name!r} "
+                       f"(or {name}@v<version> for a version it has loaded)", "model", code="model_not_found")
+    return int(tag[1:])
+
+
+def route(ctx: Ctx, model: str, user_id: str, key: str | None) -> tuple[Slot, str, int]:
+    """The slot, route and version a request runs on: pinned by ``model``, else by the user."""
+    pinned = pinned_version(ctx, model)
+    if pinned is not None and ctx.serve.pin_api_keys and key not in ctx.serve.pin_api_keys:
+        raise ApiError(403, f"this API key may not pin a version; ask for {ctx.serve.model_name!r}",
+                       "model", type="permission_error", code="pin_not_allowed")
+    try:
+        slot, how = ctx.fleet.pick(user_id, pinned)
+    except LookupError:
+        loaded = ", ".join(f"{ctx.model_id(v)} ({r})" for r, v in ctx.fleet.served_versions().items())
+        raise ApiError(404, f"version {pinned} is not loaded; this deployment serves {loaded}", "model",
+                       code="model_not_found") from None
+    return slot, how, slot.version
 
 
 def _limits(ctx: Ctx, n: int, max_tokens: int, n_prompt: int) -> None:
@@ -109,7 +135,7 @@ def _limits(ctx: Ctx, n: int, max_tokens: int, n_prompt: int) -> None:
                        "max_tokens")
     if n_prompt == 0:
         raise ApiError(400, "the prompt is empty", "prompt")
-    limit = ctx.engine.max_model_len
+    limit = ctx.fleet.max_model_len
     if n_prompt + max_tokens > limit:
         raise ApiError(400, f"this model's maximum context length is {limit} tokens; the prompt has "
                        f"{n_prompt} tokens and max_tokens asks for {max_tokens} more "
@@ -123,9 +149,9 @@ def _gen(ids: list[int], body: Any, max_tokens: int) -> GenRequest:
                       top_logprobs=body.top_logprobs_n() or 0)
 
 
-def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepared:
-    check_model(ctx, body.model)
-    tok = ctx.engine.tokenizer
+def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str, key: str | None = None) -> Prepared:
+    pinned_version(ctx, body.model)  # an unknown model is refused before the prompt is read
+    tok = ctx.fleet.tokenizer
     if isinstance(body.prompt, str):
         text, ids = body.prompt, tok.encode(body.prompt, add_special_tokens=True)
     else:
@@ -136,23 +162,25 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepa
     # a deployment limit below OpenAI's default must not refuse requests that leave it out
     max_tokens = body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS, ctx.serve.max_tokens_limit)
     _limits(ctx, body.n, max_tokens, len(ids))
+    slot, how, version = route(ctx, body.model, user_id, key)
     return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time(), body.top_logprobs_n())
+                    body.n, user_id, time.time(), body.top_logprobs_n(), slot, how, version)
 
 
-def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
-    check_model(ctx, body.model)
-    tok = ctx.engine.tokenizer
+def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str, key: str | None = None) -> Prepared:
+    pinned_version(ctx, body.model)
+    tok = ctx.fleet.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     # the template writes the BOS itself, so no special tokens are added again
     ids = tok.encode(text, add_special_tokens=False)
-    room = ctx.engine.max_model_len - len(ids)
+    room = ctx.fleet.max_model_len - len(ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
     _limits(ctx, body.n, max_tokens, len(ids))
+    slot, how, version = route(ctx, body.model, user_id, key)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time(), body.top_logprobs_n())
+                    body.n, user_id, time.time(), body.top_logprobs_n(), slot, how, version)
 
 
 # -- running and recording ---------------------------------------------------------------------
@@ -163,17 +191,21 @@ async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | Non
     returns the finished sequence in one piece.
     """
     choice = Choice(i, prep.generation_id(i))
+    slot = prep.slot
+    assert slot is not None  # set by prepare_*
+    slot.in_flight += 1
     try:
         if sink is None:
-            _add(choice, await ctx.engine.complete(prep.request_for(i), choice.generation_id))
+            _add(choice, await slot.engine.complete(prep.request_for(i), choice.generation_id))
         else:
-            async for d in ctx.engine.stream(prep.request_for(i), choice.generation_id):
+            async for d in slot.engine.stream(prep.request_for(i), choice.generation_id):
                 _add(choice, d)
                 await sink.put((i, d))
     except asyncio.CancelledError:
         choice.finish_reason = "abort"
         raise
     finally:
+        slot.in_flight -= 1
         record(ctx, prep, choice)
     return choice
 
@@ -184,6 +216,7 @@ def _add(choice: Choice, d: Delta) -> None:
     choice.logprobs += d.logprobs
     choice.top += d.top
     choice.finish_reason = d.finish_reason or choice.finish_reason
+    choice.versions = d.versions or choice.versions
 
 
 def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
@@ -192,7 +225,8 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
     try:
         event = GenerationEvent(
             generation_id=c.generation_id, group_id=prep.response_id, choice_index=c.index,
-            model_name=ctx.serve.model_name, model_version=ctx.engine.model_version,
+            model_name=ctx.serve.model_name, model_version=prep.version, route=prep.route,
+            version_spans=_spans(prep.version, c.versions),
             user_id=prep.user_id, endpoint=prep.endpoint, created_at=prep.created_at,
             completed_at=max(done, prep.created_at), latency_ms=max(0.0, (done - prep.created_at) * 1e3),
             prompt_text=prep.prompt_text, prompt_token_ids=tuple(g.prompt_token_ids),
@@ -200,15 +234,22 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
             logprobs=tuple(c.logprobs),
             sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
                                     max_tokens=g.max_tokens, seed=prep.request_for(c.index).seed,
-                                    stop=g.stop, logprobs_mode=ctx.engine.logprobs_mode),
+                                    stop=g.stop, logprobs_mode=ctx.fleet.logprobs_mode),
             finish_reason=c.finish_reason or "abort",
         )
     except ValidationError as exc:  # an engine output we cannot vouch for is not training data
         log.error("generation %s not recorded: %s", c.generation_id, exc)
         ctx.recorder.metrics.dropped.labels("generation", "invalid").inc()
         return
-    ctx.tokens_counter.labels(str(ctx.engine.model_version)).inc(len(c.token_ids))
+    ctx.tokens_counter.labels(str(prep.version)).inc(len(c.token_ids))
     ctx.recorder.record_generation(ctx.topics.generations, event)
+
+
+def _spans(version: int, spans: list[tuple[int, int, int]]) -> tuple[VersionSpan, ...]:
+    """vLLM's spans, kept only when some token came from another version than ``version``."""
+    if all(v == version for v, _, _ in spans):
+        return ()
+    return tuple(VersionSpan(version=v, start=a, end=b) for v, a, b in spans)
 
 
 async def run_all(ctx: Ctx, prep: Prepared) -> list[Choice]:
@@ -237,14 +278,14 @@ def response_body(ctx: Ctx, prep: Prepared, choices: list[Choice]) -> dict[str, 
             item["text"] = "".join(c.text)
         out.append(item)
     return {"id": prep.response_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(prep.created_at), "model": ctx.model_id, "choices": out,
+            "created": int(prep.created_at), "model": ctx.model_id(prep.version), "choices": out,
             "usage": _usage(prep, choices)}
 
 
 def _chunk(ctx: Ctx, prep: Prepared, choice: dict[str, Any], usage: Any = None) -> bytes:
     chat = prep.endpoint == "chat"
     body = {"id": prep.response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(prep.created_at), "model": ctx.model_id,
+            "created": int(prep.created_at), "model": ctx.model_id(prep.version),
             "choices": [choice] if choice else []}
     if usage is not None:
         body["usage"] = usage

@@ -4,9 +4,11 @@
 
 Start-up order: the model directory is checked against its manifest (unverified weights are never
 served), the topics are created if missing, the recorder starts and replays any journal a previous
-process left under ``<data_dir>/serving/journal``, then the engine and uvicorn start on
-``serve.host:serve.port``. SIGTERM/SIGINT stop the server (in-flight requests finish), then the
-recorder delivers or journals everything queued, then the engine shuts down.
+process left under ``<data_dir>/serving/journal``, the engines start (``serve.engines``), the newest
+release for ``release.deployment`` is fetched, verified and loaded (serving/follow.py), and only
+then uvicorn opens ``serve.host:serve.port``. SIGTERM/SIGINT stop the server (in-flight requests
+finish), the release follower, then the recorder delivers or journals everything queued, then the
+engines shut down.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from flywheel.contracts import Topics
 from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
+from serving.follow import ReleaseFollower
 from serving.journal import Journal
 from serving.recorder import Recorder
+from serving.versions import Fleet
 
 log = logging.getLogger("serving")
 
@@ -55,7 +59,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
     topics = Topics(settings.topic_prefix)
     try:
-        ensure_topics(settings.kafka, [topics.generations, topics.feedback])
+        ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.deadletter])
     except Exception as exc:  # noqa: BLE001 - serving still starts: events wait in the journal for the broker
         log.warning("could not ensure topics (%r); events will be journaled until the broker is back", exc)
 
@@ -65,19 +69,28 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     registry = new_registry()
     recorder = make_recorder(settings, registry)
     loop = LoopThread()
-    engine = None
+    engines: list = []
+    follower = None
     try:
-        engine = loop.call(lambda: _engine(VllmEngine, settings))
-        app = create_app(settings, engine, recorder, registry)
+        for _ in range(settings.serve.engines):
+            engines.append(loop.call(lambda: _engine(VllmEngine, settings)))
+        fleet = Fleet(engines, registry)
+        if settings.serve.follow_releases:
+            follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=600), registry)
+            follower.catch_up(settings.serve.release_wait_s)  # before the port opens
+            follower.start()
+        app = create_app(settings, fleet, recorder, registry, follower)
         server = AppServer(app, loop, settings.serve.host, settings.serve.port).start()
-        log.info("serving %s@v%s on %s", settings.serve.model_name, engine.model_version, server.url)
+        log.info("serving %s %s on %s", settings.serve.model_name, fleet.served_versions(), server.url)
         stop.wait()
         log.info("stopping: draining requests, then flushing the publisher")
         server.stop()
     finally:
+        if follower is not None:
+            follower.stop()
         recorder.stop()
-        if engine is not None:
-            loop.call(lambda: _shutdown(engine), timeout_s=60)
+        for engine in engines:
+            loop.call(lambda e=engine: _shutdown(e), timeout_s=60)
         loop.stop()
     return 0
 

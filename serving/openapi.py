@@ -117,7 +117,7 @@ def _add(schemas: dict[str, Any], model: type[BaseModel], mode: Any) -> None:
 
 def _deployment_bounds(props: dict[str, Any], serve: ServeSettings, vocab_size: int) -> None:
     """What this deployment accepts, beyond what the request models say for any deployment."""
-    props["model"]["pattern"] = f"^{re.escape(serve.model_name)}(@.*)?$"  # generate.check_model
+    props["model"]["pattern"] = f"^{re.escape(serve.model_name)}(@v[0-9]+)?$"  # generate.pinned_version
     props["model"]["examples"] = [serve.model_name]
     for field in ("max_tokens", "max_completion_tokens"):
         if field in props:

@@ -91,14 +91,18 @@ def test_completions_and_chat_are_recorded_exactly_once(serve, broker, engine):
 
 def test_models_health_and_metrics(serve):
     s = serve()
-    assert [m.id for m in s.client.models.list().data] == ["flywheel"]
+    # the deployment (routed by user), then each version loaded, which a request may pin
+    assert [m.id for m in s.client.models.list().data] == ["flywheel", "flywheel@v0"]
     s.client.completions.create(model="flywheel", prompt="count my tokens", max_tokens=4)
     health = httpx.get(s.url + "/health").json()
     assert health["ok"] and health["engine"] == "ok" and health["journal_records"] == 0
+    assert health["versions"] == {"stable": 0} and health["engines"][0]["in_flight"] == 0
     text = httpx.get(s.url + "/metrics").text
     assert 'serving_requests_total{model_version="0",route="/v1/completions",status="200"} 1.0' in text
     assert 'serving_generated_tokens_total{model_version="0"} 4.0' in text
     assert "serving_request_latency_seconds_count" in text and "serving_journal_depth_bytes" in text
+    assert 'serving_routed_requests_total{route="stable"} 1.0' in text
+    assert 'serving_route_version{route="stable"} 0.0' in text and 'serving_route_version{route="canary"} -1.0' in text
 
 
 def test_feedback_is_recorded_once_per_post(serve, broker):
@@ -172,6 +176,9 @@ LONG = list(range(10, 500))  # 490 prompt ids: + 100 new tokens passes the 512-t
         ("/v1/completions", {"model": "flywheel", "prompt": [1, 99999]}, 400, "token ids"),
         ("/v1/completions", {"model": "flywheel", "prompt": ""}, 400, "empty"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+        ("/v1/completions", {"model": "flywheel@latest", "prompt": "x"}, 404, "flywheel@v<version>"),
+        ("/v1/completions", {"model": "flywheel@v7", "prompt": "x"}, 404, "version 7 is not loaded; this "
+                                                                         "deployment serves flywheel@v0 (stable)"),
         ("/v1/chat/completions", {"model": "flywheel", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user"}]}, 400, "content"),
         ("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "love"}, 400, "signal"),
@@ -188,6 +195,16 @@ def test_bad_input_gets_a_clear_4xx(serve, path, body, status, needle):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_a_request_pins_a_loaded_version_only_with_a_key_allowed_to(serve, broker):
+    s = serve(api_keys=(KEY, "sk-eval"), pin_api_keys=("sk-eval",))
+    pinned = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "eval me", "max_tokens": 2}, key="sk-eval")
+    assert pinned.status_code == 200 and pinned.json()["model"] == "flywheel@v0"
+    refused = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "eval me", "max_tokens": 2})
+    assert refused.status_code == 403 and "may not pin" in refused.json()["error"]["message"]
+    ev = generations(broker, s, expect=1)[pinned.json()["id"]]
+    assert ev.route == "pinned" and ev.model_version == 0 and ev.version_spans == ()
 
 
 def test_oversized_body_is_refused_without_content_length(serve):

@@ -1,6 +1,7 @@
-"""``flywheel serve`` as a process: verified start, real requests, clean SIGTERM with a flushed publisher.
+"""``flywheel serve`` as a process: verified start on the released versions, real requests, clean
+SIGTERM with a flushed publisher.
 
-Slow (the process starts its own vLLM engine, about 25 s), so it runs with ``make test-slow``.
+Slow (the process starts its own two vLLM engines, about 50 s), so it runs with ``make test-slow``.
 """
 
 from __future__ import annotations
@@ -14,14 +15,53 @@ import time
 import httpx
 import pytest
 
-from flywheel.contracts import FeedbackEvent, GenerationEvent, decode
+from flywheel.contracts import (
+    FeedbackEvent,
+    GenerationEvent,
+    ReleaseEvent,
+    VersionRef,
+    decode,
+    encode,
+)
 from local.broker import free_port
 from tests.conftest import read_all
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def test_serve_process_answers_and_flushes_on_sigterm(broker, topics, tiny_model_dir, tmp_path):
+def _store_with_versions(model_dir, root, n: int):
+    """Versions 1..n after the model directory's, each its parent plus a little noise."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from flywheel.checkpoints import CheckpointStore
+
+    store = CheckpointStore(root, full_every=100, keep_full=1)
+    weights = load_file(str(model_dir / "model.safetensors"))
+    for v in range(n + 1):
+        tmp = store.staging_dir(v)
+        weights = {k: t + 1e-2 * torch.randn_like(t) for k, t in weights.items()} if v else weights
+        save_file(weights, str(tmp / "model.safetensors"))
+        store.commit(tmp, version=v, parent=v - 1 if v else None, source_dir=model_dir, extra={}, ledger={})
+    return store
+
+
+def _ref(store, v: int) -> VersionRef:
+    import hashlib
+
+    sha = hashlib.sha256((store.path(v) / "flywheel-manifest.json").read_bytes()).hexdigest()
+    return VersionRef(version=v, uri=str(store.path(v)), manifest_sha256=sha)
+
+
+def test_serve_process_starts_on_the_released_versions_and_flushes_on_sigterm(broker, topics, tiny_model_dir, tmp_path):
+    from kafka import KafkaProducer
+
+    store = _store_with_versions(tiny_model_dir, tmp_path / "checkpoints", 2)
+    release = ReleaseEvent(revision=4, stable_version=1, canary_version=2, canary_share=0.5, stable_ref=_ref(store, 1),
+                           canary_ref=_ref(store, 2), updated_at=time.time())
+    producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+    producer.send(topics.releases, key=b"flywheel", value=encode(release)).get(timeout=10)
+    producer.close()
     port = free_port()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
            "FLYWHEEL_API_KEYS": "sk-cli", "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
@@ -40,8 +80,13 @@ def test_serve_process_answers_and_flushes_on_sigterm(broker, topics, tiny_model
                 pass
             assert time.monotonic() < deadline, "serve did not become healthy"
             time.sleep(0.5)
+        # the first answer is already on the released versions: nothing was served from the
+        # model directory before the release was applied
+        health = httpx.get(url + "/health", timeout=5).json()
+        assert health["versions"] == {"stable": 1, "canary": 2} and health["releases"]["revision"] == 4
         gen = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
                          json={"model": "flywheel", "prompt": "hello", "max_tokens": 4}).json()
+        assert gen["model"] in ("flywheel@v1", "flywheel@v2")
         fb = httpx.post(url + "/v1/feedback", headers=auth, timeout=60,
                         json={"feedback_id": "cli-1", "generation_id": gen["id"], "signal": "accept"})
         assert fb.status_code == 202

@@ -1,0 +1,344 @@
+"""Serving follows ``flywheel.releases``: the newest routing for its deployment, verified, live.
+
+Before serving opens its port, :meth:`ReleaseFollower.catch_up` reads the releases topic from
+its beginning and applies the newest release for ``release.deployment``; then a thread follows
+new records while serving runs. Per record:
+
+- not a valid ``ReleaseEvent`` -> a dead letter (``invalid``, ``undecodable``...), nothing changes;
+- another deployment's -> skipped (counted);
+- a revision at or below the one applied (or refused) -> skipped: a repeat is a no-op, an older
+  one never undoes a newer one;
+- otherwise every version it needs that no engine holds is fetched from the checkpoint store
+  into ``<data_dir>/serving/versions``, rebuilt from its delta chain and verified against the
+  manifest hash the release carries (``flywheel.checkpoints.fetch``); then the engines load it
+  and the routing flips (``serving.versions``).
+
+A version that fails any check refuses the whole release: serving keeps what it serves, logs the
+reason, counts it (``serving_versions_refused_total``), shows it on ``/health`` and sends a dead
+letter (``stage=serving``, ``reason=version_refused``) quoting the release, where the release
+controller and ``flywheel deadletters`` see it. A store that does not answer is retried with
+backoff while serving keeps answering on what it has; a newer release arriving meanwhile
+replaces the one being retried.
+
+The applied release is written to ``<data_dir>/serving/release.json``: a restart that cannot
+reach the broker, or finds the newest release refused, comes back on it from the local cache
+(verified again) rather than on the bare model directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kafka import TopicPartition
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from flywheel.checkpoints import CheckpointStore
+from flywheel.checkpoints.fetch import (
+    REFUSAL_REASONS,
+    StoreUnreachable,
+    VersionRefused,
+    fetch_version,
+    prune_cache,
+)
+from flywheel.contracts import ContractError, ReleaseEvent, Topics, VersionRef, decode
+from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
+from flywheel.kafka.producers import KafkaSink
+from flywheel.settings import Settings
+from flywheel.stream.deadletters import DeadLetters
+from serving.routing import Want, canary_unservable
+from serving.versions import Fleet
+
+log = logging.getLogger(__name__)
+
+#: Refusal reasons besides the checkpoint fetch's own: the engines failed to load verified
+#: weights, or a canary was asked of a deployment with one engine.
+SERVING_REFUSALS = ("load_failed", "no_canary_engine")
+OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "refused")
+
+
+class FollowerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.releases = Counter("serving_releases_total", "Release records read, by what serving did with them",
+                                ["outcome"], registry=registry)
+        self.refused = Counter("serving_versions_refused_total", "Versions refused, by reason",
+                               ["reason"], registry=registry)
+        self.phase = Histogram("serving_release_phase_seconds",
+                               "Time from a release record to its versions answering, by phase",
+                               ["phase"], registry=registry,
+                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.revision = Gauge("serving_release_revision", "Revision of the release applied (-1: none yet)",
+                              registry=registry)
+        self.revision.set(-1)
+        for outcome in OUTCOMES:
+            self.releases.labels(outcome)
+        for reason in REFUSAL_REASONS + SERVING_REFUSALS:
+            self.refused.labels(reason)
+
+
+class ReleaseFollower:
+    """See the module docstring. ``run_on_loop`` runs a coroutine on the engines' event loop."""
+
+    def __init__(self, settings: Settings, fleet: Fleet, run_on_loop: Callable[[Any], Any],
+                 registry: CollectorRegistry) -> None:
+        self.settings, self.fleet, self.run_on_loop = settings, fleet, run_on_loop
+        self.deployment = settings.release.deployment
+        self.topic = Topics(settings.topic_prefix).releases
+        self.cache = CheckpointStore(Path(settings.data_dir) / "serving" / "versions")
+        self.state_file = Path(settings.data_dir) / "serving" / "release.json"
+        self.metrics = FollowerMetrics(registry)
+        self.applied: ReleaseEvent | None = None
+        self.refused_revision = -1
+        self.last_refusal: dict[str, Any] | None = None
+        self.last_error: str | None = None
+        #: The last release applied: its revision and the seconds each phase took.
+        self.last_apply: dict[str, Any] | None = None
+        self.sink = KafkaSink(lambda: make_producer(settings.kafka, "serving-deadletters", max_block_ms=5000))
+        self.dead = DeadLetters(self.sink, Topics(settings.topic_prefix).deadletter, "serving", registry,
+                                ("version_refused", "invalid", "undecodable", "unknown_version", "wrong_kind", "empty"))
+        self._consumer: Any = None
+        #: The newest release not applied yet because the store did not answer in time at start.
+        self._pending: tuple[ReleaseEvent, Any] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- start-up ---------------------------------------------------------------------------------
+    def catch_up(self, wait_s: float) -> None:
+        """Apply the newest release before serving answers; fall back to the last one applied."""
+        deadline = time.monotonic() + wait_s
+        newest = None
+        try:
+            newest = self._read_to_end(wait_s)
+        except Exception as exc:  # noqa: BLE001 - no broker at start: the local state says what to serve
+            self.last_error = f"releases topic unreadable at start: {exc!r}"
+            log.warning("%s", self.last_error)
+        if newest is not None:
+            outcome = self._apply(*newest, deadline=deadline)
+            if outcome == "applied":
+                return
+            if outcome == "unreachable":
+                self._pending = newest  # the follower keeps trying it once serving answers
+        saved = self._saved()
+        if saved is not None and (self.applied is None or saved.revision > self.applied.revision):
+            log.warning("starting on the last release this process applied (revision %d)", saved.revision)
+            self._apply(saved, None, deadline=deadline, restoring=True)
+        if self.applied is None:
+            log.info("no release for deployment %r yet: serving the model directory as version %d",
+                     self.deployment, self.fleet.slots[0].version)
+
+    def _read_to_end(self, wait_s: float) -> tuple[ReleaseEvent, Any] | None:
+        self._consumer = make_consumer(self.settings.kafka, "serving-releases", None)
+        tps = [TopicPartition(self.topic, p) for p in sorted(partitions_of(self._consumer, self.topic, wait_s))]
+        ends = high_watermarks(self.settings.kafka.bootstrap, tps, client_id=f"{self.settings.kafka.client_id}-serving",
+                               timeout_s=wait_s)
+        self._consumer.assign(tps)
+        self._consumer.seek_to_beginning(*tps)
+        newest: tuple[ReleaseEvent, Any] | None = None
+        deadline = time.monotonic() + wait_s
+        while any(self._consumer.position(tp) < ends[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not read {self.topic} to its end in {wait_s:.0f}s")
+            for ev, rec in self._poll(200):
+                if newest is None or ev.revision > newest[0].revision:
+                    newest = (ev, rec)
+        return newest
+
+    # -- following ----------------------------------------------------------------------------------
+    def start(self) -> ReleaseFollower:
+        if self._consumer is None:  # the broker was down at start: follow from the beginning
+            self._consumer = make_consumer(self.settings.kafka, "serving-releases", None, [self.topic])
+        self._thread = threading.Thread(target=self._run, name="release-follower", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        if self._consumer is not None:
+            self._consumer.close()
+        self.sink.settle(5.0)
+        self.sink.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                pending, self._pending = self._pending or self._newest(500), None
+                while pending is not None and not self._stop.is_set():
+                    outcome = self._apply(*pending, deadline=None)
+                    pending = outcome if isinstance(outcome, tuple) else None
+                self.sink.settle(0)
+            except Exception as exc:  # noqa: BLE001 - the follower must outlive a broker outage
+                self.last_error = repr(exc)
+                log.warning("release follower: %r; retrying", exc)
+                self._stop.wait(2.0)
+
+    def _newest(self, timeout_ms: int) -> tuple[ReleaseEvent, Any] | None:
+        """The newest release for this deployment in one poll that is newer than any seen."""
+        best = None
+        for ev, rec in self._poll(timeout_ms):
+            if best is None or ev.revision > best[0].revision:
+                best = (ev, rec)
+        if best is not None and best[0].revision <= self._seen_revision():
+            self.metrics.releases.labels("repeat" if self._is_repeat(best[0]) else "older").inc()
+            return None
+        return best
+
+    def _poll(self, timeout_ms: int) -> list[tuple[ReleaseEvent, Any]]:
+        out = []
+        for recs in self._consumer.poll(timeout_ms=timeout_ms).values():
+            for rec in recs:
+                try:
+                    ev = decode(ReleaseEvent, rec.value)
+                except ContractError as exc:
+                    self.metrics.releases.labels("invalid").inc()
+                    log.warning("release record at %s[%d]@%d refused: %s", rec.topic, rec.partition, rec.offset, exc)
+                    self.dead.send_record(rec, exc.reason, exc.detail)
+                    continue
+                if ev.deployment != self.deployment:
+                    self.metrics.releases.labels("other_deployment").inc()
+                    continue
+                out.append((ev, rec))
+        return out
+
+    def _seen_revision(self) -> int:
+        return max(self.applied.revision if self.applied else -1, self.refused_revision)
+
+    def _is_repeat(self, ev: ReleaseEvent) -> bool:
+        return ev.revision in (self.refused_revision, self.applied.revision if self.applied else -1)
+
+    # -- applying one release -----------------------------------------------------------------------
+    def _apply(self, ev: ReleaseEvent, rec: Any, *, deadline: float | None,
+               restoring: bool = False) -> str | tuple[ReleaseEvent, Any]:
+        """``applied``, ``refused``, ``unreachable`` (deadline passed) or a newer release that
+        arrived while the store was being retried."""
+        t0 = time.perf_counter()
+        want = Want(ev.stable_version, ev.canary_version, ev.canary_share)
+        held = [s.version for s in self.fleet.slots]
+        if canary_unservable(held, want):
+            self._refuse(ev, rec, ev.canary_version or 0, "no_canary_engine",
+                         "this deployment runs one engine (serve.engines=1): a canary needs a second one")
+            return "refused"
+        steps = self.fleet.steps_for(want)
+        dirs: dict[int, Path] = {}
+        seconds = {"fetch": 0.0, "rebuild": 0.0, "verify": 0.0, "load": 0.0}
+        for step in steps:
+            if step.load is None or step.load[1] in dirs:
+                continue
+            version = step.load[1]
+            got = self._fetch(ev, rec, version, deadline, seconds)
+            if not isinstance(got, Path):
+                return got
+            dirs[version] = got
+        t_fetched = time.perf_counter()
+        try:
+            self.run_on_loop(lambda: self.fleet.apply(steps, dirs))
+        except Exception as exc:  # noqa: BLE001 - vLLM failed to load verified bytes: keep what serves
+            self._refuse(ev, rec, next(iter(dirs), ev.stable_version), "load_failed", repr(exc))
+            return "refused"
+        seconds["load"] = time.perf_counter() - t_fetched
+        seconds["total"] = time.perf_counter() - t0
+        if dirs:
+            self.metrics.phase.labels("load").observe(seconds["load"])
+            self.metrics.phase.labels("total").observe(seconds["total"])
+        self.last_apply = {"revision": ev.revision, "loaded": sorted(dirs), "seconds": seconds}
+        self.applied = ev
+        self.metrics.releases.labels("applied").inc()
+        self.metrics.revision.set(ev.revision)
+        if not restoring:
+            self._save(ev)
+        prune_cache(self.cache, {s.version for s in self.fleet.slots})
+        log.info("release %d applied: %s (%s)", ev.revision, self.fleet.served_versions(), ev.reason or "no reason given")
+        return "applied"
+
+    def _fetch(self, ev: ReleaseEvent, rec: Any, version: int, deadline: float | None,
+               seconds: dict[str, float]) -> Path | str | tuple[ReleaseEvent, Any]:
+        if version == 0:
+            return Path(self.settings.model_dir)  # verified when serving started
+        ref = _ref_for(ev, version)
+        backoff = 0.5
+        while True:
+            try:
+                fetched = fetch_version(ref.uri, version, ref.manifest_sha256, self.cache)
+            except VersionRefused as exc:
+                self._refuse(ev, rec, version, exc.reason, exc.detail)
+                return "refused"
+            except (StoreUnreachable, OSError) as exc:
+                self.last_error = f"checkpoint store: {exc}"
+                log.warning("version %d: %s; retrying in %.1fs", version, exc, backoff)
+                if deadline is not None and time.monotonic() + backoff > deadline:
+                    return "unreachable"
+                if deadline is None:  # following: a newer release replaces this one
+                    newer = self._newest_than(ev, int(backoff * 1000))
+                    if newer is not None:
+                        return newer
+                else:
+                    time.sleep(backoff)
+                if self._stop.is_set():
+                    return "unreachable"
+                backoff = min(backoff * 2, 30.0)
+                continue
+            for phase, spent in fetched.seconds.items():
+                self.metrics.phase.labels(phase).observe(spent)
+                seconds[phase] += spent
+            if (self.last_error or "").startswith("checkpoint store"):
+                self.last_error = None  # the store answers again
+            return fetched.path
+
+    def _newest_than(self, ev: ReleaseEvent, timeout_ms: int) -> tuple[ReleaseEvent, Any] | None:
+        newer = None
+        for cand, rec in self._poll(timeout_ms):
+            if cand.revision > ev.revision and (newer is None or cand.revision > newer[0].revision):
+                newer = (cand, rec)
+        return newer
+
+    def _refuse(self, ev: ReleaseEvent, rec: Any, version: int, reason: str, detail: str) -> None:
+        self.refused_revision = max(self.refused_revision, ev.revision)
+        self.metrics.releases.labels("refused").inc()
+        self.metrics.refused.labels(reason).inc()
+        self.last_refusal = {"revision": ev.revision, "version": version, "reason": reason, "detail": detail,
+                             "at": time.time()}
+        log.error("release %d refused, still serving %s: version %d %s: %s", ev.revision,
+                  self.fleet.served_versions(), version, reason, detail)
+        message = f"version {version} {reason}: {detail}"
+        if rec is not None:
+            self.dead.send_record(rec, "version_refused", message)
+        else:  # the saved release at a restart: not a record of the topic
+            self.dead.send("version_refused", message, source_topic=self.topic,
+                           value=ev.model_dump_json().encode())
+        self.sink.settle(0)
+
+    # -- what /health shows, and the saved release ------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        a = self.applied
+        return {"deployment": self.deployment, "revision": a.revision if a else None,
+                "versions": self.fleet.served_versions(),
+                "canary_share": a.canary_share if a and a.canary_version is not None else 0.0,
+                "last_apply": self.last_apply, "last_refusal": self.last_refusal, "last_error": self.last_error}
+
+    def _save(self, ev: ReleaseEvent) -> None:
+        self.state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(ev.model_dump_json())
+        os.replace(tmp, self.state_file)
+
+    def _saved(self) -> ReleaseEvent | None:
+        try:
+            ev = decode(ReleaseEvent, self.state_file.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, ContractError) as exc:
+            log.warning("ignoring %s: %s", self.state_file, exc)
+            return None
+        return ev if ev.deployment == self.deployment else None
+
+
+def _ref_for(ev: ReleaseEvent, version: int) -> VersionRef:
+    ref = ev.stable_ref if version == ev.stable_version else ev.canary_ref
+    assert ref is not None  # the contract requires a ref for every version above 0
+    return ref

@@ -1,0 +1,366 @@
+"""Serving follows releases: real trainer versions, a real broker, two real vLLM engines.
+
+One app for the module, on the session's shared engine plus a second one, follows the releases
+topic of its own topic prefix; each test publishes releases with the next revision and waits for
+serving to apply (or refuse) them. The shared engine gets the initial weights back at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import http.server
+import json
+import shutil
+import sys
+import threading
+import time
+import uuid
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_helpers import ENGINE, KEY, SALT, Served, generations
+from trainer_helpers import make_trainer, reward_event
+
+from flywheel.checkpoints import MANIFEST_NAME, CheckpointStore
+from flywheel.contracts import DeadLetterEvent, ReleaseEvent, Topics, VersionRef, decode, encode
+from flywheel.kafka.clients import ensure_topics
+from flywheel.metrics import new_registry
+from flywheel.settings import KafkaSettings, ReleaseSettings, ServeSettings, Settings
+from local.broker import free_port
+from serving.identity import pseudonymise
+from serving.routing import arm_of
+from tests.conftest import read_all
+
+pytestmark = pytest.mark.integration
+
+
+# -- the module's rig -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tiny_model_dir, tmp_path_factory):
+    """Versions 0-3 from real DeepSpeed steps (v1 kept only as a delta from v0), and the trainer,
+    whose policy now holds v3's weights."""
+    tr = make_trainer(tiny_model_dir, tmp_path_factory.mktemp("trainer"), loss="reinforce", lr=5e-3,
+                      full_every=2, keep_full=1)
+    tr.start()
+    i = 0
+    for _ in range(3):
+        for _ in range(2):
+            tr._train([reward_event(i + k) for k in range(8)], [("t", 0, i + k) for k in range(8)])
+            i += 8
+        tr.publish()
+    assert tr.store.versions() == [0, 1, 2, 3] and not (tr.store.path(1) / "model.safetensors").exists()
+    return tr
+
+
+class Rig:
+    """The app, its follower and the releases it was sent."""
+
+    def __init__(self, broker, served: Served, follower, fleet, store: CheckpointStore) -> None:
+        from kafka import KafkaProducer
+
+        self.broker, self.served, self.follower, self.fleet, self.store = broker, served, follower, fleet, store
+        self.producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
+        self.revision = 0
+
+    def ref(self, version: int, store: CheckpointStore | None = None, uri: str | None = None) -> VersionRef | None:
+        if version == 0:
+            return None
+        store = store or self.store
+        sha = hashlib.sha256((store.path(version) / MANIFEST_NAME).read_bytes()).hexdigest()
+        return VersionRef(version=version, uri=uri or str(store.path(version)), manifest_sha256=sha)
+
+    def release(self, stable: int, canary: int | None = None, share: float = 0.0, *, wait: bool = True,
+                **refs: VersionRef | None) -> int:
+        self.revision += 1
+        ev = ReleaseEvent(revision=self.revision, stable_version=stable, canary_version=canary, canary_share=share,
+                          stable_ref=refs.get("stable_ref", self.ref(stable)),
+                          canary_ref=refs.get("canary_ref", self.ref(canary) if canary else None),
+                          reason="test", updated_at=time.time())
+        self.send(encode(ev))
+        if wait:
+            self.wait_for(lambda: self.follower.applied is not None and self.follower.applied.revision == ev.revision)
+        return ev.revision
+
+    def send(self, value: bytes, key: str = "flywheel") -> None:
+        self.producer.send(self.served.topics.releases, key=key.encode(), value=value).get(timeout=10)
+
+    def wait_for(self, cond, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out; follower: {self.follower.state()}"
+            time.sleep(0.05)
+
+    def health(self) -> dict:
+        return httpx.get(self.served.url + "/health", timeout=10).json()
+
+    def deadletters(self, expect: int) -> list[DeadLetterEvent]:
+        recs = read_all(self.broker.bootstrap, self.served.topics.deadletter, expect=expect)
+        return [decode(DeadLetterEvent, r.value) for r in recs]
+
+
+def _start(settings: Settings, fleet, loop, registry, recorder, wait_s: float = 20.0):
+    from serving.app import create_app
+    from serving.follow import ReleaseFollower
+    from serving.server import AppServer
+
+    follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=300), registry)
+    follower.catch_up(wait_s)
+    follower.start()
+    server = AppServer(create_app(settings, fleet, recorder, registry, follower), loop).start()
+    return follower, server
+
+
+@pytest.fixture(scope="module")
+def rig(broker, tiny_model_dir, trained, tmp_path_factory):
+    from serving_helpers import _make_engine, _shutdown
+
+    from serving.main import make_recorder
+    from serving.versions import Fleet
+
+    loop, first = ENGINE.get(tiny_model_dir)
+    second = loop.call(lambda: _make_engine(tiny_model_dir), timeout_s=300)
+    topics = Topics(f"t{uuid.uuid4().hex[:10]}.")
+    kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
+    ensure_topics(kafka, topics.all())
+    settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path_factory.mktemp("serving"), topic_prefix=topics.prefix,
+                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, max_num_seqs=32),
+                        release=ReleaseSettings(deployment="flywheel"))
+    registry = new_registry()
+    recorder = make_recorder(settings, registry)
+    fleet = Fleet([first, second], registry)
+    follower, server = _start(settings, fleet, loop, registry, recorder)
+    r = Rig(broker, Served(server.url, settings, recorder, topics), follower, fleet, trained.store)
+    r.settings, r.loop, r.registry = settings, loop, registry
+    yield r
+    server.stop()
+    follower.stop()
+    recorder.stop()
+    r.producer.close()
+    loop.call(lambda: first.reload(tiny_model_dir, 0), timeout_s=120)  # the shared engine as it came
+    loop.call(lambda: _shutdown(second), timeout_s=60)
+
+
+def _events(r: Rig, ids: list[str], timeout_s: float = 60.0) -> dict:
+    """The generation events of ``ids`` (each recorded exactly once), once all have arrived."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = generations(r.broker, r.served, expect=0)
+        missing = set(ids) - set(events)
+        if not missing:
+            return events
+        assert time.monotonic() < deadline, f"{len(missing)} generations never recorded"
+        time.sleep(0.5)
+
+
+def _complete(r: Rig, user: str, prompt: str, **kw) -> dict:
+    body = {"model": "flywheel", "prompt": prompt, "max_tokens": 4, "temperature": 0, "user": user, **kw}
+    resp = r.served.post("/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+# -- tests ---------------------------------------------------------------------------------------------
+def test_a_trained_canary_at_half_splits_users_and_serves_the_trainers_weights(engine, rig, trained):
+    rig.release(0, 3, 0.5)
+    assert rig.health()["versions"] == {"stable": 0, "canary": 3}
+    users = [f"person-{i}" for i in range(40)]
+    answers = {u: _complete(rig, u, "the same prompt for everyone") for u in users}
+    expected = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5) == "canary" else 0 for u in users}
+    assert {u: a["model"] for u, a in answers.items()} == {u: f"flywheel@v{v}" for u, v in expected.items()}
+    assert 8 < sum(v == 3 for v in expected.values()) < 32  # both arms got users
+    again = {u: _complete(rig, u, "another prompt")["model"] for u in users[:10]}
+    assert again == {u: answers[u]["model"] for u in users[:10]}  # each user keeps their version
+    events = _events(rig, [a["id"] for a in answers.values()])
+    for u, a in answers.items():
+        ev = events[a["id"]]
+        assert ev.model_version == expected[u] and ev.route == ("canary" if expected[u] == 3 else "stable")
+
+    # the canary is v3 itself: greedy text differs from stable's, and the first token's logprob is
+    # what the trainer's own forward pass on v3 gives it
+    prompts = ["once upon a time", "the answer is", "hello there", "a b c d"]
+    pinned = {v: [rig.served.post("/v1/completions", {"model": f"flywheel@v{v}", "prompt": p, "max_tokens": 6,
+                                                      "temperature": 0}).json() for p in prompts] for v in (0, 3)}
+    assert [c["choices"][0]["text"] for c in pinned[0]] != [c["choices"][0]["text"] for c in pinned[3]]
+    sampled = rig.served.post("/v1/completions", {"model": "flywheel@v3", "prompt": prompts[0], "max_tokens": 1,
+                                                  "temperature": 1.0, "seed": 7, "logprobs": 0}).json()
+    ev = _events(rig, [sampled["id"]])[sampled["id"]]
+    with torch.no_grad():
+        logits = trained.policy.module(input_ids=torch.tensor([list(ev.prompt_token_ids)])).logits[0, -1].float()
+    want = torch.log_softmax(logits, -1)[ev.completion_token_ids[0]].item()
+    assert ev.logprobs[0] == pytest.approx(want, abs=1e-3)
+    assert sampled["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(ev.logprobs[0])
+
+
+def test_versions_swap_under_load_without_a_failed_or_truncated_response(engine, rig):
+    rig.release(0)
+    stop, results, errors = threading.Event(), [], []
+
+    def worker(n: int) -> None:
+        with httpx.Client(base_url=rig.served.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as c:
+            i = 0
+            while not stop.is_set():
+                body = {"model": "flywheel", "prompt": f"load {n} {i}", "max_tokens": 24, "temperature": 1.0,
+                        "user": f"load-{n}-{i % 3}"}
+                try:
+                    if n % 2:
+                        results.append(_stream(c, body))
+                    else:
+                        resp = c.post("/v1/completions", json=body)
+                        assert resp.status_code == 200, resp.text
+                        ch = resp.json()["choices"][0]
+                        results.append((resp.json()["id"], ch["finish_reason"], resp.json()["usage"]["completion_tokens"]))
+                except Exception as exc:  # noqa: BLE001 - collected and asserted on below
+                    errors.append(repr(exc))
+                i += 1
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        futures = [pool.submit(worker, n) for n in range(12)]
+        time.sleep(1.0)
+        # idle loads and relabels, then both slots reloaded in place, twice, under traffic
+        for stable, canary in ((1, None), (0, 1), (2, 3), (0, 1), (2, 3), (3, None), (0, None)):
+            rig.release(stable, canary, 0.5 if canary else 0.0)
+            time.sleep(0.3)
+        stop.set()
+        for f in futures:
+            f.result()
+    assert errors == []
+    assert len(results) > 40
+    # every answer ran to its end: its length, or the model's own stop; none aborted or cut short
+    done = [(reason == "length" and tokens == 24) or (reason == "stop" and 0 < tokens <= 24)
+            for _, reason, tokens in results]
+    assert all(done), [r for r, ok in zip(results, done) if not ok][:5]
+    events = _events(rig, [rid for rid, _, _ in results])
+    load = [events[rid] for rid, _, _ in results]
+    assert [(e.finish_reason, len(e.completion_token_ids)) for e in load] == [(r, n) for _, r, n in results]
+    straddled = [e for e in load if e.version_spans]
+    assert all({s.version for s in e.version_spans} <= {0, 1, 2, 3} for e in straddled)
+    text = httpx.get(rig.served.url + "/metrics").text
+    assert 'serving_swaps_total{outcome="ok"}' in text and 'serving_swaps_total{outcome="failed"} 0.0' in text
+    in_flight = float(next(line.split()[-1] for line in text.splitlines()
+                           if line.startswith("serving_swap_requests_in_flight_sum")))
+    assert in_flight > 0  # some loads really happened with requests running on that engine
+
+
+def _stream(c: httpx.Client, body: dict) -> tuple[str, str, int]:
+    rid, reason, n, done = None, None, 0, False
+    with c.stream("POST", "/v1/completions", json={**body, "stream": True,
+                                                   "stream_options": {"include_usage": True}}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            rid = chunk["id"]
+            for ch in chunk["choices"]:
+                reason = ch["finish_reason"] or reason
+            if chunk.get("usage"):
+                n = chunk["usage"]["completion_tokens"]
+    assert done, "stream ended without [DONE]"
+    return rid, reason, n
+
+
+def test_tampered_and_misannounced_versions_are_refused_and_never_served(engine, rig, tmp_path):
+    rig.release(0, 2, 0.5)
+    before = rig.health()["versions"]
+    bad = CheckpointStore(tmp_path / "bad")
+    shutil.copytree(rig.store.root, bad.root, dirs_exist_ok=True)
+    delta = bad.path(1) / "delta.fwd"  # v1 is only a delta: flip one byte of it
+    raw = bytearray(delta.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    delta.write_bytes(bytes(raw))
+    refused_at = time.time()
+    rig.release(0, 1, 0.5, wait=False, canary_ref=rig.ref(1, uri=str(bad.path(1))))
+    rig.wait_for(lambda: rig.follower.refused_revision == rig.revision)
+    assert rig.follower.last_refusal["reason"] == "verification_failed"
+    wrong = rig.ref(3).model_copy(update={"manifest_sha256": "ab" * 32})
+    rig.release(0, 3, 0.5, wait=False, canary_ref=wrong)
+    rig.wait_for(lambda: rig.follower.refused_revision == rig.revision)
+    health = rig.health()
+    assert health["ok"] and health["versions"] == before  # still serving what it served
+    assert health["releases"]["last_refusal"]["reason"] == "manifest_mismatch"
+    assert _complete(rig, "still-served", "hello")["model"] in {f"flywheel@v{v}" for v in before.values()}
+
+    # a malformed record, another deployment's release and an old revision change nothing either
+    rig.send(b'{"kind": "release", "revision": "soon"}')
+    other = ReleaseEvent(revision=999, deployment="elsewhere", stable_version=0, updated_at=time.time())
+    rig.send(encode(other), key="elsewhere")
+    stale = ReleaseEvent(revision=1, stable_version=0, updated_at=time.time())
+    rig.send(encode(stale))
+    rig.release(0, 2, 0.25)  # and the next good release still applies
+    assert rig.health()["versions"] == {"stable": 0, "canary": 2}
+    letters = [d for d in rig.deadletters(expect=3) if d.failed_at >= refused_at]
+    assert sorted(d.reason for d in letters) == ["invalid", "version_refused", "version_refused"]
+    refusals = sorted(d.detail for d in letters if d.reason == "version_refused")
+    assert "version 1 verification_failed" in refusals[0] and "delta.fwd fails hash verification" in refusals[0]
+    assert "version 3 manifest_mismatch" in refusals[1]
+    text = httpx.get(rig.served.url + "/metrics").text
+    assert 'serving_versions_refused_total{reason="verification_failed"} 1.0' in text
+    assert 'serving_versions_refused_total{reason="manifest_mismatch"} 1.0' in text
+    assert 'serving_releases_total{outcome="other_deployment"} 1.0' in text
+
+
+def test_an_unreachable_store_is_retried_while_serving_keeps_answering(engine, rig):
+    rig.release(0)
+    v = min({1, 2, 3} - {s.version for s in rig.fleet.slots})  # one no engine holds: it must be fetched
+    port = free_port()
+    rig.release(v, wait=False, stable_ref=rig.ref(v, uri=f"http://127.0.0.1:{port}/{rig.store.path(v).name}"))
+    rig.wait_for(lambda: "checkpoint store" in (rig.follower.last_error or ""))
+    assert rig.health()["versions"] == {"stable": 0}
+    assert _complete(rig, "meanwhile", "hello")["model"] == "flywheel@v0"
+    handler = partial(_Quiet, directory=str(rig.store.root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rig.wait_for(lambda: rig.follower.applied.revision == rig.revision, timeout_s=90)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rig.health()["versions"] == {"stable": v} and rig.follower.last_error is None
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_restart_comes_back_on_the_released_versions_before_it_answers(engine, rig):
+    """A new follower on the same engines (set back to the model directory, as a new process's
+    would be) applies the newest release in ``catch_up``, before any port opens; with the broker
+    gone it comes back on the release it saved."""
+    from serving.follow import ReleaseFollower
+    from serving.versions import Fleet
+
+    rig.release(1, 3, 0.5)
+    engines = [s.engine for s in rig.fleet.slots]
+    for e in engines:
+        rig.loop.call(lambda e=e: e.reload(rig.settings.model_dir, 0), timeout_s=120)
+    fresh = Fleet(engines)
+    follower = ReleaseFollower(rig.settings, fresh, lambda fn: rig.loop.call(fn, timeout_s=300), new_registry())
+    try:
+        follower.catch_up(20)
+        assert fresh.served_versions() == {"stable": 1, "canary": 3} and follower.applied.revision == rig.revision
+    finally:
+        follower.stop()
+
+    for e in engines:
+        rig.loop.call(lambda e=e: e.reload(rig.settings.model_dir, 0), timeout_s=120)
+    offline = rig.settings.model_copy(update={"kafka": KafkaSettings(bootstrap=f"127.0.0.1:{free_port()}")})
+    fresh = Fleet(engines)
+    follower = ReleaseFollower(offline, fresh, lambda fn: rig.loop.call(fn, timeout_s=300), new_registry())
+    try:
+        follower.catch_up(3)  # no broker: the saved release, verified again from the local cache
+        assert fresh.served_versions() == {"stable": 1, "canary": 3}
+        assert "unreadable at start" in follower.last_error
+    finally:
+        follower.stop()
+    # the module's app goes on from where the engines are now
+    rig.fleet.routing = fresh.routing
