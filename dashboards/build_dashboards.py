@@ -28,6 +28,17 @@ ROWS = [
             ('sum by (signal) (rate(serving_feedback_total[5m]))', "{{signal}}")]),
         ("Accept rate", "percentunit", [
             ('flywheel:feedback_accept_ratio:rate15m', "accept / (accept + reject + edit)")]),
+        ("Version each route serves (-1: off), and the canary's share", "short", [
+            ('max by (route) (serving_route_version)', "{{route}}"),
+            ('max(serving_canary_share)', "canary share")]),
+        ("Requests/s by route (stable, canary, pinned)", "reqps", [
+            ('sum by (route) (rate(serving_routed_requests_total[5m]))', "{{route}}")]),
+        ("Weight swaps and refused versions", "short", [
+            ('sum by (outcome) (increase(serving_swaps_total[15m]))', "swaps {{outcome}}"),
+            ('sum by (reason) (increase(serving_versions_refused_total[15m]))', "refused {{reason}}")]),
+        ("Release record to version answering, p95 by phase; swap pause p95", "s", [
+            ('histogram_quantile(0.95, sum by (le, phase) (rate(serving_release_phase_seconds_bucket[1h])))', "{{phase}}"),
+            ('histogram_quantile(0.95, sum by (le) (rate(serving_swap_seconds_bucket[1h])))', "swap pause")]),
         ("Recording: journal depth and failures", "short", [
             ('sum(serving_journal_depth_records)', "journal records"),
             ('sum(rate(serving_publish_failures_total[5m]))', "publish failures/s"),

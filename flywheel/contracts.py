@@ -298,14 +298,14 @@ class ReleaseEvent(_Event):
 
     @model_validator(mode="after")
     def _refs_name_their_versions(self) -> ReleaseEvent:
+        if self.canary_version is None and self.canary_ref is not None:
+            raise ValueError("canary_ref without a canary_version")
         for role, version, ref in (("stable", self.stable_version, self.stable_ref),
                                    ("canary", self.canary_version, self.canary_ref)):
             if ref is not None and ref.version != version:
                 raise ValueError(f"{role}_ref is for version {ref.version}, not {role}_version {version}")
             if version is not None and version > 0 and ref is None:
                 raise ValueError(f"{role}_version {version} has no {role}_ref saying where it is")
-        if self.canary_version is None and self.canary_ref is not None:
-            raise ValueError("canary_ref without a canary_version")
         if self.canary_version is not None and self.canary_version == self.stable_version:
             raise ValueError("canary_version equals stable_version")
         return self
@@ -342,6 +342,27 @@ class DeadLetterEvent(_Event):
             except (binascii.Error, ValueError):
                 raise ValueError("not base64") from None
         return text
+
+
+#: The dead-letter ``reason`` serving gives a release it refused (serving/follow.py); its
+#: ``detail`` is :func:`refusal_detail`, which the release controller reads back with
+#: :func:`parse_refusal` to roll back a canary that serving cannot serve.
+VERSION_REFUSED = "version_refused"
+
+
+def refusal_detail(version: int, reason: str, detail: str) -> str:
+    return f"version {version} {reason}: {detail}"
+
+
+def parse_refusal(letter: DeadLetterEvent) -> tuple[int, str, str] | None:
+    """``(version, reason, detail)`` of serving's refusal, or None for any other dead letter."""
+    if letter.stage != "serving" or letter.reason != VERSION_REFUSED:
+        return None
+    head, _, detail = letter.detail.partition(": ")
+    words = head.split(" ")
+    if len(words) != 3 or words[0] != "version" or not words[1].isdigit():
+        return None
+    return int(words[1]), words[2], detail
 
 
 Event = Annotated[

@@ -111,6 +111,8 @@ def _stage_env(settings: Settings, bootstrap: str, data_dir: Path, model_dir: Pa
         FLYWHEEL_MODEL_DIR=str(model_dir),
         FLYWHEEL_API_KEYS=key,
         FLYWHEEL_SERVE_PORT=str(port),
+        # no release controller runs in this demo, so no canary: one engine, half the memory
+        FLYWHEEL_SERVE_ENGINES="1",
         FLYWHEEL_LOG_LEVEL=settings.log_level,
     )
     return env

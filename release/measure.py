@@ -112,8 +112,8 @@ class Tally:
     def add_episode(self, ep: dict[str, Any]) -> None:
         """Fold one episode record (decoded JSON) in."""
         g = ep["generation"]
-        if g["created_at"] < self.started_at:
-            return
+        if g["created_at"] < self.started_at or g.get("route") == "pinned":
+            return  # before the canary, or evaluation traffic that named its version: no user's arm
         arm_name = self.arm_of(int(g["model_version"]))
         if arm_name is None or not self._first("episodes", g["generation_id"]):
             return

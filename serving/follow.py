@@ -46,7 +46,15 @@ from flywheel.checkpoints.fetch import (
     fetch_version,
     prune_cache,
 )
-from flywheel.contracts import ContractError, ReleaseEvent, Topics, VersionRef, decode
+from flywheel.contracts import (
+    VERSION_REFUSED,
+    ContractError,
+    ReleaseEvent,
+    Topics,
+    VersionRef,
+    decode,
+    refusal_detail,
+)
 from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
@@ -100,7 +108,7 @@ class ReleaseFollower:
         self.last_apply: dict[str, Any] | None = None
         self.sink = KafkaSink(lambda: make_producer(settings.kafka, "serving-deadletters", max_block_ms=5000))
         self.dead = DeadLetters(self.sink, Topics(settings.topic_prefix).deadletter, "serving", registry,
-                                ("version_refused", "invalid", "undecodable", "unknown_version", "wrong_kind", "empty"))
+                                (VERSION_REFUSED, "invalid", "undecodable", "unknown_version", "wrong_kind", "empty"))
         self._consumer: Any = None
         #: The newest release not applied yet because the store did not answer in time at start.
         self._pending: tuple[ReleaseEvent, Any] | None = None
@@ -305,11 +313,11 @@ class ReleaseFollower:
                              "at": time.time()}
         log.error("release %d refused, still serving %s: version %d %s: %s", ev.revision,
                   self.fleet.served_versions(), version, reason, detail)
-        message = f"version {version} {reason}: {detail}"
+        message = refusal_detail(version, reason, detail)
         if rec is not None:
-            self.dead.send_record(rec, "version_refused", message)
+            self.dead.send_record(rec, VERSION_REFUSED, message)
         else:  # the saved release at a restart: not a record of the topic
-            self.dead.send("version_refused", message, source_topic=self.topic,
+            self.dead.send(VERSION_REFUSED, message, source_topic=self.topic,
                            value=ev.model_dump_json().encode())
         self.sink.settle(0)
 

@@ -177,8 +177,8 @@ LONG = list(range(10, 500))  # 490 prompt ids: + 100 new tokens passes the 512-t
         ("/v1/completions", {"model": "flywheel", "prompt": ""}, 400, "empty"),
         ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
         ("/v1/completions", {"model": "flywheel@latest", "prompt": "x"}, 404, "flywheel@v<version>"),
-        ("/v1/completions", {"model": "flywheel@v7", "prompt": "x"}, 404, "version 7 is not loaded; this "
-                                                                         "deployment serves flywheel@v0 (stable)"),
+        ("/v1/completions", {"model": "flywheel@v7", "prompt": "x"}, 404, ("version 7 is not loaded; this "
+                                                                         "deployment serves flywheel@v0 (stable)")),
         ("/v1/chat/completions", {"model": "flywheel", "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": "flywheel", "messages": [{"role": "user"}]}, 400, "content"),
         ("/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "love"}, 400, "signal"),

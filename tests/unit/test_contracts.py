@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from flywheel.contracts import (
     CONTRACT_REASONS,
@@ -254,3 +255,31 @@ def test_an_episode_is_unknown_when_its_generation_is(version, ok):
         with pytest.raises(ContractError) as info:
             decode(EpisodeEvent, raw)
         assert info.value.reason == "unknown_version" and "episode's generation schema_version" in info.value.detail
+
+
+def test_servings_refusal_is_read_back_from_its_dead_letter_and_nothing_else_is():
+    from flywheel.contracts import DeadLetterEvent, parse_refusal, refusal_detail
+
+    def letter(stage: str, reason: str, detail: str) -> DeadLetterEvent:
+        return DeadLetterEvent(stage=stage, reason=reason, detail=detail, source_topic="t", failed_at=1.0)
+
+    detail = refusal_detail(12, "manifest_mismatch", "hashes to abc…: announced def…")
+    assert parse_refusal(letter("serving", "version_refused", detail)) == (12, "manifest_mismatch",
+                                                                            "hashes to abc…: announced def…")
+    assert parse_refusal(letter("ingest", "version_refused", detail)) is None
+    assert parse_refusal(letter("serving", "invalid", detail)) is None
+    assert parse_refusal(letter("serving", "version_refused", "something else")) is None
+
+
+def test_a_release_names_where_each_version_lives():
+    from flywheel.contracts import ReleaseEvent, VersionRef
+
+    ref = VersionRef(version=3, uri="s3://b/v00000003", manifest_sha256="a" * 64)
+    ok = ReleaseEvent(revision=1, stable_version=3, stable_ref=ref, updated_at=1.0)
+    assert ok.stable_ref == ref and ReleaseEvent(revision=1, stable_version=0, updated_at=1.0).stable_ref is None
+    for bad, needle in (({"stable_version": 3}, "has no stable_ref"),
+                        ({"stable_version": 4, "stable_ref": ref}, "not stable_version 4"),
+                        ({"stable_version": 0, "canary_version": 0}, "equals stable_version"),
+                        ({"stable_version": 0, "canary_ref": ref}, "canary_ref without")):
+        with pytest.raises(ValidationError, match=needle):
+            ReleaseEvent(revision=1, updated_at=1.0, **bad)

@@ -35,6 +35,15 @@ def test_only_the_two_versions_after_the_start_count_and_only_explicit_signals_a
     assert (stable.requests, stable.outcomes, stable.accepts, stable.rejects) == (1, 1, 0, 0)
 
 
+def test_pinned_evaluation_traffic_is_in_neither_arm():
+    t = tally()
+    pinned = episode("eval", 7, T0 + 1, "accept")
+    pinned["generation"]["route"] = "pinned"  # a request that named flywheel@v7 itself
+    t.add_episode(pinned)
+    t.add_episode(episode("user", 7, T0 + 2, "accept"))
+    assert t.arms["canary"].stats().requests == 1
+
+
 def test_a_repeated_record_counts_once():
     t = tally()
     for _ in range(3):  # the episodes topic is at least once
