@@ -128,7 +128,10 @@ class Rig:
         async def build():
             return VllmEngine(serve, model_dir)
 
-        self.engines = [self.loop.call(build), self.loop.call(build)]
+        self.engines = [self.loop.call(build)]
+        self.rss_one = tree_rss_gib()
+        self.engines.append(self.loop.call(build))
+        self.rss_two = tree_rss_gib()
         self.fleet = Fleet(self.engines, self.registry)
         self.follower = ReleaseFollower(self.settings, self.fleet, lambda fn: self.loop.call(fn, timeout_s=300),
                                         self.registry)
@@ -210,6 +213,21 @@ class Rig:
         self.loop.stop()
 
 
+def tree_rss_gib() -> float:
+    """Resident memory of this process and every process under it (the engines' own), in GiB."""
+    import psutil
+
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**30
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
@@ -222,7 +240,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--versions", type=int, default=5)
     p.add_argument("--swap-every", type=float, default=1.5)
-    p.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for both engines")
+    p.add_argument("--bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for both engines (serving's default: auto)")
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
 
@@ -250,10 +268,10 @@ def main() -> None:
             in_place = rig.load(args.seconds, [(n - 2, n - 3, 0.5), (n, n - 1, 0.5)])
         finally:
             rig.close()
-    report(args, one, two, idle, in_place, rig.applies)
+    report(args, one, two, idle, in_place, rig.applies, (rig.rss_one, rig.rss_two))
 
 
-def report(args, one, two, idle, in_place, applies) -> None:
+def report(args, one, two, idle, in_place, applies, rss) -> None:
     def lat(run, q):
         return pct([r[1] for r in run], q)
 
@@ -272,7 +290,8 @@ def report(args, one, two, idle, in_place, applies) -> None:
                      "met": None if goal is None else ratio <= goal})
         print(f"{name:<22} {len(run):>8} {tps(run):>9.0f} {lat(run, 0.5) * 1e3:>8.0f} {lat(run, 0.95) * 1e3:>8.0f} "
               f"{ratio:>10.2f} {('<= ' + str(goal)) if goal else '':>8}")
-    print(f"two versions / one version throughput: {tps(two) / tps(one):.2f}")
+    print(f"two versions / one version throughput: {tps(two) / tps(one):.2f}; resident memory with one engine "
+          f"{rss[0]:.2f} GiB, with two {rss[1]:.2f} GiB (all processes, before any load)")
     print(f"\nrelease record -> new version answering ({len(applies)} releases), seconds:")
     print(f"{'':<10} {'answering':>10} {'fetch':>8} {'rebuild':>8} {'verify':>8} {'load':>8}")
     for q, name in ((0.5, "p50"), (0.95, "p95")):
@@ -282,8 +301,8 @@ def report(args, one, two, idle, in_place, applies) -> None:
     print(f"goal p95 answering < 5 s: {'met' if p95 < 5 else 'NOT met'} ({p95:.2f} s); "
           f"median total apply {statistics.median([a['total'] for a in applies]):.3f} s")
     if args.json:
-        args.json.write_text(json.dumps({"phases": rows, "releases": applies, "throughput_two_over_one": tps(two) / tps(one)},
-                                        indent=2))
+        args.json.write_text(json.dumps({"phases": rows, "releases": applies, "rss_gib": list(rss),
+                                         "throughput_two_over_one": tps(two) / tps(one)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -77,3 +77,23 @@ def test_canary_stats_prints_both_tables():
     # watched after every pair, the z-test raises false alarms at several times its nominal rate,
     # the e-process at most at about its nominal rate (seeded, 300 runs: the margins are wide)
     assert rows[12][2] > 3 and rows[10][2] < rows[12][2] / 3
+
+
+@pytest.mark.slow
+def test_weight_swap_prints_every_phase_and_the_release_phases(tmp_path):
+    # two engines and four short load phases: a couple of minutes, so with the slow tests
+    out = tmp_path / "swap.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    done = subprocess.run([sys.executable, "bench/weight_swap.py", "--seconds", "3", "--versions", "3",
+                           "--swap-every", "1", "--concurrency", "4", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=540, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert [p["phase"] for p in result["phases"]] == ["one version", "two versions", "swaps, idle engine",
+                                                     "swaps, in place"]
+    assert all(p["requests"] > 0 and p["p95_s"] >= p["p50_s"] > 0 for p in result["phases"])
+    assert result["releases"] and all(set(r) >= {"answering", "fetch", "rebuild", "verify", "load"}
+                                      for r in result["releases"])
+    assert result["rss_gib"][1] > result["rss_gib"][0] > 0
