@@ -21,6 +21,7 @@ import argparse
 import importlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,12 @@ def cmd_broker(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     broker = EmbeddedBroker(port=args.port, host=args.host).start()
-    print(f"broker listening on {broker.bootstrap}; Ctrl-C stops it", flush=True)
+    print(f"broker listening on {broker.bootstrap}; Ctrl-C or SIGTERM stops it", flush=True)
+
+    def stop(*_: object) -> None:  # a supervisor's or kill's SIGTERM stops the broker too
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         return broker.wait()
     except KeyboardInterrupt:

@@ -129,7 +129,8 @@ class ServeSettings(_Section):
     vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
     """KV-cache size on the CPU backend (``VLLM_CPU_KVCACHE_SPACE``)."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
-    """Share of GPU memory vLLM may use on a GPU machine."""
+    """Share of GPU memory serving's engines may use together on a GPU machine (each of
+    ``engines`` takes an equal part)."""
     max_model_len: int | None = None
     """Context length served; defaults to the model's ``max_position_embeddings``."""
     max_num_seqs: int = Field(default=64, ge=1)

@@ -114,7 +114,9 @@ class VllmEngine:
             max_model_len=serve.max_model_len,
             max_num_seqs=serve.max_num_seqs,
             enforce_eager=serve.enforce_eager,
-            gpu_memory_utilization=serve.gpu_memory_utilization,
+            # the share of the GPU this process may take, split between its engines (stable and
+            # canary): each engine reserves its part at start
+            gpu_memory_utilization=serve.gpu_memory_utilization / serve.engines,
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             # imported in each worker process before it runs the model (see the module)

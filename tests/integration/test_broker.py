@@ -33,3 +33,37 @@ def test_round_trip_and_group_commit(kafka_settings, topics):
             more.extend(recs)
     again.close()
     assert more == []
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_flywheel_broker_stops_the_broker_it_started_on_sigterm_and_sigint(sig):
+    """A supervisor or ``kill`` sends SIGTERM: the broker process must not outlive the command,
+    re-parented and still holding its port."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from local.broker import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "broker", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "broker listening" in proc.stdout.readline()
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        proc.send_signal(getattr(signal, sig))
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while True:  # nothing answers on the port any more: the broker went with the command
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except OSError:
+            break
+        assert time.monotonic() < deadline, "the broker still holds its port after the command stopped"
+        time.sleep(0.2)
