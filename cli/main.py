@@ -12,6 +12,9 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel deadletters summary|show|replay   what the stages could not use, and its replay
     flywheel release serve                 the release controller: gates, canaries, approvals, API
     flywheel release list|show|approve|... its REST API from a terminal (release/client.py)
+    flywheel up                            the whole loop on one machine, supervised, until Ctrl-C
+    flywheel status                        what `flywheel up` runs: pids, ports, restarts
+    flywheel simulate                      simulated users with hidden preferences, against the API
     flywheel demo                          the whole loop on one machine, then stop
 """
 
@@ -256,6 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
     cr.set_defaults(func=_role("flywheel.checkpoints.cli"), action="reconstruct")
 
     _add_release(sub)
+
+    up = sub.add_parser("up", help="the whole loop on one machine: embedded broker and every stage, supervised",
+                        description=importlib.import_module("local.up").__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    up.add_argument("--broker-port", type=int, default=None, help="the embedded broker's port (default: a free one)")
+    up.set_defaults(func=_role("local.up"))
+    st = sub.add_parser("status", help="what `flywheel up` runs: each stage's pid, port and restarts")
+    st.set_defaults(func=lambda a: importlib.import_module("local.up").print_status(_settings(a).data_dir))
+
+    sim = sub.add_parser("simulate", help="a population of simulated users driving serving's HTTP API",
+                         description=importlib.import_module("local.simulate").__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_argument("--url", default="http://127.0.0.1:8000", help="serving's base URL")
+    sim.add_argument("--key", default=None, help="API key (default: the first of serve.api_keys)")
+    sim.add_argument("--duration", type=float, default=60.0, help="seconds of traffic")
+    sim.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson arrivals)")
+    sim.add_argument("--users", type=int, default=40)
+    sim.add_argument("--max-tokens", type=int, default=24)
+    sim.add_argument("--max-delay", type=float, default=3.0, help="longest delay before a user's feedback, s")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
+    sim.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
+    sim.add_argument("--out", type=Path, default=None, help="every request as a JSONL line")
+    sim.set_defaults(func=_role("local.simulate"))
 
     d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
     d.add_argument("--users", type=int, default=16, help="synthetic users in the pipeline phase (4 samples each)")

@@ -344,27 +344,6 @@ class DeadLetterEvent(_Event):
         return text
 
 
-#: The dead-letter ``reason`` serving gives a release it refused (serving/follow.py); its
-#: ``detail`` is :func:`refusal_detail`, which the release controller reads back with
-#: :func:`parse_refusal` to roll back a canary that serving cannot serve.
-VERSION_REFUSED = "version_refused"
-
-
-def refusal_detail(version: int, reason: str, detail: str) -> str:
-    return f"version {version} {reason}: {detail}"
-
-
-def parse_refusal(letter: DeadLetterEvent) -> tuple[int, str, str] | None:
-    """``(version, reason, detail)`` of serving's refusal, or None for any other dead letter."""
-    if letter.stage != "serving" or letter.reason != VERSION_REFUSED:
-        return None
-    head, _, detail = letter.detail.partition(": ")
-    words = head.split(" ")
-    if len(words) != 3 or words[0] != "version" or not words[1].isdigit():
-        return None
-    return int(words[1]), words[2], detail
-
-
 Event = Annotated[
     GenerationEvent
     | FeedbackEvent

@@ -120,6 +120,10 @@ class EmbeddedBroker:
         finally:
             self._proc = None
 
+    def exited(self) -> int | None:
+        """The broker process's exit code once it has exited (it died), else None."""
+        return None if self._proc is None else self._proc.poll()
+
     def wait(self) -> int:
         """Block until the broker exits (for ``flywheel broker``)."""
         assert self._proc is not None

@@ -59,7 +59,7 @@ PROMPTS = (
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
     data_dir = Path(settings.data_dir)
-    model_dir = _ensure_model(Path(settings.model_dir))
+    model_dir = ensure_model(Path(settings.model_dir))
     with ExitStack() as stack:
         broker = stack.enter_context(EmbeddedBroker())
         kafka = settings.kafka.model_copy(
@@ -91,7 +91,7 @@ def _say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def _ensure_model(model_dir: Path) -> Path:
+def ensure_model(model_dir: Path) -> Path:
     if (model_dir / MANIFEST_NAME).is_file():
         return model_dir
     from flywheel.modelinit import ModelSpec, init_model

@@ -103,9 +103,6 @@ class Controller:
             if self.store.add_candidate(event):
                 log.info("version %d is a candidate", event["version"])
         self.streams.commit_checkpoints()  # only once every one of them is stored
-        for version, reason, detail in self.streams.serving_refusals():
-            self._serving_refused(version, reason, detail)
-        self.streams.commit_refusals()
         live = self.store.candidates(set(LIVE))
         if live:
             self._measure(live[-1], now)
@@ -198,16 +195,6 @@ class Controller:
             self.store.transition(cand.version, State.REJECTED, ACTOR, reason)
         else:
             self.store.note(cand.version, ACTOR, reason)  # stays gating: the next turn tries again
-
-    def _serving_refused(self, version: int, reason: str, detail: str) -> None:
-        """Serving would not load ``version`` (it failed verification against the announced
-        manifest, or could not be served): a live canary of it reaches no user, so it ends now."""
-        cand = self.store.get(version)
-        if cand is None or cand.state not in LIVE:
-            log.info("serving refused version %d (%s), which is not a live canary: %s", version, reason, detail)
-            return
-        actions.rollback(self.store, ACTOR, f"serving refused version {version} ({reason}): {detail}",
-                         {"serving_refusal": {"reason": reason, "detail": detail}}, version)
 
     # -- canary -----------------------------------------------------------------------------
     def _measure(self, cand: Candidate, now: float) -> None:

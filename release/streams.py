@@ -22,16 +22,13 @@ from typing import Any
 from kafka import TopicPartition
 
 from flywheel.contracts import (
-    MAX_DEADLETTER_BYTES,
     CheckpointEvent,
     ContractError,
-    DeadLetterEvent,
     ReleaseEvent,
     Topics,
     VersionRef,
     decode,
     encode,
-    parse_refusal,
 )
 from flywheel.kafka.clients import (
     ensure_topics,
@@ -58,9 +55,6 @@ class Streams:
         self.topics = Topics(settings.topic_prefix)
         ensure_topics(self.kafka, self.topics.all())
         self.checkpoints = make_consumer(self.kafka, "release", settings.release.group_id, [self.topics.checkpoints])
-        # serving's refusals of a release (dead letters with reason version_refused)
-        self.refusals = make_consumer(self.kafka, "release-refusals", f"{settings.release.group_id}-refusals",
-                                      [self.topics.deadletter])
         self._uncommitted = False
         self.reader = make_consumer(self.kafka, "release-measure", None)
         self.measured = [self.topics.episodes, self.topics.rewards]
@@ -73,28 +67,6 @@ class Streams:
         self.producer.close(timeout=5)
         self.reader.close()
         self.checkpoints.close(autocommit=False)
-        self.refusals.close(autocommit=False)
-
-    # -- serving's refusals -----------------------------------------------------------------
-    def serving_refusals(self, timeout_ms: int = 100) -> list[tuple[int, str, str]]:
-        """``(version, reason, detail)`` of each release serving refused since the last call. Read
-        at least once: acting on a refusal twice is a no-op (the canary is already rolled back)."""
-        out = []
-        for recs in self.refusals.poll(timeout_ms=timeout_ms).values():
-            for rec in recs:
-                try:
-                    refusal = parse_refusal(decode(DeadLetterEvent, rec.value, max_bytes=MAX_DEADLETTER_BYTES))
-                except ContractError:
-                    continue  # not a letter this reader can use; its own stage wrote it
-                if refusal is not None:
-                    out.append(refusal)
-        return out
-
-    def commit_refusals(self) -> None:
-        try:
-            self.refusals.commit()
-        except Exception as exc:  # noqa: BLE001 - a rebalance: the refusals are read again, a no-op
-            log.debug("refusal offsets not committed: %s", exc)
 
     # -- checkpoints ------------------------------------------------------------------------
     def new_checkpoints(self, timeout_ms: int = 100) -> list[dict[str, Any]]:

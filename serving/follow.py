@@ -46,15 +46,7 @@ from flywheel.checkpoints.fetch import (
     fetch_version,
     prune_cache,
 )
-from flywheel.contracts import (
-    VERSION_REFUSED,
-    ContractError,
-    ReleaseEvent,
-    Topics,
-    VersionRef,
-    decode,
-    refusal_detail,
-)
+from flywheel.contracts import ContractError, ReleaseEvent, Topics, VersionRef, decode
 from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
@@ -67,6 +59,8 @@ log = logging.getLogger(__name__)
 #: Refusal reasons besides the checkpoint fetch's own: the engines failed to load verified
 #: weights, or a canary was asked of a deployment with one engine.
 SERVING_REFUSALS = ("load_failed", "no_canary_engine")
+#: The dead-letter reason of a refused release; its detail reads "version V <reason>: <why>".
+VERSION_REFUSED = "version_refused"
 OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "refused")
 
 
@@ -140,7 +134,8 @@ class ReleaseFollower:
                      self.deployment, self.fleet.slots[0].version)
 
     def _read_to_end(self, wait_s: float) -> tuple[ReleaseEvent, Any] | None:
-        self._consumer = make_consumer(self.settings.kafka, "serving-releases", None)
+        self._consumer = make_consumer(self.settings.kafka, "serving-releases", None,
+                                       bootstrap_timeout_ms=max(1000, int(wait_s * 1000)))
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions_of(self._consumer, self.topic, wait_s))]
         ends = high_watermarks(self.settings.kafka.bootstrap, tps, client_id=f"{self.settings.kafka.client_id}-serving",
                                timeout_s=wait_s)
@@ -158,8 +153,6 @@ class ReleaseFollower:
 
     # -- following ----------------------------------------------------------------------------------
     def start(self) -> ReleaseFollower:
-        if self._consumer is None:  # the broker was down at start: follow from the beginning
-            self._consumer = make_consumer(self.settings.kafka, "serving-releases", None, [self.topic])
         self._thread = threading.Thread(target=self._run, name="release-follower", daemon=True)
         self._thread.start()
         return self
@@ -176,6 +169,9 @@ class ReleaseFollower:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                if self._consumer is None:  # the broker was down at start: follow from the beginning
+                    self._consumer = make_consumer(self.settings.kafka, "serving-releases", None, [self.topic],
+                                                   bootstrap_timeout_ms=5000)
                 pending, self._pending = self._pending or self._newest(500), None
                 while pending is not None and not self._stop.is_set():
                     outcome = self._apply(*pending, deadline=None)
@@ -313,7 +309,7 @@ class ReleaseFollower:
                              "at": time.time()}
         log.error("release %d refused, still serving %s: version %d %s: %s", ev.revision,
                   self.fleet.served_versions(), version, reason, detail)
-        message = refusal_detail(version, reason, detail)
+        message = f"version {version} {reason}: {detail}"
         if rec is not None:
             self.dead.send_record(rec, VERSION_REFUSED, message)
         else:  # the saved release at a restart: not a record of the topic

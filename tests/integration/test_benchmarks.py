@@ -25,6 +25,7 @@ def run_bench(script: str, *args: str) -> list[tuple[str, float, float]]:
     return [(m["label"], float(m["rate"].replace(",", "")), float(m["ratio"])) for m in rows]
 
 
+@pytest.mark.slow  # 20-30 s of two stages at full speed: with the slow tests, to keep the default suite short
 def test_ingest_throughput_prints_stage_raw_and_relay_rows():
     # more records than one poll returns (5000), so every row counts records after its first batch
     rows = run_bench("ingest_throughput.py", "--pairs", "6000", "--repeat", "1", "--clients", "confluent")

@@ -214,27 +214,6 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     assert (last.stable_version, last.canary_version) == (0, None)
 
 
-def test_a_canary_serving_refuses_is_rolled_back_at_once(run_controller, kafka_settings, topics, trained):
-    from flywheel.contracts import refusal_detail
-
-    ctl, rs = run_controller()
-    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
-    tick_until(ctl, lambda: (c := rs.get(1)) is not None and c.state == State.CANARY, "v1 in canary")
-    # what serving sends when the version fails verification against the announced manifest
-    letter = DeadLetterEvent(stage="serving", reason="version_refused", source_topic=topics.releases,
-                             detail=refusal_detail(1, "verification_failed", "delta.fwd fails hash verification"),
-                             failed_at=time.time())
-    producer = make_producer(kafka_settings, "test")
-    producer.send(topics.deadletter, key=b"x", value=encode(letter)).get(timeout=10)
-    producer.close()
-    tick_until(ctl, lambda: rs.get(1).state == State.ROLLED_BACK, "the rollback on serving's refusal")
-    entry = next(e for e in rs.audit(1) if e.to_state == "rolled_back")
-    assert entry.actor == "controller" and entry.reason.startswith("serving refused version 1 (verification_failed)")
-    tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
-    last = releases(kafka_settings, topics)[-1]
-    assert (last.stable_version, last.canary_version) == (0, None)
-
-
 def test_a_routing_committed_but_not_published_before_a_crash_is_published_by_the_next_controller(
         run_controller, kafka_settings, topics, trained):
     # the controller died (kill -9) between a transition's commit and the publish that follows it

@@ -257,20 +257,6 @@ def test_an_episode_is_unknown_when_its_generation_is(version, ok):
         assert info.value.reason == "unknown_version" and "episode's generation schema_version" in info.value.detail
 
 
-def test_servings_refusal_is_read_back_from_its_dead_letter_and_nothing_else_is():
-    from flywheel.contracts import DeadLetterEvent, parse_refusal, refusal_detail
-
-    def letter(stage: str, reason: str, detail: str) -> DeadLetterEvent:
-        return DeadLetterEvent(stage=stage, reason=reason, detail=detail, source_topic="t", failed_at=1.0)
-
-    detail = refusal_detail(12, "manifest_mismatch", "hashes to abc…: announced def…")
-    assert parse_refusal(letter("serving", "version_refused", detail)) == (12, "manifest_mismatch",
-                                                                            "hashes to abc…: announced def…")
-    assert parse_refusal(letter("ingest", "version_refused", detail)) is None
-    assert parse_refusal(letter("serving", "invalid", detail)) is None
-    assert parse_refusal(letter("serving", "version_refused", "something else")) is None
-
-
 def test_a_release_names_where_each_version_lives():
     from flywheel.contracts import ReleaseEvent, VersionRef
 

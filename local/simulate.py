@@ -1,0 +1,257 @@
+"""``flywheel simulate``: a population of simulated users driving serving's HTTP API as a product would.
+
+    flywheel simulate --url http://127.0.0.1:8000 --key sk-... --duration 120 --rate 8 --out sim.jsonl
+
+Requests arrive as a Poisson process at ``--rate`` per second; each comes from one of ``--users``
+users, asks for a prompt of the prompt set (``release/prompts.jsonl`` by default), and the user
+judges the answer by their cohort's **hidden preference**, something the model can learn to
+express:
+
+| cohort | accepts an answer when | share of users |
+| --- | --- | --- |
+| ``vowels`` | more than 40% of its letters are vowels | 0.6 |
+| ``short`` | it has at most 12 words | 0.3 |
+| ``shortcut`` (``--gameable``) | it repeats one character three times in a row: a shortcut that hurts the separate quality score (share of distinct character pairs) | 0.1 |
+
+And the noise real users make: some answers get no feedback (``feedback_rate``), feedback comes
+late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a share of their
+judgements (``noise``), and one abusive user (``--abuser``) sends a tenth of all requests and
+accepts everything. A version's accept rate is measured on the cohort users' judgements only.
+
+Every request is a line of ``--out`` (JSONL): time, user, cohort, version that answered, latency,
+signal (or none), quality score: what a report plots (``summarise``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def vowel_share(text: str) -> float:
+    letters = [c for c in text.lower() if c.isalpha()]
+    return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+def quality(text: str) -> float:
+    """A score separate from any cohort's taste: the share of distinct character pairs."""
+    pairs = [text[i:i + 2] for i in range(len(text) - 1)]
+    return len(set(pairs)) / len(pairs) if pairs else 0.0
+
+
+def _repeats(text: str) -> bool:
+    return any(text[i] == text[i + 1] == text[i + 2] and not text[i].isspace() for i in range(len(text) - 2))
+
+
+#: Hidden preferences by name: whether a user of that cohort likes an answer.
+PREFERENCES: dict[str, Callable[[str], bool]] = {
+    "vowels": lambda text: vowel_share(text) > 0.4,
+    "short": lambda text: len(text.split()) <= 12,
+    "shortcut": _repeats,
+}
+
+
+@dataclass(frozen=True)
+class Cohort:
+    name: str
+    share: float
+    preference: str
+    #: Share of answers the user judges at all.
+    feedback_rate: float = 0.85
+    #: Chance a judgement is the opposite of the user's taste.
+    noise: float = 0.05
+
+
+DEFAULT_COHORTS = (Cohort("vowels", 0.6, "vowels"), Cohort("short", 0.3, "short", noise=0.15),
+                   Cohort("shortcut", 0.1, "shortcut"))
+
+
+@dataclass(frozen=True)
+class User:
+    uid: str
+    cohort: Cohort | None  # None: the abusive user
+
+
+def population(n_users: int, cohorts: tuple[Cohort, ...], seed: int, *, gameable: bool, abuser: bool) -> list[User]:
+    """The users, each in one cohort by the cohorts' shares (the gameable one only if asked)."""
+    rng = random.Random(seed)
+    chosen = [c for c in cohorts if gameable or c.preference != "shortcut"]
+    total = sum(c.share for c in chosen)
+    users = []
+    for i in range(n_users):
+        x, acc = rng.random() * total, 0.0
+        cohort = chosen[-1]
+        for c in chosen:
+            acc += c.share
+            if x < acc:
+                cohort = c
+                break
+        users.append(User(f"sim-{seed}-{i}", cohort))
+    if abuser:
+        users.append(User(f"sim-{seed}-abuser", None))
+    return users
+
+
+def judge(user: User, text: str, rng: random.Random) -> str | None:
+    """``accept``, ``reject`` or None (no feedback) for one answer."""
+    if user.cohort is None:
+        return "accept"  # the abuser accepts everything
+    if rng.random() >= user.cohort.feedback_rate:
+        return None
+    liked = PREFERENCES[user.cohort.preference](text)
+    if rng.random() < user.cohort.noise:
+        liked = not liked
+    return "accept" if liked else "reject"
+
+
+@dataclass
+class Config:
+    url: str
+    key: str
+    duration_s: float = 60.0
+    rate: float = 4.0
+    users: int = 40
+    max_tokens: int = 24
+    max_delay_s: float = 3.0
+    seed: int = 0
+    gameable: bool = False
+    abuser: bool = True
+    prompts: list[str] = field(default_factory=list)
+    model: str = "flywheel"
+
+
+@dataclass
+class Row:
+    t: float
+    user: str
+    cohort: str | None
+    version: int | None
+    status: int
+    latency_s: float
+    signal: str | None
+    quality: float | None
+    generation_id: str | None
+
+
+class Simulator:
+    def __init__(self, cfg: Config, out: Path | None = None) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.users = population(cfg.users, DEFAULT_COHORTS, cfg.seed, gameable=cfg.gameable, abuser=cfg.abuser)
+        self.prompts = cfg.prompts or default_prompts()
+        self.rows: list[Row] = []
+        self.out = out
+        self._feedback: list[asyncio.Task] = []
+        self.feedback_sent = 0
+        self.feedback_failed = 0
+
+    def run(self) -> list[Row]:
+        asyncio.run(self._run())
+        if self.out is not None:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.rows))
+        return self.rows
+
+    async def _run(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.cfg.key}"}
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(base_url=self.cfg.url, headers=headers, timeout=120, limits=limits) as http:
+            t0 = time.monotonic()
+            requests = []
+            while time.monotonic() - t0 < self.cfg.duration_s:
+                requests.append(asyncio.create_task(self._one(http, t0)))
+                await asyncio.sleep(self.rng.expovariate(self.cfg.rate))
+            await asyncio.gather(*requests)
+            await asyncio.gather(*self._feedback)
+
+    def _pick_user(self) -> User:
+        abuser = self.users[-1] if self.cfg.abuser else None
+        if abuser is not None and self.rng.random() < 0.1:
+            return abuser
+        return self.rng.choice(self.users[:-1] if abuser is not None else self.users)
+
+    async def _one(self, http: Any, t0: float) -> None:
+        user = self._pick_user()
+        prompt = self.rng.choice(self.prompts)
+        start = time.monotonic()
+        resp = await http.post("/v1/completions", json={
+            "model": self.cfg.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
+            "user": user.uid})
+        latency = time.monotonic() - start
+        cohort = user.cohort.name if user.cohort else "abuser"
+        if resp.status_code != 200:  # rate limited (the abuser) or refused: recorded, not judged
+            self.rows.append(Row(start - t0, user.uid, cohort, None, resp.status_code, latency, None, None, None))
+            return
+        body = resp.json()
+        text = body["choices"][0]["text"]
+        signal = judge(user, text, self.rng)
+        version = int(body["model"].rsplit("@v", 1)[1])
+        self.rows.append(Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"]))
+        if signal is not None:
+            delay = self.rng.uniform(0, self.cfg.max_delay_s)
+            self._feedback.append(asyncio.create_task(self._feedback_later(http, body["id"], signal, delay)))
+
+    async def _feedback_later(self, http: Any, generation_id: str, signal: str, delay: float) -> None:
+        await asyncio.sleep(delay)
+        body = {"feedback_id": str(uuid.uuid4()), "generation_id": generation_id, "signal": signal,
+                "decision_ms": delay * 1000}
+        resp = await http.post("/v1/feedback", json=body)
+        if resp.status_code == 202:
+            self.feedback_sent += 1
+        else:
+            self.feedback_failed += 1
+
+
+def default_prompts() -> list[str]:
+    path = Path(__file__).resolve().parents[1] / "release" / "prompts.jsonl"
+    return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarise(rows: list[Row]) -> dict[str, Any]:
+    """Accept rate per version over the cohort users' judgements (the abuser left out), quality per
+    version, and requests refused by status."""
+    by_version: dict[int, dict[str, float]] = {}
+    refused: dict[int, int] = {}
+    for r in rows:
+        if r.status != 200:
+            refused[r.status] = refused.get(r.status, 0) + 1
+            continue
+        v = by_version.setdefault(r.version, {"requests": 0, "judged": 0, "accepts": 0, "quality": 0.0})
+        v["requests"] += 1
+        v["quality"] += r.quality or 0.0
+        if r.signal is not None and r.cohort != "abuser":
+            v["judged"] += 1
+            v["accepts"] += r.signal == "accept"
+    out = {}
+    for version, v in sorted(by_version.items()):
+        out[version] = {"requests": int(v["requests"]), "judged": int(v["judged"]),
+                        "accept_rate": v["accepts"] / v["judged"] if v["judged"] else None,
+                        "quality": v["quality"] / v["requests"]}
+    return {"versions": out, "refused": refused}
+
+
+def run(settings: Any, args: Any) -> int:
+    """``flywheel simulate``."""
+    key = args.key or (settings.serve.api_keys[0] if settings.serve.api_keys else "")
+    cfg = Config(url=args.url, key=key, duration_s=args.duration, rate=args.rate, users=args.users,
+                 max_tokens=args.max_tokens, max_delay_s=args.max_delay, seed=args.seed, gameable=args.gameable,
+                 abuser=not args.no_abuser)
+    sim = Simulator(cfg, args.out)
+    rows = sim.run()
+    summary = summarise(rows)
+    print(f"{len(rows)} requests in {cfg.duration_s:.0f}s from {len(sim.users)} users; "
+          f"feedback sent {sim.feedback_sent}, failed {sim.feedback_failed}; refused {summary['refused']}")
+    for version, v in summary["versions"].items():
+        rate = "-" if v["accept_rate"] is None else f"{v['accept_rate']:.2f}"
+        print(f"  v{version}: {v['requests']} requests, accept rate {rate} over {v['judged']} judged, "
+              f"quality {v['quality']:.2f}")
+    return 0

@@ -1,0 +1,300 @@
+"""``flywheel up``: the whole loop on one machine, every stage a supervised process.
+
+    flywheel up                     # broker, serve, ingest, reward, train, release: Ctrl-C stops all
+    flywheel status                 # what runs, its pid, port and restarts (from another terminal)
+
+It starts the embedded Kafka-protocol broker, creates the topics, then runs ``flywheel serve``,
+``ingest``, ``reward``, ``train`` and ``release serve`` as child processes, exactly the commands
+production runs on their own (against an external Kafka and database instead). Each child logs to
+``<data_dir>/logs/<stage>.log``. A child that exits is started again after a backoff (1 s doubling
+to 60 s; reset once it has run for a minute), and the restart is printed. Ctrl-C or SIGTERM stops
+the children in order (serving first, so no request arrives at a pipeline being stopped, the
+broker last), each with SIGTERM and up to 30 s to finish, and only then exits.
+
+**The embedded broker keeps every topic in memory.** If it dies, every record in flight is gone:
+unread generations and feedback, episodes, rewards, checkpoint announcements and routings (the
+weights in the checkpoint store, serving's journal and the stages' local state survive). ``up``
+says so loudly, starts a fresh broker on the same port and restarts every stage on it; use a real
+Kafka cluster (``FLYWHEEL_KAFKA_BOOTSTRAP``) wherever that loss matters.
+
+The children get this process's environment (so ``FLYWHEEL_*`` settings and a config file apply
+to all of them) plus what ``up`` sets: the broker address, the data and model directories, an API
+key and a release-console token when none is configured (printed once at start).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: The stages ``up`` runs, in start order (stopped in reverse, then the broker), and the setting
+#: that holds each one's port.
+STAGES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("ingest", ("ingest",), "FLYWHEEL_INGEST_PORT"),
+    ("reward", ("reward",), "FLYWHEEL_REWARD_PORT"),
+    ("train", ("train",), "FLYWHEEL_TRAINER_PORT"),
+    ("release", ("release", "serve"), "FLYWHEEL_RELEASE_PORT"),
+    ("serve", ("serve",), "FLYWHEEL_SERVE_PORT"),
+)
+
+
+@dataclass
+class Backoff:
+    """Seconds to wait before restart ``n`` (1-based): ``base * 2**(n-1)``, at most ``cap``."""
+
+    base: float = 1.0
+    cap: float = 60.0
+    #: A child that ran this long before it exited starts its count again.
+    stable_s: float = 60.0
+
+    def delay(self, n: int) -> float:
+        return min(self.cap, self.base * 2 ** max(0, n - 1))
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    port: int | None = None
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    #: Failures in a row (reset by a stable run): what the backoff counts.
+    failures: int = 0
+    due_at: float | None = None
+    last_exit: int | None = None
+    _log: Any = field(default=None, repr=False)
+
+    def spawn(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self._log is None:
+            self._log = self.log_path.open("ab")
+        self._log.write(f"\n--- {time.strftime('%Y-%m-%d %H:%M:%S')} flywheel up starts {self.name} ---\n".encode())
+        self._log.flush()
+        # its own session: a terminal's Ctrl-C reaches only the supervisor, which stops the
+        # children in order; and each child dies with the supervisor if that is killed outright
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - the supervisor has no other threads
+        self.started_at = time.monotonic()
+        self.due_at = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def state(self) -> dict[str, Any]:
+        return {"name": self.name, "pid": self.proc.pid if self.alive() else None, "port": self.port,
+                "state": "running" if self.alive() else ("restarting" if self.due_at else "stopped"),
+                "restarts": self.restarts, "last_exit": self.last_exit, "log": str(self.log_path)}
+
+
+class Supervisor:
+    """Keeps ``children`` running (see the module docstring); ``broker`` is an EmbeddedBroker or None
+    for an external Kafka."""
+
+    def __init__(self, children: list[Child], status_path: Path, broker: Any = None, *,
+                 backoff: Backoff | None = None, topics: Any = None, say: Any = print) -> None:
+        self.children, self.status_path, self.broker = children, status_path, broker
+        self.backoff, self.topics, self.say = backoff or Backoff(), topics, say
+        self.broker_restarts = 0
+        self._stop = threading.Event()
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self, poll_s: float = 0.5) -> int:
+        for child in self.children:
+            child.spawn()
+        self._status_line()
+        try:
+            while not self._stop.wait(poll_s):
+                self.tick()
+        finally:
+            self.shutdown()
+        return 0
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if self.broker is not None and self.broker.exited() is not None:
+            self._broker_died()
+            return
+        changed = False
+        for child in self.children:
+            if child.proc is not None and not child.alive() and child.due_at is None:
+                child.last_exit = child.proc.returncode
+                ran = now - child.started_at
+                child.failures = 1 if ran >= self.backoff.stable_s else child.failures + 1
+                child.due_at = now + self.backoff.delay(child.failures)
+                self.say(f"!! {child.name} exited with {child.last_exit} after {ran:.0f}s; restarting in "
+                         f"{child.due_at - now:.0f}s (log: {child.log_path})")
+                changed = True
+            elif child.due_at is not None and now >= child.due_at:
+                child.restarts += 1
+                child.spawn()
+                self.say(f"!! restarted {child.name} (restart {child.restarts})")
+                changed = True
+        if changed:
+            self._status_line()
+        self._write_status()
+
+    def _broker_died(self) -> None:
+        code = self.broker.exited()
+        self.say(f"!! THE EMBEDDED BROKER DIED (exit {code}): every topic and record it held in memory is LOST "
+                 "(generations and feedback not yet joined, episodes, rewards, checkpoint announcements, "
+                 "routings). Starting a fresh broker and restarting every stage on it.")
+        for child in reversed(self.children):
+            child.stop()
+        self.broker.stop()
+        self.broker.start()
+        self.broker_restarts += 1
+        if self.topics is not None:
+            self.topics()
+        for child in self.children:
+            child.restarts += 1
+            child.spawn()
+        self._status_line()
+
+    def shutdown(self) -> None:
+        self.say("stopping: " + ", ".join(c.name for c in reversed(self.children)) +
+                 (", then the broker" if self.broker is not None else ""))
+        for child in reversed(self.children):
+            child.due_at = None
+            child.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        self._write_status(stopped=True)
+        self.say("every process flywheel up started has stopped")
+
+    def _status_line(self) -> None:
+        parts = [f"broker {self.broker.bootstrap}"] if self.broker is not None else []
+        for c in self.children:
+            s = c.state()
+            where = f":{c.port}" if c.port else ""
+            parts.append(f"{c.name}{where} {s['state']}" + (f" ({c.restarts} restarts)" if c.restarts else ""))
+        self.say("flywheel up: " + " · ".join(parts))
+        self._write_status()
+
+    def _write_status(self, stopped: bool = False) -> None:
+        status = {"pid": os.getpid(), "stopped": stopped, "updated_at": time.time(),
+                  "broker": None if self.broker is None else {"bootstrap": self.broker.bootstrap,
+                                                              "pid": self.broker.pid,
+                                                              "restarts": self.broker_restarts},
+                  "stages": [c.state() for c in self.children]}
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(status, indent=2))
+        os.replace(tmp, self.status_path)
+
+
+def status_path(data_dir: Path) -> Path:
+    return Path(data_dir) / "up" / "status.json"
+
+
+def run(settings: Any, args: Any) -> int:
+    """``flywheel up``."""
+    from flywheel.contracts import Topics
+    from flywheel.kafka.clients import ensure_topics
+    from local.broker import EmbeddedBroker, free_port
+    from local.demo import ensure_model
+
+    data_dir = Path(settings.data_dir)
+    model_dir = ensure_model(Path(settings.model_dir))
+    broker = None
+    bootstrap = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
+    if bootstrap is None:
+        broker = EmbeddedBroker(port=getattr(args, "broker_port", None) or free_port()).start()
+        bootstrap = broker.bootstrap
+        print(f"embedded broker on {bootstrap}: topics live in its memory only (see `flywheel up --help`)", flush=True)
+    kafka = settings.kafka.model_copy(update={"bootstrap": bootstrap})
+
+    def topics() -> None:
+        ensure_topics(kafka, Topics(settings.topic_prefix).all())
+
+    topics()
+    env = dict(os.environ, FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, FLYWHEEL_DATA_DIR=str(data_dir),
+               FLYWHEEL_MODEL_DIR=str(model_dir))
+    if not settings.serve.api_keys and not settings.serve.allow_anonymous:
+        env["FLYWHEEL_API_KEYS"] = key = "sk-local-" + secrets.token_hex(8)
+        print(f"API key for this run: {key}", flush=True)
+    if not settings.release.tokens:
+        token = secrets.token_hex(12)
+        env["FLYWHEEL_RELEASE_TOKENS"] = f"local:admin:{token}"
+        print(f"release console token (admin) for this run: {token}", flush=True)
+    children = []
+    for name, role, port_var in STAGES:
+        port = int(env.get(port_var) or _default_port(settings, name))
+        children.append(Child(name, [sys.executable, "-m", "cli", *role], {**env, port_var: str(port)},
+                              data_dir / "logs" / f"{name}.log", port))
+    sup = Supervisor(children, status_path(data_dir), broker, topics=topics)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, sup.request_stop)
+    return sup.run()
+
+
+def _default_port(settings: Any, name: str) -> int:
+    return {"ingest": settings.ingest.port, "reward": settings.reward.port, "train": settings.trainer.port,
+            "release": settings.release.port, "serve": settings.serve.port}[name]
+
+
+def print_status(data_dir: Path) -> int:
+    """``flywheel status``: what ``flywheel up`` runs, read from its status file."""
+    path = status_path(data_dir)
+    try:
+        status = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"flywheel up is not running here (no {path})")
+        return 1
+    up = not status["stopped"] and _pid_alive(status["pid"])
+    age = time.time() - status["updated_at"]
+    print(f"flywheel up (pid {status['pid']}): {'running' if up else 'not running'}; status {age:.0f}s old")
+    if status["broker"]:
+        b = status["broker"]
+        print(f"  broker   {b['bootstrap']:<22} pid {b['pid']}  restarts {b['restarts']} (in memory)")
+    for s in status["stages"]:
+        state = s["state"] if up else "stopped"
+        print(f"  {s['name']:<8} :{s['port'] or '-':<21} {state:<10} pid {s['pid'] or '-'}  restarts {s['restarts']}"
+              f"  log {s['log']}")
+    return 0 if up else 1
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec (Linux)
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

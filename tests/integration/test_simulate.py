@@ -1,0 +1,37 @@
+"""``flywheel simulate`` against a real app on the shared vLLM engine and broker: simulated users
+ask, judge by their hidden taste and send feedback late, each recorded once."""
+
+from __future__ import annotations
+
+import pytest
+from serving_helpers import KEY, generations
+
+from flywheel.contracts import FeedbackEvent, decode
+from local.simulate import Config, Simulator, summarise
+from tests.conftest import read_all
+
+pytestmark = pytest.mark.integration
+
+
+def test_simulated_users_drive_the_api_and_their_feedback_is_recorded_once(serve, broker, tmp_path):
+    s = serve(rate_limit_per_minute=60, rate_limit_burst=3)  # the abuser's flood meets the rate limit
+    sim = Simulator(Config(url=s.url, key=KEY, duration_s=4, rate=10, users=12, max_tokens=8, max_delay_s=1.0,
+                           seed=3), out=tmp_path / "sim.jsonl")
+    rows = sim.run()
+    ok = [r for r in rows if r.status == 200]
+    assert len(ok) >= 15 and all(r.version == 0 for r in ok)
+    assert {r.status for r in rows} <= {200, 429}
+    assert (tmp_path / "sim.jsonl").read_text().count("\n") == len(rows)
+    judged = [r for r in ok if r.signal is not None]
+    assert sim.feedback_sent == len(judged) and sim.feedback_failed == 0
+    events = generations(broker, s, expect=len(ok))
+    assert {r.generation_id for r in ok} <= set(events)
+    fb = [decode(FeedbackEvent, r.value) for r in read_all(broker.bootstrap, s.topics.feedback, expect=len(judged))]
+    assert sorted(f.generation_id for f in fb) == sorted(r.generation_id for r in judged)  # each once
+    for f in fb:  # feedback came after its answer, as late as the user took
+        assert f.received_at >= events[f.generation_id].completed_at
+    signals = {r.generation_id: r.signal for r in judged}
+    assert all(signals[f.generation_id] == f.signal for f in fb)
+    assert all(r.signal == "accept" for r in judged if r.cohort == "abuser")
+    summary = summarise(rows)
+    assert summary["versions"][0]["requests"] == len(ok) and 0 <= summary["versions"][0]["accept_rate"] <= 1

@@ -1,0 +1,52 @@
+"""The simulated users' rules (local/simulate.py): cohorts by share, tastes, noise, the abuser."""
+
+from __future__ import annotations
+
+import random
+
+from local.simulate import DEFAULT_COHORTS, Row, judge, population, quality, summarise, vowel_share
+
+
+def test_cohorts_follow_their_shares_and_the_gameable_one_only_when_asked():
+    users = population(2000, DEFAULT_COHORTS, seed=1, gameable=False, abuser=True)
+    names = [u.cohort.name if u.cohort else "abuser" for u in users]
+    assert names.count("abuser") == 1 and names[-1] == "abuser" and "shortcut" not in names
+    assert 0.62 < names.count("vowels") / 2000 < 0.71  # 0.6 of 0.9
+    gameable = population(2000, DEFAULT_COHORTS, seed=1, gameable=True, abuser=False)
+    assert 0.07 < sum(u.cohort.name == "shortcut" for u in gameable) / 2000 < 0.13
+    assert population(50, DEFAULT_COHORTS, seed=1, gameable=False, abuser=True) == \
+        population(50, DEFAULT_COHORTS, seed=1, gameable=False, abuser=True)  # seeded
+
+
+def test_judgements_follow_the_hidden_taste_with_the_cohorts_noise_and_silence():
+    users = population(400, DEFAULT_COHORTS, seed=2, gameable=True, abuser=True)
+    vowel_user = next(u for u in users if u.cohort and u.cohort.name == "vowels")
+    rng = random.Random(0)
+    liked, disliked = "aeiou oia eau", "strpk blrg"
+    got = [judge(vowel_user, liked, rng) for _ in range(2000)]
+    silent = got.count(None) / len(got)
+    assert 0.11 < silent < 0.19  # feedback_rate 0.85
+    said = [g for g in got if g is not None]
+    assert 0.02 < said.count("reject") / len(said) < 0.09  # noise 0.05
+    other = [g for g in (judge(vowel_user, disliked, rng) for _ in range(500)) if g is not None]
+    assert other.count("reject") / len(other) > 0.9  # the same user on what they dislike
+    abuser = users[-1]
+    assert all(judge(abuser, disliked, rng) == "accept" for _ in range(50))
+    shortcut = next(u for u in users if u.cohort and u.cohort.name == "shortcut")
+    taste = [judge(shortcut, "soooo good", random.Random(i)) for i in range(200)]
+    assert taste.count("accept") > taste.count("reject")
+    assert quality("soooo good") < quality("so good")  # the shortcut costs quality
+    assert vowel_share("aab") == 2 / 3 and vowel_share("123") == 0.0
+
+
+def test_summary_measures_each_version_on_the_cohorts_judgements_only():
+    rows = [Row(0, "u1", "vowels", 0, 200, 0.1, "accept", 0.9, "g1"),
+            Row(1, "u2", "vowels", 0, 200, 0.1, "reject", 0.7, "g2"),
+            Row(2, "u3", "short", 3, 200, 0.1, "accept", 0.8, "g3"),
+            Row(3, "ab", "abuser", 3, 200, 0.1, "accept", 0.5, "g4"),
+            Row(4, "ab", "abuser", None, 429, 0.0, None, None, None),
+            Row(5, "u4", "short", 3, 200, 0.1, None, 0.6, "g5")]
+    s = summarise(rows)
+    assert s["refused"] == {429: 1}
+    assert s["versions"][0] == {"requests": 2, "judged": 2, "accept_rate": 0.5, "quality": 0.8}
+    assert s["versions"][3]["judged"] == 1 and s["versions"][3]["accept_rate"] == 1.0
