@@ -119,6 +119,9 @@ class ReleaseFollower:
         except Exception as exc:  # noqa: BLE001 - no broker at start: the local state says what to serve
             self.last_error = f"releases topic unreadable at start: {exc!r}"
             log.warning("%s", self.last_error)
+            if self._consumer is not None:  # half set up: the follower thread makes a fresh one
+                self._consumer.close()
+                self._consumer = None
         if newest is not None:
             outcome = self._apply(*newest, deadline=deadline)
             if outcome == "applied":

@@ -588,6 +588,10 @@ def in_process_settings(kafka_settings, topics, data_dir: Path):
     return settings, ports
 
 
+# the default producer client here, the other in the slow suite (each client's send and report
+# paths have unit tests of their own, tests/unit/test_kafka_producers.py)
+@pytest.mark.parametrize("kafka_settings", ["confluent", pytest.param("kafka-python", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):
     """Both stages in this process (threads); messy input; exact outputs and archives, and with
     nothing crashed not one repeat on a topic."""
@@ -797,6 +801,10 @@ def run_with_kills(kafka_settings, topics, tmp_path, chunks: int, per_chunk: int
         assert outcome.repeats[stage] <= stages.may_repeat(stage), (stage, outcome.repeats, stages.leftovers)
 
 
+# the default producer client here, the other in the slow suite (each client's send and report
+# paths have unit tests of their own, tests/unit/test_kafka_producers.py)
+@pytest.mark.parametrize("kafka_settings", ["confluent", pytest.param("kafka-python", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_pipeline_survives_sigkill(kafka_settings, topics, tmp_path):
     """Each stage SIGKILLed and restarted mid-stream, repeatedly: the distinct outputs are exact,
     repeats are resends of what the killed processes left, and the archives hold each row once."""
@@ -829,6 +837,10 @@ def wait_consumed(kafka_settings, group_id: str, sent: list, timeout_s: float = 
         consumer.close(autocommit=False)
 
 
+# the default producer client here, the other in the slow suite (each client's send and report
+# paths have unit tests of their own, tests/unit/test_kafka_producers.py)
+@pytest.mark.parametrize("kafka_settings", ["confluent", pytest.param("kafka-python", marks=pytest.mark.slow)],
+                         indirect=True)
 def test_pipeline_survives_broker_stall(kafka_settings, topics, tmp_path, broker):
     """The broker stops answering mid-stream for longer than a consumer session: both stages
     lose their group membership and their sends wait. Then, as serving replays what it journaled,
