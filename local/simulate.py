@@ -241,6 +241,9 @@ def summarise(rows: list[Row]) -> dict[str, Any]:
 
 def run(settings: Any, args: Any) -> int:
     """``flywheel simulate``."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the summary
     key = args.key or (settings.serve.api_keys[0] if settings.serve.api_keys else "")
     cfg = Config(url=args.url, key=key, duration_s=args.duration, rate=args.rate, users=args.users,
                  max_tokens=args.max_tokens, max_delay_s=args.max_delay, seed=args.seed, gameable=args.gameable,

@@ -74,6 +74,11 @@ class Streams:
         committed by :meth:`commit_checkpoints` once the caller has stored them; a turn that
         fails before that reads them again (a known version is a no-op)."""
         out = []
+        if not self.checkpoints.assignment():
+            # not in its group yet: a join completes only inside poll, and a broker may hold it for
+            # half the session timeout (the embedded one does); short polls a tick apart never
+            # finish it, and the controller then never sees a checkpoint
+            timeout_ms = max(timeout_ms, self.kafka.session_timeout_ms)
         for recs in self.checkpoints.poll(timeout_ms=timeout_ms).values():
             for rec in recs:
                 try:
