@@ -75,10 +75,12 @@ class Streams:
         fails before that reads them again (a known version is a no-op)."""
         out = []
         if not self.checkpoints.assignment():
-            # not in its group yet: a join completes only inside poll, and a broker may hold it for
-            # half the session timeout (the embedded one does); short polls a tick apart never
-            # finish it, and the controller then never sees a checkpoint
-            timeout_ms = max(timeout_ms, self.kafka.session_timeout_ms)
+            # not in its group yet. A broker may hold the join for half the session timeout (the
+            # embedded one does), and here a join answered while no poll ran never completed:
+            # with 100 ms polls a tick apart the controller saw no checkpoint at all. So poll
+            # through the whole hold, within half the lease so the turn never outlasts it
+            timeout_ms = max(timeout_ms, min(self.kafka.session_timeout_ms,
+                                             int(self.settings.release.lease_ttl_s * 1000 / 2)))
         for recs in self.checkpoints.poll(timeout_ms=timeout_ms).values():
             for rec in recs:
                 try:

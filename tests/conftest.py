@@ -177,11 +177,17 @@ RELEASE_TEST_POSTGRES_URL = os.environ.get("RELEASE_TEST_POSTGRES_URL", "postgre
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def release_db_url(request, tmp_path) -> Iterator[str]:
-    """A fresh, empty release database, once per backend the store supports: an SQLite file under
-    the test's tmp_path, or a throwaway schema in PostgreSQL (``search_path`` set through the URL,
-    so the store's unqualified table names land in it), dropped afterwards. Skipped, saying why,
-    when no PostgreSQL answers at ``RELEASE_TEST_POSTGRES_URL``."""
-    if request.param == "sqlite":
+    """A fresh, empty release database, once per backend the store supports (:func:`release_database`)."""
+    with release_database(request.param, tmp_path) as url:
+        yield url
+
+
+@contextmanager
+def release_database(backend: str, tmp_path: Path) -> Iterator[str]:
+    """An SQLite file under ``tmp_path``, or a throwaway schema in PostgreSQL (``search_path`` set
+    through the URL, so the store's unqualified table names land in it), dropped afterwards.
+    Skipped, saying why, when no PostgreSQL answers at ``RELEASE_TEST_POSTGRES_URL``."""
+    if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'release.sqlite3'}"
         return
     import psycopg

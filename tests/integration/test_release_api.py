@@ -1,5 +1,6 @@
 """The release API over real HTTP on loopback (uvicorn on port 0), against a real SQLite file and a
-real PostgreSQL schema (``release_db_url``: every test runs once on each).
+real PostgreSQL schema (``release_db_url``: every test runs once on each; the PostgreSQL runs
+with the slow tests).
 
 The app gets a store (a database connection) of its own, as in production; the tests seed and check
 through another one, so whatever they see was committed by the API, not merely held in its
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from conftest import release_database
 
 from flywheel.contracts import CheckpointEvent
 from flywheel.settings import ReleaseSettings, SettingsError
@@ -120,6 +122,14 @@ class Api:
 
     def post(self, path: str, who: str | None, **kw: Any) -> httpx.Response:
         return self.call("POST", path, who, **kw)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.slow)])
+def release_db_url(request, tmp_path) -> Iterator[str]:
+    """The API on each backend; over PostgreSQL with the slow tests, to keep the default suite short
+    (the store's own tests, tests/integration/test_release_store.py, run on both by default)."""
+    with release_database(request.param, tmp_path) as url:
+        yield url
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 # The API module's fixtures, shared by assignment: pytest finds fixtures among a module's names.
+release_db_url = shared.release_db_url
 store = shared.store
 api = shared.api
 
