@@ -51,13 +51,14 @@ def cmd_broker(args: argparse.Namespace) -> int:
     from local.broker import EmbeddedBroker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    broker = EmbeddedBroker(port=args.port, host=args.host).start()
-    print(f"broker listening on {broker.bootstrap}; Ctrl-C or SIGTERM stops it", flush=True)
-
     def stop(*_: object) -> None:  # a supervisor's or kill's SIGTERM stops the broker too
         raise KeyboardInterrupt
 
+    # installed before the line below announces the broker: a SIGTERM sent on reading it must
+    # find the handler in place
     signal.signal(signal.SIGTERM, stop)
+    broker = EmbeddedBroker(port=args.port, host=args.host).start()
+    print(f"broker listening on {broker.bootstrap}; Ctrl-C or SIGTERM stops it", flush=True)
     try:
         return broker.wait()
     except KeyboardInterrupt:
