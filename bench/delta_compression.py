@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import statistics
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4,3e-3")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     dist.init()
     with tempfile.TemporaryDirectory() as d:
@@ -161,6 +163,8 @@ def main() -> None:
               f"{r['t_ours'] * 1e3:8.1f} {r['t_inplace'] * 1e3:8.1f} {r['t_naive'] * 1e3:8.1f} {r['t_load'] * 1e3:8.1f} | "
               f"{r['t_load'] / r['t_ours']:9.2f}x {r['t_load'] / r['t_inplace']:8.2f}x")
     print("all deltas bit-exact (checked)")
+    if args.json:
+        args.json.write_text(json.dumps({"params": first["params"], "lrs": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ stages can reach; each of its rounds pairs a raw consume with every row after it
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import tempfile
@@ -238,6 +239,7 @@ def main() -> None:
                     help="runs of each raw and relay measurement; their median is reported")
     ap.add_argument("--tokens", type=int, default=32,
                     help="completion tokens per generation (each with a logprob): decode cost grows with it")
+    ap.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n = args.pairs
@@ -258,6 +260,10 @@ def main() -> None:
         for i, (label, (rate, cpu)) in enumerate(block):
             base, cbase = block[0][1] if i < 2 else block[2][1]
             print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"pairs": n, "clients": {
+            client: [{"path": label, "records_per_s": rate, "records_per_cpu_s": cpu} for label, (rate, cpu) in block]
+            for client, (block, _) in runs.items()}}, indent=2))
     if floor:
         print(f"\nfloor (bench/stage_floor.py) on the records above: {args.repeat} rounds of a raw consume and "
               "the rows after it; a ratio is the median of each round's row over its raw consume\n")

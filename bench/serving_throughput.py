@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--bind", default="auto", help="VLLM_CPU_OMP_THREADS_BIND for both engines")
     p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -213,6 +214,9 @@ def report(base: list[tuple[float, int]], served: list[tuple[float, int]], args:
         print(f"{name:<28} {args.prompts / run[0]:>14.1f} {tps(run):>10.0f} {tps(run) / tps(b):>7.2f}")
     print(f"paired rounds api/offline: median {statistics.median(paired):.2f}, "
           f"in order {[round(r, 2) for r in paired]}")
+    if args.json:
+        args.json.write_text(json.dumps({"offline_tokens_per_s": tps(b), "api_tokens_per_s": tps(s),
+                                         "paired_ratios": paired}, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel up                            the whole loop on one machine, supervised, until Ctrl-C
     flywheel status                        what `flywheel up` runs: pids, ports, restarts
     flywheel simulate                      simulated users with hidden preferences, against the API
-    flywheel demo                          the whole loop on one machine, then stop
+    flywheel demo                          the whole loop with simulated users for minutes, then a report
+    flywheel bench [--quick]               every performance claim measured: one table of ratios and goals
 """
 
 from __future__ import annotations
@@ -285,14 +286,39 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--out", type=Path, default=None, help="every request as a JSONL line")
     sim.set_defaults(func=_role("local.simulate"))
 
-    d = sub.add_parser("demo", help="run the loop on one machine with an embedded broker, then stop")
-    d.add_argument("--users", type=int, default=16, help="synthetic users in the pipeline phase (4 samples each)")
-    d.add_argument("--wait", type=float, default=240, help="seconds to wait for rewards and a checkpoint")
+    d = sub.add_parser("demo", help="the whole loop with simulated users for a few minutes, then a report",
+                       description=importlib.import_module("local.demo").__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--duration", type=float, default=240, help="seconds of simulated traffic (default 240)")
+    d.add_argument("--rate", type=float, default=6.0, help="requests per second (default 6)")
+    d.add_argument("--users", type=int, default=40, help="simulated users (default 40)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
+    d.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
+    d.add_argument("--start-timeout", type=float, default=300, help="longest wait for serving to answer, s")
     d.set_defaults(func=_role("local.demo"))
+
+    # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)
+    sub.add_parser("bench", help="every performance claim measured in one run: ratios, goals, JSON", add_help=False)
     return p
 
 
+def _bench(argv: list[str]) -> int:
+    """``flywheel bench``: bench/suite.py, which lives beside the packages in a checkout."""
+    suite = Path(__file__).resolve().parents[1] / "bench" / "suite.py"
+    if not suite.is_file():
+        print("flywheel bench runs from a source checkout (bench/ is not part of an installed wheel): "
+              "pip install -e . from the repository", file=sys.stderr)
+        return 2
+    import runpy
+
+    return int(runpy.run_path(str(suite))["main"](argv))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -240,10 +240,16 @@ class RewardEvent(_Event):
     components: dict[str, float] = Field(default_factory=dict)
     #: Sample weight in [0, 1] after abuse guards (down-weighted users get < 1).
     weight: float = Field(default=1.0, ge=0.0, le=1.0)
-    #: Guard flags such as ``constant_user``, ``rate_anomaly``, ``repetition``.
+    #: Guard flags: :data:`ABUSE_FLAGS` (about the user) and :data:`HACKING_FLAGS` (about the answer).
     flags: tuple[str, ...] = ()
     generated_at: EpochSeconds
     labeled_at: EpochSeconds
+
+
+#: Reward-guard flags judged per user: they describe who gave the signal, not what the model did.
+ABUSE_FLAGS: tuple[str, ...] = ("user_cap", "constant_user", "rate_anomaly")
+#: Reward-guard flags judged per answer: a model buying reward with length or repetition.
+HACKING_FLAGS: tuple[str, ...] = ("long", "repetition")
 
 
 # trainer -> serving, release

@@ -247,6 +247,12 @@ class IngestSettings(_Section):
     still decides whether the feedback counts)."""
     grace_s: float = Field(default=2.0, ge=0)
     """Extra wait after a window's deadline for clock skew and transport delay before closing."""
+    emit_after_signal_s: float | None = Field(default=None, ge=0)
+    """Emit an episode this many seconds after its first decisive signal (accept, reject, edit)
+    reached the stage, instead of when its window closes. Signals that arrive in that time fold
+    in by the usual rule; one that arrives after is dead-lettered as ``late_feedback``. None
+    waits out the window, so a user who changes their mind within ``window_s`` is heard; set it
+    where feedback-to-training latency matters more (``flywheel demo`` uses 1 s)."""
     closed_retention_s: float = Field(default=3600.0, gt=0)
     """How long closed generations are remembered, to tell late or duplicate feedback apart."""
     max_future_s: float = Field(default=600.0, gt=0)
@@ -436,7 +442,13 @@ class ReleaseSettings(_Section):
     max_reject_share_increase: float = Field(default=0.15, ge=0)
     """Guardrail: the canary's share of rejects over stable's."""
     max_flag_rate_increase: float = Field(default=0.05, ge=0)
-    """Guardrail: the canary's share of rewards the reward guards flagged over stable's."""
+    """Guardrail: the canary's share of rewards flagged for reward hacking (``long``,
+    ``repetition``) over stable's. Abuse flags are about users, whom the hash assigns to arms,
+    so they are not compared."""
+    guardrail_z: float = Field(default=3.0, ge=0)
+    """A rate guardrail (error rate, share of rejects, flags) breaches only when the canary's
+    increase passes its allowance by this many standard errors: they are checked every tick, and
+    over a few dozen requests a point estimate crosses the allowance by chance. 0: point estimates."""
     lease_ttl_s: float = Field(default=15.0, gt=0)
     """The controller lease lapses this long after its holder last renewed it; another
     controller then takes over."""

@@ -29,6 +29,13 @@ signals fold into the one episode instead of producing a second, contradictory o
 ``window_s`` of latency per episode (measured from whichever is later, the generation's
 completion or its arrival).
 
+**Early emission** (:func:`closes_on_signal`, ``ingest.emit_after_signal_s``). Where that
+latency matters more than a changed mind, the window closes ``emit_after_signal_s`` after the
+first decisive signal reached the stage (with both the generation and the signal present), if
+that is sooner. Signals arriving in that time still fold in by the rule below; one arriving
+after the episode left is dead-lettered as ``late_feedback``, kept for audit like any late
+signal, never a second episode. The episode is still emitted exactly once.
+
 **Resolution** (:func:`resolve`): duplicates (same ``feedback_id``) count once; an id already
 waiting on another generation is no duplicate but a collision, dead-lettered as
 ``reused_feedback_id`` by the stage (as is, for generations, an id that names another open
@@ -87,6 +94,14 @@ def closes_at(deadline: float, arrived_at: float, window_s: float, grace_s: floa
     """When a generation's window closes, on the stage's clock: ``grace_s`` after its deadline,
     and no sooner than ``window_s`` after the generation arrived (``arrived_at``)."""
     return max(deadline + grace_s, arrived_at + window_s)
+
+
+def closes_on_signal(close_at: float, signal: str, now: float, emit_after_s: float | None) -> float:
+    """When a window closes once ``signal`` is present for it at ``now`` (stage's clock): sooner
+    under early emission for a decisive signal, else unchanged."""
+    if emit_after_s is None or signal not in DECISIVE:
+        return close_at
+    return min(close_at, now + emit_after_s)
 
 
 def _order(fb: FeedbackEvent) -> tuple[float, str]:

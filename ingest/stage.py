@@ -19,6 +19,7 @@ a partition number.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ from flywheel.stream.store import StateStore
 from ingest.join import (
     Resolution,
     closes_at,
+    closes_on_signal,
     generation_deadline,
     is_from_future,
     is_late,
@@ -193,13 +195,16 @@ class IngestStage:
                                                     f"out in full) > limit {MAX_RECORD_BYTES}")
             return
         deadline = generation_deadline(g.completed_at, self.cfg.window_s)
-        view.add_generation((gid, rec.partition, deadline, stored,
-                             closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s), rec.offset))
+        close_at = closes_at(deadline, now, self.cfg.window_s, self.cfg.grace_s)
         for fid, created, raw, topic, part, off, key in view.waiting(gid):
             if is_late(created, deadline):
                 view.drop_feedback(gid, fid)
                 self.dead.send("late_feedback", f"created {created - deadline:.3f}s after the window",
                                source_topic=topic, value=raw, key=key, partition=part, offset=off)
+            elif self.cfg.emit_after_signal_s is not None:  # (a waiting signal's bytes were validated)
+                close_at = closes_on_signal(close_at, decode(FeedbackEvent, raw).signal, now,
+                                            self.cfg.emit_after_signal_s)
+        view.add_generation((gid, rec.partition, deadline, stored, close_at, rec.offset))
 
     def _on_feedback(self, rec: ConsumerRecord, f: FeedbackEvent, view: _BatchView, now: float) -> None:
         closed = view.closed.get(f.generation_id)
@@ -226,6 +231,8 @@ class IngestStage:
              orphan_deadline(f.created_at, now, self.cfg.orphan_wait_s), rec.value,
              rec.topic, rec.partition, rec.offset, rec.key),
         )
+        if deadline is not None and self.cfg.emit_after_signal_s is not None:
+            view.close_by(f.generation_id, closes_on_signal(math.inf, f.signal, now, self.cfg.emit_after_signal_s))
 
     def clock_stepped(self, by: float) -> None:
         """The wall clock stepped ``by`` seconds while the stage ran (flywheel/stream/runner.py): move every
@@ -381,6 +388,7 @@ class _BatchView:
         self._new_raw: dict[str, bytes] = {}
         self._new_fbs: dict[str, tuple] = {}
         self._dropped: list[str] = []
+        self._close_by: dict[str, float] = {}
 
     def stored(self, db: Any, gid: str) -> bytes:
         """The stored bytes of open generation ``gid``: looked up only for a repeated id."""
@@ -402,6 +410,11 @@ class _BatchView:
         self._new_fbs[fid] = row
         self._waiting.setdefault(gid, {})[fid] = (fid, created, raw, topic, part, off, key)
 
+    def close_by(self, gid: str, at: float) -> None:
+        """Close open generation ``gid``'s window no later than ``at`` (early emission)."""
+        if at < self._close_by.get(gid, math.inf):
+            self._close_by[gid] = at
+
     def drop_feedback(self, gid: str, fid: str) -> None:
         self.fids.pop(fid, None)
         self._waiting.get(gid, {}).pop(fid, None)
@@ -413,6 +426,9 @@ class _BatchView:
         db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at, off) VALUES (?, ?, ?, ?, ?, ?)",
                        self._new_gens)
         db.executemany("INSERT INTO fbs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", list(self._new_fbs.values()))
+        # after the inserts, so it applies to a generation of this same batch too
+        db.executemany("UPDATE gens SET close_at = MIN(close_at, ?) WHERE gid=?",
+                       [(at, gid) for gid, at in self._close_by.items()])
 
 
 def _migrate(store: StateStore, cfg: IngestSettings) -> None:

@@ -9,8 +9,8 @@ express:
 
 | cohort | accepts an answer when | share of users |
 | --- | --- | --- |
-| ``vowels`` | more than 40% of its letters are vowels | 0.6 |
-| ``short`` | it has at most 12 words | 0.3 |
+| ``vowels`` | more than 44% of its letters are vowels | 0.6 |
+| ``short`` | it has one to four words | 0.3 |
 | ``shortcut`` (``--gameable``) | it repeats one character three times in a row: a shortcut that hurts the separate quality score (share of distinct character pairs) | 0.1 |
 
 And the noise real users make: some answers get no feedback (``feedback_rate``), feedback comes
@@ -34,6 +34,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+#: ``Row.status`` of a request that got no HTTP answer at all (the connection failed).
+TRANSPORT_ERROR = 0
+
 
 def vowel_share(text: str) -> float:
     letters = [c for c in text.lower() if c.isalpha()]
@@ -52,8 +57,8 @@ def _repeats(text: str) -> bool:
 
 #: Hidden preferences by name: whether a user of that cohort likes an answer.
 PREFERENCES: dict[str, Callable[[str], bool]] = {
-    "vowels": lambda text: vowel_share(text) > 0.4,
-    "short": lambda text: len(text.split()) <= 12,
+    "vowels": lambda text: vowel_share(text) > 0.44,
+    "short": lambda text: 1 <= len(text.split()) <= 4,
     "shortcut": _repeats,
 }
 
@@ -138,6 +143,11 @@ class Row:
     signal: str | None
     quality: float | None
     generation_id: str | None
+    #: wall-clock time of the request (epoch seconds), to line it up with releases and checkpoints
+    at: float = 0.0
+    #: the answer's text, and when its feedback was sent (None: none was)
+    text: str | None = None
+    feedback_at: float | None = None
 
 
 class Simulator:
@@ -160,8 +170,6 @@ class Simulator:
         return self.rows
 
     async def _run(self) -> None:
-        import httpx
-
         headers = {"Authorization": f"Bearer {self.cfg.key}"}
         limits = httpx.Limits(max_connections=256)
         async with httpx.AsyncClient(base_url=self.cfg.url, headers=headers, timeout=120, limits=limits) as http:
@@ -182,31 +190,46 @@ class Simulator:
     async def _one(self, http: Any, t0: float) -> None:
         user = self._pick_user()
         prompt = self.rng.choice(self.prompts)
+        at = time.time()
         start = time.monotonic()
-        resp = await http.post("/v1/completions", json={
-            "model": self.cfg.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
-            "user": user.uid})
-        latency = time.monotonic() - start
         cohort = user.cohort.name if user.cohort else "abuser"
+        try:
+            resp = await http.post("/v1/completions", json={
+                "model": self.cfg.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
+                "user": user.uid})
+        except httpx.HTTPError:  # a connection the server closed under us: the user saw an error
+            self.rows.append(Row(start - t0, user.uid, cohort, None, TRANSPORT_ERROR, time.monotonic() - start,
+                                 None, None, None, at))
+            return
+        latency = time.monotonic() - start
         if resp.status_code != 200:  # rate limited (the abuser) or refused: recorded, not judged
-            self.rows.append(Row(start - t0, user.uid, cohort, None, resp.status_code, latency, None, None, None))
+            self.rows.append(Row(start - t0, user.uid, cohort, None, resp.status_code, latency, None, None, None, at))
             return
         body = resp.json()
         text = body["choices"][0]["text"]
         signal = judge(user, text, self.rng)
         version = int(body["model"].rsplit("@v", 1)[1])
-        self.rows.append(Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"]))
+        row = Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"], at, text)
+        self.rows.append(row)
         if signal is not None:
             delay = self.rng.uniform(0, self.cfg.max_delay_s)
-            self._feedback.append(asyncio.create_task(self._feedback_later(http, body["id"], signal, delay)))
+            self._feedback.append(asyncio.create_task(self._feedback_later(http, user, row, signal, delay)))
 
-    async def _feedback_later(self, http: Any, generation_id: str, signal: str, delay: float) -> None:
+    async def _feedback_later(self, http: Any, user: User, row: Row, signal: str, delay: float) -> None:
         await asyncio.sleep(delay)
+        generation_id, sent_at = row.generation_id, time.time()
+        # the user who judged is named, as a product names its end user: the release controller
+        # counts outcomes per rater, and with no user every judgement is the API key's
         body = {"feedback_id": str(uuid.uuid4()), "generation_id": generation_id, "signal": signal,
-                "decision_ms": delay * 1000}
-        resp = await http.post("/v1/feedback", json=body)
+                "decision_ms": delay * 1000, "user": user.uid}
+        try:
+            resp = await http.post("/v1/feedback", json=body)
+        except httpx.HTTPError:
+            self.feedback_failed += 1
+            return
         if resp.status_code == 202:
             self.feedback_sent += 1
+            row.feedback_at = sent_at
         else:
             self.feedback_failed += 1
 

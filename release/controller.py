@@ -57,7 +57,7 @@ def canary_policy(cfg: Any) -> CanaryPolicy:
                         error_limit=cfg.error_limit, max_error_rate_increase=cfg.max_error_rate_increase,
                         max_latency_ratio=cfg.max_latency_ratio, max_length_ratio=cfg.max_length_ratio,
                         max_reject_share_increase=cfg.max_reject_share_increase,
-                        max_flag_rate_increase=cfg.max_flag_rate_increase)
+                        max_flag_rate_increase=cfg.max_flag_rate_increase, guardrail_z=cfg.guardrail_z)
 
 
 def gate_policy(cfg: Any) -> GatePolicy:
@@ -130,11 +130,13 @@ class Controller:
                                   f"stable is already version {self.store.stable_version()}")
             return
         self.store.transition(newest.version, State.GATING, ACTOR, "offline gate on the held-out prompts")
+        t0 = time.monotonic()
         try:
             verdict, record = self._gate(newest)
         except Exception as exc:  # noqa: BLE001 - any failure of a gate counts toward the limit, never promotes
             self._gate_failed(newest, exc)
             return
+        log.info("version %d gated in %.1f s: %s", newest.version, time.monotonic() - t0, verdict.outcome.value)
         if not self.store.take_lease(self.holder, self.cfg.lease_ttl_s):
             # the gate outlasted the lease and another controller took over: it acts, not this one
             self.active = False

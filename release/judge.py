@@ -94,6 +94,11 @@ class CanaryPolicy:
     max_error_rate_increase: float = 0.02
     max_latency_ratio: float = 1.5
     max_length_ratio: float = 2.0
+    #: How many standard errors past its allowance a rate's increase must be to breach (error
+    #: rate, share of rejects, reward-guard flags): the guardrails are looked at every tick, and a
+    #: point estimate over a few dozen requests crosses +0.15 by chance alone (a canary no
+    #: different from stable was rolled back that way). 0 compares the point estimates.
+    guardrail_z: float = 3.0
     max_reject_share_increase: float = 0.15
     max_flag_rate_increase: float = 0.05
 
@@ -132,7 +137,8 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tupl
 
     The float limits are written as "not within" so that a NaN measurement breaches them."""
     out = []
-    if canary.error_rate - stable.error_rate > policy.max_error_rate_increase:
+    z = policy.guardrail_z
+    if _rate_breached(canary.errors, canary.requests, stable.errors, stable.requests, policy.max_error_rate_increase, z):
         out.append(f"guardrail error rate: {canary.error_rate:.3f} against {stable.error_rate:.3f} "
                    f"(at most +{policy.max_error_rate_increase})")
     if stable.latency_ms_p95 > 0 and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
@@ -142,13 +148,24 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tupl
     if stable.completion_tokens_mean > 0 and not lo <= canary.completion_tokens_mean / stable.completion_tokens_mean <= hi:
         out.append(f"guardrail output length: {canary.completion_tokens_mean:.1f} tokens against "
                    f"{stable.completion_tokens_mean:.1f} (within x{policy.max_length_ratio})")
-    if canary.reject_share - stable.reject_share > policy.max_reject_share_increase:
+    if _rate_breached(canary.rejects, canary.requests, stable.rejects, stable.requests,
+                      policy.max_reject_share_increase, z):
         out.append(f"guardrail share of rejects: {canary.reject_share:.3f} against {stable.reject_share:.3f} "
                    f"(at most +{policy.max_reject_share_increase})")
-    if canary.flag_rate - stable.flag_rate > policy.max_flag_rate_increase:
+    if _rate_breached(canary.flagged, canary.rewards, stable.flagged, stable.rewards, policy.max_flag_rate_increase, z):
         out.append(f"guardrail reward-guard flags: {canary.flag_rate:.3f} against {stable.flag_rate:.3f} "
                    f"(at most +{policy.max_flag_rate_increase})")
     return tuple(out)
+
+
+def _rate_breached(c_hits: int, c_n: int, s_hits: int, s_n: int, allowance: float, z: float) -> bool:
+    """The canary's rate is above stable's by more than ``allowance``, by ``z`` standard errors
+    of the difference (binomial, each arm's own rate): a breach sampling noise does not explain.
+    A canary whose every answer fails against a stable that never does has no noise to hide in."""
+    c = c_hits / c_n if c_n else 0.0
+    s = s_hits / s_n if s_n else 0.0
+    se = math.sqrt((c * (1 - c) / c_n if c_n else 0.0) + (s * (1 - s) / s_n if s_n else 0.0))
+    return c - s - allowance > z * se
 
 
 # -- the offline gate ---------------------------------------------------------------------------

@@ -76,6 +76,9 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         api = ApiServer(make_app(api_store, cfg, controller.status), cfg.host, cfg.port).start()
         held.callback(api.stop)
         log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
+        # the gate's model libraries take seconds to import on a busy machine: import them now,
+        # not between the first checkpoint and its canary (where it was most of that wait)
+        threading.Thread(target=_import_gate_libraries, name="release-warm", daemon=True).start()
         while not stop.is_set():
             try:
                 controller.tick()
@@ -83,3 +86,11 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
                 log.exception("a controller turn failed; retrying")
             stop.wait(cfg.tick_s) if hasattr(stop, "wait") else time.sleep(cfg.tick_s)
     return 0
+
+
+def _import_gate_libraries() -> None:
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoModelForCausalLM  # noqa: F401 - the lazy module behind it
+    except Exception:
+        log.debug("warming the gate's imports failed", exc_info=True)

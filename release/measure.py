@@ -2,8 +2,9 @@
 
 Episodes carry the version that produced them (``generation.model_version``): each episode of a
 generation made after the canary started is counted for its arm, canary or stable; other versions
-are not in the comparison. Rewards carry the version too, and their guard flags are counted the
-same way. A :class:`Tally` is a plain fold over those records, so it can be saved with the
+are not in the comparison. Rewards carry the version too, and their reward-hacking flags
+(``long``, ``repetition``) are counted the same way; abuse flags (``constant_user`` ...) are not:
+they describe a user, and which arm a user lands in is the hash's doing, not the model's. A :class:`Tally` is a plain fold over those records, so it can be saved with the
 candidate (with the topic offsets it covers, in one transaction) and a restarted controller goes
 on where it stopped.
 
@@ -34,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from flywheel.contracts import HACKING_FLAGS
 from release.judge import ArmStats, CanaryMeasurement
 from release.sequential import PairCount
 
@@ -141,7 +143,9 @@ class Tally:
             return
         arm = self.arms[arm_name]
         arm.rewards += 1
-        arm.flagged += bool(rw.get("flags"))
+        # only flags about the answer: abuse flags describe the user, and users are what the hash
+        # puts in an arm, so one abusive user on the canary's side would read as a worse model
+        arm.flagged += any(f in HACKING_FLAGS for f in rw.get("flags") or ())
 
     def pairs(self) -> PairCount:
         """Each canary outcome with the first stable outcome at or after it (module docstring)."""

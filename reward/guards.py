@@ -45,9 +45,6 @@ from flywheel.settings import RewardSettings
 
 #: The components :func:`judge_sample` adds to a reward; labelers may not name their own so.
 GUARD_COMPONENTS: frozenset[str] = frozenset({"length_penalty", "repetition_penalty"})
-#: Flags judged per user (abuse) and per sample (reward hacking).
-ABUSE_FLAGS: tuple[str, ...] = ("user_cap", "constant_user", "rate_anomaly")
-HACKING_FLAGS: tuple[str, ...] = ("long", "repetition")
 
 
 class UserWindow(NamedTuple):

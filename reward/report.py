@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import pyarrow as pa
 
+from flywheel.contracts import ABUSE_FLAGS
 from flywheel.stream.archive import read_schema
-from reward.guards import ABUSE_FLAGS
 
 if TYPE_CHECKING:  # pandas is imported by the report only: the stage starts faster without it
     import pandas as pd

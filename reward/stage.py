@@ -29,14 +29,12 @@ import msgspec
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from flywheel.contracts import MAX_EPISODE_BYTES, EpisodeEvent, Topics
+from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, MAX_EPISODE_BYTES, EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
 from flywheel.stream.deadletters import DeadLetters
 from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
 from flywheel.stream.store import StateStore
 from reward.guards import (
-    ABUSE_FLAGS,
-    HACKING_FLAGS,
     UserWindow,
     Verdict,
     judge_sample,

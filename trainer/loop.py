@@ -68,8 +68,16 @@ class Ledger:
     trained: list[str] = field(default_factory=list)
     dropped: dict[str, list[str]] = field(default_factory=dict)
     steps: int = 0
+    #: monotonic time of its first entry: ``publish_every_s`` counts from there, so a version
+    #: published after an idle spell holds that many seconds of work, not the first batch's
+    since: float | None = None
+
+    def touch(self) -> None:
+        if self.since is None:
+            self.since = time.monotonic()
 
     def drop(self, reason: str, gid: str) -> None:
+        self.touch()
         self.dropped.setdefault(reason, []).append(gid)
 
     def empty(self) -> bool:
@@ -77,6 +85,15 @@ class Ledger:
 
     def to_json(self) -> dict[str, Any]:
         return {"trained": self.trained, "dropped": self.dropped, "steps": self.steps}
+
+
+def publish_due(ledger: Ledger, now: float, every_steps: int, every_s: float) -> bool:
+    """A version is due after ``every_steps`` steps, or ``every_s`` after the ledger's first entry
+    (a step or a declared drop): never for an empty ledger, and an idle spell before the first
+    entry does not count, so a version published on time holds that long of work."""
+    if ledger.steps >= every_steps:
+        return True
+    return ledger.since is not None and now - ledger.since >= every_s
 
 
 class _Seek(ConsumerRebalanceListener):
@@ -141,7 +158,6 @@ class Trainer:
         self.seen_ids: set[str] = set()
         # assigned partitions the book has no floor for yet: their start is recorded after a poll (_Seek)
         self.unstarted: set[TopicPartition] = set()
-        self.last_publish = time.monotonic()
         self.last_stats: dict[str, float] = {}
         self.stop_event = threading.Event()
         self.vocab = int(policy.module.config.vocab_size)
@@ -268,10 +284,7 @@ class Trainer:
             "stalled_s": round(stalled, 3), "unannounced": len(self._owed) + self._announcing - self._announced}
 
     def _publish_due(self) -> bool:
-        if self.ledger.steps >= self.cfg.publish_every_steps:
-            return True
-        elapsed = time.monotonic() - self.last_publish
-        return not self.ledger.empty() and elapsed >= self.cfg.publish_every_s
+        return publish_due(self.ledger, time.monotonic(), self.cfg.publish_every_steps, self.cfg.publish_every_s)
 
     # ------------------------------------------------------------ intake
     def _poll(self) -> None:
@@ -366,6 +379,7 @@ class Trainer:
         self.m.record_step(stats, dt, len(events))
         self.last_stats = stats
         self.samples += len(events)
+        self.ledger.touch()
         self.ledger.steps += 1
         for e, p in zip(events, pos):
             self.ledger.trained.append(e.generation_id)
@@ -402,7 +416,6 @@ class Trainer:
         dist.barrier(self.world)
         for s, reason in self.batcher.evict_stale(self.version, self.cfg.max_staleness):
             self._drop(s, reason)
-        self.last_publish = time.monotonic()
         self.m.publish_time.observe(time.monotonic() - t0)
         self.m.busy.inc(time.monotonic() - t0)
 

@@ -3,11 +3,14 @@ ask, judge by their hidden taste and send feedback late, each recorded once."""
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 from serving_helpers import KEY, generations
 
 from flywheel.contracts import FeedbackEvent, decode
-from local.simulate import Config, Simulator, summarise
+from local.simulate import TRANSPORT_ERROR, Config, Simulator, summarise
 from tests.conftest import read_all
 
 pytestmark = pytest.mark.integration
@@ -35,3 +38,33 @@ def test_simulated_users_drive_the_api_and_their_feedback_is_recorded_once(serve
     assert all(r.signal == "accept" for r in judged if r.cohort == "abuser")
     summary = summarise(rows)
     assert summary["versions"][0]["requests"] == len(ok) and 0 <= summary["versions"][0]["accept_rate"] <= 1
+
+    # the user named with the feedback is the one who asked: the controller counts outcomes per rater
+    assert {f.user_id for f in fb} == {events[f.generation_id].user_id for f in fb}
+
+
+def test_a_connection_dropped_by_the_server_is_an_error_row_not_a_crash(tmp_path):
+    """A server that closes every connection without answering (as a keep-alive connection closed
+    under a request looks): each request is recorded with no HTTP status, and the run completes."""
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(0.2)
+    done = threading.Event()
+
+    def drop() -> None:
+        while not done.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=drop, daemon=True).start()
+    try:
+        rows = Simulator(Config(url=f"http://127.0.0.1:{srv.getsockname()[1]}", key="k", duration_s=1, rate=10,
+                                users=3, seed=1)).run()
+    finally:
+        done.set()
+        srv.close()
+    assert rows and {r.status for r in rows} == {TRANSPORT_ERROR}
+    assert summarise(rows)["refused"] == {TRANSPORT_ERROR: len(rows)}

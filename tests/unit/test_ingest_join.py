@@ -24,6 +24,7 @@ from flywheel.settings import IngestSettings
 from flywheel.stream.store import StateStore
 from ingest.join import (
     closes_at,
+    closes_on_signal,
     generation_deadline,
     is_from_future,
     is_late,
@@ -97,6 +98,18 @@ def test_orphan_deadline(created, arrived, wait, deadline):
 ])
 def test_closes_at(deadline, arrived, window, grace, closes):
     assert closes_at(deadline, arrived, window, grace) == closes
+
+
+@pytest.mark.parametrize("close_at, signal, now, emit_after, closes", [
+    (111.0, "accept", 101.0, None, 111.0),  # early emission off: the window rules
+    (111.0, "accept", 101.0, 1.0, 102.0),  # a decisive signal: a second after it came
+    (111.0, "reject", 101.0, 0.0, 101.0),
+    (111.0, "edit", 101.0, 1.0, 102.0),
+    (111.0, "ignore", 101.0, 1.0, 111.0),  # an explicit ignore decides nothing: the window rules
+    (111.0, "accept", 110.5, 5.0, 111.0),  # never later than the window would have closed
+])
+def test_closes_on_signal(close_at, signal, now, emit_after, closes):
+    assert closes_on_signal(close_at, signal, now, emit_after) == closes
 
 
 @pytest.mark.parametrize("stamped, now, limit, future", [
@@ -175,6 +188,39 @@ def test_stage_joins_feedback_before_generation_and_emits_once_at_close(stage):
     assert not dls
     run(stage, [rec(T.feedback, "g", encode(f), 2), rec(T.generations, "g", encode(gen("g", 100)), 1)], now=113)
     assert len(outputs(stage[1])[0]) == 1  # late duplicate feedback and generation fold away
+
+
+@pytest.fixture
+def early(tmp_path):
+    store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
+    cfg = IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1, emit_after_signal_s=1)
+    yield IngestStage(cfg, T, store, CollectorRegistry()), store
+    store.close()
+
+
+@pytest.mark.parametrize("feedback_first", [False, True])
+def test_early_emission_emits_a_second_after_the_signal_and_dead_letters_a_later_one(early, feedback_first):
+    g = rec(T.generations, "g", encode(gen("g", 100)), 0)
+    f = rec(T.feedback, "g", encode(fb("f1", "accept", 101, user="r1")), 0)
+    run(early, [f, g] if feedback_first else [g, f], now=101)
+    run(early, [], now=101.5)
+    assert outputs(early[1]) == ([], [])  # signals arriving within the second still fold in
+    run(early, [rec(T.feedback, "g", encode(fb("f2", "reject", 101.4, user="r1")), 1)], now=101.6)
+    run(early, [], now=102.1)
+    eps, dls = outputs(early[1])
+    assert [(e.signal, e.feedback_ids, e.conflicted) for e in eps] == [("reject", ("f1", "f2"), True)]
+    run(early, [rec(T.feedback, "g", encode(fb("f3", "accept", 103)), 2)], now=103)
+    eps, dls = outputs(early[1])
+    assert len(eps) == 1 and [d.reason for d in dls] == ["late_feedback"]  # the changed mind, kept for audit
+
+
+def test_early_emission_waits_out_the_window_without_a_decisive_signal(early):
+    run(early, [rec(T.generations, "g", encode(gen("g", 100)), 0),
+                rec(T.feedback, "g", encode(fb("f1", "ignore", 101)), 0)], now=101)
+    run(early, [], now=105)
+    assert outputs(early[1]) == ([], [])
+    run(early, [], now=111.5)
+    assert [(e.signal, e.timed_out) for e in outputs(early[1])[0]] == [("ignore", False)]
 
 
 def test_stage_metrics_count_episodes_by_signal_and_what_waits_in_the_window(tmp_path):

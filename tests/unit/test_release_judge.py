@@ -26,6 +26,7 @@ from release.judge import (
 from release.sequential import PairCount, log_e_better
 
 POLICY = CanaryPolicy()  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
+EXACT = replace(POLICY, guardrail_z=0.0)  # guardrails on point estimates: their limits, exactly
 ARM = ArmStats(outcomes=200, accepts=60, rejects=100, requests=400, errors=4, latency_ms_p95=1000.0,
                completion_tokens_mean=100.0, flagged=2, rewards=200)
 QUIET = PairCount(pairs=200, wins=20, losses=20)  # no evidence either way
@@ -118,7 +119,7 @@ GUARDRAILS = [
 @pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
                          ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
 def test_a_breached_guardrail_fails_naming_it(name, past, inside):
-    v = judge_canary(canary(**past), POLICY)
+    v = judge_canary(canary(**past), EXACT)
     assert v.outcome == Outcome.FAIL
     assert len(v.reasons) == 1 and v.reasons[0].startswith(name + ":"), v.reasons
 
@@ -126,7 +127,21 @@ def test_a_breached_guardrail_fails_naming_it(name, past, inside):
 @pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
                          ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
 def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
-    assert judge_canary(canary(**inside), POLICY).outcome == Outcome.RUNNING
+    assert judge_canary(canary(**inside), EXACT).outcome == Outcome.RUNNING
+
+
+@pytest.mark.parametrize("requests, rejects, stable_rejects, breached", [
+    (25, 19, 15, False),  # 0.76 against 0.60 over 25 answers each: noise (seen rolling back a good canary)
+    (25, 25, 10, True),  # every answer rejected against 40%: far past noise
+    (400, 310, 240, False),  # +0.175 over 400 each: 0.025 past the allowance, well within noise
+    (400, 360, 240, True),  # +0.30 over 400 each: 0.15 past it, five standard errors
+])
+def test_a_rate_guardrail_breaches_only_beyond_sampling_noise(requests, rejects, stable_rejects, breached):
+    stable = replace(ARM, requests=requests, rejects=stable_rejects, outcomes=requests, accepts=0)
+    m = replace(BASE, stable=stable, canary=replace(stable, rejects=rejects))
+    few = replace(POLICY, min_events=20)
+    assert (judge_canary(m, few).outcome == Outcome.FAIL) is breached
+    assert judge_canary(m, replace(few, guardrail_z=0.0)).outcome == Outcome.FAIL  # every point estimate is past it
 
 
 def test_an_ignored_answer_is_no_reject():

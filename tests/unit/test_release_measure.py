@@ -53,6 +53,15 @@ def test_a_repeated_record_counts_once():
     assert (arm.requests, len(arm.outcomes), arm.rewards, arm.flagged) == (1, 1, 1, 1)
 
 
+def test_only_flags_about_the_answer_count_against_a_version():
+    # an abusive user the hash put on the canary's side is no sign of a worse model
+    t = tally()
+    flags = [["constant_user"], ["user_cap", "rate_anomaly"], ["long"], ["repetition", "constant_user"], []]
+    for i, f in enumerate(flags):
+        t.add_reward({"generation_id": f"g{i}", "model_version": 7, "flags": f, "generated_at": T0 + 1})
+    assert (t.arms["canary"].rewards, t.arms["canary"].flagged) == (5, 2)
+
+
 def test_rewards_of_generations_from_before_the_start_do_not_count():
     t = tally()
     t.add_reward({"generation_id": "g", "model_version": 0, "flags": ["x"], "generated_at": T0 - 5})

@@ -133,3 +133,16 @@ def test_a_started_partition_keeps_its_start_as_floor():
     assert book.floors[("t", 1)] == 11
     book.start("t", 1, 20)  # a floor is never moved by a later start
     assert book.floors[("t", 1)] == 11
+
+
+@pytest.mark.parametrize("steps, since, now, due", [
+    (0, None, 1000.0, False),  # nothing trained or dropped: never due, however long it idled
+    (3, 100.0, 105.0, False),
+    (3, 100.0, 110.0, True),  # every_s after the first entry
+    (4, 109.0, 110.0, True),  # every_steps reached
+    (0, 100.0, 110.0, True),  # only drops: they are recorded too, on the same clock
+])
+def test_publish_due_counts_from_the_first_unpublished_entry(steps, since, now, due):
+    from trainer.loop import Ledger, publish_due
+
+    assert publish_due(Ledger(steps=steps, since=since), now, every_steps=4, every_s=10.0) is due

@@ -1,0 +1,236 @@
+"""``flywheel bench``: every performance claim of the project, measured in one run, as one table.
+
+    flywheel bench                     # every row at full size (about 25 minutes on 2 cores)
+    flywheel bench --quick             # every row at smoke size: proves each runs, numbers are not judged
+    flywheel bench --only delta,ingest --json results.json
+    flywheel bench --demo-report data/demo/report/summary.json   # the loop rows from a finished demo
+
+Each row is a measurement and the baseline it is compared with, taken side by side in the same
+run (the same process where the script allows), with its goal and whether it was met. The rows
+come from the scripts in bench/, each run as its own process with ``--json``; this module only
+runs them, reads their JSON and judges the goals. Goals are targets: a row that misses its goal
+is reported, not fatal (the exit status is 0 unless a script failed).
+
+The loop rows (time-to-double, feedback-to-checkpoint, checkpoint-to-canary) come from a
+``flywheel demo`` run (``--demo-report`` reuses one; otherwise this runs it, ~6 minutes) against
+``bench/bare_loop.py``, the same preference learned by a bare in-process loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+
+
+@dataclass
+class Row:
+    name: str
+    value: float | None
+    baseline: float | None
+    unit: str
+    #: "<= x" or ">= x" on ``ratio`` when there is a baseline, else on ``value``
+    goal: str
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.value is None or not self.baseline:
+            return None
+        return self.value / self.baseline
+
+    @property
+    def met(self) -> bool | None:
+        x = self.ratio if self.baseline is not None else self.value
+        if x is None:
+            return None
+        op, bound = self.goal.split()
+        return x <= float(bound) if op == "<=" else x >= float(bound)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "ratio": self.ratio, "met": self.met}
+
+
+@dataclass(frozen=True)
+class Job:
+    """One bench script: its arguments at full and at smoke size, and the rows read from its JSON."""
+
+    key: str
+    script: str
+    full: tuple[str, ...]
+    quick: tuple[str, ...]
+    rows: Callable[[dict[str, Any]], list[Row]]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def _delta_rows(d: dict[str, Any]) -> list[Row]:
+    lr, r = next(iter(d["lrs"].items()))
+    return [Row("delta bytes vs full weights", r["ours"], r["full"], "bytes", "<= 0.35",
+                f"bf16 version after one AdamW step at lr {lr}, {d['params'] / 1e6:.1f}M parameters"),
+            Row("delta apply time vs full load", r["t_inplace"], r["t_load"], "s", "<= 1.0",
+                "apply a delta in place vs read + hash the full weights (warm page cache)")]
+
+
+def _ingest_rows(d: dict[str, Any]) -> list[Row]:
+    block = next(iter(d["clients"].values()))
+    rate = {row["path"].split(" [")[0]: row["records_per_s"] for row in block}
+    raw_in = next(v for k, v in rate.items() if k.startswith("raw consume (generations"))
+    raw_ep = next(v for k, v in rate.items() if k.startswith("raw consume (episodes"))
+    return [Row("ingest records/s vs raw consume", rate["ingest: join -> episodes"], raw_in, "records/s", ">= 0.5",
+                f"{d['pairs']} generations + feedback, exactly once, join, archive"),
+            Row("reward records/s vs raw consume", rate["reward: label -> rewards"], raw_ep, "records/s", ">= 0.5",
+                "episodes in, rewards out, exactly once, guards, archive")]
+
+
+def _serving_rows(d: dict[str, Any]) -> list[Row]:
+    return [Row("API serving vs raw vLLM", d["api_tokens_per_s"], d["offline_tokens_per_s"], "tokens/s", ">= 0.7",
+                "HTTP API with every generation recorded to Kafka, vs vllm.LLM.generate offline")]
+
+
+def _swap_rows(d: dict[str, Any]) -> list[Row]:
+    phases = {p["phase"]: p for p in d["phases"]}
+    in_place, two = phases["swaps, in place"], phases["two versions"]
+    loads = sorted(a["load"] for a in d["releases"])
+    answering = sorted(a["answering"] for a in d["releases"])
+    return [Row("weight swap: p95 latency while swapping in place", in_place["p95_s"], two["p95_s"], "s", "<= 1.5",
+                "requests paused under a reload, against the same two versions with no swap"),
+            Row("weight swap: engine reload (pause), median", loads[len(loads) // 2] if loads else None, None, "s",
+                "<= 0.5", "pause(keep) + reload + resume of one engine, all engines of a release"),
+            Row("release record to new version answering, p95", _p95(answering), None, "s", "<= 5",
+                "fetch, rebuild, verify, load and the first answer")]
+
+
+def _p95(xs: list[float]) -> float | None:
+    return xs[max(0, -(-95 * len(xs) // 100) - 1)] if xs else None
+
+
+def _first_row(name: str, goal: str) -> Callable[[dict[str, Any]], list[Row]]:
+    def rows(d: dict[str, Any]) -> list[Row]:
+        r = d["rows"][0]
+        return [Row(name, r["value"], r.get("baseline"), r.get("unit", ""), goal, r.get("note", ""))]
+    return rows
+
+
+JOBS: tuple[Job, ...] = (
+    Job("delta", "delta_compression.py", ("--versions", "3", "--lrs", "1e-5"), ("--versions", "1", "--lrs", "1e-5"),
+        _delta_rows),
+    Job("ingest", "ingest_throughput.py", ("--clients", "confluent"),
+        ("--clients", "confluent", "--pairs", "500", "--repeat", "1"), _ingest_rows),
+    Job("pipeline", "pipelined_trainer.py", (), ("--quick",), _first_row("pipelined vs synchronous trainer", ">= 1.0")),
+    Job("serving", "serving_throughput.py", (), ("--prompts", "32", "--rounds", "1"), _serving_rows),
+    Job("swap", "weight_swap.py", (), ("--seconds", "3", "--versions", "3"), _swap_rows),
+    Job("gap", "logprob_gap.py", (), ("--quick",), _first_row("trainer vs vLLM logprob gap per token", "<= 0.01")),
+    Job("bare", "bare_loop.py", (), ("--quick",), lambda d: [Row("bare loop", d["rows"][0]["value"], None, "s", "<= 60",
+                                                                 d["rows"][0]["note"])]),
+)
+
+
+def loop_rows(summary: dict[str, Any], bare_s: float | None) -> list[Row]:
+    """The rows a ``flywheel demo`` report answers (local/report.py's summary)."""
+    lat = summary["latency"]
+    doubled = summary["accept_rate"]["doubled_after_s"]
+    return [
+        Row("full loop time-to-double vs bare in-process loop", doubled, bare_s, "s", "<= 180",
+            f"accept rate {summary['accept_rate']['start']:.2f} at the start; the goal is on the loop's seconds"
+            if summary["accept_rate"]["start"] is not None else "no start rate"),
+        Row("feedback to checkpoint, p50", lat["feedback_to_checkpoint_s"]["p50"], None, "s", "<= 60", ""),
+        Row("feedback to checkpoint, p95", lat["feedback_to_checkpoint_s"]["p95"], None, "s", "<= 90", ""),
+        Row("checkpoint to canary, p50", lat["checkpoint_to_canary_s"]["p50"], None, "s", "<= 15", ""),
+        Row("checkpoint to canary, p95", lat["checkpoint_to_canary_s"]["p95"], None, "s", "<= 30",
+            f"{lat['checkpoint_to_canary_s']['n']} versions canaried"),
+    ]
+
+
+def run_job(job: Job, quick: bool, out: Path, timeout_s: float) -> tuple[list[Row], str | None]:
+    """Run one script; its rows, or the reason it gave none."""
+    cmd = [sys.executable, str(BENCH / job.script), *(job.quick if quick else job.full), "--json", str(out)]
+    t0 = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **dict(job.env)}, check=False)
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout_s:.0f} s"
+    print(f"  {job.script}: {time.monotonic() - t0:.0f} s, exit {done.returncode}", flush=True)
+    if done.returncode != 0 or not out.exists():
+        return [], f"exit {done.returncode}: {(done.stderr or done.stdout)[-800:]}"
+    return job.rows(json.loads(out.read_text())), None
+
+
+def run_demo(quick: bool, data_dir: Path) -> dict[str, Any] | None:
+    args = ["--duration", "45", "--seed", "1"] if quick else []
+    env = {k: v for k, v in os.environ.items() if k != "FLYWHEEL_CONFIG"}
+    env["FLYWHEEL_DATA_DIR"] = str(data_dir)
+    if quick:
+        env["FLYWHEEL_TRAINER_PUBLISH_EVERY_STEPS"] = "4"  # a version within seconds of traffic
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "cli", "demo", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
+    print(f"  flywheel demo: {time.monotonic() - t0:.0f} s, exit {done.returncode}", flush=True)
+    path = data_dir / "demo" / "report" / "summary.json"
+    return json.loads(path.read_text()) if done.returncode == 0 and path.exists() else None
+
+
+def print_table(rows: list[Row]) -> None:
+    def f(x: float | None) -> str:
+        return "-" if x is None else (f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}")
+
+    print(f"\n{'row':<52}{'measured':>12}{'baseline':>12}{'ratio':>8}  {'goal':<9}{'met':<5}unit")
+    for r in rows:
+        met = {True: "yes", False: "NO", None: "-"}[r.met]
+        print(f"{r.name:<52}{f(r.value):>12}{f(r.baseline):>12}{f(r.ratio):>8}  {r.goal:<9}{met:<5}{r.unit}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="flywheel bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="every row at smoke size (for CI): numbers are not judged")
+    ap.add_argument("--only", default="", help=f"comma-separated jobs of {[j.key for j in JOBS] + ['loop']}")
+    ap.add_argument("--json", type=Path, default=None, help="also write every row here")
+    ap.add_argument("--demo-report", type=Path, default=None, help="summary.json of a finished flywheel demo")
+    ap.add_argument("--timeout", type=float, default=1800, help="longest a single script may run, s")
+    args = ap.parse_args(argv)
+    only = {k for k in args.only.split(",") if k}
+    rows: list[Row] = []
+    failed: dict[str, str] = {}
+    bare_s = None
+    with tempfile.TemporaryDirectory(prefix="flywheel-bench-") as tmp:
+        for job in JOBS:
+            if only and job.key not in only and not (job.key == "bare" and "loop" in only):
+                continue
+            got, why = run_job(job, args.quick, Path(tmp) / f"{job.key}.json", args.timeout)
+            if why:
+                failed[job.key] = why
+            if job.key == "bare":
+                bare_s = got[0].value if got else None
+            else:
+                rows += got
+        if not only or "loop" in only:
+            summary = (json.loads(args.demo_report.read_text()) if args.demo_report
+                       else run_demo(args.quick, Path(tmp) / "demo-data"))
+            if summary is None:
+                failed["loop"] = "flywheel demo wrote no report"
+            else:
+                rows += loop_rows(summary, bare_s)
+    print_table(rows)
+    if args.quick:
+        print("\n--quick: smoke sizes; the numbers prove each row runs and are not judged")
+    for key, why in failed.items():
+        print(f"\nFAILED {key}: {why}")
+    if args.json:
+        args.json.write_text(json.dumps({"quick": args.quick, "rows": [r.to_json() for r in rows],
+                                         "failed": failed}, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

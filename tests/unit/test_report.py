@@ -1,0 +1,152 @@
+"""The run report's numbers (local/report.py): accept-rate windows, doubling, decisions, latencies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from local.report import (
+    MIN_JUDGED,
+    Version,
+    accept_windows,
+    decisions,
+    doubling,
+    latencies,
+    live_times,
+    per_version,
+    read_versions,
+    start_rate,
+    summarise,
+    write_html,
+    write_png,
+)
+
+T0 = 1000.0
+
+
+def row(at: float, signal: str | None, version: int = 0, *, cohort: str = "vowels", gid: str | None = None,
+        feedback_at: float | None = None, text: str | None = None, status: int = 200, latency: float = 0.1) -> dict:
+    return {"at": T0 + at, "signal": signal, "version": version, "cohort": cohort, "generation_id": gid,
+            "feedback_at": feedback_at, "text": text if text is not None else f"answer {at}", "status": status,
+            "latency_s": latency}
+
+
+def judged(start: float, n: int, accepts: int, version: int = 0, spacing: float = 1.0) -> list[dict]:
+    """``n`` judgements spread over ``spacing`` seconds, ``accepts`` of them accepts, spread evenly."""
+    return [row(start + i * spacing / n, "accept" if (i + 1) * accepts // n > i * accepts // n else "reject", version)
+            for i in range(n)]
+
+
+def test_windows_rate_only_with_enough_judgements_and_leave_out_the_abuser():
+    rows = judged(0, MIN_JUDGED, 5, spacing=20) + [row(1, "accept", cohort="abuser")] * 50
+    rows += [row(2, None)] * 5  # answers without feedback are no judgement
+    w = accept_windows(rows, T0, T0 + 35, window_s=30, step_s=5)
+    assert [t for t, _, _ in w] == [30, 35]
+    assert w[0] == (30, 5 / MIN_JUDGED, MIN_JUDGED)
+    assert w[1][1] is None  # the window 5..35 holds 15 of them: too few to rate
+
+
+@pytest.mark.parametrize("rates, start, doubled", [
+    ([0.25, 0.3, 0.49, 0.5, 0.6], 0.25, 20.0),
+    ([0.25, 0.3, 0.4], 0.25, None),
+    ([None, 0.2, None, 0.45], 0.2, 20.0),
+    ([None, None], 0.2, None),
+    ([0.0, 0.5], 0.0, None),  # twice nothing is no doubling
+    ([0.3, 0.5], None, None),
+])
+def test_doubling(rates, start, doubled):
+    windows = [(5.0 * (i + 1), r, 0) for i, r in enumerate(rates)]
+    assert doubling(windows, start) == doubled
+
+
+def test_the_start_is_every_judgement_before_the_first_trained_version_went_live():
+    rows = judged(0, 40, 20, spacing=10) + judged(10, 60, 12, spacing=50)  # 0.5 early, 0.2 until +60
+    windows = accept_windows(rows, T0, T0 + 60)
+    assert start_rate(rows, T0, T0 + 60, windows) == pytest.approx(32 / 100)
+    # live within the first window: too little before it, so the first window is the start
+    assert start_rate(rows, T0, T0 + 20, windows) == windows[0][1]
+    assert start_rate(rows, T0, None, windows) == windows[0][1]
+
+
+AUDIT = [
+    {"at": T0 + 1, "version": 1, "from_state": None, "to_state": "candidate", "actor": "controller", "reason": "x"},
+    {"at": T0 + 2, "version": 1, "from_state": "candidate", "to_state": "gating", "actor": "controller", "reason": "g"},
+    {"at": T0 + 5, "version": 1, "from_state": "gating", "to_state": "canary", "actor": "controller", "reason": "c"},
+    {"at": T0 + 40, "version": 1, "from_state": "canary", "to_state": "promoted", "actor": "controller (auto-promote)",
+     "reason": "passed"},
+    {"at": T0 + 41, "version": 2, "from_state": "candidate", "to_state": "superseded", "actor": "controller",
+     "reason": "newer"},
+    {"at": T0 + 50, "version": 3, "from_state": "gating", "to_state": "canary", "actor": "controller", "reason": "c"},
+    {"at": T0 + 70, "version": 3, "from_state": "canary", "to_state": "rolled_back", "actor": "controller",
+     "reason": "fail"},
+]
+
+
+def test_decisions_keep_what_changed_for_users_in_time_order():
+    assert [(d["version"], d["to"]) for d in decisions(list(reversed(AUDIT)))] == [
+        (1, "canary"), (1, "promoted"), (3, "canary"), (3, "rolled_back")]
+    assert live_times(AUDIT) == {1: T0 + 5, 3: T0 + 50}
+
+
+def test_latencies_follow_a_judgement_to_the_first_live_version_that_holds_it():
+    versions = {0: Version(0, T0 - 100, 0, 0), 1: Version(1, T0 + 3, 16, 16, frozenset({"a"})),
+                2: Version(2, T0 + 30, 32, 16, frozenset({"b"})), 3: Version(3, T0 + 45, 48, 16, frozenset({"c"}))}
+    rows = [row(0, "accept", gid="a", feedback_at=T0 + 1), row(10, "reject", gid="b", feedback_at=T0 + 12),
+            row(20, "accept", gid="c", feedback_at=T0 + 22), row(21, "accept", gid="nowhere", feedback_at=T0 + 23)]
+    lat = latencies(rows, versions, live_times(AUDIT))
+    assert lat["feedback_to_checkpoint_s"] == {"n": 3, "p50": 18.0, "p95": 23.0}
+    # a: v1 went live at +5 (4 s); b: v2 never did, v3 (which holds it too) at +50 (38 s); c: v3 (28 s)
+    assert lat["feedback_to_canary_s"] == {"n": 3, "p50": 28.0, "p95": 38.0}
+    assert lat["checkpoint_to_canary_s"] == {"n": 2, "p50": 2.0, "p95": 5.0}
+
+
+def test_per_version_counts_distinct_answers_and_latency():
+    rows = [row(0, "accept", 0, text="x", latency=0.1), row(1, "reject", 0, text="x", latency=0.3),
+            row(2, "accept", 1, text="y"), row(3, None, 1, text="z"), row(4, None, None, status=429)]
+    out = per_version(rows)
+    assert out[0] == {"requests": 2, "judged": 2, "accept_rate": 0.5, "latency_p50_s": 0.1, "latency_p95_s": 0.3,
+                      "distinct": 0.5}
+    assert out[1]["accept_rate"] == 1.0 and out[1]["judged"] == 1 and out[1]["distinct"] == 1.0
+
+
+def _run_rows() -> list[dict]:
+    """0.25 accepted for the first minute (v0), then 0.6 (v1, canaried at +5 and promoted at +40)."""
+    return judged(0, 60, 15, spacing=60) + judged(60, 60, 36, version=1, spacing=60)
+
+
+def test_summary_states_each_goal():
+    versions = {1: Version(1, T0 + 3, 16, 16, frozenset(), {"entropy": 6.0}),
+                2: Version(2, T0 + 30, 32, 16, frozenset(), {"entropy": 3.5})}
+    s = summarise(_run_rows(), AUDIT, versions, T0, T0 + 120, {"promotion": "auto"})
+    assert s["accept_rate"]["start"] == pytest.approx(0.25, abs=0.02) and s["accept_rate"]["doubled_after_s"]
+    assert s["promoted"] == [1] and s["canaried"] == [1, 3]
+    assert s["goals"] == {"accept_rate_doubled_within_180s": True, "a_version_canaried_and_promoted": True,
+                          "entropy_above_half_its_start": True, "completions_distinct": True}
+    collapsed = {**versions, 3: Version(3, T0 + 45, 48, 16, frozenset(), {"entropy": 2.9})}
+    s = summarise(_run_rows(), AUDIT[:3], collapsed, T0, T0 + 120)
+    assert not s["goals"]["entropy_above_half_its_start"]
+    assert not s["goals"]["a_version_canaried_and_promoted"]  # canaried, never promoted
+
+
+def test_versions_are_read_from_a_checkpoint_store(tmp_path):
+    for v in (0, 1):
+        d = tmp_path / f"v{v:08d}"
+        d.mkdir()
+        (d / "flywheel-manifest.json").write_text(json.dumps(
+            {"version": v, "created_at": T0 + v, "step": 4 * v, "samples": 16 * v, "metrics": {"entropy": 6.0}}))
+        (d / "ledger.json").write_text(json.dumps({"trained": [f"g{v}"], "dropped": {}, "steps": 4 * v}))
+    (tmp_path / "v00000002").mkdir()  # being written as the run stopped: no manifest yet
+    out = read_versions(tmp_path)
+    assert sorted(out) == [0, 1] and out[1].trained == frozenset({"g1"}) and out[1].samples == 16
+
+
+def test_report_files_are_written_and_the_page_escapes_what_it_shows(tmp_path):
+    audit = AUDIT + [{"at": T0 + 80, "version": 4, "from_state": "gating", "to_state": "rejected",
+                      "actor": "controller", "reason": "<script>alert(1)</script>"}]
+    s = summarise(_run_rows(), audit, {}, T0, T0 + 120)
+    png = write_png(s, _run_rows(), tmp_path / "r" / "plot.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    page = write_html(s, png, tmp_path / "r" / "report.html").read_text()
+    assert "<script>" not in page and "&lt;script&gt;" in page
+    assert "data:image/png;base64," in page and "v1" in page
