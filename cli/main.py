@@ -291,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--duration", type=float, default=240, help="seconds of simulated traffic (default 240)")
     d.add_argument("--rate", type=float, default=6.0, help="requests per second (default 6)")
-    d.add_argument("--users", type=int, default=40, help="simulated users (default 40)")
+    d.add_argument("--users", type=int, default=200, help="simulated users (default 200: with few, the hash that splits users between canary and stable leaves the arms' tastes unequal)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     d.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")

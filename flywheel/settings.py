@@ -199,7 +199,8 @@ class TrainerSettings(_Section):
     publish_every_steps: int = Field(default=10, ge=1)
     """Publish a version after this many optimizer steps ..."""
     publish_every_s: float = Field(default=60.0, gt=0)
-    """... or after this many seconds with at least one step, whichever comes first."""
+    """... or this many seconds after the first step (or declared drop) since the last version,
+    whichever comes first: an idle spell before it does not count."""
     full_every: int = Field(default=10, ge=1)
     """Every K-th version is a full snapshot; the others carry a delta against their parent."""
     keep_full: int = Field(default=3, ge=1)
@@ -431,6 +432,10 @@ class ReleaseSettings(_Section):
     users at the price of false alarms above ``alpha`` when users' tastes differ."""
     deadline_s: float = Field(default=3600.0, gt=0)
     """A canary with no verdict by then is held for a person (Inconclusive)."""
+    on_inconclusive: Literal["hold", "rollback"] = "hold"
+    """A canary with no verdict by ``deadline_s``: ``hold`` it for a person (it keeps its share,
+    and newer candidates wait), or ``rollback`` so the newest candidate, which holds all training
+    since, gets its turn: for auto-promote deployments that no person watches."""
     error_limit: int = Field(default=3, ge=1)
     """Failed measurements or gates before the candidate is rolled back (never promoted)."""
     max_error_rate_increase: float = Field(default=0.02, ge=0)

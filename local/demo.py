@@ -63,7 +63,7 @@ def ensure_model(model_dir: Path) -> Path:
 
 def run(settings: Settings, args: Any) -> int:
     from local.broker import free_port
-    from local.report import read_versions, summarise, write_html, write_png
+    from local.report import read_stage_times, read_versions, summarise, write_html, write_png
     from local.simulate import Config, Simulator
     from local.up import STAGES
 
@@ -110,7 +110,7 @@ def run(settings: Settings, args: Any) -> int:
     (root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     versions = read_versions(root / "checkpoints")
     policy = _policy(demo)
-    summary = summarise(rows, audit, versions, started, ended, policy)
+    summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"))
     report = root / "report"
     report.mkdir(exist_ok=True)
     (report / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -12,11 +12,13 @@ The numbers come from three records a run leaves, all read after the fact:
 :func:`summarise` is pure (table-tested in tests/unit/test_report.py); :func:`write_png` and
 :func:`write_html` render its result.
 
-**Feedback to canary.** A judged answer's generation id is in the ledger of exactly one version,
+**Feedback to canary**, and each stage's share of it. A judged answer's generation id is in the ledger of exactly one version,
 the one trained on it. Its feedback reached users as a better model when the first version at or
 after that one went live as a canary (or was promoted). ``feedback_to_checkpoint`` ends when that
 ledger's version was published; ``checkpoint_to_canary`` runs from a version's publication to its
-canary start, for every version canaried.
+canary start, for every version canaried. The stages' Parquet archives (episodes, rewards) split
+feedback-to-checkpoint into ingest (feedback sent to its episode emitted), reward (episode to
+reward) and trainer (reward to the version holding it published: batching, steps, publishing).
 """
 
 from __future__ import annotations
@@ -142,21 +144,48 @@ def _spread(xs: list[float]) -> dict[str, Any]:
     return {"n": len(xs), "p50": _pct(xs, 0.5), "p95": _pct(xs, 0.95)}
 
 
-def latencies(rows: list[dict[str, Any]], versions: dict[int, Version], live: dict[int, float]) -> dict[str, Any]:
-    """Feedback to checkpoint, checkpoint to canary and feedback to canary (seconds; module docstring)."""
+def read_stage_times(archive: Path) -> dict[str, tuple[float, float]]:
+    """generation id -> (episode resolved by ingest, reward labeled), from the stages' Parquet
+    archives (empty when there are none)."""
+    import pandas as pd
+
+    try:
+        eps = pd.read_parquet(archive / "episodes", columns=["generation_id", "resolved_at"])
+        rws = pd.read_parquet(archive / "rewards", columns=["generation_id", "labeled_at"])
+    except (OSError, ValueError):
+        return {}
+    both = eps.drop_duplicates("generation_id").merge(rws.drop_duplicates("generation_id"), on="generation_id")
+    return {g: (float(a), float(b)) for g, a, b in both.itertuples(index=False)}
+
+
+def latencies(rows: list[dict[str, Any]], versions: dict[int, Version], live: dict[int, float],
+              stage_times: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+    """Feedback to checkpoint, checkpoint to canary and feedback to canary (seconds; module
+    docstring); with the archives' times, feedback to checkpoint split by stage: ingest (feedback
+    sent to episode emitted), reward (to reward labeled), trainer (to the version holding it
+    published)."""
     owner = {gid: v.version for v in versions.values() for gid in v.trained}
-    to_ckpt, to_live = [], []
+    to_ckpt, to_live, ingest, reward, trainer = [], [], [], [], []
     for r in rows:
-        v = owner.get(r.get("generation_id") or "")
+        gid = r.get("generation_id") or ""
+        v = owner.get(gid)
         if v is None or r.get("feedback_at") is None:
             continue
         to_ckpt.append(versions[v].created_at - r["feedback_at"])
         after = [t for lv, t in live.items() if lv >= v and t >= versions[v].created_at]
         if after:
             to_live.append(min(after) - r["feedback_at"])
+        if stage_times and gid in stage_times:
+            resolved, labeled = stage_times[gid]
+            ingest.append(resolved - r["feedback_at"])
+            reward.append(labeled - resolved)
+            trainer.append(versions[v].created_at - labeled)
     ckpt_to_live = [t - versions[v].created_at for v, t in live.items() if v in versions and v > 0]
-    return {"feedback_to_checkpoint_s": _spread(to_ckpt), "checkpoint_to_canary_s": _spread(ckpt_to_live),
-            "feedback_to_canary_s": _spread(to_live)}
+    out = {"feedback_to_checkpoint_s": _spread(to_ckpt), "checkpoint_to_canary_s": _spread(ckpt_to_live),
+           "feedback_to_canary_s": _spread(to_live)}
+    if stage_times:
+        out |= {"ingest_s": _spread(ingest), "reward_s": _spread(reward), "trainer_s": _spread(trainer)}
+    return out
 
 
 def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -174,7 +203,8 @@ def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
 
 
 def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions: dict[int, Version],
-              started_at: float, ended_at: float, policy: dict[str, Any] | None = None) -> dict[str, Any]:
+              started_at: float, ended_at: float, policy: dict[str, Any] | None = None,
+              stage_times: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """Everything the report shows, and each goal with whether it was met."""
     windows = accept_windows(rows, started_at, ended_at)
     live = live_times(audit)
@@ -206,7 +236,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
         "canaried": sorted(v for v in live if v > 0),
         "promoted": [d["version"] for d in promoted],
         "decisions": decided,
-        "latency": latencies(rows, versions, live),
+        "latency": latencies(rows, versions, live, stage_times),
         "entropy": {"start": entropy_start, "min": entropy_min,
                     "by_version": {v.version: v.metrics["entropy"] for v in trained}},
         "distinct": distinct,

@@ -223,6 +223,9 @@ class Controller:
             return  # awaiting a person: only a failure acts on its own
         elif verdict.outcome == Outcome.PASS:
             self._passed(cand, why, evidence)
+        elif verdict.outcome == Outcome.INCONCLUSIVE and self.cfg.on_inconclusive == "rollback":
+            actions.rollback(self.store, ACTOR, f"no verdict by the deadline, rolled back so a newer version gets its "
+                                                f"turn (release.on_inconclusive=rollback): {why}", evidence, cand.version)
         elif verdict.outcome == Outcome.INCONCLUSIVE:
             self.store.transition(cand.version, State.HELD, ACTOR, f"held for a person: {why}", evidence)
 

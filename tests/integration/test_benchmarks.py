@@ -98,3 +98,26 @@ def test_weight_swap_prints_every_phase_and_the_release_phases(tmp_path):
     assert result["releases"] and all(set(r) >= {"answering", "fetch", "rebuild", "verify", "load"}
                                       for r in result["releases"])
     assert result["rss_gib"][1] > result["rss_gib"][0] > 0
+
+
+@pytest.mark.slow  # every bench script at smoke size, and a short demo: about 10 minutes on 2 cores
+def test_flywheel_bench_quick_runs_every_row(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env["FLYWHEEL_MODEL_DIR"] = str(tmp_path / "model")
+    out = subprocess.run([sys.executable, "-m", "cli", "bench", "--quick", "--json", str(tmp_path / "bench.json")],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=2400, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    import json
+
+    got = json.loads((tmp_path / "bench.json").read_text())
+    names = {r["name"] for r in got["rows"]}
+    for expected in ("delta bytes vs full weights", "ingest records/s vs raw consume", "reward records/s vs raw consume",
+                     "pipelined vs synchronous trainer", "API serving vs raw vLLM",
+                     "full loop time-to-double vs bare in-process loop", "feedback to checkpoint, p95",
+                     "checkpoint to canary, p95", "trainer vs vLLM logprob gap per token",
+                     "weight swap: p95 latency while swapping in place"):
+        assert expected in names, names
+    measured = {r["name"]: r["value"] for r in got["rows"]}
+    # a 45 s demo need not double the accept rate; every other row is measured
+    assert all(v is not None for k, v in measured.items() if not k.startswith("full loop")), measured
+    assert "full loop time-to-double" in out.stdout and not got["failed"]

@@ -280,6 +280,21 @@ def test_a_version_whose_manifest_is_not_the_announced_one_is_never_canaried(run
     assert rs.latest_revision() is None  # no routing ever named it
 
 
+@pytest.mark.parametrize("policy, state", [("hold", State.HELD), ("rollback", State.ROLLED_BACK)])
+def test_a_canary_without_a_verdict_by_its_deadline_is_held_or_rolled_back_as_configured(
+        run_controller, kafka_settings, topics, trained, policy, state):
+    ctl, rs = run_controller(deadline_s=1.0, on_inconclusive=policy)
+    publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
+    tick_until(ctl, lambda: (c := rs.get(1)) is not None and c.state == State.CANARY, "v1 in canary")
+    time.sleep(1.0)  # nobody uses it: no verdict by the deadline
+    tick_until(ctl, lambda: rs.get(1).state == state, f"v1 {state.value}")
+    entry = next(e for e in rs.audit(1) if e.to_state == state.value)
+    assert entry.actor == "controller" and "no verdict after" in entry.reason
+    if policy == "rollback":
+        tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
+        assert (rs.latest_revision().stable_version, rs.latest_revision().canary_version) == (0, None)
+
+
 def test_an_auto_promote_policy_promotes_a_passing_canary_and_says_so(run_controller, kafka_settings, topics, trained):
     ctl, rs = run_controller(auto_promote=True)
     publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))

@@ -15,6 +15,7 @@ from local.report import (
     latencies,
     live_times,
     per_version,
+    read_stage_times,
     read_versions,
     start_rate,
     summarise,
@@ -99,6 +100,23 @@ def test_latencies_follow_a_judgement_to_the_first_live_version_that_holds_it():
     # a: v1 went live at +5 (4 s); b: v2 never did, v3 (which holds it too) at +50 (38 s); c: v3 (28 s)
     assert lat["feedback_to_canary_s"] == {"n": 3, "p50": 28.0, "p95": 38.0}
     assert lat["checkpoint_to_canary_s"] == {"n": 2, "p50": 2.0, "p95": 5.0}
+    assert "ingest_s" not in lat  # no archives, no split
+    split = latencies(rows, versions, live_times(AUDIT), {"a": (T0 + 2, T0 + 2.5), "c": (T0 + 23, T0 + 25)})
+    assert split["ingest_s"] == {"n": 2, "p50": 1.0, "p95": 1.0}
+    assert split["reward_s"] == {"n": 2, "p50": 0.5, "p95": 2.0}
+    assert split["trainer_s"] == {"n": 2, "p50": 0.5, "p95": 20.0}  # a: v1 at +3; c: v3 at +45
+
+
+def test_stage_times_are_read_from_the_archives(tmp_path):
+    import pandas as pd
+
+    (tmp_path / "episodes" / "hour=x").mkdir(parents=True)
+    (tmp_path / "rewards" / "hour=x").mkdir(parents=True)
+    pd.DataFrame({"generation_id": ["a", "b", "a"], "resolved_at": [1.0, 2.0, 1.0]}).to_parquet(
+        tmp_path / "episodes" / "hour=x" / "p.parquet")
+    pd.DataFrame({"generation_id": ["a"], "labeled_at": [1.5]}).to_parquet(tmp_path / "rewards" / "hour=x" / "p.parquet")
+    assert read_stage_times(tmp_path) == {"a": (1.0, 1.5)}  # b has no reward yet; a repeat counts once
+    assert read_stage_times(tmp_path / "missing") == {}
 
 
 def test_per_version_counts_distinct_answers_and_latency():

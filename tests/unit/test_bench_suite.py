@@ -1,0 +1,68 @@
+"""``flywheel bench``'s table (bench/suite.py): goals judged on ratios or values, rows read from
+each script's JSON, the loop rows from a demo report."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+
+SUITE = runpy.run_path(str(Path(__file__).resolve().parents[2] / "bench" / "suite.py"))
+Row = SUITE["Row"]
+
+
+@pytest.mark.parametrize("value, baseline, goal, ratio, met", [
+    (50.0, 100.0, ">= 0.5", 0.5, True),
+    (49.0, 100.0, ">= 0.5", 0.49, False),
+    (120.0, 100.0, "<= 1.5", 1.2, True),
+    (3.0, None, "<= 5", None, True),  # no baseline: the goal is on the value
+    (6.0, None, "<= 5", None, False),
+    (None, 10.0, ">= 1", None, None),  # not measured: neither met nor missed
+])
+def test_a_row_judges_its_goal(value, baseline, goal, ratio, met):
+    row = Row("r", value, baseline, "s", goal)
+    assert row.ratio == (pytest.approx(ratio) if ratio is not None else None)
+    assert row.met is met
+    assert row.to_json()["met"] is met
+
+
+def test_rows_are_read_from_each_scripts_json():
+    jobs = {j.key: j for j in SUITE["JOBS"]}
+    delta = jobs["delta"].rows({"params": 10.5e6, "lrs": {"1e-05": {
+        "full": 21_000_000, "ours": 4_200_000, "naive": 6_000_000, "unchanged": 0.8,
+        "t_ours": 0.05, "t_inplace": 0.02, "t_naive": 0.04, "t_load": 0.03}}})
+    assert [(r.name, r.ratio, r.met) for r in delta] == [
+        ("delta bytes vs full weights", pytest.approx(0.2), True),
+        ("delta apply time vs full load", pytest.approx(2 / 3), True)]
+    ingest = jobs["ingest"].rows({"pairs": 500, "clients": {"confluent": [
+        {"path": "raw consume (generations+feedback)", "records_per_s": 10_000.0, "records_per_cpu_s": 1.0},
+        {"path": "ingest: join -> episodes [confluent]", "records_per_s": 4_000.0, "records_per_cpu_s": 1.0},
+        {"path": "raw consume (episodes)", "records_per_s": 8_000.0, "records_per_cpu_s": 1.0},
+        {"path": "reward: label -> rewards [confluent]", "records_per_s": 6_000.0, "records_per_cpu_s": 1.0}]}})
+    assert [(r.ratio, r.met) for r in ingest] == [(0.4, False), (0.75, True)]
+    swap = jobs["swap"].rows({"phases": [{"phase": "two versions", "p95_s": 0.6},
+                                         {"phase": "swaps, in place", "p95_s": 0.75}],
+                              "releases": [{"load": 0.2, "answering": 0.5}, {"load": 0.3, "answering": 2.0}]})
+    assert [r.met for r in swap] == [True, True, True] and swap[0].ratio == pytest.approx(1.25)
+
+
+def test_the_loop_rows_come_from_a_demo_report():
+    spread = {"n": 3, "p50": 10.0, "p95": 20.0}
+    summary = {"accept_rate": {"start": 0.25, "doubled_after_s": 160.0},
+               "latency": {"feedback_to_checkpoint_s": spread, "checkpoint_to_canary_s": {"n": 3, "p50": 3.0, "p95": 6.0},
+                           "feedback_to_canary_s": spread}}
+    rows = SUITE["loop_rows"](summary, 4.0)
+    assert rows[0].name.startswith("full loop time-to-double") and rows[0].ratio == 40.0 and rows[0].met
+    summary["accept_rate"]["doubled_after_s"] = 200.0  # the goal is on the loop's seconds, not the ratio
+    assert SUITE["loop_rows"](summary, 400.0)[0].met is False
+    assert all(r.met for r in rows)
+    summary["accept_rate"]["doubled_after_s"] = None  # never doubled: not met, no ratio
+    assert SUITE["loop_rows"](summary, 4.0)[0].met is None
+
+
+def test_the_table_prints_every_row(capsys):
+    SUITE["print_table"]([Row("delta bytes vs full weights", 1.0, 4.0, "bytes", "<= 0.35"),
+                          Row("not measured", None, None, "s", "<= 1")])
+    out = capsys.readouterr().out
+    assert "delta bytes vs full weights" in out and "yes" in out and "not measured" in out
