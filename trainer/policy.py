@@ -49,6 +49,22 @@ def default_ds_config(batch_size: int, world_size: int) -> dict[str, Any]:
     }
 
 
+def without_aliases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each tensor under its first name only. Models that tie their output head to
+    their input embeddings (``tie_word_embeddings``: SmolLM2, Llama 3.2 1B) hold one tensor under
+    two names; safetensors refuses to save shared memory, and loaders (transformers, vLLM) tie the
+    head again from the config, as they do for a checkpoint ``save_pretrained`` wrote."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    out = {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, L]
@@ -242,8 +258,10 @@ class Policy:
         return out
 
     def publish_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The policy's parameters in the served dtype, contiguous on the CPU (safetensors-ready)."""
-        return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in self.module.state_dict().items()}
+        """The policy's parameters in the served dtype, contiguous on the CPU (safetensors-ready),
+        each stored tensor once (:func:`without_aliases`)."""
+        state = without_aliases(self.module.state_dict())
+        return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
 
     def save(self, directory: Path, client_state: dict[str, Any] | None = None) -> None:
         """DeepSpeed checkpoint (weights + optimizer state) under ``directory/ds``; all ranks call it."""

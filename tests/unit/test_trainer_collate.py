@@ -36,3 +36,19 @@ def test_a_batch_moves_every_tensor_to_the_training_device_and_keeps_its_groups(
     assert [n for n in tensors if getattr(moved, n).device.type != "meta"] == []
     assert [n for n in tensors if getattr(moved, n).shape != getattr(b, n).shape] == []
     assert moved.group_ids == ["g0", "g1", "g0"]
+
+
+def test_published_weights_hold_a_tied_tensor_once_and_save_as_safetensors(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from trainer.policy import without_aliases
+
+    emb = torch.nn.Parameter(torch.randn(8, 4))
+    other = torch.randn(4)
+    state = {"model.embed_tokens.weight": emb, "model.norm.weight": other, "lm_head.weight": emb,
+             "view.of.other": other[:2]}  # a view of another tensor's start is another tensor
+    kept = without_aliases(state)
+    assert list(kept) == ["model.embed_tokens.weight", "model.norm.weight", "view.of.other"]
+    save_file({k: v.detach().clone().contiguous() for k, v in kept.items()}, str(tmp_path / "m.safetensors"))
+    assert set(load_file(str(tmp_path / "m.safetensors"))) == set(kept)
