@@ -132,6 +132,11 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     return Verdict(Outcome.RUNNING, waiting or (stats,))
 
 
+#: Requests each arm needs before its p95 latency is compared: over fewer, two slow requests set it
+#: (a canary no slower than stable was rolled back on 45 requests, p95 500 ms against 318 ms).
+LATENCY_MIN_REQUESTS = 100
+
+
 def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tuple[str, ...]:
     """Every guardrail the canary breaches against stable, as reasons (empty: none).
 
@@ -141,7 +146,8 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tupl
     if _rate_breached(canary.errors, canary.requests, stable.errors, stable.requests, policy.max_error_rate_increase, z):
         out.append(f"guardrail error rate: {canary.error_rate:.3f} against {stable.error_rate:.3f} "
                    f"(at most +{policy.max_error_rate_increase})")
-    if stable.latency_ms_p95 > 0 and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
+    latency_judged = min(stable.requests, canary.requests) >= LATENCY_MIN_REQUESTS and stable.latency_ms_p95 > 0
+    if latency_judged and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
         out.append(f"guardrail latency: p95 {canary.latency_ms_p95:.0f} ms against {stable.latency_ms_p95:.0f} ms "
                    f"(at most x{policy.max_latency_ratio})")
     lo, hi = 1 / policy.max_length_ratio, policy.max_length_ratio

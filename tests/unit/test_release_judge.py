@@ -144,6 +144,17 @@ def test_a_rate_guardrail_breaches_only_beyond_sampling_noise(requests, rejects,
     assert judge_canary(m, replace(few, guardrail_z=0.0)).outcome == Outcome.FAIL  # every point estimate is past it
 
 
+def test_p95_latency_is_compared_only_over_enough_requests():
+    few = replace(POLICY, min_events=20)
+
+    def arms(n: int) -> CanaryMeasurement:
+        stable = replace(ARM, requests=n, rejects=n // 4, errors=0)
+        return replace(BASE, stable=stable, canary=replace(stable, latency_ms_p95=1600.0))
+
+    assert judge_canary(arms(60), few).outcome == Outcome.RUNNING  # over 60 requests a p95 is their slowest three
+    assert judge_canary(arms(100), few).reasons[0].startswith("guardrail latency:")
+
+
 def test_an_ignored_answer_is_no_reject():
     # fewer accepts, the same explicit rejects: the users ignored more answers, which the
     # reject-share guardrail does not count (the accept-rate test judges accepts)
