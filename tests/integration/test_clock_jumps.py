@@ -394,6 +394,7 @@ def _episodes_and_letters(kafka_settings, topics, expect: int):
     return [(e.generation_id, e.signal, e.timed_out) for e in eps], [(d.reason, d.detail) for d in dls]
 
 
+@pytest.mark.slow  # the whole loop under clock steps, ~10 s each: the default suite must stay under 15 minutes on 2 cores (the stage-level clock tests stay)
 @pytest.mark.parametrize("restart", [False, True], ids=["running", "restarted"])
 def test_the_loop_after_a_vm_pause_folds_the_feedback_that_waited_in_kafka(kafka_settings, topics, tmp_path,
                                                                            monkeypatch, restart):
@@ -424,6 +425,7 @@ def test_the_loop_after_a_vm_pause_folds_the_feedback_that_waited_in_kafka(kafka
     assert _episodes_and_letters(kafka_settings, topics, expect=1) == ([("g", "accept", False)], [])
 
 
+@pytest.mark.slow  # the whole loop under clock steps, ~10 s each: the default suite must stay under 15 minutes on 2 cores (the stage-level clock tests stay)
 def test_the_loop_when_its_clock_steps_forward_keeps_the_window_open_for_feedback_in_time(
         kafka_settings, topics, tmp_path, monkeypatch):
     """The real loop, its host's clock stepping 10 minutes ahead 1 s into a 5 s window (serving's
@@ -445,6 +447,7 @@ def test_the_loop_when_its_clock_steps_forward_keeps_the_window_open_for_feedbac
     assert _episodes_and_letters(kafka_settings, topics, expect=1) == ([("g", "accept", False)], [])
 
 
+@pytest.mark.slow  # the whole loop under clock steps, ~10 s each: the default suite must stay under 15 minutes on 2 cores (the stage-level clock tests stay)
 def test_the_loop_when_its_clock_steps_forward_keeps_feedback_waiting_for_its_generation(
         kafka_settings, topics, tmp_path, monkeypatch):
     """Feedback reaches ingest before its generation (recorded by another serving replica) and
@@ -467,6 +470,7 @@ def test_the_loop_when_its_clock_steps_forward_keeps_feedback_waiting_for_its_ge
     assert _episodes_and_letters(kafka_settings, topics, expect=1) == ([("g", "accept", False)], [])
 
 
+@pytest.mark.slow  # the whole loop under clock steps, ~10 s each: the default suite must stay under 15 minutes on 2 cores (the stage-level clock tests stay)
 def test_the_loop_when_the_fleets_clock_steps_back_closes_open_windows_on_time(
         kafka_settings, topics, tmp_path, monkeypatch):
     """The whole fleet's clock steps an hour back 1 s into a 5 s window (a clock that ran ahead,

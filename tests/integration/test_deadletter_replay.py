@@ -53,6 +53,7 @@ def episodes_of(kafka_settings, topics, gid: str) -> list[EpisodeEvent]:
     return [e for e in eps if e.generation_id == gid]
 
 
+@pytest.mark.slow  # 27 s: the default suite must stay under 15 minutes on 2 cores
 def test_orphans_replayed_with_their_generations_join_once(kafka_settings, topics, tmp_path, capsys):
     from ingest.main import run as run_ingest
 

@@ -1022,8 +1022,12 @@ def run_crash_point(kafka_settings, topics, tmp_path, stage: str, plan: tuple[st
 
 
 @pytest.mark.parametrize("kafka_settings", ["confluent"], indirect=True)
-@pytest.mark.parametrize(("stage", "point"), [("reward", "delivered"), ("ingest", "resent"),
-                                              ("ingest", "committed"), ("ingest", "archived")])
+@pytest.mark.parametrize(("stage", "point"), [
+    ("ingest", "resent"),
+    # 12-16 s each: in the slow suite, to keep the default one under 15 minutes on 2 cores
+    pytest.param("reward", "delivered", marks=pytest.mark.slow),
+    pytest.param("ingest", "committed", marks=pytest.mark.slow),
+    pytest.param("ingest", "archived", marks=pytest.mark.slow)])
 def test_pipeline_recovers_at_crash_point(kafka_settings, topics, tmp_path, stage, point):
     """A stage killed at a moment of the delivery protocol (outputs committed and not sent; sends
     acked and not yet deleted from the outbox; a restart killed while sending those again;

@@ -107,6 +107,7 @@ def _healthy(port: int, timeout_s: float = 60.0, until=lambda health: True) -> d
     raise AssertionError(f"/health on port {port}: {health}")
 
 
+@pytest.mark.slow  # 11 s: the default suite must stay under 15 minutes on 2 cores
 def test_colliding_processes_are_refused(kafka_settings, topics, tmp_path):
     """A second process with another store and overlapping shards stops with the reason, in
     either mode, and the first one keeps its shards."""

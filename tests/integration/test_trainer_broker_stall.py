@@ -97,6 +97,7 @@ def announcements(kafka_settings, topics, expect: int) -> list[CheckpointEvent]:
     return [decode(CheckpointEvent, r.value) for r in read_all(kafka_settings.bootstrap, topics.checkpoints, expect=expect)]
 
 
+@pytest.mark.slow  # 15-18 s each: the default suite must stay under 15 minutes on 2 cores
 def test_a_stall_holds_versions_until_their_dead_letters_are_acked_and_loses_nothing(
         broker, kafka_settings, topics, tiny_model_dir, tmp_path):
     n = 40
@@ -156,6 +157,7 @@ def test_a_stall_holds_versions_until_their_dead_letters_are_acked_and_loses_not
         assert e.manifest_sha256 == sha256_file(tr.store.path(e.version) / MANIFEST_NAME)
 
 
+@pytest.mark.slow  # 15-18 s each: the default suite must stay under 15 minutes on 2 cores
 def test_versions_the_broker_could_not_take_are_announced_by_the_next_run(
         broker, kafka_settings, topics, tiny_model_dir, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="trainer.loop")
