@@ -259,7 +259,9 @@ def main() -> None:
     for block, _ in runs.values():
         for i, (label, (rate, cpu)) in enumerate(block):
             base, cbase = block[0][1] if i < 2 else block[2][1]
-            print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}{cpu / cbase:>8.2f}")
+            # (a run too short for the CPU clock to tick, as --pairs 500 can be, has no CPU ratio)
+            print(f"{label:<48}{rate:>11,.0f}{rate / base:>8.2f}{cpu:>11,.0f}"
+                  f"{cpu / cbase if cbase else float('nan'):>8.2f}")
     if args.json:
         args.json.write_text(json.dumps({"pairs": n, "clients": {
             client: [{"path": label, "records_per_s": rate, "records_per_cpu_s": cpu} for label, (rate, cpu) in block]

@@ -36,6 +36,7 @@ the stage on these clients can reach, not only the one in ``ingest/`` and ``rewa
 from __future__ import annotations
 
 import gc
+import math
 import os
 import sqlite3
 import statistics
@@ -262,7 +263,9 @@ def floor_rows(cfg: KafkaSettings, inputs: list[str], raw_label: str, steps: tup
             runs[i].append(floor_rate(cfg, inputs, outs[i][r], expect, work, store=store, batch=batch))
 
     def row(label: str, rates: list[Rate]) -> tuple[str, Rate, Rate]:
-        ratios = [(a[0] / b[0], a[1] / b[1]) for a, b in zip(rates, raws, strict=True)]
+        # (a run too short for the CPU clock to tick, as --pairs 500 can be, has no ratio)
+        ratios = [(a[0] / b[0] if b[0] else math.nan, a[1] / b[1] if b[1] else math.nan)
+                  for a, b in zip(rates, raws, strict=True)]
         return label, _median(rates), _median(ratios)
 
     return [row(raw_label, raws), *(row(label, rates) for (label, _, _), rates in zip(steps, runs))]

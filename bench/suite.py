@@ -130,7 +130,7 @@ JOBS: tuple[Job, ...] = (
     Job("delta", "delta_compression.py", ("--versions", "3", "--lrs", "1e-5"), ("--versions", "1", "--lrs", "1e-5"),
         _delta_rows),
     Job("ingest", "ingest_throughput.py", ("--clients", "confluent"),
-        ("--clients", "confluent", "--pairs", "500", "--repeat", "1"), _ingest_rows),
+        ("--clients", "confluent", "--pairs", "6000", "--repeat", "1"), _ingest_rows),
     Job("pipeline", "pipelined_trainer.py", (), ("--quick",),
         _picked(("pipelined vs synchronous trainer", "pipelined vs synchronous trainer", ">= 1.0", False))),
     Job("serving", "serving_throughput.py", (), ("--prompts", "32", "--rounds", "1"), _serving_rows),
