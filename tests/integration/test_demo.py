@@ -43,7 +43,7 @@ def run_demo(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None
 
 def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_path):
     # a version every 2 steps (32 judgements), so the first is out within seconds of traffic
-    got = run_demo(tmp_path, "--duration", "30", "--seed", "1",
+    got = run_demo(tmp_path, "--duration", "45", "--seed", "1",
                    env_extra={"FLYWHEEL_TRAINER_PUBLISH_EVERY_STEPS": "2"})
     s, root = got["summary"], got["root"]
     assert s["canaried"], got["said"]
