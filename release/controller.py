@@ -24,7 +24,6 @@ a no-op), a canary's measurement resumes from the offsets saved with it.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import tempfile
 import time
@@ -39,7 +38,7 @@ from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
 from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_canary, judge_gate
 from release.measure import Tally
-from release.sequential import confidence_band, log_e_better, log_e_worse
+from release.sequential import confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
 from release.store import Candidate, LeaseLost, ReleaseStore, Routing
 
@@ -263,7 +262,7 @@ class Controller:
     def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float) -> None:
         m = tally.measurement(now)
         band = confidence_band(m.pairs, self.canary_policy.alpha)
-        eb, ew = _exp(log_e_better(m.pairs)), _exp(log_e_worse(m.pairs))
+        eb, ew = e_value(log_e_better(m.pairs)), e_value(log_e_worse(m.pairs))
         if not tally.history or now - tally.history[-1]["t"] >= HISTORY_EVERY_S:
             tally.history.append({"t": now, "stable_rate": m.stable.accept_rate, "canary_rate": m.canary.accept_rate,
                                   "band_lo": band[0], "band_hi": band[1], "e_better": eb, "e_worse": ew})
@@ -288,8 +287,3 @@ class Controller:
         cand = self.store.get(version)
         return None if cand is None else VersionRef(version=version, uri=cand.uri,
                                                      manifest_sha256=cand.manifest_sha256)
-
-
-def _exp(x: float) -> float:
-    """An e-value from its log, capped so that it stays a finite JSON number."""
-    return math.exp(min(x, 700.0))

@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from release.sequential import PairCount, log_e_better, log_e_worse
+from release.sequential import PairCount, e_value, log_e_better, log_e_worse
 
 
 class Outcome(StrEnum):
@@ -118,10 +118,10 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     stats = (f"{m.pairs.wins} discordant pairs won by canary, {m.pairs.losses} by stable; accept rate "
              f"{m.canary.accept_rate:.3f} against {m.stable.accept_rate:.3f}")
     if not short and log_e_worse(m.pairs) >= threshold:
-        return Verdict(Outcome.FAIL, ((f"canary accepted less often (e-value {math.exp(log_e_worse(m.pairs)):.1f} "
+        return Verdict(Outcome.FAIL, ((f"canary accepted less often (e-value {_shown(log_e_worse(m.pairs))} "
                                       f">= {1 / policy.alpha:.0f}): {stats}"),))
     if not short and log_e_better(m.pairs) >= threshold:
-        return Verdict(Outcome.PASS, ((f"canary accepted more often (e-value {math.exp(log_e_better(m.pairs)):.1f} "
+        return Verdict(Outcome.PASS, ((f"canary accepted more often (e-value {_shown(log_e_better(m.pairs))} "
                                       f">= {1 / policy.alpha:.0f}): {stats}"),))
     waiting = tuple(f"{name} has {getattr(m, name).outcomes} of the {policy.min_events} outcomes needed "
                     "before a verdict on accept rate" for name in short)
@@ -130,6 +130,12 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
         return Verdict(Outcome.INCONCLUSIVE, ((f"no verdict after {m.elapsed_s:.0f}s (deadline "
                                               f"{policy.deadline_s:.0f}s): {stats}"), *waiting))
     return Verdict(Outcome.RUNNING, waiting or (stats,))
+
+
+def _shown(log_e: float) -> str:
+    """An e-value for a reason: ``25.0``, or ``3.21e+17`` once it is too long to read in full."""
+    e = e_value(log_e)
+    return f"{e:.1f}" if e < 1e6 else f"{e:.2e}"
 
 
 #: Requests each arm needs before its p95 latency is compared: over fewer, two slow requests set it

@@ -70,6 +70,19 @@ def log_e_worse(count: PairCount) -> float:
     return _log_mix(count.losses, count.wins, BETTER_GRID)
 
 
+#: The largest log e-value turned into a number: e^700 ~ 1e304, still a finite float (and a finite
+#: JSON number), where math.exp raises OverflowError past ~709.8. About 1,200 all-loss pairs reach
+#: it; any verdict was reached long before, so capping loses nothing a person or a rule reads.
+LOG_E_CAP = 700.0
+
+
+def e_value(log_e: float) -> float:
+    """An e-value from its log, capped at ``exp(LOG_E_CAP)`` so that it stays a finite float.
+    Every reader of the e-process (the judge's reasons, the saved analysis, the console's chart)
+    takes it from here: one uncapped ``exp`` wedged the controller on a clearly losing canary."""
+    return math.exp(min(log_e, LOG_E_CAP))
+
+
 def confidence_band(count: PairCount, alpha: float, steps: int = 200) -> tuple[float, float]:
     """An always-valid interval for the canary's win share among discordant pairs (0.5: no
     difference), valid at every moment at once with probability at least 1 - 2 alpha: the

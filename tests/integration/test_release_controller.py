@@ -20,6 +20,7 @@ import json
 import random
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,66 @@ def test_flywheel_release_serve_runs_the_controller_and_its_api_and_stops_on_sig
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- turns that must not wedge the controller ----------------------------------------------------
+
+@pytest.fixture
+def light_controller(kafka_settings, topics, tiny_model_dir, tmp_path):
+    """A controller on the real broker and an SQLite store, without the trained checkpoint store:
+    for turns that measure, judge and publish but never gate a version."""
+    made = []
+
+    def start(**release) -> tuple[Controller, ReleaseStore]:
+        release.setdefault("group_id", f"release-{topics.prefix}")
+        settings = settings_for(kafka_settings, topics, tiny_model_dir, tmp_path,
+                                f"sqlite:///{tmp_path / 'release.sqlite3'}", **release)
+        rs, streams = ReleaseStore(settings.release.database_url), Streams(settings, new_registry())
+        made.append((rs, streams))
+        return Controller(settings, rs, streams, None), rs
+
+    yield start
+    for rs, streams in made:
+        streams.close()
+        rs.close()
+
+
+def live_canary_with_pairs(url: str, version: int, wins: int, losses: int) -> None:
+    """``version`` live as canary against stable 0, its saved tally holding ``wins`` + ``losses``
+    discordant pairs (each canary outcome a moment before its stable partner). Written through a
+    store of its own: the controller's is fenced by its lease."""
+    from release.measure import Tally
+    from release.store import Routing
+
+    with closing(ReleaseStore(url)) as rs:
+        _seed_canary(rs, version, wins, losses, Tally, Routing)
+
+
+def _seed_canary(rs, version, wins, losses, Tally, Routing) -> None:
+    rs.add_candidate({"version": version, "parent": None, "uri": f"file:///ckpt/v{version}",
+                      "manifest_sha256": f"{version:064x}", "step": version})
+    rs.transition(version, State.GATING, "test", "gate")
+    rs.transition(version, State.CANARY, "test", "canary", routing=Routing(0, version, 0.5))
+    start = time.time() - 60
+    tally = Tally(stable_version=0, canary_version=version, started_at=start)
+    for i in range(wins + losses):
+        won = i < wins
+        tally.arms["canary"].outcomes.append((start + i * 0.01, won))
+        tally.arms["stable"].outcomes.append((start + i * 0.01 + 0.001, not won))
+    rs.save(version, tally=tally.to_dict())
+
+
+def test_a_canary_losing_past_the_float_range_is_rolled_back_not_wedged(light_controller, kafka_settings, topics):
+    # 1,500 all-loss pairs: log e ~ 880, past what math.exp can return (~709.8); every turn raised
+    # OverflowError and the losing canary stayed live
+    ctl, rs = light_controller()
+    live_canary_with_pairs(rs.db.url, 1, wins=0, losses=1500)
+    ctl.tick()
+    assert rs.get(1).state == State.ROLLED_BACK
+    entry = next(e for e in rs.audit(1) if e.to_state == "rolled_back")
+    assert "canary accepted less often" in entry.reason and entry.evidence["pairs"]["losses"] == 1500
+    assert rs.unpublished() == []  # the same turn published the routing back to stable
+    last = releases(kafka_settings, topics)[-1]
+    assert (last.stable_version, last.canary_version) == (0, None)
+    analysis = rs.get(1).analysis
+    assert 0 < analysis["e_worse"] < float("inf") and json.dumps(analysis, allow_nan=False)

@@ -23,7 +23,7 @@ from release.judge import (
     judge_canary,
     judge_gate,
 )
-from release.sequential import PairCount, log_e_better
+from release.sequential import PairCount, e_value, log_e_better
 
 POLICY = CanaryPolicy()  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
 EXACT = replace(POLICY, guardrail_z=0.0)  # guardrails on point estimates: their limits, exactly
@@ -222,6 +222,26 @@ def test_pass_exactly_where_the_e_value_reaches_one_over_alpha(alpha):
     # mirrored: the same counts the other way round fail
     assert judge_canary(replace(BASE, pairs=PairCount(300, 10, w)), policy).outcome == Outcome.FAIL
     assert judge_canary(replace(BASE, pairs=PairCount(300, 10, w - 1)), policy).outcome == Outcome.RUNNING
+
+
+# Past log e ~ 709.8 an e-value is no longer a float: about 1,200 all-loss discordant pairs get
+# there, and a clear loser on a long canary gets there surely. The verdict must still come.
+@pytest.mark.parametrize(("pairs", "outcome", "words"), [
+    (PairCount(1500, 0, 1500), Outcome.FAIL, "canary accepted less often (e-value "),
+    (PairCount(1500, 1500, 0), Outcome.PASS, "canary accepted more often (e-value "),
+    (PairCount(10**6, 0, 10**6), Outcome.FAIL, "canary accepted less often (e-value "),
+], ids=["1500-losses", "1500-wins", "a-million-losses"])
+def test_an_e_value_past_the_float_range_still_gives_a_verdict(pairs, outcome, words):
+    v = judge_canary(replace(BASE, pairs=pairs), POLICY)
+    assert v.outcome == outcome
+    assert v.reasons[0].startswith(words) and "inf" not in v.reasons[0], v.reasons
+
+
+@pytest.mark.parametrize(("log_e", "shown"), [
+    (0.0, 1.0), (math.log(20), 20.0), (700.0, math.exp(700.0)), (709.8, math.exp(700.0)), (1e6, math.exp(700.0)),
+    (float("inf"), math.exp(700.0)), (-1e6, 0.0)])
+def test_e_values_are_capped_finite(log_e, shown):
+    assert e_value(log_e) == pytest.approx(shown) and math.isfinite(e_value(log_e))
 
 
 def test_a_smaller_alpha_asks_for_more_evidence():
