@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from release.states import LIVE, State, TransitionRefused
-from release.store import ReleaseStore, Routing
+from release.store import BackToStable, ReleaseStore, Routing
 
 
 class ActionRefused(ValueError):
@@ -31,22 +31,26 @@ def promote(store: ReleaseStore, version: int, actor: str, reason: str, interval
 
 
 def reject(store: ReleaseStore, version: int, actor: str, reason: str) -> None:
-    """Turn ``version`` down; if it serves canary traffic, that traffic goes back to stable."""
-    cand = _known(store, version)
-    routing = Routing(store.stable_version(), None, 0.0) if cand.state in LIVE else None
-    _move(store, version, State.REJECTED, actor, reason, None, routing)
+    """Turn ``version`` down; if it serves canary traffic, that traffic goes back to stable (decided
+    inside the transaction: the gate may start its canary between any read here and it)."""
+    _known(store, version)
+    _move(store, version, State.REJECTED, actor, reason, None, BackToStable())
 
 
 def rollback(store: ReleaseStore, actor: str, reason: str, evidence: dict[str, Any] | None = None,
              version: int | None = None) -> int:
     """Send every user back to stable, ending the live canary (``version``, or whichever is live);
-    returns the version rolled back."""
+    returns the version rolled back. A routing that still names a version no longer live as its
+    canary (left by an older release of this code) is ended too: rollback always can."""
     live = [c for c in store.candidates(set(LIVE)) if version is None or c.version == version]
     if not live:
-        raise ActionRefused("no canary is live: there is nothing to roll back" if version is None
-                            else f"version {version} is not serving canary traffic")
+        stray = store.unroute_canary(actor, reason, version)
+        if stray is None:
+            raise ActionRefused("no canary is live: there is nothing to roll back" if version is None
+                                else f"version {version} is not serving canary traffic")
+        return stray
     cand = live[-1]
-    _move(store, cand.version, State.ROLLED_BACK, actor, reason, evidence, Routing(store.stable_version(), None, 0.0))
+    _move(store, cand.version, State.ROLLED_BACK, actor, reason, evidence, BackToStable())
     return cand.version
 
 
@@ -68,7 +72,8 @@ def _known(store: ReleaseStore, version: int):
 
 
 def _move(store: ReleaseStore, version: int, target: State, actor: str, reason: str,
-          evidence: dict[str, Any] | None, routing: Routing | None, interval_s: float | None = None) -> None:
+          evidence: dict[str, Any] | None, routing: Routing | BackToStable | None,
+          interval_s: float | None = None) -> None:
     try:
         if not store.transition(version, target, actor, reason, evidence, routing, interval_s):
             raise ActionRefused(f"version {version} is already {target.value}")

@@ -316,8 +316,10 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
         with acting("rollback", actor, body.version):
             version = actions.rollback(store, actor, body.reason or "rolled back (no reason given)",
                                        version=body.version)
-            rev = store.latest_revision()
-        return {"version": version, "state": "rolled_back", "revision": asdict(rev) if rev else None}
+            rev, cand = store.latest_revision(), store.get(version)
+        # rolled_back, or the decided state of a version only its stray routing was taken from
+        return {"version": version, "state": cand.state.value if cand else "rolled_back",
+                "revision": asdict(rev) if rev else None}
 
     def pipeline(action: str, paused: bool, actor: str, reason: str) -> dict[str, Any]:
         with lock:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from release.states import FINAL, State, TransitionRefused, check
+from release.states import FINAL, LIVE, State, TransitionRefused, check
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS release_candidates (
@@ -90,6 +90,16 @@ class Routing:
     stable_version: int
     canary_version: int | None
     canary_share: float
+
+
+@dataclass(frozen=True)
+class BackToStable:
+    """A routing change decided inside the transition, from what the database holds then: every
+    user back to the stable version of that moment when the candidate serves canary traffic (its
+    state is live, or the newest routing names it as canary), no change otherwise.
+
+    Decided before the transaction, it raced with the gate: a reject that read "gating" while the
+    gate committed the canary left the version rejected and still routed, beyond any rollback."""
 
 
 class _Db:
@@ -240,7 +250,7 @@ class ReleaseStore:
                                 (json.dumps(analysis), time.time(), version))
 
     def transition(self, version: int, target: State, actor: str, reason: str,
-                   evidence: dict[str, Any] | None = None, routing: Routing | None = None,
+                   evidence: dict[str, Any] | None = None, routing: Routing | BackToStable | None = None,
                    promotion_interval_s: float | None = None) -> bool:
         """Move ``version`` to ``target`` with its audit entry, and the new routing if any, in one
         transaction. False when it is already there (a no-op); ``TransitionRefused`` when the
@@ -268,16 +278,51 @@ class ReleaseStore:
             if target in FINAL:  # measuring is over: the analysis keeps the verdict and its numbers
                 self.db.execute("UPDATE release_candidates SET tally=NULL WHERE version=?", (version,))
             self._audit(version, current, target, actor, reason, evidence, now)
+            if isinstance(routing, BackToStable):
+                routing = self._back_to_stable(version, current)
             if routing is not None:
                 self._route(routing, f"{target.value} v{version}: {reason}", now)
             if target == State.PROMOTED:
                 self._set("last_promotion_at", str(now))
         return True
 
+    def unroute_canary(self, actor: str, reason: str, version: int | None = None) -> int | None:
+        """Send every user back to stable when the newest routing names a canary whose candidate
+        is no longer live (a database written before the reject/gate race was fixed holds such a
+        routing, and no transition can end it); the version it named, or None when there is no
+        such canary (or not ``version``). One transaction: the revision and its audit entry."""
+        now = time.time()
+        with self.db.txn():
+            self._check_fence(now)
+            self._lock_revisions()
+            rev = self.latest_revision()
+            if rev is None or rev.canary_version is None or version not in (None, rev.canary_version):
+                return None
+            row = self.db.execute(f"SELECT state FROM release_candidates WHERE version=?{self.db.for_update}",
+                                  (rev.canary_version,)).fetchone()
+            if row is not None and State(row[0]) in LIVE:
+                return None  # a live canary ends with its transition, not here
+            was = f"v{rev.canary_version} is {row[0] if row else 'unknown'} but was still routed as canary"
+            self._audit(rev.canary_version, None, None, actor, f"{reason} ({was})", None, now)
+            self._route(Routing(rev.stable_version, None, 0.0), f"rolled back v{rev.canary_version}: {reason}", now)
+            return rev.canary_version
+
     # -- routing ---------------------------------------------------------------------------
-    def _route(self, routing: Routing, reason: str, now: float) -> None:
+    def _back_to_stable(self, version: int, current: State) -> Routing | None:
+        """:class:`BackToStable`, decided under the revisions lock (so no other routing change
+        lands between this read and the new revision)."""
+        self._lock_revisions()
+        rev = self.latest_revision()
+        if current not in LIVE and (rev is None or rev.canary_version != version):
+            return None
+        return Routing(rev.stable_version if rev else 0, None, 0.0)
+
+    def _lock_revisions(self) -> None:
         if self.db.lock_revisions:
             self.db.execute(self.db.lock_revisions)
+
+    def _route(self, routing: Routing, reason: str, now: float) -> None:
+        self._lock_revisions()
         last = self.db.execute("SELECT max(revision) FROM release_revisions").fetchone()[0]
         self.db.execute("INSERT INTO release_revisions VALUES (?, ?, ?, ?, ?, ?, 0)",
                         ((last or 0) + 1, routing.stable_version, routing.canary_version,
@@ -399,4 +444,4 @@ def _revision(r: Any) -> Revision:
     return Revision(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
 
 
-__all__ = ["FINAL", "AuditEntry", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "database_url"]
+__all__ = ["FINAL", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "database_url"]

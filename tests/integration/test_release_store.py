@@ -194,6 +194,51 @@ def test_concurrent_routing_changes_get_consecutive_revisions(url):
         b.close()
 
 
+def canary_of(store: ReleaseStore) -> int | None:
+    rev = store.latest_revision()
+    return rev.canary_version if rev else None
+
+
+@pytest.mark.parametrize("stop_after", ["SELECT version, parent, state", "SELECT state FROM release_candidates"],
+                         ids=["reject-read-first", "reject-inside-its-transaction"])
+def test_a_reject_racing_the_gate_never_leaves_the_rejected_version_on_canary(url, stop_after):
+    # A person rejects version 1 while the controller's gate finishes and starts its canary, on
+    # two connections. reject-read-first: the reject has read the candidate (gating) when the
+    # gate commits the canary routing; it decided "not live, no routing change" from that read,
+    # and v1 ended rejected while the routing still named it, with no rollback possible.
+    # reject-inside-its-transaction: the gate's transition waits for the reject's, then is refused.
+    a, b = ReleaseStore(url), ReleaseStore(url)
+    try:
+        to_state(a, 1, State.GATING)
+        results = race(a, stop_after,
+                       lambda: actions.reject(a, 1, "alice", "not this one"),
+                       lambda: b.transition(1, State.CANARY, "controller", "gate passed", routing=Routing(0, 1, 0.1)))
+        assert results["first"] is None, results  # the reject went through either way
+        assert a.get(1).state == State.REJECTED
+        assert canary_of(a) is None, [(r.revision, r.canary_version, r.reason) for r in a.unpublished()]
+        with pytest.raises(ActionRefused, match="no canary is live"):
+            actions.rollback(a, "bob", "nothing to roll back")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_rollback_removes_a_canary_whose_version_was_rejected_without_its_routing(store):
+    # the state a database written before the reject/gate fix can hold: v1 rejected, the last
+    # routing still sending 10 % of users to it. Rollback must still take users back to stable.
+    to_state(store, 1, State.CANARY)
+    store.transition(1, State.REJECTED, "alice", "raced the gate")  # no routing change, as the race left it
+    assert canary_of(store) == 1
+    assert actions.rollback(store, "bob", "v1 still serves canary") == 1
+    rev = store.latest_revision()
+    assert (rev.stable_version, rev.canary_version, rev.canary_share) == (0, None, 0.0)
+    entry = store.audit(1)[0]
+    assert entry.actor == "bob" and "v1 still serves canary" in entry.reason and "rejected" in entry.reason
+    assert store.get(1).state == State.REJECTED  # its decision stands; only the routing changed
+    with pytest.raises(ActionRefused, match="no canary is live"):
+        actions.rollback(store, "bob", "again")
+
+
 # -- actions -------------------------------------------------------------------------------------
 
 def test_promote_respects_state_and_the_promotion_interval(store):
