@@ -89,6 +89,7 @@ def prune_cache(cache: CheckpointStore, keep: set[int]) -> None:
             _drop(cache, v)
     for p in cache.root.glob(".tmp-*"):
         shutil.rmtree(p, ignore_errors=True)
+    cache.drop_stale_rebuilds()
 
 
 # -- the three phases -----------------------------------------------------------------------------
@@ -131,10 +132,7 @@ def _rebuild_and_verify(cache: CheckpointStore, version: int, want_sha: str | No
     d = cache.path(version)
     t0 = time.perf_counter()
     if not (d / WEIGHTS).exists():
-        data = cache.materialize_bytes(version)  # every delta and intermediate result checked
-        part = d / f".{WEIGHTS}.{uuid.uuid4().hex[:6]}"
-        part.write_bytes(data)
-        os.replace(part, d / WEIGHTS)
+        cache.place_weights(version, cache.materialize_bytes(version))  # every delta and intermediate checked
     t1 = time.perf_counter()
     man = manifest.verify_dir(d, expect_manifest_sha256=want_sha)
     verify_tensors(d, man)

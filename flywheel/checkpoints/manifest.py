@@ -3,8 +3,9 @@
 A served model directory is a Hugging Face directory (``config.json``, tokenizer files,
 ``*.safetensors``) plus ``flywheel-manifest.json``. The manifest lists the sha256 of every file and
 of every tensor's raw bytes. Serving calls :func:`verify_dir` before it loads weights and refuses a
-directory whose bytes do not match; the trainer writes manifests when it publishes a version and the
-delta codec checks tensor hashes after reconstructing a version from its chain.
+directory whose bytes do not match, or that holds a file the manifest does not list; the trainer
+writes manifests when it publishes a version and the delta codec checks tensor hashes after
+reconstructing a version from its chain.
 
 Tensor hashes are computed from the safetensors byte layout directly (8-byte header length, JSON
 header, raw data), so they need neither torch nor a dtype numpy understands (bf16).
@@ -113,13 +114,25 @@ def read(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_dir(directory: Path, expect_manifest_sha256: str | None = None) -> dict[str, Any]:
+def verify_dir(directory: Path, expect_manifest_sha256: str | None = None, *,
+               allow_dirs: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
     """Check every file against the manifest (and the manifest against an announced hash).
 
-    Returns the manifest. Raises :class:`ManifestError` naming the first mismatch.
+    Every entry of ``directory`` must be the manifest or a file it lists: loaders read more than
+    weights (``config.json`` can name remote code, a ``*.bin`` beside no safetensors is unpickled,
+    a tokenizer or chat template changes what is generated), so nothing no hash covers may sit
+    beside them. ``allow_dirs`` names subdirectories the caller owns and never serves (the store's
+    optimizer state, ``ds/``). Returns the manifest. Raises :class:`ManifestError` naming the first
+    mismatch.
     """
     directory = Path(directory)
     manifest = read(directory)
+    unlisted = sorted(
+        p.name for p in directory.iterdir()
+        if p.name != MANIFEST_NAME and p.name not in manifest["files"] and not (p.is_dir() and p.name in allow_dirs)
+    )
+    if unlisted:
+        raise ManifestError(f"{directory}: not in the manifest: {unlisted}; refusing files no hash covers")
     if expect_manifest_sha256 is not None:
         actual = sha256_file(directory / MANIFEST_NAME)
         if actual != expect_manifest_sha256:
@@ -133,7 +146,4 @@ def verify_dir(directory: Path, expect_manifest_sha256: str | None = None) -> di
         actual = sha256_file(path)
         if actual != meta["sha256"]:
             raise ManifestError(f"{directory}: {name} hash mismatch (got {actual[:12]}…, manifest {meta['sha256'][:12]}…)")
-    extra = {p.name for p in directory.glob("*.safetensors")} - set(manifest["files"])
-    if extra:
-        raise ManifestError(f"{directory}: weights not in the manifest: {sorted(extra)}")
     return manifest

@@ -26,10 +26,12 @@ for the trainer and for readers alike.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +50,7 @@ WEIGHTS = "model.safetensors"
 DELTA = "delta.fwd"
 LEDGER = "ledger.json"
 DS_DIR = "ds"
+REBUILD_PREFIX = ".rebuild-"
 _SKIP_COPY = {WEIGHTS, manifest.MANIFEST_NAME, "model.safetensors.index.json"}
 
 
@@ -143,6 +146,7 @@ class CheckpointStore:
         for p in self.root.glob(".tmp-*"):
             if p.is_dir():  # left by a crashed publish: never visible, safe to delete
                 shutil.rmtree(p, ignore_errors=True)
+        self.drop_stale_rebuilds()
 
     # ------------------------------------------------------------ reconstruction
     def materialize_bytes(self, version: int) -> bytes:
@@ -171,13 +175,33 @@ class CheckpointStore:
         """Restore ``version``'s model.safetensors in place if pruned; verify every file; return the dir."""
         d = self.path(version)
         if not (d / WEIGHTS).exists():
-            data = self.materialize_bytes(version)
-            tmp = d / f".{WEIGHTS}.{uuid.uuid4().hex[:6]}"
-            tmp.write_bytes(data)
-            os.replace(tmp, d / WEIGHTS)
-        man = manifest.verify_dir(d)
+            self.place_weights(version, self.materialize_bytes(version))
+        man = manifest.verify_dir(d, allow_dirs={DS_DIR})
         verify_tensors(d, man)
         return d
+
+    def place_weights(self, version: int, data: bytes) -> None:
+        """Put rebuilt weights into ``version``'s directory in one rename.
+
+        The partial file is written beside the versions, not inside one: there a concurrent
+        reader's :func:`~flywheel.checkpoints.manifest.verify_dir` would meet a file no manifest
+        lists, and a crash would leave one that fails every later check. Not under ``.tmp-*``,
+        which the trainer's :meth:`prune` deletes while a reader may still be writing.
+        """
+        part = self.root / f"{REBUILD_PREFIX}{vname(version)}-{uuid.uuid4().hex[:8]}"
+        try:
+            part.write_bytes(data)
+            os.replace(part, self.path(version) / WEIGHTS)
+        finally:
+            part.unlink(missing_ok=True)
+
+    def drop_stale_rebuilds(self, older_than_s: float = 3600.0) -> None:
+        """Delete partial rebuilds a crash left behind (a live one takes seconds, not an hour)."""
+        now = time.time()
+        for p in self.root.glob(f"{REBUILD_PREFIX}*"):
+            with contextlib.suppress(OSError):  # another reader's, finished and renamed meanwhile
+                if now - p.stat().st_mtime > older_than_s:
+                    p.unlink()
 
     def export(self, version: int, out: Path) -> Path:
         """Copy a verified, loadable HF directory of ``version`` to ``out`` (no optimizer state)."""
@@ -185,7 +209,7 @@ class CheckpointStore:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         for p in src.iterdir():
-            if p.is_file():
+            if p.is_file():  # never ds/: the optimizer state is the trainer's own
                 shutil.copy2(p, out / p.name)
         manifest.verify_dir(out)
         return out

@@ -79,6 +79,20 @@ def test_materialize_restores_a_loadable_verified_directory(chain, tmp_path):
     assert (out / "tokenizer.json").exists()
 
 
+def test_every_file_the_trainer_publishes_is_in_its_manifest(chain, tmp_path):
+    """What a publish writes (config, tokenizer, generation config, ledger, delta) is hashed, so
+    verified; only the optimizer state under ds/ is the store's own, and an export leaves it out."""
+    store = chain.store
+    for v in store.versions():
+        entries = {p.name for p in store.path(v).iterdir()} - {manifest.MANIFEST_NAME}
+        listed = set(store.manifest(v)["files"])
+        assert entries - listed <= {"ds"}
+        assert {"config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "ledger.json"} <= listed
+    assert (store.path(6) / "ds").is_dir()
+    out = store.export(5, tmp_path / "v5")
+    assert {p.name for p in out.iterdir()} == {manifest.MANIFEST_NAME, *store.manifest(5)["files"]}
+
+
 def test_flipped_byte_in_a_delta_is_detected(chain, tmp_path):
     import shutil
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from flywheel.checkpoints import MANIFEST_NAME, CheckpointStore
+from flywheel.checkpoints import MANIFEST_NAME, CheckpointStore, ManifestError
 from flywheel.checkpoints.fetch import StoreUnreachable, VersionRefused, fetch_version, prune_cache
 
 
@@ -156,3 +156,73 @@ def test_a_store_over_http_is_unreachable_until_it_answers(store, tmp_path):
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
+
+
+@pytest.fixture(scope="module")
+def hf_store(tiny_model_dir, tmp_path_factory) -> tuple[CheckpointStore, dict[int, str]]:
+    """Versions published as the trainer publishes them: its own config.json and weights, its
+    DeepSpeed state under ds/, the tokenizer and generation config copied from the model directory."""
+    st = CheckpointStore(tmp_path_factory.mktemp("hf") / "checkpoints", full_every=10, keep_full=1)
+    shas = {}
+    for v in range(3):
+        tmp = st.staging_dir(v)
+        save_file(_weights(v), str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps({"model_type": "llama", "torch_dtype": "float32"}))
+        (tmp / "ds").mkdir()
+        (tmp / "ds" / "mp_rank_00_model_states.pt").write_bytes(b"optimizer state")
+        shas[v], _ = st.commit(tmp, version=v, parent=v - 1 if v else None, source_dir=tiny_model_dir,
+                               extra={}, ledger={})
+    return st, shas
+
+
+def test_every_file_a_published_version_holds_is_listed_with_its_hash(hf_store, tiny_model_dir):
+    st, _ = hf_store
+    for v in st.versions():
+        files = {p.name for p in st.path(v).iterdir() if p.is_file()} - {MANIFEST_NAME}
+        pruned = {"model.safetensors"} if (st.path(v) / "delta.fwd").exists() else set()  # rebuilt on demand
+        assert files | pruned == set(st.manifest(v)["files"])
+    copied = {p.name for p in tiny_model_dir.iterdir()} - {"model.safetensors", MANIFEST_NAME}
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= copied
+    assert copied | {"delta.fwd", "ledger.json"} <= set(st.manifest(1)["files"])
+    assert (st.path(1) / "ds").is_dir()  # the store's own optimizer state: a directory, never served
+
+
+def test_the_store_verifies_its_versions_with_their_optimizer_state_beside_them(hf_store, tmp_path):
+    st, _ = hf_store
+    copy = _copy(st, tmp_path)
+    assert not (copy.path(1) / "model.safetensors").exists()
+    d = copy.materialize(1)  # rebuilt from its delta: nothing of the rebuild is left beside it
+    assert {p.name for p in d.iterdir()} - {"ds", MANIFEST_NAME} == set(copy.manifest(1)["files"])
+    assert not list(copy.root.glob(".tmp-*"))
+    (d / "tokenizer.json").write_text("{}")
+    with pytest.raises(ManifestError, match="tokenizer.json hash mismatch"):
+        copy.materialize(1)
+
+
+def test_the_store_refuses_a_version_holding_a_file_its_manifest_does_not_list(hf_store, tmp_path):
+    st, _ = hf_store
+    copy = _copy(st, tmp_path)
+    (copy.path(2) / "modeling_evil.py").write_text("import os\n")
+    with pytest.raises(ManifestError, match=r"not in the manifest: \['modeling_evil.py'\]"):
+        copy.materialize(2)
+    with pytest.raises(ManifestError, match="modeling_evil.py"):
+        copy.export(2, tmp_path / "out")
+
+
+def test_a_fetch_copies_only_what_the_manifest_lists_and_verifies_all_of_it(hf_store, tmp_path):
+    st, shas = hf_store
+    src = _copy(st, tmp_path)
+    (src.path(1) / "modeling_evil.py").write_text("import os\n")  # in the store, listed nowhere
+    cache = CheckpointStore(tmp_path / "cache")
+    got = fetch_version(str(src.path(1)), 1, shas[1], cache)  # rebuilt from the parent's weights
+    assert {p.name for p in got.path.iterdir()} == {MANIFEST_NAME, *got.manifest["files"]}
+    (got.path / "tokenizer_config.json").write_text('{"auto_map": {}}')  # the cache is rewritten
+    with pytest.raises(VersionRefused) as err:
+        fetch_version(str(src.path(1)), 1, shas[1], cache)
+    assert err.value.reason == "verification_failed" and "tokenizer_config.json hash mismatch" in err.value.detail
+    fetch_version(str(src.path(1)), 1, shas[1], cache)
+    (cache.path(1) / "pytorch_model.bin").write_bytes(b"planted")
+    with pytest.raises(VersionRefused) as err:
+        fetch_version(str(src.path(1)), 1, shas[1], cache)
+    assert err.value.reason == "verification_failed" and "['pytorch_model.bin']" in err.value.detail
+    assert 1 not in cache.versions()
