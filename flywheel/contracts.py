@@ -260,8 +260,10 @@ class CheckpointEvent(_Event):
     version: int = Field(ge=0)
     parent: int | None = None
     step: int = Field(ge=0)
-    #: Where the version lives in the checkpoint store (a local path or an fsspec URL).
-    uri: str
+    #: Where the version lives in the checkpoint store (a local path or an fsspec URL). Bounded as
+    #: :class:`VersionRef`'s is: the release record carries it to serving, and one the controller
+    #: took but could never publish held back every later routing.
+    uri: str = Field(min_length=1, max_length=4096)
     #: sha256 of the version's manifest file; serving refuses weights that do not match.
     manifest_sha256: str = Field(min_length=64, max_length=64)
     dtype: str

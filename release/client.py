@@ -185,8 +185,7 @@ def format_status(s: dict[str, Any]) -> str:
         ("stable", f"v{s['stable_version']}"),
         ("canary", f"v{canary['version']} ({canary['share']:.0%} of users)" if canary else "none"),
         ("pipeline", "PAUSED" if s.get("paused") else "running"),
-        ("revision", f"{rev['revision']} ({'published' if rev['published'] else 'not yet published'}): "
-                     f"{rev['reason']}" if rev else "none yet"),
+        ("revision", f"{rev['revision']} ({_published(rev)}): {rev['reason']}" if rev else "none yet"),
         ("lease", f"{lease['holder']} ({'held' if lease['live'] else 'lapsed'}, until {when(lease['expires_at'])})"
          if lease else "nobody"),
         ("next promotion", _next_promotion(s)),
@@ -195,6 +194,12 @@ def format_status(s: dict[str, Any]) -> str:
     if s.get("controller") is not None:
         rows.append(("controller", ", ".join(f"{k}={v}" for k, v in sorted(s["controller"].items()))))
     return table(("", ""), rows).split("\n", 1)[1]  # no header line for a key/value list
+
+
+def _published(rev: dict[str, Any]) -> str:
+    if rev.get("skipped"):
+        return "cannot be published: see the audit log"
+    return "published" if rev["published"] else "not yet published"
 
 
 def _next_promotion(s: dict[str, Any]) -> str:

@@ -32,6 +32,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from flywheel.contracts import VersionRef
 from flywheel.scorers import load_plugins
 from release import actions
@@ -40,7 +42,8 @@ from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_cana
 from release.measure import Tally
 from release.sequential import confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
-from release.store import Candidate, LeaseLost, ReleaseStore, Routing
+from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing
+from release.streams import release_event
 
 log = logging.getLogger(__name__)
 
@@ -278,10 +281,24 @@ class Controller:
 
     # -- routing ----------------------------------------------------------------------------
     def _publish(self) -> None:
-        todo = self.store.unpublished()
+        todo = [rev for rev in self.store.unpublished() if self._publishable(rev)]
         if todo:
             done = self.streams.publish(todo, self.cfg.deployment, self._ref)
             self.store.mark_published(done)
+
+    def _publishable(self, rev: Revision) -> bool:
+        """False for a revision no release record can carry (a version recorded before the
+        checkpoint contract bounded its uri, say), which is marked skipped with the reason in the
+        audit log: it would fail the same way every turn, and the revisions after it, a rollback
+        among them, must still go out."""
+        try:
+            release_event(rev, self.cfg.deployment, self._ref)
+            return True
+        except ValidationError as exc:
+            why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            log.error("revision %d cannot be published, skipped: %s", rev.revision, why)
+            self.store.skip_revision(rev.revision, ACTOR, f"revision {rev.revision} cannot be published: {why}")
+            return False
 
     def _ref(self, version: int) -> VersionRef | None:
         cand = self.store.get(version)

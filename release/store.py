@@ -44,6 +44,10 @@ CREATE TABLE IF NOT EXISTS release_lease (
 """
 
 
+#: ``release_revisions.published``: 0 waits to be published, then one of these.
+PUBLISHED, SKIPPED = 1, 2
+
+
 @dataclass(frozen=True)
 class Candidate:
     version: int
@@ -81,6 +85,8 @@ class Revision:
     reason: str
     at: float
     published: bool = False
+    #: never to be published: no release record could be built from it (the audit log says why)
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -339,7 +345,17 @@ class ReleaseStore:
     def mark_published(self, revisions: list[int]) -> None:
         with self.db.txn():
             for rev in revisions:
-                self.db.execute("UPDATE release_revisions SET published=1 WHERE revision=?", (rev,))
+                self.db.execute("UPDATE release_revisions SET published=? WHERE revision=?", (PUBLISHED, rev))
+
+    def skip_revision(self, revision: int, actor: str, reason: str) -> None:
+        """Mark an unpublished revision as one that is never to be published (``reason`` says why,
+        in the audit log): no record can be built from it. Serving applies only revisions above
+        the last it applied, so the ones after it stand on their own."""
+        with self.db.txn():
+            self._check_fence()
+            if self.db.execute("UPDATE release_revisions SET published=? WHERE revision=? AND published=0 "
+                               "RETURNING revision", (SKIPPED, revision)).fetchall():
+                self._audit(None, None, None, actor, reason, None, time.time())
 
     def stable_version(self) -> int:
         """The version stable users get: the newest revision's, or 0 (the model serving started on)."""
@@ -441,7 +457,7 @@ def _candidate(r: Any) -> Candidate:
 
 
 def _revision(r: Any) -> Revision:
-    return Revision(r[0], r[1], r[2], r[3], r[4], r[5], bool(r[6]))
+    return Revision(r[0], r[1], r[2], r[3], r[4], r[5], r[6] == PUBLISHED, r[6] == SKIPPED)
 
 
 __all__ = ["FINAL", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "database_url"]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kafka import TopicPartition
+from pydantic import ValidationError
 
 from flywheel.contracts import (
     CheckpointEvent,
@@ -156,12 +157,13 @@ class Streams:
         it); the ones Kafka acked."""
         done = []
         for rev in revisions:
-            canary = rev.canary_version
-            event = ReleaseEvent(revision=rev.revision, deployment=deployment, stable_version=rev.stable_version,
-                                 canary_version=canary, canary_share=rev.canary_share,
-                                 stable_ref=ref(rev.stable_version) if rev.stable_version else None,
-                                 canary_ref=ref(canary) if canary else None,
-                                 reason=rev.reason, updated_at=rev.at)
+            try:
+                event = release_event(rev, deployment, ref)
+            except ValidationError as exc:
+                # the controller skips these before (Controller._publish); should one get here, it
+                # must not hold back the revisions after it, a rollback among them
+                log.error("revision %d cannot be published: %s", rev.revision, exc)
+                continue
             try:
                 self.producer.send(self.topics.releases, key=deployment, value=encode(event)).get(timeout=10)
             except Exception as exc:  # noqa: BLE001 - the broker did not ack: kept for the next turn
@@ -172,3 +174,14 @@ class Streams:
                      f"v{rev.canary_version}" if rev.canary_version is not None else "none", 100 * rev.canary_share,
                      rev.reason)
         return done
+
+
+def release_event(rev: Revision, deployment: str, ref: Callable[[int], VersionRef | None]) -> ReleaseEvent:
+    """The record of one routing revision, each version with ``ref(version)``. ``ValidationError``
+    when the store's rows cannot make one (a version unknown, or its uri or hash one the contract
+    refuses): the same rows give the same error every turn."""
+    canary = rev.canary_version
+    return ReleaseEvent(revision=rev.revision, deployment=deployment, stable_version=rev.stable_version,
+                        canary_version=canary, canary_share=rev.canary_share,
+                        stable_ref=ref(rev.stable_version) if rev.stable_version else None,
+                        canary_ref=ref(canary) if canary else None, reason=rev.reason, updated_at=rev.at)

@@ -217,7 +217,8 @@ function renderStatus(s) {
     s.paused ? el("span", { class: "badge s-paused" }, "paused") : el("span", { class: "badge s-running" }, "running")));
   if (s.revision && s.revision.revision !== undefined) {
     items.push(el("span", { class: "item muted", title: s.revision.reason || "" }, `Revision ${s.revision.revision}`,
-      s.revision.published === false ? " (not published yet)" : ""));
+      s.revision.skipped === true ? " (cannot be published: see the audit log)"
+        : s.revision.published === false ? " (not published yet)" : ""));
   }
   const now = typeof s.time === "number" ? s.time : Date.now() / 1000;
   if (typeof s.next_promotion_at === "number" && s.next_promotion_at > now) {

@@ -422,3 +422,60 @@ def test_a_canary_losing_past_the_float_range_is_rolled_back_not_wedged(light_co
     assert (last.stable_version, last.canary_version) == (0, None)
     analysis = rs.get(1).analysis
     assert 0 < analysis["e_worse"] < float("inf") and json.dumps(analysis, allow_nan=False)
+
+
+def bad_uri_checkpoint(version: int, uri: str) -> bytes:
+    """A checkpoint record valid in every field but its uri, as a producer without the contract
+    (or an older one) could write it."""
+    from flywheel.contracts import CheckpointEvent
+
+    good = CheckpointEvent(version=version, parent=None, step=version, uri="file:///ckpt", manifest_sha256="a" * 64,
+                           dtype="float32", full_snapshot=True, samples=1, created_at=time.time())
+    return json.dumps(good.model_dump(mode="json") | {"uri": uri}).encode()
+
+
+def dead_letters(kafka_settings, topics) -> list[DeadLetterEvent]:
+    starts = {TopicPartition(topics.deadletter, p): None for p in range(kafka_settings.partitions)}
+    return [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts,
+                                                                         client_id="t")]
+
+
+def test_a_checkpoint_uri_that_is_empty_or_too_long_is_dead_lettered(light_controller, kafka_settings, topics):
+    # serving takes a version's uri from the release record, where it must be 1-4,096 characters:
+    # one the checkpoint contract let through could never be published
+    ctl, rs = light_controller()
+    producer = make_producer(kafka_settings, "test")
+    for version, uri in ((1, ""), (2, "s3://bucket/" + "x" * 5000)):
+        producer.send(topics.checkpoints, key=str(version), value=bad_uri_checkpoint(version, uri)).get(10)
+    producer.close()
+    deadline = time.monotonic() + 60
+    while len(letters := dead_letters(kafka_settings, topics)) < 2 and time.monotonic() < deadline:
+        ctl.tick()
+    assert [(dl.stage, dl.reason, dl.source_topic) for dl in letters] == [("release", "invalid", topics.checkpoints)] * 2
+    assert all("uri" in dl.detail for dl in letters), [dl.detail for dl in letters]
+    assert rs.candidates() == []
+
+
+def test_a_revision_that_cannot_be_published_does_not_hold_back_later_ones(light_controller, kafka_settings, topics):
+    # a canary routing whose version's uri no release record can carry (recorded before the
+    # checkpoint contract bounded it): building its record raised outside the publish's try, every
+    # turn, and no later revision went out, the rollback that ends that canary included
+    from release import actions
+    from release.store import Routing
+
+    ctl, rs = light_controller()
+    with closing(ReleaseStore(rs.db.url)) as people:
+        people.add_candidate({"version": 1, "parent": None, "uri": "s3://bucket/" + "x" * 5000,
+                              "manifest_sha256": "b" * 64, "step": 1})
+        people.transition(1, State.GATING, "test", "gate")
+        people.transition(1, State.CANARY, "test", "canary", routing=Routing(0, 1, 0.5))  # revision 1
+        ctl.tick()
+        assert actions.rollback(people, "alice", "serving never got it") == 1  # revision 2
+    ctl.tick()
+    assert rs.unpublished() == []
+    got = releases(kafka_settings, topics)
+    assert [(r.revision, r.stable_version, r.canary_version) for r in got] == [(2, 0, None)]
+    skipped = [e for e in rs.audit() if e.reason.startswith("revision 1 cannot be published")]
+    assert len(skipped) == 1 and "uri" in skipped[0].reason, [e.reason for e in rs.audit()]
+    ctl.tick()  # tried once: a record that cannot be built is not tried again every turn
+    assert len([e for e in rs.audit() if e.reason.startswith("revision 1 cannot be published")]) == 1
