@@ -25,8 +25,9 @@ GET      /health, /metrics, /openapi.json     none      operators' probes and th
 Every error is ``{"detail": "<a sentence for a person>"}``: 401 (with ``WWW-Authenticate:
 Bearer``) without a valid token, 403 naming the role needed, 404 for a candidate never seen, 409 for
 an action the rules refuse now (an unknown, superseded or decided version, a promotion inside
-``release.promotion_interval_s``: release/actions.py says why), 400 for a body that is not JSON,
-413 for one over 16 KiB, 422 for one that does not fit the route. The token is checked before the
+``release.promotion_interval_s``: release/actions.py says why), 400 for a body that is not JSON
+(or is nested too deeply to parse: flywheel/jsonbody.py), 413 for one over 16 KiB, 422 for one
+that does not fit the route. The token is checked before the
 body is read, so a caller without one learns nothing about what the route expects.
 
 The store is used by one request at a time (a lock): SQLite and psycopg connections must not run
@@ -36,7 +37,6 @@ loop's, so the two never share a connection.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -52,6 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings
 from release import actions
@@ -114,9 +115,9 @@ def _body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
     async def read(request: Request) -> B:
         raw = await _read_capped(request)
         try:
-            data = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HTTPException(400, f"the body is not JSON: {exc}") from None
+            data = load_body(raw) if raw.strip() else {}
+        except BodyError as exc:  # not JSON, nested too deeply to parse, or a lone surrogate
+            raise HTTPException(400, str(exc)) from None
         if not isinstance(data, dict):
             raise HTTPException(422, "the body must be a JSON object, e.g. {\"reason\": \"...\"}")
         try:

@@ -19,13 +19,13 @@ fuzz tests check real responses against them).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from flywheel.contracts import Duration, EpochSeconds, Signal, may_hold_surrogates
+from flywheel.contracts import Duration, EpochSeconds, Signal
+from flywheel.jsonbody import BodyError, load_body
 
 #: OpenAI's bounds on how many alternatives per token may be asked for.
 MAX_COMPLETION_LOGPROBS = 5
@@ -285,19 +285,11 @@ class FeedbackRequest(_Req):
 def parse(cls: type[_Req], raw: bytes) -> Any:
     """Bytes -> validated request, or :class:`ApiError` (400) that says what is wrong."""
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise ApiError(400, "request body is JSON nested too deeply to parse") from None
+        obj = load_body(raw)  # shared with the release API (flywheel/jsonbody.py)
+    except BodyError as exc:
+        raise ApiError(400, str(exc)) from None
     if not isinstance(obj, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(obj).__name__}")
-    if may_hold_surrogates(raw):
-        try:
-            json.dumps(obj, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "request body holds a lone UTF-16 surrogate (a \\ud800-\\udfff escape "
-                                "without its pair): such text cannot be stored as UTF-8") from None
     try:
         return cls.model_validate(obj)
     except ValidationError as exc:

@@ -382,8 +382,8 @@ def test_pause_and_resume_are_audited_and_repeats_change_nothing(api, store):
 
 BAD_REQUESTS: list[tuple[str, str, dict[str, Any], int, str]] = [
     # method, path, httpx kwargs, status, words the detail must hold
-    ("POST", "/api/candidates/1/approve", {"content": b"{not json"}, 400, "not JSON"),
-    ("POST", "/api/candidates/1/approve", {"content": b"\xff\xfe"}, 400, "not JSON"),
+    ("POST", "/api/candidates/1/approve", {"content": b"{not json"}, 400, "not valid JSON"),
+    ("POST", "/api/candidates/1/approve", {"content": b"\xff\xfe"}, 400, "not valid JSON"),
     ("POST", "/api/candidates/1/approve", {"json": ["reason"]}, 422, "JSON object"),
     ("POST", "/api/candidates/1/approve", {"json": {"reason": "x" * (MAX_REASON_CHARS + 1)}}, 422, "2000"),
     ("POST", "/api/candidates/1/approve", {"json": {"reason": 5}}, 422, "reason"),
@@ -417,6 +417,25 @@ def test_bad_requests_get_4xx_with_a_message_and_change_nothing(api, store):
     assert store.audit() == audit_before
     ok = a.post("/api/candidates/1/approve", "abe", json={"reason": "y" * MAX_REASON_CHARS})  # the limit itself
     assert ok.status_code == 200 and store.audit(version=1, limit=1)[0].reason == "y" * MAX_REASON_CHARS
+
+
+BODY_ROUTES = [(m, p) for (m, p) in API_ROLES if m == "POST"]
+
+
+@pytest.mark.parametrize("body", [b"[" * 2000 + b"]" * 2000, b'{"reason": ' + b"[" * 2000 + b"]" * 2000 + b"}",
+                                  b'{"reason": "\\ud800"}'],
+                         ids=["deep-array", "deep-in-an-object", "lone-surrogate"])
+def test_a_body_json_cannot_parse_or_store_is_a_400_on_every_route_that_takes_one(api, store, body):
+    # 2,000 nested arrays: a RecursionError escaped body parsing as a 500
+    seed(store, 1, State.AWAITING_APPROVAL)
+    audit_before = store.audit()
+    a = api()
+    for method, path in BODY_ROUTES:
+        r = a.call(method, path.replace("{version}", "1"), "ada", content=body,
+                   headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        assert any(w in r.json()["detail"] for w in ("nested too deeply", "surrogate")), (path, r.json())
+    assert store.audit() == audit_before and store.get(1).state == State.AWAITING_APPROVAL
 
 
 def test_health_and_metrics_are_open_and_report_what_they_see(api, store):
