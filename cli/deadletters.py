@@ -49,6 +49,7 @@ from kafka import KafkaConsumer, TopicPartition
 from flywheel.contracts import MAX_DEADLETTER_BYTES, ContractError, DeadLetterEvent, Topics, decode
 from flywheel.kafka.clients import make_producer, partitions_of, read_to_end
 from flywheel.settings import KafkaSettings, Settings
+from flywheel.terminal import escape
 
 REPLAY_HEADER = "flywheel-replay-of"
 _REPLAY_OF = re.compile(rb"^(\d+):(\d+)$")
@@ -134,7 +135,7 @@ class Summary:
             return "no dead letters match"
         table = [("stage", "reason", "source topic", "count", "first failed", "last failed")]
         for (stage, reason, topic), (n, first, last) in sorted(self.rows.items(), key=lambda kv: -kv[1][0]):
-            table.append((stage, reason, topic, str(int(n)), _when(first), _when(last)))
+            table.append((escape(stage), escape(reason), escape(topic), str(int(n)), _when(first), _when(last)))
         widths = [max(len(row[i]) for row in table) for i in range(6)]
         text = "\n".join("  ".join(cell.rjust(w) if i == 3 else cell.ljust(w)
                                    for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
@@ -152,10 +153,13 @@ def show(letters: Iterable[Letter], limit: int, width: int = 300) -> str:
         value = base64.b64decode(dl.value_b64)
         key = base64.b64decode(dl.key_b64) if dl.key_b64 is not None else None
         text = value.decode("utf-8", "replace")
+        # anyone who can write a topic chose these bytes (and the detail quotes them): escaped, so
+        # they cannot break lines, send escape sequences or reorder the text (flywheel/terminal.py)
         out.append(
-            f"[{letter.partition}:{letter.offset}] {_when(dl.failed_at)} {dl.stage} {dl.reason}: {dl.detail}\n"
-            f"  from {dl.source_topic}[{dl.source_partition}]@{dl.source_offset} key={key!r}\n"
-            f"  value ({len(value)} bytes): {text[:width]}{' ...' if len(text) > width else ''}")
+            f"[{letter.partition}:{letter.offset}] {_when(dl.failed_at)} {escape(dl.stage)} {escape(dl.reason)}: "
+            f"{escape(dl.detail)}\n"
+            f"  from {escape(dl.source_topic)}[{dl.source_partition}]@{dl.source_offset} key={key!r}\n"
+            f"  value ({len(value)} bytes): {escape(text[:width])}{' ...' if len(text) > width else ''}")
     return "\n".join(out) if out else "no dead letters match"
 
 
@@ -169,7 +173,7 @@ class ReplayResult:
     def render(self, dry_run: bool) -> str:
         verb = "would replay" if dry_run else "replayed"
         lines = [f"{verb} {sum(self.sent.values())} records"]
-        lines += [f"  {n:>7}  {reason:<18} -> {topic}" for (topic, reason), n in sorted(self.sent.items())]
+        lines += [f"  {n:>7}  {escape(reason):<18} -> {escape(topic)}" for (topic, reason), n in sorted(self.sent.items())]
         if self.before:
             lines.append(f"  {self.before} dead letters were replayed before (their records are in the source "
                          f"topic with {REPLAY_HEADER}): skipped; --again sends them anyway")
@@ -177,7 +181,7 @@ class ReplayResult:
             lines.append(f"  {self.repeats} more dead letters hold a record above (it was dead-lettered more "
                          "than once): sent once, marked as the replay of each")
         for letter, why in self.refused:
-            lines.append(f"  refused [{letter.partition}:{letter.offset}] {letter.event.reason}: {why}")
+            lines.append(f"  refused [{letter.partition}:{letter.offset}] {escape(letter.event.reason)}: {escape(why)}")
         return "\n".join(lines)
 
 

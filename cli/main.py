@@ -174,7 +174,7 @@ def _add_release(sub: Any) -> None:
         elif version == "option":
             c.add_argument("--version", type=_count, default=None, help="only this version")
         if reason is not None:
-            c.add_argument("--reason", required=reason == "required", default=None,
+            c.add_argument("--reason", type=_one_line, required=reason == "required", default=None,
                            help="why, for the audit log" + (" (required)" if reason == "required" else ""))
         c.set_defaults(func=cmd_release)
 
@@ -203,6 +203,17 @@ def _count(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
     return value
+
+
+def _one_line(text: str) -> str:
+    """An argparse type: one line of plain text (flywheel/terminal.py), as the release API takes
+    a reason; refused here as a usage error, before anything is sent."""
+    from flywheel.terminal import check_one_line
+
+    try:
+        return check_one_line(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

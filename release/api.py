@@ -25,10 +25,13 @@ GET      /health, /metrics, /openapi.json     none      operators' probes and th
 Every error is ``{"detail": "<a sentence for a person>"}``: 401 (with ``WWW-Authenticate:
 Bearer``) without a valid token, 403 naming the role needed, 404 for a candidate never seen, 409 for
 an action the rules refuse now (an unknown, superseded or decided version, a promotion inside
-``release.promotion_interval_s``: release/actions.py says why), 400 for a body that is not JSON
-(or is nested too deeply to parse: flywheel/jsonbody.py), 413 for one over 16 KiB, 422 for one
-that does not fit the route. The token is checked before the
-body is read, so a caller without one learns nothing about what the route expects.
+``release.promotion_interval_s``: release/actions.py says why), 413 for a body over 16 KiB, and
+400 for a request that does not fit the route: a body that is not JSON (or is nested too deeply to
+parse: flywheel/jsonbody.py), a field of the wrong type or out of bounds, a reason that is not one
+line of plain text (flywheel/terminal.py), a path or query parameter that is not a version or a
+limit; the message names what is wrong (400, not FastAPI's 422, as serving's API answers). The
+token is checked before the body is read, so a caller without one learns nothing about what the
+route expects.
 
 The store is used by one request at a time (a lock): SQLite and psycopg connections must not run
 two transactions at once. Give the app a :class:`ReleaseStore` of its own, not the controller
@@ -49,12 +52,13 @@ from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings
+from flywheel.terminal import ONE_LINE, check_one_line
 from release import actions
 from release.actions import ActionRefused
 from release.auth import STATE_KEY, Role, parse_tokens, require
@@ -77,8 +81,10 @@ Admin = Annotated[str, Depends(require(Role.ADMIN))]
 
 # -- request bodies (client -> release API) -----------------------------------------------------
 
-#: Text without control characters but tabs and line breaks.
-PRINTABLE = r"^[^\x00-\x08\x0b\x0c\x0e-\x1f\x7f]*$"
+#: A reason: one line of text (flywheel/terminal.py). Line breaks, C1 and bidirectional controls
+#: forged rows of the audit log in a terminal, and PostgreSQL refuses NUL in text. The check is a
+#: validator, for a message naming the character; the schema publishes the same set as a pattern.
+Reason = Annotated[str, AfterValidator(check_one_line), Field(json_schema_extra={"pattern": ONE_LINE})]
 
 
 class ReasonBody(BaseModel):
@@ -86,8 +92,7 @@ class ReasonBody(BaseModel):
 
     # forbid: a misspelt field ("reson") would otherwise be dropped and the action logged without it
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-    # no control characters: PostgreSQL refuses NUL in text, and a reason is read by people
-    reason: str | None = Field(default=None, max_length=MAX_REASON_CHARS, pattern=PRINTABLE)
+    reason: Reason | None = Field(default=None, max_length=MAX_REASON_CHARS)
 
 
 class RollbackBody(ReasonBody):
@@ -101,7 +106,7 @@ class RequiredReasonBody(BaseModel):
     """Body of pause and resume: an admin says why the pipeline stops or starts."""
 
     model_config = ConfigDict(extra="forbid", str_strip_whitespace=True)
-    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS, pattern=PRINTABLE)
+    reason: Reason = Field(min_length=1, max_length=MAX_REASON_CHARS)
 
 
 B = TypeVar("B", bound=BaseModel)
@@ -119,11 +124,11 @@ def _body(model: type[B]) -> Callable[[Request], Awaitable[B]]:
         except BodyError as exc:  # not JSON, nested too deeply to parse, or a lone surrogate
             raise HTTPException(400, str(exc)) from None
         if not isinstance(data, dict):
-            raise HTTPException(422, "the body must be a JSON object, e.g. {\"reason\": \"...\"}")
+            raise HTTPException(400, "the body must be a JSON object, e.g. {\"reason\": \"...\"}")
         try:
             return model.model_validate(data)
         except ValidationError as exc:
-            raise HTTPException(422, _explain(exc.errors())) from None
+            raise HTTPException(400, _explain(exc.errors())) from None
 
     return read
 
@@ -148,7 +153,8 @@ def _explain(errors: Any) -> str:
         if loc and loc[0] in ("body", "path", "query", "header"):
             loc = loc[1:]  # the caller knows where they put it; the name is what matters
         where = ".".join(str(p) for p in loc)
-        parts.append(f"{where}: {err.get('msg', 'invalid')}" if where else str(err.get("msg", "invalid")))
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")  # a validator's own sentence
+        parts.append(f"{where}: {msg}" if where else msg)
     return "; ".join(parts) or "invalid request"
 
 
@@ -388,7 +394,7 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, exc: RequestValidationError) -> Response:
-        return JSONResponse({"detail": _explain(exc.errors())}, status_code=422)
+        return JSONResponse({"detail": _explain(exc.errors())}, status_code=400)
 
     @app.exception_handler(ActionRefused)
     async def refused(_: Request, exc: ActionRefused) -> Response:

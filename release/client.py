@@ -29,6 +29,8 @@ from typing import Any, TextIO
 
 import httpx
 
+from flywheel.terminal import escape
+
 #: Exit codes: what went wrong, for scripts.
 EXIT_OK, EXIT_ERROR, EXIT_AUTH = 0, 1, 2
 
@@ -115,7 +117,9 @@ def _message(resp: httpx.Response) -> str:
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """Columns padded to their widest cell, two spaces apart; the last column is not padded (it
     holds free text such as reasons)."""
-    cells = [[str(h) for h in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    # every cell escaped (flywheel/terminal.py): a stored reason or actor must not print a line
+    # break, an escape sequence or a bidirectional override, which forged audit rows
+    cells = [[escape(h) for h in headers]] + [["-" if c is None else escape(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c if i == len(r) - 1 else c.ljust(widths[i]) for i, c in enumerate(r)) for r in cells]
     return "\n".join(line.rstrip() for line in lines)
@@ -167,9 +171,9 @@ def _describe_result(result: dict[str, Any] | None) -> str:
     nested ones, such as the confidence band's history, are for the console's charts)."""
     if not result:
         return "none yet"
-    lines = [str(result.get("outcome", result.get("verdict", "?")))]
+    lines = [escape(result.get("outcome", result.get("verdict", "?")))]
     reasons = result.get("reasons") or ([result["reason"]] if result.get("reason") else [])
-    lines += [f"  - {r}" for r in reasons]
+    lines += [f"  - {escape(r)}" for r in reasons]
     scalars = [(k, v) for k, v in sorted(result.items())
                if k not in ("outcome", "verdict", "reasons", "reason") and isinstance(v, str | int | float | bool)]
     if scalars:
@@ -255,7 +259,7 @@ def main(args: argparse.Namespace, url: str, token: str | None,
         return EXIT_OK
     except ApiError as exc:
         hint = ("; pass --token or set FLYWHEEL_RELEASE_TOKEN" if exc.status == 401 and not token else "")
-        print(f"error: {exc.message}{hint}", file=err)
+        print(f"error: {escape(exc.message)}{hint}", file=err)
         return EXIT_AUTH if exc.status in (401, 403) else EXIT_ERROR
     finally:
         client.close()

@@ -384,22 +384,22 @@ BAD_REQUESTS: list[tuple[str, str, dict[str, Any], int, str]] = [
     # method, path, httpx kwargs, status, words the detail must hold
     ("POST", "/api/candidates/1/approve", {"content": b"{not json"}, 400, "not valid JSON"),
     ("POST", "/api/candidates/1/approve", {"content": b"\xff\xfe"}, 400, "not valid JSON"),
-    ("POST", "/api/candidates/1/approve", {"json": ["reason"]}, 422, "JSON object"),
-    ("POST", "/api/candidates/1/approve", {"json": {"reason": "x" * (MAX_REASON_CHARS + 1)}}, 422, "2000"),
-    ("POST", "/api/candidates/1/approve", {"json": {"reason": 5}}, 422, "reason"),
-    ("POST", "/api/candidates/1/approve", {"json": {"reson": "typo"}}, 422, "reson"),
+    ("POST", "/api/candidates/1/approve", {"json": ["reason"]}, 400, "JSON object"),
+    ("POST", "/api/candidates/1/approve", {"json": {"reason": "x" * (MAX_REASON_CHARS + 1)}}, 400, "2000"),
+    ("POST", "/api/candidates/1/approve", {"json": {"reason": 5}}, 400, "reason"),
+    ("POST", "/api/candidates/1/approve", {"json": {"reson": "typo"}}, 400, "reson"),
     ("POST", "/api/candidates/1/approve", {"content": b"{" + b" " * 20_000 + b"}"}, 413, "bytes"),
-    ("POST", "/api/candidates/abc/approve", {}, 422, "version"),
-    ("POST", "/api/candidates/-1/approve", {}, 422, "version"),
-    ("POST", f"/api/candidates/{2**70}/approve", {}, 422, "version"),
-    ("GET", "/api/candidates/1.5", {}, 422, "version"),
-    ("POST", "/api/rollback", {"json": {"version": "two"}}, 422, "version"),
-    ("POST", "/api/pause", {}, 422, "reason"),
-    ("POST", "/api/pause", {"json": {"reason": "   "}}, 422, "reason"),
-    ("POST", "/api/resume", {"json": {}}, 422, "reason"),
-    ("GET", "/api/audit?limit=0", {}, 422, "limit"),
-    ("GET", "/api/audit?limit=lots", {}, 422, "limit"),
-    ("GET", "/api/audit?version=x", {}, 422, "version"),
+    ("POST", "/api/candidates/abc/approve", {}, 400, "version"),
+    ("POST", "/api/candidates/-1/approve", {}, 400, "version"),
+    ("POST", f"/api/candidates/{2**70}/approve", {}, 400, "version"),
+    ("GET", "/api/candidates/1.5", {}, 400, "version"),
+    ("POST", "/api/rollback", {"json": {"version": "two"}}, 400, "version"),
+    ("POST", "/api/pause", {}, 400, "reason"),
+    ("POST", "/api/pause", {"json": {"reason": "   "}}, 400, "reason"),
+    ("POST", "/api/resume", {"json": {}}, 400, "reason"),
+    ("GET", "/api/audit?limit=0", {}, 400, "limit"),
+    ("GET", "/api/audit?limit=lots", {}, 400, "limit"),
+    ("GET", "/api/audit?version=x", {}, 400, "version"),
     ("GET", "/api/nothing-here", {}, 404, "Not Found"),
     ("DELETE", "/api/pause", {}, 405, "Method Not Allowed"),
 ]
@@ -436,6 +436,41 @@ def test_a_body_json_cannot_parse_or_store_is_a_400_on_every_route_that_takes_on
         assert r.status_code == 400, (path, r.status_code, r.text[:300])
         assert any(w in r.json()["detail"] for w in ("nested too deeply", "surrogate")), (path, r.json())
     assert store.audit() == audit_before and store.get(1).state == State.AWAITING_APPROVAL
+
+
+#: Reasons that would forge what a person reads in the audit log: a line break starts a fake row,
+#: C1 controls (U+009B is CSI to 8-bit terminals, U+0085 a line break) and bidirectional controls
+#: rewrite or reorder what is shown; line and paragraph separators break lines in many viewers.
+FORGING_REASONS = {
+    "newline": "ok\n2026-01-01 00:00:00Z  alice  1  held -> promoted  approved",
+    "carriage-return": "ok\rforged",
+    "tab": "ok\tforged",
+    "escape": "ok \x1b[2J",
+    "c1-csi": "ok \x9b2J",
+    "c1-next-line": "ok\x85forged",
+    "bidi-override": "approved \u202edevorppa ton",
+    "bidi-isolate": "ok \u2066forged\u2069",
+    "rlm": "ok \u200f",
+    "line-separator": "ok\u2028forged",
+    "paragraph-separator": "ok\u2029forged",
+}
+
+
+@pytest.mark.parametrize("reason", FORGING_REASONS.values(), ids=FORGING_REASONS.keys())
+def test_a_reason_that_could_forge_the_audit_log_is_refused_on_every_route(api, store, reason):
+    seed(store, 1, State.AWAITING_APPROVAL)
+    audit_before = store.audit()
+    a = api()
+    for method, path in BODY_ROUTES:
+        r = a.call(method, path.replace("{version}", "1"), "ada", json={"reason": reason})
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.json()["detail"].startswith("reason: "), r.json()
+        assert "one line of text" in r.json()["detail"], r.json()
+        assert "U+" in r.json()["detail"], r.json()  # which character, named so a person can find it
+    assert store.audit() == audit_before and store.get(1).state == State.AWAITING_APPROVAL
+    # text in other scripts, emoji and their joiners is a reason like any other
+    ok = a.post("/api/candidates/1/approve", "abe", json={"reason": "gut so, très bien, 很好 👩‍💻"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_health_and_metrics_are_open_and_report_what_they_see(api, store):

@@ -7,6 +7,7 @@ one runs as ``python -m cli`` to check the process's exit code and streams for r
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -157,3 +158,38 @@ def test_pause_and_resume_need_a_reason_before_anything_is_sent(capsys):
             main(["release", command, "--url", "http://127.0.0.1:9"])
         assert exit_.value.code == 2
         assert "--reason" in capsys.readouterr().err
+
+
+#: What the CLI must never print raw (tests/integration/test_release_api.py: FORGING_REASONS).
+RAW = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e\u2066-\u2069]")
+
+
+def test_stored_text_that_could_forge_the_output_is_printed_escaped(api, store):
+    # rows already in a database (written before the API refused such reasons, or by hand) must
+    # not forge a row, move the cursor or reorder the text of the terminal that shows them
+    seed(store, 1, State.AWAITING_APPROVAL)
+    forged = "ok\n2026-01-01 00:00:00Z  alice  1  held -> promoted  approved\x1b[31m\x9b2J\u202eevil\u2028x"
+    store.note(1, "mallory\x1b]0;title\x07", forged)
+    a = api()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    for command in (["audit"], ["show", "1"]):
+        done = subprocess.run([sys.executable, "-m", "cli", "release", *command, "--url", a.url,
+                               "--token", TOKENS["vera"]], cwd=ROOT, env=env, capture_output=True, timeout=60,
+                              check=False)
+        out = done.stdout.decode("utf-8")
+        assert done.returncode == 0, done.stderr
+        assert not RAW.search(out), [m.group() for m in RAW.finditer(out)]
+        row = next(line for line in out.splitlines() if "mallory" in line)
+        assert "ok\\n2026-01-01" in row and "\\x1b[31m\\x9b2J\\u202eevil\\u2028x" in row, row
+        assert "mallory\\x1b]0;title\\x07" in row
+        assert not any(line.lstrip().startswith("2026-01-01 00:00:00Z  alice") for line in out.splitlines())
+
+
+@pytest.mark.parametrize("reason", ["two\nlines", "c1 \x9b2J", "bidi \u202e", "sep\u2029"])
+def test_a_reason_that_could_forge_the_audit_log_is_a_usage_error_before_anything_is_sent(capsys, reason):
+    for command in (["reject", "1"], ["pause"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(["release", *command, "--reason", reason, "--url", "http://127.0.0.1:9", "--token", "t"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert "--reason" in err and "one line of text" in err and "U+" in err, err

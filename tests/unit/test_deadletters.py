@@ -117,6 +117,22 @@ def test_show_prints_where_why_and_the_original_bytes():
     assert show([], limit=5) == "no dead letters match"
 
 
+def test_show_and_the_summary_print_what_a_record_holds_escaped():
+    # anyone who can write a topic chooses a dead letter's bytes, and its detail quotes them: a
+    # terminal must not take them as line breaks, escape sequences or bidirectional overrides
+    forged = "ok\nfake [0:1] line\x1b[2J\x9b31m\u202eevil\u2028"
+    letter = dl(value=forged.encode(), reason="invalid\x1b[8m", stage="ingest\u2066").model_copy(
+        update={"detail": forged})
+    text = show([Letter(0, 4, letter)], limit=5)
+    assert len(text.splitlines()) == 3  # where, from, value: no line of the record's making
+    assert not any(c in text for c in "\x1b\x9b\u202e\u2028\u2066")
+    assert "ok\\nfake [0:1] line\\x1b[2J\\x9b31m\\u202eevil\\u2028" in text
+    summary = Summary()
+    summary.add(letter)
+    rendered = summary.render()
+    assert not any(c in rendered for c in "\x1b\u2066") and "invalid\\x1b[8m" in rendered
+
+
 def test_plan_replay_sends_a_record_that_failed_again_once():
     # the record failed, was replayed, failed again: two letters, one record (marked as the
     # replay of both, so that the next replay skips both)
