@@ -643,13 +643,16 @@ def test_orphaned_feedback_is_dead_lettered_max_batch_per_turn(tmp_path):
 def test_join_rows_an_earlier_version_stored_are_checked_once_at_start(tmp_path):
     """An earlier version stored generations as sent and decoded more leniently (UTF-16 text,
     1.0 for an integer): a window close or archive write that met such a row failed at every
-    restart. At start each open row is decoded as arrivals are now: a lenient one is stored
-    canonically, one that no longer decodes is dead-lettered with its bytes, once."""
+    restart. At start each open row is decoded as arrivals are now: one in another form than
+    encode writes is stored canonically, one that no longer decodes is dead-lettered with its
+    bytes, once."""
     import json
 
     store = StateStore(tmp_path / "s.sqlite3", SCHEMA)
     IngestStage(IngestSettings(window_s=10, orphan_wait_s=10, grace_s=1), T, store, CollectorRegistry())
-    lenient = {**json.loads(encode(gen("lenient", 100))), "schema_version": 1.0}  # not how it is written now
+    # not how it is written now: indented, and 100 where encode writes 100.0 (1.0 for an integer
+    # no longer decodes at all: tests/unit/test_contracts_strict.py)
+    lenient = {**json.loads(encode(gen("lenient", 100))), "created_at": 100}
     invalid = {**json.loads(encode(gen("invalid", 100))), "model_version": 1.5}  # refused by decode today
     utf16 = encode(gen("utf16", 100)).decode().encode("utf-16")
     feedback16 = encode(fb("f16", "accept", 101).model_copy(update={"generation_id": "lenient"})).decode().encode("utf-16")
