@@ -297,7 +297,9 @@ class ReleaseEvent(_Event):
     #: The deployment this routing is for (``release.deployment``); serving follows its own only.
     deployment: str = Field(default="flywheel", min_length=1, max_length=128)
     stable_version: int = Field(ge=0)
-    canary_version: int | None = None
+    #: At least 1: version 0 is the model directory, never a canary (a canary of -1 once passed
+    #: here and stopped every serving start that read it).
+    canary_version: int | None = Field(default=None, ge=1)
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
     stable_ref: VersionRef | None = None
     canary_ref: VersionRef | None = None

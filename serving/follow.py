@@ -2,7 +2,8 @@
 
 Before serving opens its port, :meth:`ReleaseFollower.catch_up` reads the releases topic from
 its beginning and applies the newest release for ``release.deployment``; then a thread follows
-new records while serving runs. Per record:
+new records while serving runs. Each record is decoded and validated in one place,
+:meth:`ReleaseFollower._read`. Per record:
 
 - not a valid ``ReleaseEvent`` -> a dead letter (``invalid``, ``undecodable``...), nothing changes;
 - another deployment's -> skipped (counted);
@@ -13,7 +14,9 @@ new records while serving runs. Per record:
   manifest hash the release carries (``flywheel.checkpoints.fetch``); then the engines load it
   and the routing flips (``serving.versions``).
 
-A version that fails any check refuses the whole release: serving keeps what it serves, logs the
+A version that fails any check refuses the whole release, and so does one whose fetch fails in a
+way nothing foresaw (``fetch_failed``: a URI the store's client chokes on): no record, however
+made, stops serving from starting or ends the follower. Serving keeps what it serves, logs the
 reason, counts it (``serving_versions_refused_total``), shows it on ``/health`` and sends a dead
 letter (``stage=serving``, ``reason=version_refused``) quoting the release, where the release
 controller and ``flywheel deadletters`` see it. A store that does not answer is retried with
@@ -57,8 +60,9 @@ from serving.versions import Fleet
 log = logging.getLogger(__name__)
 
 #: Refusal reasons besides the checkpoint fetch's own: the engines failed to load verified
-#: weights, or a canary was asked of a deployment with one engine.
-SERVING_REFUSALS = ("load_failed", "no_canary_engine")
+#: weights, a canary was asked of a deployment with one engine, or the fetch raised an error that
+#: names no known cause (``http://:99999/x`` makes the HTTP client raise ValueError).
+SERVING_REFUSALS = ("load_failed", "no_canary_engine", "fetch_failed")
 #: The dead-letter reason of a refused release; its detail reads "version V <reason>: <why>".
 VERSION_REFUSED = "version_refused"
 OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "refused")
@@ -200,18 +204,25 @@ class ReleaseFollower:
         out = []
         for recs in self._consumer.poll(timeout_ms=timeout_ms).values():
             for rec in recs:
-                try:
-                    ev = decode(ReleaseEvent, rec.value)
-                except ContractError as exc:
-                    self.metrics.releases.labels("invalid").inc()
-                    log.warning("release record at %s[%d]@%d refused: %s", rec.topic, rec.partition, rec.offset, exc)
-                    self.dead.send_record(rec, exc.reason, exc.detail)
-                    continue
-                if ev.deployment != self.deployment:
-                    self.metrics.releases.labels("other_deployment").inc()
-                    continue
-                out.append((ev, rec))
+                ev = self._read(rec)
+                if ev is not None:
+                    out.append((ev, rec))
         return out
+
+    def _read(self, rec: Any) -> ReleaseEvent | None:
+        """The one place a record becomes a release: decoded and validated against the contract,
+        or dead-lettered with the reason; None too for another deployment's release."""
+        try:
+            ev = decode(ReleaseEvent, rec.value)
+        except ContractError as exc:
+            self.metrics.releases.labels("invalid").inc()
+            log.warning("release record at %s[%d]@%d refused: %s", rec.topic, rec.partition, rec.offset, exc)
+            self.dead.send_record(rec, exc.reason, exc.detail)
+            return None
+        if ev.deployment != self.deployment:
+            self.metrics.releases.labels("other_deployment").inc()
+            return None
+        return ev
 
     def _seen_revision(self) -> int:
         return max(self.applied.revision if self.applied else -1, self.refused_revision)
@@ -267,10 +278,10 @@ class ReleaseFollower:
                seconds: dict[str, float]) -> Path | str | tuple[ReleaseEvent, Any]:
         if version == 0:
             return Path(self.settings.model_dir)  # verified when serving started
-        ref = _ref_for(ev, version)
         backoff = 0.5
         while True:
             try:
+                ref = _ref_for(ev, version)
                 fetched = fetch_version(ref.uri, version, ref.manifest_sha256, self.cache)
             except VersionRefused as exc:
                 self._refuse(ev, rec, version, exc.reason, exc.detail)
@@ -290,6 +301,9 @@ class ReleaseFollower:
                     return "unreachable"
                 backoff = min(backoff * 2, 30.0)
                 continue
+            except Exception as exc:  # noqa: BLE001 - whatever a record's URI makes a store client raise
+                self._refuse(ev, rec, version, "fetch_failed", repr(exc))
+                return "refused"
             for phase, spent in fetched.seconds.items():
                 self.metrics.phase.labels(phase).observe(spent)
                 seconds[phase] += spent
@@ -346,6 +360,9 @@ class ReleaseFollower:
 
 
 def _ref_for(ev: ReleaseEvent, version: int) -> VersionRef:
+    """Where ``version`` lives, as the release says; the contract requires a ref for every version
+    above 0, and a release that names none is refused rather than trusted to."""
     ref = ev.stable_ref if version == ev.stable_version else ev.canary_ref
-    assert ref is not None  # the contract requires a ref for every version above 0
+    if ref is None or ref.version != version:
+        raise VersionRefused(version, "malformed", f"release {ev.revision} says nowhere where version {version} lives")
     return ref

@@ -364,3 +364,106 @@ def test_a_restart_comes_back_on_the_released_versions_before_it_answers(engine,
         follower.stop()
     # the module's app goes on from where the engines are now
     rig.fleet.routing = fresh.routing
+
+
+def test_malformed_release_records_are_dead_lettered_once_and_serving_starts_and_keeps_serving(
+        engine, rig, tmp_path):
+    """Records serving cannot act on, before it starts and while it runs: not JSON, another kind,
+    a canary version of -1 (once an assertion that stopped every start), a canary whose files are
+    not in the store, one whose manifest is not the announced one, and URIs that made the store's
+    client raise what no refusal foresaw (ValueError, TypeError: they too escaped the follower).
+    Each is dead-lettered once with its reason; serving starts, answers and keeps its routing; a
+    good release after them still applies. A fresh follower and app on the module's engines, on
+    topics of their own."""
+    from serving.app import create_app
+    from serving.follow import ReleaseFollower
+    from serving.server import AppServer
+    from serving.versions import Fleet
+
+    topics = Topics(f"t{uuid.uuid4().hex[:10]}.")
+    ensure_topics(rig.settings.kafka, topics.all())
+    settings = rig.settings.model_copy(update={"topic_prefix": topics.prefix, "data_dir": tmp_path})
+    fleet = Fleet([s.engine for s in rig.fleet.slots])
+    stable = fleet.slots[0].version  # a good release of it loads nothing: the module's engines stay as they are
+    canary = min({1, 2, 3} - {s.version for s in fleet.slots})  # one no engine holds: it must be fetched
+    revision = iter(range(1, 100))
+
+    def send(value: bytes) -> None:
+        # signed as the controller signs, where serving verifies signatures: a genuine but
+        # malformed record is what must not stop serving (an unsigned one never gets this far)
+        signer = getattr(rig, "signer", None)
+        headers = signer.headers(value) if signer is not None else []
+        rig.producer.send(topics.releases, key=b"flywheel", value=value, headers=headers).get(timeout=10)
+
+    def release(canary_version: int | None, canary_ref: VersionRef | dict | None) -> bytes:
+        # as JSON, not through ReleaseEvent: the contract must refuse some of these
+        return json.dumps({"kind": "release", "revision": next(revision), "deployment": "flywheel",
+                           "stable_version": stable, "canary_version": canary_version, "canary_share": 0.5,
+                           "stable_ref": rig.ref(stable).model_dump() if stable else None,
+                           "canary_ref": canary_ref.model_dump() if isinstance(canary_ref, VersionRef) else canary_ref,
+                           "updated_at": time.time()}).encode()
+
+    def letters(expect: int) -> list[DeadLetterEvent]:
+        recs = read_all(rig.broker.bootstrap, topics.deadletter, expect=expect)
+        return [decode(DeadLetterEvent, r.value) for r in recs]
+
+    missing = rig.ref(canary, uri=str(tmp_path / "nowhere" / rig.store.path(canary).name))
+    wrong_hash = rig.ref(canary).model_copy(update={"manifest_sha256": "cd" * 32})
+    bad_port, no_fs = (rig.ref(canary).model_copy(update={"uri": uri}) for uri in ("http://:99999/x", "reference://x"))
+    wrong_kind = json.dumps({"kind": "checkpoint", "revision": 50, "stable_version": 0}).encode()
+    # at a start only the newest valid release is tried: here the one with the port out of range
+    before = [b"{not json", wrong_kind, release(canary, bad_port), release(-1, None)]
+    for value in before:
+        send(value)
+
+    registry = new_registry()
+    follower = ReleaseFollower(settings, fleet, lambda fn: rig.loop.call(fn, timeout_s=300), registry)
+    follower.catch_up(20)  # raised AssertionError on the canary of -1, and serving never opened its port
+    follower.start()
+    server = AppServer(create_app(settings, fleet, rig.served.recorder, registry, follower), rig.loop).start()
+    served = Served(server.url, settings, rig.served.recorder, topics)
+    try:
+        assert fleet.served_versions() == {"stable": stable}
+        assert served.post("/v1/completions", {"model": "flywheel", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        got = letters(expect=4)
+        assert sorted(d.reason for d in got) == sorted(["undecodable", "wrong_kind", "invalid", "version_refused"])
+        assert "canary_version" in next(d.detail for d in got if d.reason == "invalid")
+        assert "fetch_failed" in next(d.detail for d in got if d.reason == "version_refused")
+
+        # while it runs: each bad record gets its letter (the follower thread once dropped the
+        # canary of -1 silently), and the routing stays as it was
+        while_running = [b"[1, 2", wrong_kind, release(-1, None), release(canary, missing),
+                         release(canary, wrong_hash), release(canary, no_fs)]
+        for n, value in enumerate(while_running, start=len(before) + 1):
+            send(value)
+            rig.wait_for(lambda n=n: len(letters(expect=n)) >= n, timeout_s=60)
+            assert fleet.served_versions() == {"stable": stable}
+            assert served.post("/v1/completions", {"model": "flywheel", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        send(release(None, None))  # and a good release still applies
+        rig.wait_for(lambda: follower.applied is not None and follower.applied.revision == 7)
+        assert httpx.get(server.url + "/health", timeout=10).json()["ok"]
+
+        got = letters(expect=10)
+        assert len(got) == 10 and len({(d.source_partition, d.source_offset) for d in got}) == 10  # each once
+        assert sorted(d.reason for d in got) == sorted(["undecodable", "wrong_kind", "invalid"] * 2
+                                                       + ["version_refused"] * 4)
+        assert all(d.stage == "serving" and d.detail and d.source_topic == topics.releases for d in got)
+        refusals = sorted((d for d in got if d.reason == "version_refused"), key=lambda d: d.failed_at)
+        assert [d.detail.split(":")[0] for d in refusals] == [
+            f"version {canary} {reason}" for reason in ("fetch_failed", "absent", "manifest_mismatch", "fetch_failed")]
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'serving_versions_refused_total{reason="fetch_failed"} 2.0' in text
+    finally:
+        server.stop()
+        follower.stop()
+
+
+# -- who may route serving: signed releases (flywheel/signing.py) -----------------------------------
+def _letters(rig: Rig, since: float, n: int, timeout_s: float = 30.0) -> list[DeadLetterEvent]:
+    """The first ``n`` dead letters serving sent since ``since`` (wall clock), once they arrived."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = [d for d in rig.deadletters(expect=0) if d.failed_at >= since]
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)

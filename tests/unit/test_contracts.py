@@ -267,7 +267,12 @@ def test_a_release_names_where_each_version_lives():
     assert ok.stable_ref == ref and ReleaseEvent(revision=1, stable_version=0, updated_at=1.0).stable_ref is None
     for bad, needle in (({"stable_version": 3}, "has no stable_ref"),
                         ({"stable_version": 4, "stable_ref": ref}, "not stable_version 4"),
-                        ({"stable_version": 0, "canary_version": 0}, "equals stable_version"),
+                        ({"stable_version": 3, "stable_ref": ref, "canary_version": 3, "canary_ref": ref},
+                         "equals stable_version"),
+                        # no version below 1 is a canary: -1 once stopped serving from starting
+                        ({"stable_version": 0, "canary_version": -1}, "(?s)canary_version.*greater than or equal to 1"),
+                        ({"stable_version": 1, "stable_ref": ref.model_copy(update={"version": 1}),
+                          "canary_version": 0}, "(?s)canary_version.*greater than or equal to 1"),
                         ({"stable_version": 0, "canary_ref": ref}, "canary_ref without")):
         with pytest.raises(ValidationError, match=needle):
             ReleaseEvent(revision=1, updated_at=1.0, **bad)
