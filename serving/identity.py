@@ -35,8 +35,22 @@ def bearer_key(authorization: str | None) -> str | None:
 def key_allowed(key: str | None, api_keys: tuple[str, ...], allow_anonymous: bool) -> bool:
     if not api_keys:
         return allow_anonymous
-    # constant-time compare against every key, so timing does not reveal a prefix match
-    return key is not None and any(hmac.compare_digest(key, k) for k in api_keys)
+    if key is None:
+        return False
+    # SHA-256 digests compared, as the release API does (release/auth.py): compare_digest raises
+    # TypeError on a str with non-ASCII characters (a header's bytes beyond ASCII arrive as such,
+    # and got a 500), and fixed-length digests keep a key's length out of the timing. Every key is
+    # compared, so the time taken does not say which one matched.
+    presented = _digest(key)
+    found = False
+    for k in api_keys:
+        found |= hmac.compare_digest(presented, _digest(k))
+    return found
+
+
+def _digest(key: str) -> bytes:
+    # surrogatepass: a key read from the environment may hold undecodable bytes as surrogates
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def raw_user(body_user: str | None, header_user: str | None, key: str | None) -> str:

@@ -148,6 +148,20 @@ def test_unknown_or_missing_key_gets_401(serve):
         assert "API key" in r.json()["error"]["message"]
 
 
+def test_a_non_ascii_key_gets_401_not_500(serve):
+    """A header's bytes beyond ASCII reach the app as latin-1 text, which hmac.compare_digest
+    refused with a TypeError: a 500 and a traceback per request."""
+    s = serve()
+    for raw in ("sk-t\u00e9st".encode(), "\u043a\u043b\u044e\u0447".encode(), b"sk-\xff"):
+        headers = {"Authorization": b"Bearer " + raw}
+        for method, path, body in (("POST", "/v1/completions", {"model": "flywheel", "prompt": "x", "max_tokens": 1}),
+                                   ("POST", "/v1/feedback", {"feedback_id": "f", "generation_id": "g", "signal": "accept"}),
+                                   ("GET", "/v1/models", None)):
+            r = httpx.request(method, s.url + path, json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (raw, path, r.text)
+            assert r.json()["error"]["code"] == "invalid_api_key"
+
+
 def test_rate_limit_gives_429_with_retry_after_per_user(serve):
     # one token a minute: a slow machine must not refill the bucket between the requests below
     s = serve(rate_limit_burst=2, rate_limit_per_minute=1)

@@ -43,7 +43,10 @@ def test_bearer_key(header, key):
 @pytest.mark.parametrize(
     "key, keys, anonymous, ok",
     [("a", ("a", "b"), False, True), ("c", ("a", "b"), False, False), (None, ("a",), True, False),
-     (None, (), True, True), (None, (), False, False), ("x", (), False, False)],
+     (None, (), True, True), (None, (), False, False), ("x", (), False, False),
+     # non-ASCII, as a header's bytes decode: hmac.compare_digest raises TypeError on such a str
+     ("sk-t\xc3\xa9st", ("sk-test",), False, False), ("sk-t\u00e9st", ("sk-t\u00e9st", "b"), False, True),
+     ("a", ("\u043a\u043b\u044e\u0447", "a"), False, True)],
 )
 def test_key_allowed(key, keys, anonymous, ok):
     assert key_allowed(key, keys, anonymous) is ok
