@@ -11,6 +11,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel topics                        create the topics this deployment uses
     flywheel ingest | reward | train       the pipeline stages
     flywheel deadletters summary|show|replay   what the stages could not use, and its replay
+    flywheel keys generate --out DIR --key-id ID   an Ed25519 pair that signs releases or checkpoints
     flywheel release serve                 the release controller: gates, canaries, approvals, API
     flywheel release list|show|approve|... its REST API from a terminal (release/client.py)
     flywheel up                            the whole loop on one machine, supervised, until Ctrl-C
@@ -109,6 +110,16 @@ def cmd_topics(args: argparse.Namespace) -> int:
     topics = Topics(settings.topic_prefix)
     ensure_topics(settings.kafka, topics.all())
     print("\n".join(topics.all()))
+    return 0
+
+
+def cmd_keys_generate(args: argparse.Namespace) -> int:
+    """``flywheel keys generate``: a signing key pair (flywheel/signing.py, docs/signing.md)."""
+    from flywheel.signing import generate_key_pair
+
+    private, public = generate_key_pair(Path(args.out), args.key_id)  # KeyFileError is a SettingsError
+    print(f"private key {private} (mode 0600): the signer's signing_key, in a Secret only it mounts")
+    print(f"public key  {public}: add it to the readers' trusted keys before the signer switches to it")
     return 0
 
 
@@ -278,6 +289,14 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--again", action="store_true",
                     help="replay: also the letters an earlier replay sent (they count twice once the stages forget their ids)")
     dl.set_defaults(func=_role("cli.deadletters"))
+
+    k = sub.add_parser("keys", help="signing keys for release and checkpoint records (docs/signing.md)")
+    kg = k.add_subparsers(dest="keys_cmd", required=True).add_parser(
+        "generate", help="write <key-id>.key (private) and <key-id>.pub into a directory; never overwrites")
+    kg.add_argument("--out", type=Path, required=True, help="directory for the pair")
+    kg.add_argument("--key-id", required=True,
+                    help="the key's name in record headers and file names, e.g. release-2026-12")
+    kg.set_defaults(func=cmd_keys_generate)
 
     tr = sub.add_parser("train", help="continuous DeepSpeed trainer on the rewards topic")
     tr.set_defaults(func=_role("trainer.main"))

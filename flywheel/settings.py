@@ -160,6 +160,12 @@ class ServeSettings(_Section):
     """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic);
     empty lets every key pin. Pinned requests are recorded with ``route=pinned`` and left out of
     canary statistics."""
+    trusted_release_keys: tuple[Path, ...] = ()
+    """Public keys (``<key id>.pub`` files, or directories of them such as a mounted Secret) whose
+    signatures serving accepts on release records (flywheel/signing.py, docs/signing.md): any
+    other record is dead-lettered (``unsigned``, ``bad_signature``, ``unknown_key``) and serving
+    keeps its routing. Empty: releases are not verified (logged at start); ``flywheel up`` signs
+    and verifies with a pair it makes under ``<data_dir>/keys``. Read again when they change."""
 
 
 class TrainerSettings(_Section):
@@ -218,6 +224,10 @@ class TrainerSettings(_Section):
     the trainer shares the CPU with serving and the other stages, and OpenMP's spin-waiting under
     that contention made two threads >10x slower than one on a 2-core machine (measured with
     bench/trainer_throughput.py)."""
+    signing_key: Path | None = None
+    """Ed25519 private key (``<key id>.key``, from ``flywheel keys generate``) the trainer signs
+    its checkpoint announcements with; the file name is the key id. Unset: announcements go out
+    unsigned, and a controller with ``release.trusted_checkpoint_keys`` refuses them."""
     host: str = "127.0.0.1"
     """Interface for ``/metrics`` and ``/health``."""
     port: int = Field(default=9103, ge=0, le=65535)
@@ -459,6 +469,14 @@ class ReleaseSettings(_Section):
     controller then takes over."""
     tick_s: float = Field(default=1.0, gt=0)
     """How often the controller looks at its candidates."""
+    signing_key: Path | None = None
+    """Ed25519 private key (``<key id>.key``) the controller signs its release records with; the
+    file name is the key id. Serving holds the public key (``serve.trusted_release_keys``). Unset:
+    releases go out unsigned, and a serving that trusts keys refuses them."""
+    trusted_checkpoint_keys: tuple[Path, ...] = ()
+    """Public keys (files or directories of ``<key id>.pub``) whose signatures the controller
+    accepts on checkpoint announcements (the trainer's); any other is dead-lettered and never
+    becomes a candidate. Empty: announcements are not verified (logged at start)."""
 
 
 class Settings(_Section):

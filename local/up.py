@@ -19,7 +19,11 @@ Kafka cluster (``FLYWHEEL_KAFKA_BOOTSTRAP``) wherever that loss matters.
 
 The children get this process's environment (so ``FLYWHEEL_*`` settings and a config file apply
 to all of them) plus what ``up`` sets: the broker address, the data and model directories, an API
-key and a release-console token when none is configured (printed once at start).
+key and a release-console token when none is configured (printed once at start), and signing
+keys: where neither side of a signed record is configured, a key pair made at the first start
+under ``<data_dir>/keys`` (kept for later runs), so the trainer signs its checkpoint
+announcements and the controller its routings, and each reader trusts only the other's key
+(docs/signing.md).
 """
 
 from __future__ import annotations
@@ -242,6 +246,11 @@ def run(settings: Any, args: Any) -> int:
     if not settings.serve.api_keys and not settings.serve.allow_anonymous:
         env["FLYWHEEL_API_KEYS"] = key = "sk-local-" + secrets.token_hex(8)
         print(f"API key for this run: {key}", flush=True)
+    signing = local_keys(settings, data_dir / "keys")
+    if signing:
+        env.update(signing)
+        print(f"checkpoints and releases are signed with the key pairs in {data_dir / 'keys'} (docs/signing.md)",
+              flush=True)
     if not settings.release.tokens:
         token = secrets.token_hex(12)
         env["FLYWHEEL_RELEASE_TOKENS"] = f"local:admin:{token}"
@@ -255,6 +264,35 @@ def run(settings: Any, args: Any) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, sup.request_stop)
     return sup.run()
+
+
+#: The records ``up`` signs, where neither side is configured: (key id, the writer's setting, the
+#: reader's), as environment variables.
+LOCAL_KEYS = (
+    ("release-local", "FLYWHEEL_RELEASE_SIGNING_KEY", "FLYWHEEL_SERVE_TRUSTED_RELEASE_KEYS"),
+    ("trainer-local", "FLYWHEEL_TRAINER_SIGNING_KEY", "FLYWHEEL_RELEASE_TRUSTED_CHECKPOINT_KEYS"),
+)
+
+
+def local_keys(settings: Any, keys_dir: Path) -> dict[str, str]:
+    """Environment that signs the loop's releases and checkpoints with pairs kept in ``keys_dir``
+    (made on first use), for each record neither of whose settings is set: one set means the
+    operator configures that record, and the other stays theirs to set."""
+    from flywheel.signing import generate_key_pair
+
+    configured = {"FLYWHEEL_RELEASE_SIGNING_KEY": settings.release.signing_key,
+                  "FLYWHEEL_SERVE_TRUSTED_RELEASE_KEYS": settings.serve.trusted_release_keys,
+                  "FLYWHEEL_TRAINER_SIGNING_KEY": settings.trainer.signing_key,
+                  "FLYWHEEL_RELEASE_TRUSTED_CHECKPOINT_KEYS": settings.release.trusted_checkpoint_keys}
+    env: dict[str, str] = {}
+    for key_id, signer, reader in LOCAL_KEYS:
+        if configured[signer] or configured[reader]:
+            continue
+        private, public = keys_dir / f"{key_id}.key", keys_dir / f"{key_id}.pub"
+        if not (private.exists() and public.exists()):
+            generate_key_pair(keys_dir, key_id)  # refuses to overwrite a half pair: the message says which
+        env[signer], env[reader] = str(private), str(public)
+    return env
 
 
 def _default_port(settings: Any, name: str) -> int:

@@ -3,12 +3,14 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
 
 - Checkpoints are read in the consumer group ``release.group_id`` and each batch's offsets are
   committed once the controller has stored its candidates: at least once, and a
-  version it knows is a no-op. A record that is not a valid ``CheckpointEvent`` is dead-lettered
-  with the reason.
+  version it knows is a no-op. A record that is not a valid ``CheckpointEvent``, or (with
+  ``release.trusted_checkpoint_keys``) not signed by a trusted trainer key, is dead-lettered with
+  the reason (``unsigned``, ``bad_signature``, ``unknown_key``: flywheel/signing.py).
 - Episodes and rewards are read without a group, from the offsets saved with the canary's tally
   (release/measure.py), at most ``MAX_READ`` records a turn so a backlog does not stall the loop.
-- Revisions are sent keyed by the deployment and counted published only once Kafka acked them;
-  the store keeps the rest for the next turn.
+- Revisions are sent keyed by the deployment, signed with ``release.signing_key`` (serving
+  verifies them), and counted published only once Kafka acked them; the store keeps the rest
+  for the next turn.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from flywheel.kafka.clients import (
     partitions_of,
 )
 from flywheel.kafka.producers import KafkaSink
+from flywheel.signing import REFUSALS, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from release.measure import Tally
 from release.store import Revision
@@ -47,12 +50,17 @@ log = logging.getLogger(__name__)
 
 #: Most episode and reward records folded into a canary's tally per turn.
 MAX_READ = 20_000
-DEADLETTER_REASONS = ("undecodable", "invalid", "unknown_version", "too_large")
+DEADLETTER_REASONS = ("undecodable", "invalid", "unknown_version", "too_large", *REFUSALS)
 
 
 class Streams:
     def __init__(self, settings: Any, registry: Any) -> None:
         self.settings, self.kafka = settings, settings.kafka
+        # the trainer's key vouches for a checkpoint, this controller's for a routing (flywheel/signing.py),
+        # read first: a key that cannot be used stops the start before any client connects
+        self.verifier = Verifier.load(settings.release.trusted_checkpoint_keys,
+                                      setting="release.trusted_checkpoint_keys")
+        self.signer = Signer.load(settings.release.signing_key, setting="release.signing_key")
         self.topics = Topics(settings.topic_prefix)
         ensure_topics(self.kafka, self.topics.all())
         self.checkpoints = make_consumer(self.kafka, "release", settings.release.group_id, [self.topics.checkpoints])
@@ -85,6 +93,7 @@ class Streams:
         for recs in self.checkpoints.poll(timeout_ms=timeout_ms).values():
             for rec in recs:
                 try:
+                    self.verifier.check(rec.value, rec.headers)  # before anything reads what it says
                     out.append(decode(CheckpointEvent, rec.value).model_dump(mode="json"))
                 except ContractError as exc:
                     self.dead.send_record(rec, exc.reason, exc.detail)
@@ -165,7 +174,9 @@ class Streams:
                 log.error("revision %d cannot be published: %s", rev.revision, exc)
                 continue
             try:
-                self.producer.send(self.topics.releases, key=deployment, value=encode(event)).get(timeout=10)
+                value = encode(event)
+                self.producer.send(self.topics.releases, key=deployment, value=value,
+                                   headers=self.signer.headers(value)).get(timeout=10)
             except Exception as exc:  # noqa: BLE001 - the broker did not ack: kept for the next turn
                 log.warning("revision %d not published yet: %s", rev.revision, exc)
                 break

@@ -47,6 +47,7 @@ from flywheel.kafka.batches import unreadable_batch
 from flywheel.kafka.lag import LagGauge
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
+from flywheel.signing import Signer
 from flywheel.stream.deadletters import DeadLetters
 from trainer import dist
 from trainer.announce import announced, checkpoint_event, mark_announced
@@ -166,6 +167,8 @@ class Trainer:
         self._owed: list[int] = []
         self._announcing = self._announced = -1
         self._held_since: float | None = None  # monotonic: a due publish waits for acks since then
+        # the writer (rank 0) signs its announcements, so the controller can tell them from anyone's
+        self.signer = Signer.load(self.cfg.signing_key, setting="trainer.signing_key") if sink is not None else Signer()
         metrics.stalled.set_function(self.stalled_s)
 
     # ------------------------------------------------------------ start / resume
@@ -235,7 +238,8 @@ class Trainer:
             return True
         while self._owed:
             version = self._owed[0]
-            self.sink.write(self.topics.checkpoints, str(version), encode(checkpoint_event(self.store, version, self._mirror_url)))
+            value = encode(checkpoint_event(self.store, version, self._mirror_url))
+            self.sink.write(self.topics.checkpoints, str(version), value, headers=self.signer.headers(value))
             self._announcing = self._owed.pop(0)
         if not self.sink.settle(timeout_s):
             return False

@@ -284,6 +284,11 @@ def make_output_producer(cfg: KafkaSettings, role: str) -> OutputProducer:
     # stage's loop for seconds per turn, not a minute (kafka-python's default max_block_ms)
     return KafkaPythonOutput(lambda: make_producer(cfg, role, max_block_ms=5000, bootstrap_timeout_ms=5000))
 
+#: A record a :class:`KafkaSink` still owes Kafka: (future or None while not queued, topic, key,
+#: value, headers).
+_Owed = tuple[object | None, str, str | None, bytes, list[tuple[str, bytes]] | None]
+
+
 class KafkaSink:
     """:class:`EventSink` over an idempotent producer that keeps each record until Kafka acks it.
 
@@ -299,23 +304,26 @@ class KafkaSink:
 
     def __init__(self, factory: Callable[[], KafkaProducer]) -> None:
         self.producer = RenewableProducer(factory)
-        # (future or None while not queued, topic, key, value), in write order
-        self._unacked: list[tuple[object | None, str, str | None, bytes]] = []
+        # (future or None while not queued, topic, key, value, headers), in write order
+        self._unacked: list[_Owed] = []
         self._progress = time.monotonic()  # the last ack seen, or when records began to be owed
         self._queueing = True  # False after a send could not be queued, until the next settle
 
-    def write(self, topic: str, key: str | None, value: bytes) -> None:
+    def write(self, topic: str, key: str | None, value: bytes,
+              headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Send ``value`` (with ``headers``: a signature, flywheel/signing.py) and keep it until acked."""
         if not self._unacked:
             self._progress = time.monotonic()
         # after a send that could not be queued, later ones wait for the next settle: each try
         # blocks for the producer's max_block_ms
-        fut = self._send(topic, key, value) if self._queueing else None
+        fut = self._send(topic, key, value, headers) if self._queueing else None
         self._queueing = fut is not None
-        self._unacked.append((fut, topic, key, value))
+        self._unacked.append((fut, topic, key, value, headers))
 
-    def _send(self, topic: str, key: str | None, value: bytes) -> object | None:
+    def _send(self, topic: str, key: str | None, value: bytes,
+              headers: list[tuple[str, bytes]] | None) -> object | None:
         try:
-            return self.producer.get().send(topic, key=key, value=value)
+            return self.producer.get().send(topic, key=key, value=value, headers=headers)
         except KafkaError as exc:  # no producer, no metadata or a full buffer: the broker does not answer
             log.debug("send to %s not queued (%s); retried on the next settle", topic, exc)
             return None
@@ -331,30 +339,30 @@ class KafkaSink:
                 self.producer.current.flush(timeout=timeout_s)
             except KafkaError:  # KafkaTimeoutError: still owed, and reported below
                 pass
-        owed: list[tuple[object | None, str, str | None, bytes]] = []
+        owed: list[_Owed] = []
         acked, failed = False, None
-        for fut, topic, key, value in self._unacked:
+        for fut, topic, key, value, headers in self._unacked:
             if fut is not None and fut.is_done and not fut.failed():  # type: ignore[attr-defined]
                 acked = True
                 continue
             if fut is not None and fut.failed():  # type: ignore[attr-defined]
                 failed, fut = failed or fut.exception, None  # type: ignore[attr-defined]
-            owed.append((fut, topic, key, value))
+            owed.append((fut, topic, key, value, headers))
         if failed is not None:  # what the old producer still held is failed by its close: all of it again
             log.warning("a send failed (%s); replacing the producer, the %d records owed go out through "
                         "the new one", failed, len(owed))
             self.producer.retire()
-            owed = [(None, topic, key, value) for _, topic, key, value in owed]
+            owed = [(None, *rest) for _, *rest in owed]
         if acked:
             self._progress = time.monotonic()
         # (re)send what is not queued, in write order, until one cannot be queued
-        left: list[tuple[object | None, str, str | None, bytes]] = []
+        left: list[_Owed] = []
         queueing = True
-        for fut, topic, key, value in owed:
+        for fut, topic, key, value, headers in owed:
             if fut is None and queueing:
-                fut = self._send(topic, key, value)
+                fut = self._send(topic, key, value, headers)
                 queueing = fut is not None
-            left.append((fut, topic, key, value))
+            left.append((fut, topic, key, value, headers))
         self._unacked, self._queueing = left, queueing
         return not left
 

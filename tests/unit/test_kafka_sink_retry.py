@@ -23,15 +23,17 @@ class Producer:
         self.sent: list[tuple[str, str, Future]] = []
         self.refuse = False
         self.closed = False
+        self.headers: dict[str, object] = {}  # by key: what each record was sent with
 
     def close(self, timeout=None):
         self.closed = True
 
-    def send(self, topic, key=None, value=None):
+    def send(self, topic, key=None, value=None, headers=None):
         if self.refuse:
             raise KafkaTimeoutError("no metadata")
         fut = Future()
         self.sent.append((topic, key, fut))
+        self.headers[key] = headers
         return fut
 
 
@@ -78,3 +80,17 @@ def test_sends_that_cannot_be_queued_wait_and_go_out_in_order_once_one_can():
         ack(fut)
     assert sink.settle() and sink.unacked == 0
     assert sink.producer.retired == 0 and not producer.closed  # refusals are no failure of the producer
+
+
+def test_a_record_sent_again_keeps_its_headers():
+    # a checkpoint announcement's signature is in its headers (flywheel/signing.py): a resend
+    # without them would be refused by the controller as unsigned
+    made = [Producer()]
+    sink = KafkaSink(lambda: made[-1])
+    sig = [("flywheel-key-id", b"k"), ("flywheel-sig", b"s" * 64)]
+    sink.write("t", "a", b"1", headers=sig)
+    sink.write("t", "b", b"2")
+    made.append(Producer())
+    fail(made[0].sent[0][2])
+    assert not sink.settle()
+    assert made[1].headers == {"a": sig, "b": None}

@@ -1,0 +1,248 @@
+"""Signatures on the records that move weights: who may say which version users get.
+
+Two records decide what serving runs: a checkpoint announcement (trainer -> release controller,
+``flywheel.checkpoints``) and a routing (release controller -> serving, ``flywheel.releases``).
+A version's manifest hash proves that the files match the record, not that the record is
+genuine: anyone who could write the topic could route users to weights of their own. So each
+record is signed with Ed25519 by the one role that writes it, and its reader verifies it at its
+edge (serving/follow.py, release/streams.py). A reader holds public keys only, so it cannot
+forge what it verifies.
+
+- The signature covers the record's exact value bytes and the key id, and travels in two Kafka
+  headers (``flywheel-sig``: 64 raw bytes; ``flywheel-key-id``), so the JSON contract is unchanged.
+- Keys are PEM files (``flywheel keys generate``), named by their key id: ``<id>.key`` (PKCS#8
+  private, mode 0600) and ``<id>.pub`` (SubjectPublicKeyInfo). A verifier trusts the ``*.pub``
+  files its setting names, each a file or a directory (a mounted Secret).
+- Rotation: add the new public key to the verifiers' directory, switch the signer to the new
+  private key, then remove the old public key. A verifier reads its keys again whenever a file or
+  directory it was given changes, so none of that needs a restart of the readers.
+- A verifier configured with no keys checks nothing (and says so at start); one with keys
+  refuses every record that is not signed by one of them: :class:`SignatureRefused`, a
+  :class:`~flywheel.contracts.ContractError`, which the readers dead-letter as any bad record.
+
+docs/signing.md says how keys are provisioned and rotated, and which Kafka ACLs each role needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from flywheel.contracts import ContractError
+from flywheel.settings import SettingsError
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "flywheel-sig"
+KEY_ID_HEADER = "flywheel-key-id"
+#: Why a record was refused, as its dead letter names it.
+Refusal = Literal["unsigned", "bad_signature", "unknown_key"]
+REFUSALS: tuple[Refusal, ...] = ("unsigned", "bad_signature", "unknown_key")
+#: A key id is also a file name and a header value: plain ASCII, no path, no separator.
+_KEY_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+#: What is signed starts with this, so a signature made for anything else never verifies here.
+_DOMAIN = b"flywheel-record-v1\x00"
+
+Headers = Sequence[tuple[str, bytes | None]] | None
+
+
+class SignatureRefused(ContractError):
+    """A record that is not signed by a trusted key; ``reason`` is one of :data:`REFUSALS`."""
+
+    def __init__(self, reason: Refusal, detail: str) -> None:
+        super().__init__(reason, detail)
+
+
+class KeyFileError(SettingsError):
+    """A key setting that cannot be used (missing, unreadable, not an Ed25519 key, badly named)."""
+
+
+def _message(key_id: str, value: bytes) -> bytes:
+    # the key id is signed too: a signature cannot be moved to another key's name
+    return _DOMAIN + key_id.encode("ascii") + b"\x00" + value
+
+
+def _check_key_id(key_id: str, where: str) -> str:
+    if not _KEY_ID.fullmatch(key_id):
+        raise KeyFileError(f"{where}: key id {key_id!r} must be 1-64 of A-Z a-z 0-9 . _ - "
+                           "(not starting with . _ or -): it names the key's files")
+    return key_id
+
+
+def generate_key_pair(out_dir: Path, key_id: str) -> tuple[Path, Path]:
+    """Write ``<key_id>.key`` (private, mode 0600) and ``<key_id>.pub`` into ``out_dir``; never
+    overwrites a key."""
+    _check_key_id(key_id, str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    private, public = out_dir / f"{key_id}.key", out_dir / f"{key_id}.pub"
+    for path in (private, public):
+        if path.exists():
+            raise KeyFileError(f"{path} exists: a key is never overwritten (rotate to a new key id)")
+    key = Ed25519PrivateKey.generate()
+    fd = os.open(private, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                  serialization.NoEncryption()))
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                     serialization.PublicFormat.SubjectPublicKeyInfo))
+    return private, public
+
+
+@dataclass(frozen=True)
+class Signer:
+    """Signs the records one role writes; with no key (``key_id`` None) it signs nothing."""
+
+    key_id: str | None = None
+    _key: Ed25519PrivateKey | None = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, path: Path | None, *, setting: str = "signing key") -> Signer:
+        """The signer of the private key at ``path`` (its key id is the file name without
+        ``.key``); None: an unsigned writer, which verifying readers refuse."""
+        if path is None:
+            log.warning("%s is not set: records go out unsigned, and readers that trust keys refuse them", setting)
+            return cls()
+        try:
+            key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise KeyFileError(f"{setting}: cannot read a private key from {path}: {exc}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise KeyFileError(f"{setting}: {path} is not an Ed25519 private key")
+        return cls(_check_key_id(Path(path).stem, f"{setting} ({path})"), key)
+
+    def headers(self, value: bytes) -> list[tuple[str, bytes]]:
+        """The Kafka headers that sign ``value`` (none without a key)."""
+        if self._key is None or self.key_id is None:
+            return []
+        return [(KEY_ID_HEADER, self.key_id.encode("ascii")),
+                (SIGNATURE_HEADER, self._key.sign(_message(self.key_id, value)))]
+
+
+class Verifier:
+    """Checks records against the trusted public keys a setting names (files or directories of
+    ``<key id>.pub``), read again whenever one of them changes."""
+
+    def __init__(self, sources: Sequence[Path], setting: str) -> None:
+        self.sources, self.setting = tuple(Path(s) for s in sources), setting
+        self._seen: tuple[tuple[str, int, int, int], ...] | None = None
+        self._keys: dict[str, Ed25519PublicKey] = {}
+
+    @classmethod
+    def load(cls, sources: Sequence[Path], *, setting: str) -> Verifier:
+        """A verifier of ``sources``, every one of which must hold usable keys now (a process
+        misconfigured at start stops there); none: records are not verified."""
+        verifier = cls(sources, setting)
+        if not verifier.required:
+            log.warning("%s is empty: records are not verified, and anyone who may write the topic decides what "
+                        "this process does with them (docs/signing.md)", setting)
+            return verifier
+        verifier._reload(strict=True)
+        if not verifier._keys:
+            raise KeyFileError(f"{setting}: no public keys (*.pub) in {', '.join(map(str, verifier.sources))}")
+        log.info("%s: trusting key ids %s", setting, ", ".join(verifier._keys))
+        return verifier
+
+    @property
+    def required(self) -> bool:
+        return bool(self.sources)
+
+    def key_ids(self) -> tuple[str, ...]:
+        self._refresh()
+        return tuple(sorted(self._keys))
+
+    def check(self, value: bytes | None, headers: Headers) -> str | None:
+        """The key id that signed ``value``; raises :class:`SignatureRefused` when no trusted key
+        did. None when this verifier trusts no keys (nothing is verified)."""
+        if not self.required:
+            return None
+        key_id, signature = _signature(headers)
+        self._refresh()
+        key = self._keys.get(key_id)
+        if key is None:
+            raise SignatureRefused("unknown_key", f"signed with key id {key_id!r}, which {self.setting} does not "
+                                                  f"hold (trusted: {', '.join(sorted(self._keys)) or 'none'})")
+        try:
+            key.verify(signature, _message(key_id, value or b""))
+        except InvalidSignature:
+            raise SignatureRefused("bad_signature", f"the signature is not key {key_id!r}'s over this record") from None
+        return key_id
+
+    # -- reading the keys ---------------------------------------------------------------------
+    def _files(self) -> list[Path]:
+        files: list[Path] = []
+        for source in self.sources:
+            if source.is_dir():
+                # a mounted Secret also holds ..data and timestamped directories: only the keys count
+                files += sorted(p for p in source.glob("*.pub") if not p.name.startswith(".") and p.is_file())
+            else:
+                files.append(source)
+        return files
+
+    def _stamp(self, files: list[Path]) -> tuple[tuple[str, int, int, int], ...]:
+        stamp = []
+        for path in files:
+            try:
+                st = path.stat()  # follows a Secret's symlinks: an update swaps the file they reach
+            except OSError:
+                continue
+            stamp.append((str(path), st.st_mtime_ns, st.st_size, st.st_ino))
+        return tuple(stamp)
+
+    def _refresh(self) -> None:
+        if self.required and self._stamp(self._files()) != self._seen:
+            self._reload(strict=False)
+
+    def _reload(self, *, strict: bool) -> None:
+        """Read every key file. At start (``strict``) a bad one is an error; later it is left
+        out and logged, so a half-written update refuses that key's records, never trusts more."""
+        files = self._files()
+        keys: dict[str, Ed25519PublicKey] = {}
+        for path in files:
+            try:
+                key_id, key = _read_public(path, self.setting)
+            except KeyFileError as exc:
+                if strict:
+                    raise
+                log.error("%s; its records are refused until it is fixed", exc)
+                continue
+            keys[key_id] = key
+        if self._seen is not None and sorted(keys) != sorted(self._keys):
+            log.warning("%s: trusted key ids are now %s (were %s)", self.setting, ", ".join(sorted(keys)) or "none",
+                        ", ".join(sorted(self._keys)) or "none")
+        self._keys, self._seen = keys, self._stamp(files)
+
+
+def _read_public(path: Path, setting: str) -> tuple[str, Ed25519PublicKey]:
+    key_id = _check_key_id(path.name.removesuffix(".pub"), f"{setting} ({path})")
+    try:
+        key = serialization.load_pem_public_key(path.read_bytes())
+    except (OSError, ValueError, TypeError) as exc:
+        raise KeyFileError(f"{setting}: cannot read a public key from {path}: {exc}") from None
+    if not isinstance(key, Ed25519PublicKey):
+        raise KeyFileError(f"{setting}: {path} is not an Ed25519 public key")
+    return key_id, key
+
+
+def _signature(headers: Headers) -> tuple[str, bytes]:
+    """The key id and signature a record's headers carry; exactly one of each, or it is refused."""
+    ids = [v for n, v in headers or () if n == KEY_ID_HEADER]
+    sigs = [v for n, v in headers or () if n == SIGNATURE_HEADER]
+    if not ids or not sigs or ids[0] is None or sigs[0] is None:
+        missing = [h for h, got in ((KEY_ID_HEADER, ids), (SIGNATURE_HEADER, sigs)) if not got or got[0] is None]
+        raise SignatureRefused("unsigned", f"no {' and no '.join(missing)} header: not written by a signing role")
+    if len(ids) > 1 or len(sigs) > 1:
+        raise SignatureRefused("bad_signature", f"{len(ids)} key ids and {len(sigs)} signatures: one of each is signed")
+    try:
+        key_id = ids[0].decode("ascii")
+    except UnicodeDecodeError:
+        raise SignatureRefused("unknown_key", f"key id {ids[0]!r} is not ASCII: no trusted key has it") from None
+    return key_id, sigs[0]
