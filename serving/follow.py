@@ -5,6 +5,8 @@ its beginning and applies the newest release for ``release.deployment``; then a 
 new records while serving runs. Each record is decoded and validated in one place,
 :meth:`ReleaseFollower._read`. Per record:
 
+- not signed by a key of ``serve.trusted_release_keys`` (when set) -> a dead letter (``unsigned``,
+  ``bad_signature``, ``unknown_key``: flywheel/signing.py), nothing changes;
 - not a valid ``ReleaseEvent`` -> a dead letter (``invalid``, ``undecodable``...), nothing changes;
 - another deployment's -> skipped (counted);
 - a revision at or below the one applied (or refused) -> skipped: a repeat is a no-op, an older
@@ -53,6 +55,7 @@ from flywheel.contracts import ContractError, ReleaseEvent, Topics, VersionRef, 
 from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
+from flywheel.signing import REFUSALS, SignatureRefused, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from serving.routing import Want, canary_unservable
 from serving.versions import Fleet
@@ -65,7 +68,7 @@ log = logging.getLogger(__name__)
 SERVING_REFUSALS = ("load_failed", "no_canary_engine", "fetch_failed")
 #: The dead-letter reason of a refused release; its detail reads "version V <reason>: <why>".
 VERSION_REFUSED = "version_refused"
-OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "refused")
+OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "unverified", "refused")
 
 
 class FollowerMetrics:
@@ -98,6 +101,8 @@ class ReleaseFollower:
         self.cache = CheckpointStore(Path(settings.data_dir) / "serving" / "versions")
         self.state_file = Path(settings.data_dir) / "serving" / "release.json"
         self.metrics = FollowerMetrics(registry)
+        # only the release controller's key may say what serving runs (flywheel/signing.py)
+        self.verifier = Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
         self.applied: ReleaseEvent | None = None
         self.refused_revision = -1
         self.last_refusal: dict[str, Any] | None = None
@@ -106,7 +111,8 @@ class ReleaseFollower:
         self.last_apply: dict[str, Any] | None = None
         self.sink = KafkaSink(lambda: make_producer(settings.kafka, "serving-deadletters", max_block_ms=5000))
         self.dead = DeadLetters(self.sink, Topics(settings.topic_prefix).deadletter, "serving", registry,
-                                (VERSION_REFUSED, "invalid", "undecodable", "unknown_version", "wrong_kind", "empty"))
+                                (VERSION_REFUSED, "invalid", "undecodable", "unknown_version", "wrong_kind", "empty",
+                                 *REFUSALS))
         self._consumer: Any = None
         #: The newest release not applied yet because the store did not answer in time at start.
         self._pending: tuple[ReleaseEvent, Any] | None = None
@@ -213,9 +219,10 @@ class ReleaseFollower:
         """The one place a record becomes a release: decoded and validated against the contract,
         or dead-lettered with the reason; None too for another deployment's release."""
         try:
+            self.verifier.check(rec.value, rec.headers)  # before anything reads what it says
             ev = decode(ReleaseEvent, rec.value)
         except ContractError as exc:
-            self.metrics.releases.labels("invalid").inc()
+            self.metrics.releases.labels("unverified" if isinstance(exc, SignatureRefused) else "invalid").inc()
             log.warning("release record at %s[%d]@%d refused: %s", rec.topic, rec.partition, rec.offset, exc)
             self.dead.send_record(rec, exc.reason, exc.detail)
             return None

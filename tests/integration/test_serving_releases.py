@@ -32,6 +32,7 @@ from flywheel.contracts import DeadLetterEvent, ReleaseEvent, Topics, VersionRef
 from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import KafkaSettings, ReleaseSettings, ServeSettings, Settings
+from flywheel.signing import Signer, generate_key_pair
 from local.broker import free_port
 from serving.identity import pseudonymise
 from serving.routing import arm_of
@@ -58,15 +59,30 @@ def trained(tiny_model_dir, tmp_path_factory):
     return tr
 
 
-class Rig:
-    """The app, its follower and the releases it was sent."""
+@pytest.fixture(scope="module")
+def release_keys(tmp_path_factory) -> Path:
+    """The controller's key pairs ``release-1`` and ``release-2`` (before and after a rotation),
+    an ``attacker``'s, and ``impostor/release-1``: another key under the trusted name. Serving
+    trusts ``trusted/``, which holds release-1's public key."""
+    root = tmp_path_factory.mktemp("release-keys")
+    for key_id in ("release-1", "release-2", "attacker"):
+        generate_key_pair(root / "pairs", key_id)
+    generate_key_pair(root / "impostor", "release-1")
+    (root / "trusted").mkdir()
+    shutil.copy(root / "pairs" / "release-1.pub", root / "trusted")
+    return root
 
-    def __init__(self, broker, served: Served, follower, fleet, store: CheckpointStore) -> None:
+
+class Rig:
+    """The app, its follower and the releases it was sent, signed as the controller signs them."""
+
+    def __init__(self, broker, served: Served, follower, fleet, store: CheckpointStore, signer: Signer) -> None:
         from kafka import KafkaProducer
 
         self.broker, self.served, self.follower, self.fleet, self.store = broker, served, follower, fleet, store
         self.producer = KafkaProducer(bootstrap_servers=broker.bootstrap)
         self.revision = 0
+        self.signer = signer
 
     def ref(self, version: int, store: CheckpointStore | None = None, uri: str | None = None) -> VersionRef | None:
         if version == 0:
@@ -87,8 +103,9 @@ class Rig:
             self.wait_for(lambda: self.follower.applied is not None and self.follower.applied.revision == ev.revision)
         return ev.revision
 
-    def send(self, value: bytes, key: str = "flywheel") -> None:
-        self.producer.send(self.served.topics.releases, key=key.encode(), value=value).get(timeout=10)
+    def send(self, value: bytes, key: str = "flywheel", *, sign: bool = True, signer: Signer | None = None) -> None:
+        headers = (signer or self.signer).headers(value) if sign else []
+        self.producer.send(self.served.topics.releases, key=key.encode(), value=value, headers=headers).get(timeout=10)
 
     def wait_for(self, cond, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -117,7 +134,7 @@ def _start(settings: Settings, fleet, loop, registry, recorder, wait_s: float = 
 
 
 @pytest.fixture(scope="module")
-def rig(broker, tiny_model_dir, trained, tmp_path_factory):
+def rig(broker, tiny_model_dir, trained, tmp_path_factory, release_keys):
     from serving_helpers import _make_engine, _shutdown
 
     from serving.main import make_recorder
@@ -129,13 +146,15 @@ def rig(broker, tiny_model_dir, trained, tmp_path_factory):
     kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
     ensure_topics(kafka, topics.all())
     settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path_factory.mktemp("serving"), topic_prefix=topics.prefix,
-                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, max_num_seqs=32),
+                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, max_num_seqs=32,
+                                                         trusted_release_keys=(release_keys / "trusted",)),
                         release=ReleaseSettings(deployment="flywheel"))
     registry = new_registry()
     recorder = make_recorder(settings, registry)
     fleet = Fleet([first, second], registry)
     follower, server = _start(settings, fleet, loop, registry, recorder)
-    r = Rig(broker, Served(server.url, settings, recorder, topics), follower, fleet, trained.store)
+    r = Rig(broker, Served(server.url, settings, recorder, topics), follower, fleet, trained.store,
+            Signer.load(release_keys / "pairs" / "release-1.key"))
     r.settings, r.loop, r.registry = settings, loop, registry
     yield r
     server.stop()
@@ -467,3 +486,50 @@ def _letters(rig: Rig, since: float, n: int, timeout_s: float = 30.0) -> list[De
         if len(got) >= n or time.monotonic() > deadline:
             return got
         time.sleep(0.2)
+
+
+def test_a_forged_release_is_refused_dead_lettered_and_serving_keeps_its_routing(engine, rig, release_keys):
+    """Whoever may write the topic but holds no trusted key: with the trainer's real files and a
+    manifest hash that matches them, its routing would pass every check but the signature."""
+    rig.release(1)
+    since = time.time()
+    revision = rig.revision + 1
+    forged = ReleaseEvent(revision=revision, stable_version=2, stable_ref=rig.ref(2), reason="forged",
+                          updated_at=time.time())
+    rig.send(encode(forged), sign=False)
+    attacker = Signer.load(release_keys / "pairs" / "attacker.key")
+    rig.send(encode(forged.model_copy(update={"revision": revision + 1})), signer=attacker)
+    impostor = Signer.load(release_keys / "impostor" / "release-1.key")  # the attacker's key, the trusted name
+    rig.send(encode(forged.model_copy(update={"revision": revision + 2})), signer=impostor)
+    letters = _letters(rig, since, 3)
+    assert sorted(d.reason for d in letters) == ["bad_signature", "unknown_key", "unsigned"]
+    assert all(d.stage == "serving" and d.source_topic == rig.served.topics.releases for d in letters)
+    assert rig.follower.applied.revision == revision - 1 and rig.health()["versions"] == {"stable": 1}
+    assert _complete(rig, "after-forgery", "hello")["model"] == "flywheel@v1"
+    rig.revision += 3
+    rig.release(3)  # a genuine one after them is followed
+    assert rig.health()["versions"] == {"stable": 3}
+    text = httpx.get(rig.served.url + "/metrics").text
+    for reason in ("unsigned", "unknown_key", "bad_signature"):
+        assert f'serving_deadletters_total{{reason="{reason}"}} 1.0' in text
+
+
+def test_rotating_the_release_key_needs_no_restart_of_serving(engine, rig, release_keys):
+    """Trust the new key beside the old, switch the controller to it, remove the old key: the
+    old key's releases are then refused, and serving follows the new key's."""
+    old, new = rig.signer, Signer.load(release_keys / "pairs" / "release-2.key")
+    trusted = release_keys / "trusted"
+    shutil.copy(release_keys / "pairs" / "release-2.pub", trusted)
+    rig.signer = new
+    rig.release(2)
+    rig.signer = old  # a controller not switched yet: still trusted
+    rig.release(1)
+    (trusted / "release-1.pub").unlink()
+    since = time.time()
+    rig.release(3, wait=False)
+    [letter] = _letters(rig, since, 1)
+    assert letter.reason == "unknown_key" and "release-1" in letter.detail
+    assert rig.health()["versions"] == {"stable": 1}
+    rig.signer = new
+    rig.release(2)
+    assert rig.health()["versions"] == {"stable": 2}

@@ -22,14 +22,15 @@ def _alert(name: str) -> dict:
     return next(r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"] if r.get("alert") == name)
 
 
-def _promtool(tmp_path: Path, series: dict[str, str], at: str, expected: list[dict]) -> subprocess.CompletedProcess:
+def _promtool(tmp_path: Path, series: dict[str, str], at: str, expected: list[dict],
+              alertname: str = "FlywheelPolicyCollapse") -> subprocess.CompletedProcess:
     promtool = shutil.which("promtool")
     if promtool is None:
         pytest.skip("promtool is not installed (apt-get install prometheus; .ci/run does)")
     spec = {"rule_files": [str(ALERTS)], "evaluation_interval": "1m", "tests": [{
         "interval": "1m",
         "input_series": [{"series": s, "values": v} for s, v in series.items()],
-        "alert_rule_test": [{"eval_time": at, "alertname": "FlywheelPolicyCollapse", "exp_alerts": expected}],
+        "alert_rule_test": [{"eval_time": at, "alertname": alertname, "exp_alerts": expected}],
     }]}
     path = tmp_path / "rules_test.yml"
     path.write_text(yaml.safe_dump(spec))
@@ -62,3 +63,22 @@ def test_the_rule_test_itself_can_fail(tmp_path):
               f"trainer_steps_total{{{TRAINER}}}": "0x40"}
     done = _promtool(tmp_path, series, "30m", _firing())
     assert done.returncode != 0 and "FlywheelPolicyCollapse" in done.stdout + done.stderr
+
+
+SERVING = 'job="flywheel-serve", instance="serve:8000"'
+
+
+@pytest.mark.parametrize("reason, pages", [
+    ("bad_signature", True),  # a forgery
+    ("unknown_key", True),  # a key serving does not trust: a forgery, or a rotation out of order
+    ("unsigned", True),
+    ("invalid", False),  # malformed, not a question of who wrote it (FlywheelDeadLettersSpike's)
+    ("version_refused", False),  # FlywheelVersionRefused's
+])
+def test_a_release_no_trusted_key_signed_pages(tmp_path, reason, pages):
+    series = {f'serving_deadletters_total{{{SERVING}, reason="{reason}"}}': "0x5 1x20"}
+    summary = f"Serving refused a release record no trusted key signed ({reason})"
+    expected = [{"exp_labels": {"severity": "page", "reason": reason},
+                 "exp_annotations": {"summary": summary, "runbook": "dashboards/runbooks/unverified-records.md"}}]
+    done = _promtool(tmp_path, series, "10m", expected if pages else [], alertname="FlywheelUnverifiedRelease")
+    assert done.returncode == 0, f"{reason}: {done.stdout}{done.stderr}"

@@ -21,6 +21,7 @@ def _registered() -> set[str]:
             names.update(re.findall(r'"((?:serving|ingest|reward|trainer)_[a-z0-9_]+)"', path.read_text()))
     for stage in ("ingest", "reward", "trainer"):  # flywheel/kafka/lag.py and flywheel/stream build these from the stage name
         names.update({f"{stage}_deadletters_total", f"{stage}_consumer_lag_records"})
+    names.add("serving_deadletters_total")  # serving/follow.py's DeadLetters, named by its stage
     for stage in ("ingest", "reward"):  # flywheel/stream/runner.py builds these from the stage name
         names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
     return names
