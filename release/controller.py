@@ -42,13 +42,13 @@ from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_cana
 from release.measure import Tally
 from release.sequential import confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
-from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing
+from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing, controller_actor
 from release.streams import release_event
 
 log = logging.getLogger(__name__)
 
-ACTOR = "controller"
-#: The written policy that promotes without a person, as the audit log names it.
+#: The written policy that promotes without a person, as the audit log names it (with the
+#: controller instance that applied it).
 AUTO_POLICY = "auto-promote policy"
 #: A point is added to the console's history at most this often.
 HISTORY_EVERY_S = 2.0
@@ -77,6 +77,10 @@ class Controller:
         self.store, self.streams, self.checkpoints = store, streams, checkpoints
         self.holder = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
         store.fence = self.holder  # every change this controller makes checks it still holds the lease
+        #: Who the audit log says acted: this instance, recognisably a controller, so that with
+        #: several controllers on one database (one acting at a time) each entry names the one.
+        self.actor = controller_actor(self.holder)
+        self.policy_actor = f"{AUTO_POLICY} ({self.actor})"
         self.active = False
         self.last_tick = 0.0
         self.prompts = load_prompts(self.cfg.prompts_file)
@@ -102,7 +106,7 @@ class Controller:
         if not was_active:
             log.info("holding the controller lease as %s", self.holder)
         for event in self.streams.new_checkpoints():
-            if self.store.add_candidate(event):
+            if self.store.add_candidate(event, self.actor):
                 log.info("version %d is a candidate", event["version"])
         self.streams.commit_checkpoints()  # only once every one of them is stored
         live = self.store.candidates(set(LIVE))
@@ -113,10 +117,11 @@ class Controller:
         self._publish()
 
     def status(self) -> dict[str, Any]:
-        holder = self.store.lease_holder()
+        """This loop's own report, for the API: what it knows in memory, no database read. The API
+        calls it from its threads, and this controller's store (its connection, maybe inside a
+        transaction of this loop's) is not for them: the API reads the lease through its own."""
         return {"controller": self.holder, "active": self.active,
-                "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None,
-                "lease": {"holder": holder[0], "expires_at": holder[1]} if holder else None}
+                "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None}
 
     # -- gate -------------------------------------------------------------------------------
     def _next_candidate(self) -> None:
@@ -125,13 +130,13 @@ class Controller:
             return
         newest = waiting[-1]
         for old in waiting[:-1]:
-            self.store.transition(old.version, State.SUPERSEDED, ACTOR,
+            self.store.transition(old.version, State.SUPERSEDED, self.actor,
                                   f"version {newest.version} is newer and waited too")
         if newest.version <= self.store.stable_version():
-            self.store.transition(newest.version, State.SUPERSEDED, ACTOR,
+            self.store.transition(newest.version, State.SUPERSEDED, self.actor,
                                   f"stable is already version {self.store.stable_version()}")
             return
-        self.store.transition(newest.version, State.GATING, ACTOR, "offline gate on the held-out prompts")
+        self.store.transition(newest.version, State.GATING, self.actor, "offline gate on the held-out prompts")
         t0 = time.monotonic()
         try:
             verdict, record = self._gate(newest)
@@ -152,7 +157,7 @@ class Controller:
             # before this is saved starts it at the first measurement instead, a little later)
             offsets = self.streams.ends()
             self.store.transition(
-                newest.version, State.CANARY, ACTOR,
+                newest.version, State.CANARY, self.actor,
                 f"gate passed; canary for {self.cfg.canary_share:.0%} of users against stable v{stable}",
                 {"gate": record}, Routing(stable, newest.version, self.cfg.canary_share))
             tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time(),
@@ -161,7 +166,7 @@ class Controller:
             self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
                             tally=tally.to_dict())
         else:
-            self.store.transition(newest.version, State.REJECTED, ACTOR, "gate failed: " + "; ".join(verdict.reasons),
+            self.store.transition(newest.version, State.REJECTED, self.actor, "gate failed: " + "; ".join(verdict.reasons),
                                   {"gate": record})
 
     def _gate(self, cand: Candidate) -> tuple[Verdict, dict[str, Any]]:
@@ -196,9 +201,9 @@ class Controller:
         reason = f"gate error {n} of {self.cfg.error_limit}: {type(exc).__name__}: {exc}"
         log.warning("version %d: %s", cand.version, reason)
         if n >= self.cfg.error_limit:
-            self.store.transition(cand.version, State.REJECTED, ACTOR, reason)
+            self.store.transition(cand.version, State.REJECTED, self.actor, reason)
         else:
-            self.store.note(cand.version, ACTOR, reason)  # stays gating: the next turn tries again
+            self.store.note(cand.version, self.actor, reason)  # stays gating: the next turn tries again
 
     # -- canary -----------------------------------------------------------------------------
     def _measure(self, cand: Candidate, now: float) -> None:
@@ -218,7 +223,7 @@ class Controller:
                     "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs)}
         why = "; ".join(verdict.reasons)
         if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
-            actions.rollback(self.store, ACTOR, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
+            actions.rollback(self.store, self.actor, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
         elif cand.state == State.AWAITING_APPROVAL and self.cfg.auto_promote:
             self._promote_when_allowed(cand, evidence)
         elif cand.state != State.CANARY:
@@ -226,20 +231,20 @@ class Controller:
         elif verdict.outcome == Outcome.PASS:
             self._passed(cand, why, evidence)
         elif verdict.outcome == Outcome.INCONCLUSIVE and self.cfg.on_inconclusive == "rollback":
-            actions.rollback(self.store, ACTOR, f"no verdict by the deadline, rolled back so a newer version gets its "
+            actions.rollback(self.store, self.actor, f"no verdict by the deadline, rolled back so a newer version gets its "
                                                 f"turn (release.on_inconclusive=rollback): {why}", evidence, cand.version)
         elif verdict.outcome == Outcome.INCONCLUSIVE:
-            self.store.transition(cand.version, State.HELD, ACTOR, f"held for a person: {why}", evidence)
+            self.store.transition(cand.version, State.HELD, self.actor, f"held for a person: {why}", evidence)
 
     def _passed(self, cand: Candidate, why: str, evidence: dict[str, Any]) -> None:
         if self.cfg.auto_promote:
             try:
-                actions.promote(self.store, cand.version, AUTO_POLICY, f"analysis passed: {why}",
+                actions.promote(self.store, cand.version, self.policy_actor, f"analysis passed: {why}",
                                 self.cfg.promotion_interval_s, evidence, by_policy=True)
                 return
             except actions.ActionRefused as exc:
                 why = f"{why}; waits to be promoted automatically: {exc}"
-        self.store.transition(cand.version, State.AWAITING_APPROVAL, ACTOR, f"analysis passed: {why}", evidence)
+        self.store.transition(cand.version, State.AWAITING_APPROVAL, self.actor, f"analysis passed: {why}", evidence)
 
     def _promote_when_allowed(self, cand: Candidate, evidence: dict[str, Any]) -> None:
         """Under the auto-promote policy, a passed canary that waited out the promotion interval."""
@@ -247,7 +252,7 @@ class Controller:
         if last is not None and time.time() - last < self.cfg.promotion_interval_s:
             return
         try:
-            actions.promote(self.store, cand.version, AUTO_POLICY, "analysis passed; the promotion interval is over",
+            actions.promote(self.store, cand.version, self.policy_actor, "analysis passed; the promotion interval is over",
                             self.cfg.promotion_interval_s, evidence, by_policy=True)
         except actions.ActionRefused as exc:  # raced with a person's decision: theirs stands
             log.info("version %d not promoted automatically: %s", cand.version, exc)
@@ -297,7 +302,7 @@ class Controller:
         except ValidationError as exc:
             why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             log.error("revision %d cannot be published, skipped: %s", rev.revision, why)
-            self.store.skip_revision(rev.revision, ACTOR, f"revision {rev.revision} cannot be published: {why}")
+            self.store.skip_revision(rev.revision, self.actor, f"revision {rev.revision} cannot be published: {why}")
             return False
 
     def _ref(self, version: int) -> VersionRef | None:

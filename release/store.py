@@ -189,6 +189,12 @@ def database_url(url: str | None, data_dir: Path) -> str:
     return url or f"sqlite:///{data_dir / 'release' / 'release.sqlite3'}"
 
 
+def controller_actor(holder: str) -> str:
+    """How the audit log names a controller instance: ``controller:<holder>`` (the lease holder,
+    ``<hostname>:<random>``), so an entry says which one acted and still reads as a controller's."""
+    return f"controller:{holder}"
+
+
 class LeaseLost(RuntimeError):
     """A fenced store's holder no longer holds the controller lease: it must stand by."""
 
@@ -206,7 +212,7 @@ class ReleaseStore:
         self.db.close()
 
     # -- candidates ------------------------------------------------------------------------
-    def add_candidate(self, event: dict[str, Any], actor: str = "controller") -> bool:
+    def add_candidate(self, event: dict[str, Any], actor: str) -> bool:
         """Record a published version as a candidate (a ``CheckpointEvent`` as a dict); False when
         it is known already (the checkpoints topic is at least once)."""
         now = time.time()
@@ -413,7 +419,8 @@ class ReleaseStore:
                 return False
             self.db.execute("UPDATE release_lease SET holder=?, expires_at=? WHERE name=?", (holder, now + ttl_s, name))
             if row[0] != holder:
-                self._audit(None, None, None, holder, f"took over the controller lease from {row[0]} (lapsed)", None, now)
+                self._audit(None, None, None, controller_actor(holder),
+                            f"took over the controller lease from {row[0]} (lapsed)", None, now)
         return True
 
     def lease_holder(self, name: str = "controller") -> tuple[str, float] | None:
@@ -460,4 +467,5 @@ def _revision(r: Any) -> Revision:
     return Revision(r[0], r[1], r[2], r[3], r[4], r[5], r[6] == PUBLISHED, r[6] == SKIPPED)
 
 
-__all__ = ["FINAL", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "database_url"]
+__all__ = ["FINAL", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "controller_actor",
+           "database_url"]

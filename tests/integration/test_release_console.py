@@ -97,7 +97,7 @@ def seed(store: ReleaseStore, canary: int = 4) -> None:
     Stable stays v0, the model serving started on."""
     c = "controller"
     for v in range(1, canary + 1):
-        store.add_candidate(_event(v, v - 1 if v > 1 else None))
+        store.add_candidate(_event(v, v - 1 if v > 1 else None), "controller:test")
     store.transition(1, State.GATING, c, "gate started")
     store.save(1, gate={"outcome": "fail", "reasons": ["KL from stable 1.840 nats/token (at most 1.0)"],
                         "measurement": {"prompts": 32, "kl_from_stable": 1.84}})
@@ -263,7 +263,7 @@ def test_console_shows_the_canary_and_approves_it(browser, console) -> None:
     assert not browser.find_element("id", "decide").is_displayed()  # nothing left to decide on v4
 
     # a second promotion inside the promotion interval: the 409 and its reason are shown
-    store.add_candidate(_event(5, 4))
+    store.add_candidate(_event(5, 4), "controller:test")
     store.transition(5, State.GATING, "controller", "gate started")
     store.transition(5, State.CANARY, "controller", "gate passed", routing=Routing(4, 5, 0.1))
     store.transition(5, State.HELD, "controller", "held for a person: no verdict after 3600s")

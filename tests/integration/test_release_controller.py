@@ -207,7 +207,7 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     tick_until(ctl, lambda: rs.get(2).state == State.ROLLED_BACK, "the automatic rollback")
     entry = next(e for e in rs.audit(2) if e.to_state == "rolled_back")
     # the share-of-rejects guardrail or the sequential test, whichever the evidence reached first
-    assert entry.actor == "controller" and entry.reason.startswith("analysis fail: ")
+    assert entry.actor == f"controller:{ctl.holder}" and entry.reason.startswith("analysis fail: ")
     assert "share of rejects" in entry.reason or "accepted less often" in entry.reason
     assert entry.evidence["canary"]["accepts"] < entry.evidence["stable"]["accepts"]
     tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
@@ -222,7 +222,7 @@ def test_a_routing_committed_but_not_published_before_a_crash_is_published_by_th
 
     crashed, rs = run_controller(lease_ttl_s=2)
     assert rs.take_lease(crashed.holder, 2)  # it held the lease when it wrote, then died
-    rs.add_candidate(checkpoint_event(trained[0], 1))
+    rs.add_candidate(checkpoint_event(trained[0], 1), f"controller:{crashed.holder}")
     for state in (State.GATING, State.CANARY):
         rs.transition(1, state, "controller", "before the crash",
                       routing=Routing(0, 1, 0.5) if state == State.CANARY else None)
@@ -290,7 +290,7 @@ def test_a_canary_without_a_verdict_by_its_deadline_is_held_or_rolled_back_as_co
     time.sleep(1.0)  # nobody uses it: no verdict by the deadline
     tick_until(ctl, lambda: rs.get(1).state == state, f"v1 {state.value}")
     entry = next(e for e in rs.audit(1) if e.to_state == state.value)
-    assert entry.actor == "controller" and "no verdict after" in entry.reason
+    assert entry.actor == f"controller:{ctl.holder}" and "no verdict after" in entry.reason
     if policy == "rollback":
         tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
         assert (rs.latest_revision().stable_version, rs.latest_revision().canary_version) == (0, None)
@@ -303,7 +303,7 @@ def test_an_auto_promote_policy_promotes_a_passing_canary_and_says_so(run_contro
     simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=3)
     tick_until(ctl, lambda: rs.get(1).state == State.PROMOTED, "the automatic promotion")
     entry = next(e for e in rs.audit(1) if e.to_state == "promoted")
-    assert entry.actor == "auto-promote policy" and "analysis passed" in entry.reason
+    assert entry.actor == f"auto-promote policy (controller:{ctl.holder})" and "analysis passed" in entry.reason
     tick_until(ctl, lambda: rs.latest_revision().published, "the routing published")
     assert releases(kafka_settings, topics)[-1].stable_version == 1
 
@@ -320,7 +320,7 @@ def test_under_the_policy_a_canary_that_passed_inside_the_interval_is_promoted_o
     if rs.get(1).state == State.AWAITING_APPROVAL:  # passed inside the interval: it waits, saying why
         assert "waits to be promoted automatically" in rs.audit(1)[0].reason
     tick_until(ctl, lambda: rs.get(1).state == State.PROMOTED, "the promotion once the interval is over")
-    assert next(e for e in rs.audit(1) if e.to_state == "promoted").actor == "auto-promote policy"
+    assert next(e for e in rs.audit(1) if e.to_state == "promoted").actor == f"auto-promote policy (controller:{ctl.holder})"
 
 
 def test_flywheel_release_serve_runs_the_controller_and_its_api_and_stops_on_sigterm(kafka_settings, topics,
@@ -396,7 +396,7 @@ def live_canary_with_pairs(url: str, version: int, wins: int, losses: int) -> No
 
 def _seed_canary(rs, version, wins, losses, Tally, Routing) -> None:
     rs.add_candidate({"version": version, "parent": None, "uri": f"file:///ckpt/v{version}",
-                      "manifest_sha256": f"{version:064x}", "step": version})
+                      "manifest_sha256": f"{version:064x}", "step": version}, "test")
     rs.transition(version, State.GATING, "test", "gate")
     rs.transition(version, State.CANARY, "test", "canary", routing=Routing(0, version, 0.5))
     start = time.time() - 60
@@ -417,6 +417,7 @@ def test_a_canary_losing_past_the_float_range_is_rolled_back_not_wedged(light_co
     assert rs.get(1).state == State.ROLLED_BACK
     entry = next(e for e in rs.audit(1) if e.to_state == "rolled_back")
     assert "canary accepted less often" in entry.reason and entry.evidence["pairs"]["losses"] == 1500
+    assert entry.actor == f"controller:{ctl.holder}"  # which instance acted, not just "controller"
     assert rs.unpublished() == []  # the same turn published the routing back to stable
     last = releases(kafka_settings, topics)[-1]
     assert (last.stable_version, last.canary_version) == (0, None)
@@ -466,7 +467,7 @@ def test_a_revision_that_cannot_be_published_does_not_hold_back_later_ones(light
     ctl, rs = light_controller()
     with closing(ReleaseStore(rs.db.url)) as people:
         people.add_candidate({"version": 1, "parent": None, "uri": "s3://bucket/" + "x" * 5000,
-                              "manifest_sha256": "b" * 64, "step": 1})
+                              "manifest_sha256": "b" * 64, "step": 1}, "test")
         people.transition(1, State.GATING, "test", "gate")
         people.transition(1, State.CANARY, "test", "canary", routing=Routing(0, 1, 0.5))  # revision 1
         ctl.tick()
@@ -479,3 +480,35 @@ def test_a_revision_that_cannot_be_published_does_not_hold_back_later_ones(light
     assert len(skipped) == 1 and "uri" in skipped[0].reason, [e.reason for e in rs.audit()]
     ctl.tick()  # tried once: a record that cannot be built is not tried again every turn
     assert len([e for e in rs.audit() if e.reason.startswith("revision 1 cannot be published")]) == 1
+
+
+def test_the_api_reads_no_database_through_the_controller_loops_connection(light_controller):
+    # status() ran the controller's own store (its connection, its open transaction) from the
+    # API's threads; a connection is not for two threads' transactions
+    import threading
+
+    import httpx
+
+    from release.api import make_app
+    from release.main import ApiServer
+
+    ctl, rs = light_controller(tokens=("vic:viewer:t0ken",))
+    ctl.tick()
+    original, threads = rs.db.execute, set()
+
+    def execute(sql, params=()):
+        threads.add(threading.get_ident())
+        return original(sql, params)
+
+    rs.db.execute = execute
+    with closing(ReleaseStore(rs.db.url)) as api_store:
+        api = ApiServer(make_app(api_store, ctl.cfg, ctl.status), "127.0.0.1", 0).start()
+        try:
+            status = httpx.get(f"http://127.0.0.1:{api.port}/api/status",
+                               headers={"Authorization": "Bearer t0ken"}).json()
+            assert httpx.get(f"http://127.0.0.1:{api.port}/health").status_code == 200
+        finally:
+            api.stop()
+    assert threads <= {threading.get_ident()}, "the API used the controller loop's connection"
+    assert status["controller"]["controller"] == ctl.holder and status["controller"]["active"] is True
+    assert status["lease"]["holder"] == ctl.holder  # the lease, as the API's own connection reads it

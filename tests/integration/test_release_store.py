@@ -30,6 +30,8 @@ from release.store import ReleaseStore, Routing
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
+#: The controller that records candidates in these tests, as the audit log names it.
+CONTROLLER = "controller:test"
 
 
 @pytest.fixture
@@ -53,7 +55,7 @@ def event(version: int, **extra) -> dict:
 
 def to_state(store: ReleaseStore, version: int, state: State, share: float = 0.1) -> None:
     """Add ``version`` and walk it the usual way to ``state`` (canary routing on entering canary)."""
-    store.add_candidate(event(version))
+    store.add_candidate(event(version), CONTROLLER)
     path = {State.GATING: [State.GATING], State.CANARY: [State.GATING, State.CANARY],
             State.AWAITING_APPROVAL: [State.GATING, State.CANARY, State.AWAITING_APPROVAL],
             State.HELD: [State.GATING, State.CANARY, State.HELD]}[state]
@@ -65,8 +67,8 @@ def to_state(store: ReleaseStore, version: int, state: State, share: float = 0.1
 # -- candidates and transitions ------------------------------------------------------------------
 
 def test_add_candidate_is_idempotent(store):
-    assert store.add_candidate(event(3)) is True
-    assert store.add_candidate(event(3, step=999)) is False  # a repeat from the topic
+    assert store.add_candidate(event(3), CONTROLLER) is True
+    assert store.add_candidate(event(3, step=999), CONTROLLER) is False  # a repeat from the topic
     cand = store.get(3)
     assert cand.state == State.CANDIDATE and cand.parent == 2 and cand.uri == "file:///ckpt/v3"
     assert cand.checkpoint["step"] == 30  # the first record stays
@@ -77,7 +79,7 @@ def test_add_candidate_is_idempotent(store):
 
 
 def test_transitions_are_idempotent_and_audited(store):
-    store.add_candidate(event(1))
+    store.add_candidate(event(1), CONTROLLER)
     evidence = {"gate": {"kl": 0.2}, "prompts": 32}
     assert store.transition(1, State.GATING, "controller", "gate started") is True
     assert store.transition(1, State.GATING, "controller", "gate started again") is False  # no-op
@@ -90,7 +92,7 @@ def test_transitions_are_idempotent_and_audited(store):
     assert [(a.from_state, a.to_state, a.actor, a.reason) for a in entries] == [
         ("gating", "rejected", "alice", "KL too high"),
         ("candidate", "gating", "controller", "gate started"),
-        (None, "candidate", "controller", "version 1 published by the trainer (step 10)")]
+        (None, "candidate", CONTROLLER, "version 1 published by the trainer (step 10)")]
     assert entries[0].evidence == evidence and entries[1].evidence is None
     assert entries[0].at >= entries[1].at >= entries[2].at > 0
     assert store.get(1).state == State.REJECTED
@@ -98,7 +100,7 @@ def test_transitions_are_idempotent_and_audited(store):
 
 
 def test_save_keeps_gate_and_analysis_without_a_transition(store):
-    store.add_candidate(event(1))
+    store.add_candidate(event(1), CONTROLLER)
     store.save(1, gate={"kl": 0.1})
     store.save(1, analysis={"pairs": 40})
     cand = store.get(1)
@@ -344,7 +346,7 @@ def test_only_one_controller_holds_the_lease_until_it_lapses(url):
         holder, expires = a.lease_holder()
         assert holder == "ctrl-b" and expires > time.time() + 20
         entry = a.audit()[0]
-        assert (entry.actor, entry.reason) == ("ctrl-b", "took over the controller lease from ctrl-a (lapsed)")
+        assert (entry.actor, entry.reason) == ("controller:ctrl-b", "took over the controller lease from ctrl-a (lapsed)")
     finally:
         a.close()
         b.close()
