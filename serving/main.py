@@ -26,6 +26,7 @@ from flywheel.contracts import Topics
 from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
+from flywheel.signing import Verifier
 from serving.follow import ReleaseFollower
 from serving.journal import Journal
 from serving.recorder import Recorder
@@ -57,6 +58,10 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         log.error("refusing to serve: %s", exc)
         return 2
     log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
+    if settings.serve.follow_releases and settings.serve.trusted_release_keys:
+        # keys that cannot be read stop the start now (KeyFileError: exit 2 with the message),
+        # not once the engines have loaded, minutes on a GPU, on every restart of a crash loop
+        Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
     topics = Topics(settings.topic_prefix)
     try:
         ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.deadletter])

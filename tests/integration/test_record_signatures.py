@@ -11,7 +11,9 @@ Kafka side (release/streams.py). Serving's side is in test_serving_releases.py.
 from __future__ import annotations
 
 import base64
+import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from flywheel.kafka.producers import KafkaSink
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings, Settings
 from flywheel.signing import Signer, Verifier, generate_key_pair
+from local.broker import free_port
 from release.store import Revision
 from release.streams import Streams
 from tests.conftest import read_all
@@ -146,3 +149,19 @@ def test_the_controller_signs_the_routings_it_publishes(kafka_settings, topics, 
     serving_side = Verifier.load([keys / "pairs" / "release-1.pub"], setting="serve.trusted_release_keys")
     assert serving_side.check(rec.value, rec.headers) == "release-1"
     assert decode(ReleaseEvent, rec.value).revision == 1
+
+
+def test_a_serving_whose_trusted_keys_cannot_be_read_stops_before_it_loads_an_engine(tiny_model_dir, tmp_path):
+    """A typo in the key path is found in seconds, not after the engines load (minutes on a GPU)
+    and again on every restart of a crash loop."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env.update(FLYWHEEL_MODEL_DIR=str(tiny_model_dir), FLYWHEEL_DATA_DIR=str(tmp_path),
+               FLYWHEEL_KAFKA_BOOTSTRAP=f"127.0.0.1:{free_port()}", FLYWHEEL_KAFKA_REQUEST_TIMEOUT_MS="500",
+               FLYWHEEL_SERVE_TRUSTED_RELEASE_KEYS=str(tmp_path / "no-such-dir"))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "cli", "serve"], env=env, capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "serve.trusted_release_keys" in out.stderr and "no-such-dir" in out.stderr
+    assert "EngineCore" not in out.stderr and "Initializing" not in out.stderr  # no engine was started
+    assert time.monotonic() - t0 < 60
