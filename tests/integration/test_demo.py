@@ -58,6 +58,11 @@ def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_p
     assert any(d["version"] == canary and d["to"] == "canary" for d in s["decisions"])
     assert s["latency"]["feedback_to_canary_s"]["n"] > 0
     assert "goal accept rate doubled within 180s" in got["said"]
+    # ... through signed records: flywheel up made a pair per role, and each reader trusted only
+    # its writer's key (a forged or unsigned record would have been dead-lettered, not canaried)
+    logs = root / "logs"
+    assert "trusting key ids trainer-local" in (logs / "release.log").read_text()
+    assert "trusting key ids release-local" in (logs / "serve.log").read_text()
 
 
 @pytest.mark.slow
