@@ -33,6 +33,9 @@ limit; the message names what is wrong (400, not FastAPI's 422, as serving's API
 token is checked before the body is read, so a caller without one learns nothing about what the
 route expects.
 
+``/openapi.json`` describes exactly this (release/openapi.py): each route's body and answers, the
+bearer scheme, and no 422; tests/integration/test_release_fuzz.py holds the app to it.
+
 The store is used by one request at a time (a lock): SQLite and psycopg connections must not run
 two transactions at once. Give the app a :class:`ReleaseStore` of its own, not the controller
 loop's, so the two never share a connection.
@@ -62,6 +65,19 @@ from flywheel.terminal import ONE_LINE, check_one_line
 from release import actions
 from release.actions import ActionRefused
 from release.auth import STATE_KEY, Role, parse_tokens, require
+from release.openapi import (
+    AuditList,
+    CandidateDetail,
+    CandidateList,
+    Health,
+    Pipeline,
+    Promoted,
+    Rejected,
+    RolledBack,
+    Status,
+    route,
+)
+from release.openapi import install as install_openapi
 from release.store import Candidate, ReleaseStore
 
 log = logging.getLogger(__name__)
@@ -254,6 +270,7 @@ def make_app(store: ReleaseStore, settings: ReleaseSettings,
     _action_routes(app, store, settings, metrics, lock)
     _ops_routes(app, store, registry, status, lock)
     _console(app)
+    install_openapi(app)
     return app
 
 
@@ -261,17 +278,17 @@ def _read_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
                  status: Callable[[], dict[str, Any]] | None, lock: threading.Lock) -> None:
     # plain ``def`` handlers: FastAPI runs them on its thread pool, so a slow database blocks a
     # worker thread and never the event loop that answers /health
-    @app.get("/api/status")
+    @app.get("/api/status", **route(Status, 401, role="viewer"))
     def get_status(_: Viewer) -> dict[str, Any]:
         with lock:
             return status_body(store, settings, status)
 
-    @app.get("/api/candidates")
+    @app.get("/api/candidates", **route(CandidateList, 401, role="viewer"))
     def list_candidates(_: Viewer) -> dict[str, Any]:
         with lock:
             return {"candidates": [candidate_row(c) for c in store.candidates()]}
 
-    @app.get("/api/candidates/{version}")
+    @app.get("/api/candidates/{version}", **route(CandidateDetail, 400, 401, 404, role="viewer"))
     def show_candidate(_: Viewer, version: Version) -> dict[str, Any]:
         with lock:
             cand = store.get(version)
@@ -279,7 +296,7 @@ def _read_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
                 raise HTTPException(404, f"no version {version} was ever published to this controller")
             return candidate_detail(cand, store)
 
-    @app.get("/api/audit")
+    @app.get("/api/audit", **route(AuditList, 400, 401, role="viewer"))
     def audit(_: Viewer, version: Annotated[int | None, Query(ge=0, le=MAX_VERSION)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 200) -> dict[str, Any]:
         with lock:
@@ -301,7 +318,8 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
                 raise
         metrics.actions.labels(action, "done").inc()
 
-    @app.post("/api/candidates/{version}/approve", openapi_extra=_body_doc(ReasonBody))
+    @app.post("/api/candidates/{version}/approve",
+              **route(Promoted, 400, 401, 403, 404, 409, 413, body=ReasonBody, role="approver"))
     def approve(actor: Approver, version: Version,
                 body: Annotated[ReasonBody, Depends(_body(ReasonBody))]) -> dict[str, Any]:
         with acting("approve", actor, version):
@@ -313,14 +331,15 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
             rev = store.latest_revision()
         return {"version": version, "state": "promoted", "revision": asdict(rev) if rev else None}
 
-    @app.post("/api/candidates/{version}/reject", openapi_extra=_body_doc(ReasonBody))
+    @app.post("/api/candidates/{version}/reject",
+              **route(Rejected, 400, 401, 403, 404, 409, 413, body=ReasonBody, role="approver"))
     def reject(actor: Approver, version: Version,
                body: Annotated[ReasonBody, Depends(_body(ReasonBody))]) -> dict[str, Any]:
         with acting("reject", actor, version):
             actions.reject(store, version, actor, body.reason or "rejected (no reason given)")
         return {"version": version, "state": "rejected"}
 
-    @app.post("/api/rollback", openapi_extra=_body_doc(RollbackBody))
+    @app.post("/api/rollback", **route(RolledBack, 400, 401, 403, 409, 413, body=RollbackBody, role="approver"))
     def rollback(actor: Approver, body: Annotated[RollbackBody, Depends(_body(RollbackBody))]) -> dict[str, Any]:
         with acting("rollback", actor, body.version):
             version = actions.rollback(store, actor, body.reason or "rolled back (no reason given)",
@@ -336,25 +355,22 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
         metrics.actions.labels(action, "done" if changed else "noop").inc()
         return {"paused": paused, "changed": changed}
 
-    @app.post("/api/pause", openapi_extra=_body_doc(RequiredReasonBody))
+    @app.post("/api/pause", **route(Pipeline, 400, 401, 403, 413, body=RequiredReasonBody, body_required=True,
+                                    role="admin"))
     def pause(actor: Admin, body: Annotated[RequiredReasonBody, Depends(_body(RequiredReasonBody))]) -> dict[str, Any]:
         return pipeline("pause", True, actor, body.reason)
 
-    @app.post("/api/resume", openapi_extra=_body_doc(RequiredReasonBody))
+    @app.post("/api/resume", **route(Pipeline, 400, 401, 403, 413, body=RequiredReasonBody, body_required=True,
+                                     role="admin"))
     def resume(actor: Admin, body: Annotated[RequiredReasonBody, Depends(_body(RequiredReasonBody))]) -> dict[str, Any]:
         return pipeline("resume", False, actor, body.reason)
 
 
-def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """The body in /openapi.json: it is read by a dependency (see :func:`_body`), which FastAPI
-    does not describe by itself."""
-    return {"requestBody": {"required": model is RequiredReasonBody,
-                            "content": {"application/json": {"schema": model.model_json_schema()}}}}
-
-
 def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,
                 status: Callable[[], dict[str, Any]] | None, lock: threading.Lock) -> None:
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={
+        200: {"model": Health, "description": "Healthy."},
+        503: {"model": Health, "description": "The database does not answer, or the controller is not ok."}})
     def health() -> Response:
         """200 ``{"ok": true}`` while the database answers (and the controller, when it reports
         ``ok``, says so), else 503 ``{"ok": false}``. Nothing more, token or not: a probe needs
@@ -371,7 +387,8 @@ def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,
         ok = ok and (controller is None or controller.get("ok", True) is not False)
         return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, responses={
+        200: {"description": "Prometheus' text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     def prometheus() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 

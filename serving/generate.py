@@ -149,7 +149,9 @@ def _gen(ids: list[int], body: Any, max_tokens: int) -> GenRequest:
                       top_logprobs=body.top_logprobs_n() or 0)
 
 
-def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str, key: str | None = None) -> Prepared:
+def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepared:
+    """The prompt tokenized and checked; slow for a long prompt, so the app runs it off the event
+    loop, then :func:`routed` on it."""
     pinned_version(ctx, body.model)  # an unknown model is refused before the prompt is read
     tok = ctx.fleet.tokenizer
     if isinstance(body.prompt, str):
@@ -162,12 +164,12 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str, key: str
     # a deployment limit below OpenAI's default must not refuse requests that leave it out
     max_tokens = body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS, ctx.serve.max_tokens_limit)
     _limits(ctx, body.n, max_tokens, len(ids))
-    slot, how, version = route(ctx, body.model, user_id, key)
     return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time(), body.top_logprobs_n(), slot, how, version)
+                    body.n, user_id, time.time(), body.top_logprobs_n())
 
 
-def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str, key: str | None = None) -> Prepared:
+def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
+    """As :func:`prepare_completion`, through the chat template."""
     pinned_version(ctx, body.model)
     tok = ctx.fleet.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -178,9 +180,16 @@ def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str, key: str | None = No
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
     _limits(ctx, body.n, max_tokens, len(ids))
-    slot, how, version = route(ctx, body.model, user_id, key)
     return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
-                    body.n, user_id, time.time(), body.top_logprobs_n(), slot, how, version)
+                    body.n, user_id, time.time(), body.top_logprobs_n())
+
+
+def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
+    """``prep`` on the slot its pinned version or its user is routed to. On the event loop, where
+    the fleet's routing changes, and as late as possible: a slot picked before a long tokenization
+    could be loading another version by the time the request reaches it."""
+    slot, how, version = route(ctx, model, prep.user_id, key)
+    return dataclasses.replace(prep, slot=slot, route=how, version=version)
 
 
 # -- running and recording ---------------------------------------------------------------------
@@ -192,7 +201,7 @@ async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | Non
     """
     choice = Choice(i, prep.generation_id(i))
     slot = prep.slot
-    assert slot is not None  # set by prepare_*
+    assert slot is not None  # set by routed()
     slot.in_flight += 1
     try:
         if sink is None:
