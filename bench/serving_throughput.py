@@ -119,7 +119,8 @@ class Api:
         from serving.server import AppServer, LoopThread
 
         serve = ServeSettings(api_keys=(KEY,), max_num_seqs=args.concurrency, rate_limit_burst=1_000_000,
-                              rate_limit_per_minute=1e9, cpu_threads_bind=args.bind)
+                              rate_limit_per_minute=1e9, rate_limit_key_burst=1_000_000,
+                              rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind)
         settings = Settings(model_dir=model_dir, data_dir=Path(tempfile.mkdtemp(prefix="bench-serving-")),
                             topic_prefix="bench.", kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
         ensure_topics(settings.kafka, Topics("bench.").all())

@@ -116,7 +116,8 @@ class Rig:
         from serving.versions import Fleet
 
         serve = ServeSettings(api_keys=(KEY,), max_num_seqs=args.concurrency, rate_limit_burst=1_000_000,
-                              rate_limit_per_minute=1e9, cpu_threads_bind=args.bind)
+                              rate_limit_per_minute=1e9, rate_limit_key_burst=1_000_000,
+                              rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind)
         self.settings = Settings(model_dir=model_dir, data_dir=Path(tempfile.mkdtemp(prefix="bench-swap-")),
                                  topic_prefix="bench.", kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
         self.topics = Topics("bench.")

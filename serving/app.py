@@ -10,14 +10,16 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire for
 streaming included), ``GET /v1/models``, ``POST /v1/feedback`` (202 once the event is durable),
 ``GET /health``, ``GET /metrics``, and ``GET /openapi.json``, the schema of all of them
 (:mod:`serving.openapi`; there is no ``/docs`` page). Product routes need
-``Authorization: Bearer <key>``; generation routes are rate limited per user (feedback is not:
-refusing it would bias the reward signal, and abuse is judged downstream by the reward guards).
+``Authorization: Bearer <key>``; generation routes are rate limited per user and per API key
+(feedback is not: refusing it would bias the reward signal, and abuse is judged downstream by the
+reward guards).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +42,7 @@ from serving.engine import Engine
 from serving.follow import ReleaseFollower
 from serving.identity import (
     RateLimiter,
+    RateLimits,
     bearer_key,
     key_allowed,
     pseudonymise,
@@ -79,7 +82,10 @@ class AppMetrics:
                               ["model_version"], registry=registry)
         self.feedback = Counter("serving_feedback_total", "Feedback events accepted (202), by signal",
                                 ["signal"], registry=registry)
-        self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429", registry=registry)
+        self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429, by the bucket that was empty",
+                                    ["scope"], registry=registry)
+        for scope in ("user", "key"):
+            self.rate_limited.labels(scope)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -105,7 +111,8 @@ class Gate:
             raise ValueError("serve.api_keys is empty: set FLYWHEEL_API_KEYS, or serve.allow_anonymous=true "
                              "for a deliberate unauthenticated deployment")
         self.serve = s
-        self.limiter = RateLimiter(s.rate_limit_per_minute, s.rate_limit_burst)
+        self.limits = RateLimits(RateLimiter(s.rate_limit_per_minute, s.rate_limit_burst),
+                                 RateLimiter(s.rate_limit_key_per_minute, s.rate_limit_key_burst))
         self.metrics = metrics
 
     def key(self, request: Request) -> str | None:
@@ -119,13 +126,14 @@ class Gate:
         raw = raw_user(body_user, request.headers.get("x-flywheel-user"), key)
         return pseudonymise(self.serve.user_id_salt, raw)
 
-    def limit(self, user_id: str) -> None:
-        wait = self.limiter.take(user_id)
-        if wait > 0:
-            self.metrics.rate_limited.inc()
-            raise ApiError(429, f"rate limit exceeded for this user; retry in {wait:.1f}s",
+    def limit(self, user_id: str, key: str | None) -> None:
+        refused = self.limits.take(user_id, key)
+        if refused is not None:
+            self.metrics.rate_limited.labels(refused.scope).inc()
+            who = "this user" if refused.scope == "user" else "this API key"
+            raise ApiError(429, f"rate limit exceeded for {who}; retry in {refused.wait_s:.1f}s",
                            type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": retry_after_header(wait)})
+                           headers={"Retry-After": retry_after_header(refused.wait_s)})
 
 
 def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, registry: CollectorRegistry,
@@ -140,13 +148,19 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
     app.add_middleware(Observe, metrics=metrics, default_version=lambda: str(fleet.version_of("stable")))
     _errors(app)
     openapi.install(app, settings.serve, len(fleet.tokenizer))
+    # Tokenizing (chat template and encode) takes over a second for a 1 MiB prompt: on the event
+    # loop it stalled every request, /health included. One thread, as vLLM's own server does
+    # (renderer_num_workers=1): the tokenizer is not shared across threads, and the encoder
+    # releases the GIL while it works.
+    tokenize = ThreadPoolExecutor(max_workers=1, thread_name_prefix="serving-tokenize")
 
     async def generation(request: Request, cls: type, prepare: Any) -> Response:
         key = gate.key(request)
         body = parse(cls, await read_body(request, settings.serve.max_body_bytes))
         user_id = gate.user(request, key, body.end_user())
-        gate.limit(user_id)
-        prep = prepare(ctx, body, user_id, key)
+        gate.limit(user_id, key)
+        prep = await asyncio.get_running_loop().run_in_executor(tokenize, prepare, ctx, body, user_id)
+        prep = gen.routed(ctx, prep, body.model, key)
         request.scope.setdefault("state", {})["model_version"] = str(prep.version)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -1,4 +1,4 @@
-"""Who is calling: API-key checks, user pseudonyms and the per-user rate limit (pure logic).
+"""Who is calling: API-key checks, user pseudonyms and the rate limits (pure logic).
 
 The recorded ``user_id`` is a pseudonym, ``HMAC-SHA256(salt, raw)`` truncated to 32 hex chars:
 stable per user (so reward guards can count per user) yet not reversible without the salt, so
@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 PSEUDONYM_HEX = 32
 
@@ -101,6 +102,13 @@ class RateLimiter:
             self._sweep(now)
         return wait
 
+    def give_back(self, user: str) -> None:
+        """Return a token :meth:`take` just took (the request was refused by another limit)."""
+        with self._lock:
+            b = self._buckets.get(user)
+            if b is not None:
+                b.tokens = min(self.burst, b.tokens + 1.0)
+
     def _sweep(self, now: float) -> None:
         full_after = self.burst / self.rate
         if now - self._last_sweep < full_after:
@@ -112,6 +120,37 @@ class RateLimiter:
 
     def __len__(self) -> int:
         return len(self._buckets)
+
+
+@dataclass(frozen=True)
+class RateLimited:
+    """A request refused: which bucket was empty, and the seconds until it has a token."""
+
+    scope: Literal["user", "key"]
+    wait_s: float
+
+
+class RateLimits:
+    """A bucket per user and a bucket per API key; a request takes a token from both or neither.
+
+    The user is whoever the client names (``user``, ``X-Flywheel-User``), so on its own the user
+    limit multiplies with every name a client makes up; the key's bucket bounds what one key gets,
+    however many users it speaks for. Sized much larger than a user's: one product key may carry
+    every user of a product.
+    """
+
+    def __init__(self, per_user: RateLimiter, per_key: RateLimiter) -> None:
+        self.per_user, self.per_key = per_user, per_key
+
+    def take(self, user_id: str, key: str | None) -> RateLimited | None:
+        wait = self.per_user.take(user_id)
+        if wait > 0:
+            return RateLimited("user", wait)
+        wait = self.per_key.take(key or "")  # (no key: one bucket for all anonymous traffic)
+        if wait > 0:
+            self.per_user.give_back(user_id)  # the user did not get this request either
+            return RateLimited("key", wait)
+        return None
 
 
 def retry_after_header(wait_s: float) -> str:

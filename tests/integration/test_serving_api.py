@@ -162,6 +162,42 @@ def test_a_non_ascii_key_gets_401_not_500(serve):
             assert r.json()["error"]["code"] == "invalid_api_key"
 
 
+def test_rotating_users_on_one_key_meets_the_key_limit(serve):
+    """The user limit is keyed on what the client names (``user``, ``X-Flywheel-User``): with a
+    user burst of 5, ten requests each naming a new user all went through. The key's own bucket
+    (burst 8 here) stops them; another key is not affected."""
+    s = serve(api_keys=(KEY, "sk-other"), rate_limit_burst=5, rate_limit_per_minute=1,
+              rate_limit_key_burst=8, rate_limit_key_per_minute=1)
+    body = {"model": "flywheel", "prompt": "hi", "max_tokens": 1}
+    codes = [s.post("/v1/completions", {**body, "user": f"rotated-{i}"}).status_code for i in range(6)]
+    codes += [s.post("/v1/completions", body, headers={"X-Flywheel-User": f"header-{i}"}).status_code for i in range(4)]
+    assert codes == [200] * 8 + [429] * 2
+    r = s.post("/v1/completions", {**body, "user": "yet-another"})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error" and "API key" in r.json()["error"]["message"]
+    assert s.post("/v1/completions", {**body, "user": "rotated-0"}, key="sk-other").status_code == 200
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(serve):
+    """Tokenizing a 1 MiB chat prompt takes over a second here (4 MiB: several): on the event loop
+    it stalled every other request, ``/health`` included, until it was done. Off the loop, probes
+    keep being answered while it runs: many of them finish before the huge request does."""
+    s = serve(max_body_bytes=8 << 20)
+    words = "the quick brown fox jumps over the lazy dog " * 100_000  # 4.5 MB: ~2.8 M tokens
+    body = {"model": "flywheel", "messages": [{"role": "user", "content": words}]}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        big = pool.submit(s.post, "/v1/chat/completions", body)
+        answered = 0
+        while not big.done():
+            r = httpx.get(s.url + "/health", timeout=300)
+            assert r.status_code == 200
+            answered += not big.done()
+        resp = big.result()
+    # the whole prompt was tokenized (its length is in the refusal), and probes went on meanwhile
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    assert answered >= 5, f"only {answered} /health answers while the prompt was tokenized"
+
+
 def test_rate_limit_gives_429_with_retry_after_per_user(serve):
     # one token a minute: a slow machine must not refill the bucket between the requests below
     s = serve(rate_limit_burst=2, rate_limit_per_minute=1)

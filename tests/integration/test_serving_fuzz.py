@@ -46,7 +46,8 @@ OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/mode
 
 @pytest.fixture
 def api_schema(serve):
-    s = serve(max_tokens_limit=4, max_n=2, rate_limit_per_minute=10**6, rate_limit_burst=10**6)
+    s = serve(max_tokens_limit=4, max_n=2, rate_limit_per_minute=10**6, rate_limit_burst=10**6,
+              rate_limit_key_per_minute=10**6, rate_limit_key_burst=10**6)
     # an empty config: no schemathesis.toml is looked for up the tree
     return schemathesis.openapi.from_url(s.url + "/openapi.json", config=SchemathesisConfig.from_dict({}))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from serving.identity import (
+    RateLimited,
     RateLimiter,
+    RateLimits,
     bearer_key,
     key_allowed,
     pseudonymise,
@@ -80,6 +82,27 @@ def test_bucket_never_exceeds_burst_and_forgets_idle_users():
     clock.t += 3600
     assert [rl.take("b"), rl.take("b"), rl.take("b") > 0] == [0.0, 0.0, True]
     assert len(rl) == 1  # "a" was idle long enough to be full again, so it was dropped
+
+
+def test_users_rotated_on_one_key_meet_the_key_bucket():
+    """Each user has a bucket and so does each API key: a client that names a new ``user`` per
+    request (10 of 10 went through with a user burst of 5) meets its key's bucket. A request takes
+    a token from both buckets or from neither."""
+    clock = Clock()
+    # users: 2 at once, then one a minute; keys: 3 at once, then one a second
+    limits = RateLimits(RateLimiter(per_minute=1, burst=2, clock=clock),
+                        RateLimiter(per_minute=60, burst=3, clock=clock))
+    got = [limits.take(f"u{i}", "key-1") for i in range(5)]
+    assert got == [None] * 3 + [RateLimited("key", pytest.approx(1.0))] * 2
+    assert limits.take("u0", "key-2") is None  # another key has its own bucket
+    clock.t += 3.0  # key-1 full again; a user gets a twentieth of a token back
+    # u3 was refused by the key, so it kept its user tokens: two requests, then its own bucket
+    assert limits.take("u3", "key-1") is None and limits.take("u3", "key-1") is None
+    third = limits.take("u3", "key-1")
+    assert third is not None and third.scope == "user" and third.wait_s > 50
+    assert limits.take("u4", "key-1") is None  # u3's refusal spent no token of the key
+    assert limits.take("u5", "key-1") == RateLimited("key", pytest.approx(1.0))
+    assert limits.take("u9", None) is None  # no key: one bucket shared by anonymous traffic
 
 
 @pytest.mark.parametrize("wait, header", [(0.01, "1"), (1.0, "1"), (1.2, "2"), (30.0, "30")])
