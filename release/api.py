@@ -254,14 +254,16 @@ class ApiMetrics:
 
 
 def make_app(store: ReleaseStore, settings: ReleaseSettings,
-             status: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+             status: Callable[[], dict[str, Any]] | None = None,
+             registry: CollectorRegistry | None = None) -> FastAPI:
     """The API over ``store`` (module docstring). ``status``, when given, is the controller loop's
     health report, shown under ``controller`` in ``/api/status``; ``/health`` says only whether it
-    is ``ok``. Raises
+    is ``ok``. ``registry``, when given, is the process's registry, so ``/metrics`` shows the
+    controller's own metrics (its dead letters) beside the API's. Raises
     :class:`~flywheel.settings.SettingsError` for malformed ``settings.tokens``."""
     app = FastAPI(title="flywheel release controller", docs_url=None, redoc_url=None)
     setattr(app.state, STATE_KEY, parse_tokens(settings.tokens))
-    app.state.registry = registry = new_registry()
+    app.state.registry = registry = registry if registry is not None else new_registry()
     metrics = ApiMetrics(registry)
     app.add_middleware(CountRequests, metrics=metrics)
     _errors(app)

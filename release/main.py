@@ -67,13 +67,15 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
         store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
         held.callback(store.close)
-        streams = Streams(settings, new_registry())
+        # one registry for the process: the API's /metrics shows the streams' dead letters too
+        registry = new_registry()
+        streams = Streams(settings, registry)
         held.callback(streams.close)
         controller = Controller(settings, store, streams, open_store(settings))
         # the API gets a connection of its own: one connection is not for two threads' transactions
         api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
         held.callback(api_store.close)
-        api = ApiServer(make_app(api_store, cfg, controller.status), cfg.host, cfg.port).start()
+        api = ApiServer(make_app(api_store, cfg, controller.status, registry), cfg.host, cfg.port).start()
         held.callback(api.stop)
         log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
         # the gate's model libraries take seconds to import on a busy machine: import them now,

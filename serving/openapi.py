@@ -119,13 +119,14 @@ def _deployment_bounds(props: dict[str, Any], serve: ServeSettings, vocab_size: 
     """What this deployment accepts, beyond what the request models say for any deployment."""
     props["model"]["pattern"] = f"^{re.escape(serve.model_name)}(@v[0-9]+)?$"  # generate.pinned_version
     props["model"]["examples"] = [serve.model_name]
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):  # (min_tokens: at most max_tokens)
         if field in props:
             _maximum(props[field], serve.max_tokens_limit)
     _maximum(props["n"], serve.max_n)
-    for branch in props.get("prompt", {}).get("anyOf", []):
-        if branch.get("type") == "array":  # token ids
-            branch["items"] = {**branch.get("items", {}), "minimum": 0, "maximum": vocab_size - 1}
+    for field in ("prompt", "stop_token_ids"):
+        for branch in props.get(field, {}).get("anyOf", []):
+            if branch.get("type") == "array":  # token ids
+                branch["items"] = {**branch.get("items", {}), "minimum": 0, "maximum": vocab_size - 1}
 
 
 def _maximum(prop: dict[str, Any], limit: int) -> None:

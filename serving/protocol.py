@@ -11,6 +11,9 @@ client that sends ``tools`` or ``logit_bias`` and gets an answer back would beli
 OpenAI parameters this API does not implement are listed in ``UNSUPPORTED`` tables with the values
 that ask for nothing (``presence_penalty: 0``, ``echo: false``, ``tools: []``), which clients send by
 default and which are accepted; any other value is a 400 naming the parameter and saying why.
+vLLM's extensions of the API (``min_p``, ``ignore_eos``, ``repetition_penalty``...) are classified
+once, in :mod:`serving.vllm_extras`: the implemented ones are fields here, the others join the
+``UNSUPPORTED`` tables.
 
 The same models are published as the OpenAPI schema (``GET /openapi.json``, :mod:`serving.openapi`):
 request models exactly as validated, response models as the app writes them (the integration and
@@ -19,13 +22,21 @@ fuzz tests check real responses against them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-from flywheel.contracts import Duration, EpochSeconds, Signal
+from flywheel.contracts import Duration, EpochSeconds, Signal, TokenId
 from flywheel.jsonbody import BodyError, load_body
+from serving.vllm_extras import RECORDED, Unsupported, unsupported
 
 #: OpenAI's bounds on how many alternatives per token may be asked for.
 MAX_COMPLETION_LOGPROBS = 5
@@ -63,26 +74,6 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-@dataclass(frozen=True)
-class Unsupported:
-    """An OpenAI parameter this API does not implement.
-
-    ``accepted`` are the values that ask for nothing (what clients send by default); they are
-    accepted and mean what they say. Any other value is refused with ``reason``.
-    """
-
-    reason: str
-    accepted: tuple[Any, ...] = (None,)
-
-    def asks_nothing(self, value: Any) -> bool:
-        # 0 and 0.0 are the same number, but False is not 0 and "0" is not 0
-        return any(value == a and _kind(value) == _kind(a) for a in self.accepted)
-
-
-def _kind(v: Any) -> str:
-    return "number" if isinstance(v, int | float) and not isinstance(v, bool) else type(v).__name__
-
-
 def _document_unsupported(schema: dict[str, Any], cls: type) -> None:
     """JSON schema hook: unsupported parameters appear with the only values they accept."""
     props = schema.setdefault("properties", {})
@@ -114,8 +105,6 @@ class _Req(BaseModel):
         return kept
 
 
-_RECORDED = ("it changes the sampling distribution in a way a recorded generation cannot carry "
-             "(the trainer recomputes logprobs from the recorded sampling parameters)")
 _TOOLS = "tool and function calling are not implemented"
 
 
@@ -131,20 +120,37 @@ class StreamOptions(_Req):
 
 class _Sampling(_Req):
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
-        "presence_penalty": Unsupported(_RECORDED, (None, 0)),
-        "frequency_penalty": Unsupported(_RECORDED, (None, 0)),
-        "logit_bias": Unsupported(_RECORDED, (None, {})),
+        "presence_penalty": Unsupported(RECORDED, (None, 0)),
+        "frequency_penalty": Unsupported(RECORDED, (None, 0)),
+        "logit_bias": Unsupported(RECORDED, (None, {})),
     }
+    #: Fields where ``null`` means the default (OpenAI's schema allows it; vLLM's clients send it).
+    NULL_IS_DEFAULT: ClassVar[tuple[str, ...]] = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids")
 
     model: str = Field(min_length=1)
     """The served model's name, or ``name@vN``."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Tokens to sample at most (the deployment sets an upper bound, ``serve.max_tokens_limit``)."""
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1, lt=2**31)
-    """Not an OpenAI parameter (vLLM's): sample from the k most likely tokens; -1 (or any k above
-    the vocabulary) for all. Bounded: the engine's request encoding overflows past 64 bits."""
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=-1, ge=-1, lt=2**31)
+    """Not an OpenAI parameter (vLLM's): sample from the k most likely tokens; -1 or 0 (or any k
+    above the vocabulary) for all. Bounded: the engine's request encoding overflows past 64 bits."""
+    min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
+    """vLLM's: leave out tokens less likely than ``min_p`` times the most likely one (0: none)."""
+    min_tokens: int = Field(default=0, ge=0)
+    """vLLM's: EOS and ``stop_token_ids`` cannot be sampled before this many tokens (at most
+    ``max_tokens``)."""
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=1024)] | None = []
+    """vLLM's: sampling stops after any of these tokens (which ends the token ids)."""
+    ignore_eos: bool = False
+    """vLLM's: go on sampling after EOS, up to ``max_tokens``."""
+    include_stop_str_in_output: bool = False
+    """vLLM's: keep the stop string that ended the text in it."""
+    skip_special_tokens: bool = True
+    """vLLM's: leave special tokens (EOS, role markers) out of the text."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: put spaces around special tokens in the text (slow tokenizers only)."""
     n: int = Field(default=1, ge=1)
     """Choices to sample; they form one group (GRPO). Bounded by ``serve.max_n``."""
     stream: bool = False
@@ -157,6 +163,11 @@ class _Sampling(_Req):
     """The product's id for its end user (pseudonymised before anything is recorded)."""
     safety_identifier: str | None = Field(default=None, max_length=256)
     """OpenAI's newer name for ``user``; either may be sent (the same value if both)."""
+
+    @field_validator(*NULL_IS_DEFAULT, mode="after")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
 
     @model_validator(mode="after")
     def _check_sampling(self) -> _Sampling:
@@ -183,6 +194,7 @@ class _Sampling(_Req):
 class CompletionRequest(_Sampling):
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
         **_Sampling.UNSUPPORTED,
+        **unsupported("completions"),
         "echo": Unsupported("echoing the prompt (and its logprobs) is not implemented", (None, False)),
         "suffix": Unsupported("insertion (text after the completion) is not implemented", (None, "")),
     }
@@ -194,6 +206,8 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(default=None, ge=1)
     """Accepted only equal to ``n``: choosing the best of more samples server-side is not
     implemented (every sample is returned, and recorded, as a choice)."""
+    add_special_tokens: bool = True
+    """vLLM's: add the tokenizer's special tokens (BOS) to a text prompt."""
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
@@ -224,11 +238,12 @@ class ChatMessage(_Req):
 class ChatRequest(_Sampling):
     UNSUPPORTED: ClassVar[dict[str, Unsupported]] = {
         **_Sampling.UNSUPPORTED,
+        **unsupported("chat"),
         "response_format": Unsupported("structured output (JSON mode, JSON schema) is not implemented",
                                        (None, {"type": "text"})),
         "tools": Unsupported(_TOOLS, (None, [])),
         "tool_choice": Unsupported(_TOOLS, (None, "none")),
-        "parallel_tool_calls": Unsupported(_TOOLS),
+        "parallel_tool_calls": Unsupported(_TOOLS, (None, True)),  # the default of OpenAI and vLLM
         "functions": Unsupported(_TOOLS, (None, [])),
         "function_call": Unsupported(_TOOLS, (None, "none")),
         "modalities": Unsupported("only text is generated", (None, ["text"])),
@@ -253,11 +268,21 @@ class ChatRequest(_Sampling):
     """Return each sampled token's logprob (with ``top_logprobs`` alternatives)."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     """Most likely alternatives per token, with their logprobs; needs ``logprobs: true``."""
+    add_generation_prompt: bool = True
+    """vLLM's: end the prompt with the chat template's opening of the assistant's turn."""
+    continue_final_message: bool = False
+    """vLLM's: leave the last message open for the model to continue (a prefill); needs
+    ``add_generation_prompt: false``."""
+    add_special_tokens: bool = False
+    """vLLM's: add the tokenizer's special tokens on top of those the chat template writes."""
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing (vLLM's default)
             raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message needs add_generation_prompt: false (the last "
+                                "message is continued, no new turn is opened)", "continue_final_message")
         return self
 
     def top_logprobs_n(self) -> int | None:

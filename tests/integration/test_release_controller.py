@@ -512,3 +512,40 @@ def test_the_api_reads_no_database_through_the_controller_loops_connection(light
     assert threads <= {threading.get_ident()}, "the API used the controller loop's connection"
     assert status["controller"]["controller"] == ctl.holder and status["controller"]["active"] is True
     assert status["lease"]["holder"] == ctl.holder  # the lease, as the API's own connection reads it
+
+
+def test_the_process_metrics_show_the_controllers_dead_letters(kafka_settings, topics, tiny_model_dir, trained,
+                                                                tmp_path):
+    # release.main.run as a process runs it: the streams' dead-letter counter sat in a registry
+    # the API's /metrics never exposed, so controller-side refusals were invisible to Prometheus
+    import socket
+    import threading
+
+    import httpx
+
+    from release.main import run
+
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = settings_for(kafka_settings, topics, tiny_model_dir, trained[1],
+                            f"sqlite:///{tmp_path / 'release.sqlite3'}", port=port,
+                            group_id=f"release-main-{topics.prefix}")
+    publish_checkpoint(kafka_settings, topics, {"kind": "checkpoint", "version": -3})
+    stop = threading.Event()
+    loop = threading.Thread(target=run, args=(settings,), kwargs={"stop": stop}, daemon=True)
+    loop.start()
+    try:
+        deadline, text = time.monotonic() + 120, ""
+        while 'release_deadletters_total{reason="invalid"} 1.0' not in text:
+            assert time.monotonic() < deadline, f"no dead letter counted on /metrics:\n{text[-2000:]}"
+            time.sleep(0.5)
+            try:
+                text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            except httpx.TransportError:
+                continue  # the API is not up yet
+        assert "release_api_requests_total" in text  # the API's own metrics on the same page
+    finally:
+        stop.set()
+        loop.join(30)
+    assert not loop.is_alive()
