@@ -17,7 +17,7 @@ import itertools
 import json
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticSerializationError
@@ -76,6 +76,13 @@ class _Event(BaseModel):
     schema_version: int = 1
 
 
+def _extra(default: Any, **bounds: Any) -> Any:
+    """A field added to a record after its first version: left out of the JSON at its default, so a
+    record that does not use it is the same bytes as before it existed (and a consumer that
+    predates it still reads the record), while an old record decodes to the default."""
+    return Field(default=default, exclude_if=lambda v: v == default, **bounds)
+
+
 class SamplingParams(BaseModel):
     """The sampler's settings for one generation: the trainer needs them to recompute logprobs."""
 
@@ -87,9 +94,28 @@ class SamplingParams(BaseModel):
     max_tokens: int = Field(ge=1)
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    #: Which distribution ``logprobs`` come from: ``processed`` = after temperature/top-p/top-k,
-    #: i.e. the distribution the token was actually drawn from (what importance sampling needs).
+    #: Which distribution ``logprobs`` come from: ``processed`` = after temperature/top-p/top-k
+    #: (and min-p, and min_tokens' mask), i.e. the distribution the token was actually drawn from
+    #: (what importance sampling needs).
     logprobs_mode: Literal["processed", "raw"] = "processed"
+    # vLLM's extras (serving/vllm_extras.py), written only when they ask for something (see
+    # _extra). min_p truncates like top_p; min_tokens masks the stop tokens (EOS and
+    # stop_token_ids) for the first min_tokens tokens; the others decide when sampling stops or
+    # how the tokens became ``completion_text``, and leave each token's distribution alone.
+    min_p: float = _extra(0.0, ge=0.0, le=1.0)
+    min_tokens: int = _extra(0, ge=0)
+    stop_token_ids: tuple[TokenId, ...] = _extra(())
+    ignore_eos: bool = _extra(False)
+    include_stop_str_in_output: bool = _extra(False)
+    skip_special_tokens: bool = _extra(True)
+    spaces_between_special_tokens: bool = _extra(True)
+
+    def wire(self) -> dict[str, Any]:
+        """The fields as :func:`encode` writes them, for encoders that build JSON from fields."""
+        return {k: v for k, v in self.__dict__.items() if k not in _EXTRA_DEFAULTS or v != _EXTRA_DEFAULTS[k]}
+
+
+_EXTRA_DEFAULTS = {n: f.default for n, f in SamplingParams.model_fields.items() if f.exclude_if is not None}
 
 
 #: Which of serving's routes answered a request: the stable version, the canary, or a version the

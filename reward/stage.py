@@ -363,6 +363,6 @@ def reward_bytes(ep: EpisodeEvent, reward: float, components: dict[str, float], 
         "group_id": g.group_id, "user_id": g.user_id, "rater_id": ep.rater_id, "model_version": g.model_version,
         "signal": ep.signal, "prompt_token_ids": g.prompt_token_ids,
         "completion_token_ids": g.completion_token_ids, "logprobs": g.logprobs,
-        "sampling": g.sampling.__dict__, "reward": reward, "components": components,
+        "sampling": g.sampling.wire(), "reward": reward, "components": components,
         "weight": weight, "flags": flags, "generated_at": g.created_at, "labeled_at": labeled_at,
     })

@@ -9,8 +9,9 @@ build alike: nothing here is CPU-only).
 Logprobs: vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request asks
 ``logprobs=N`` with N = 0 (only the sampled token) unless the client asked for alternatives, so
 each recorded logprob is log p(token) under the distribution the token was actually drawn from,
-after temperature / top-p / top-k. That is the behaviour policy the trainer's importance-sampling
-correction needs; raw logprobs would be the model's untempered distribution instead. Asking for
+after temperature / top-p / top-k / min-p (and min_tokens' mask of the stop tokens). That is the
+behaviour policy the trainer's importance-sampling correction needs; raw logprobs would be the
+model's untempered distribution instead. Asking for
 N alternatives changes nothing sampled or recorded: vLLM reports the sampled token's logprob
 first and the top N from the same processed distribution beside it.
 """
@@ -38,6 +39,20 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     #: Alternatives per token to report with their logprobs (the API's ``top_logprobs``).
     top_logprobs: int = 0
+    # vLLM's extras this API implements (serving/vllm_extras.py), recorded with the generation
+    min_p: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def engine_text(self) -> bool:
+        """Whether the text must be vLLM's own detokenization: stops are matched (and cut) on its
+        text, and decoding options other than the plain ones are its to apply."""
+        return bool(self.stop or self.stop_token_ids or self.include_stop_str_in_output
+                    or not self.skip_special_tokens or not self.spaces_between_special_tokens)
 
 
 #: Per sampled token, the most likely tokens as (token id, logprob), most likely first.
@@ -152,45 +167,22 @@ class VllmEngine:
             await self._llm.resume_generation()
         return time.perf_counter() - t0
 
-    def _params(self, req: GenRequest, final_only: bool = False) -> Any:
-        # Without stop strings a non-streamed sequence is decoded once here (``complete``), so
-        # vLLM's output processor skips detokenizing every step and every logprob entry: about
-        # a third of the API process's CPU per token on small models.
-        detokenize = not final_only or bool(req.stop)
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        return SamplingParams(
-            n=1,
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=max(0, req.top_k),
-            seed=req.seed,
-            stop=list(req.stop) or None,
-            logprobs=req.top_logprobs,  # the sampled token's own logprob, and the top N
-            detokenize=detokenize,
-            # streamed requests take each step's new tokens; others only the finished sequence,
-            # which saves the API one task wake-up per token
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
-        )
-
     async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
         await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
-        async for out in self._llm.generate(prompt, self._params(req), request_id):
+        async for out in self._llm.generate(prompt, vllm_params(req), request_id):
             yield _delta(out, req.top_logprobs)
 
     async def complete(self, req: GenRequest, request_id: str) -> Delta:
         await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         last = None
-        async for out in self._llm.generate(prompt, self._params(req, final_only=True), request_id):
+        async for out in self._llm.generate(prompt, vllm_params(req, final_only=True), request_id):
             last = out
         if last is None:
             raise RuntimeError(f"engine returned nothing for {request_id}")
         delta = _delta(last, req.top_logprobs)
-        if req.stop:  # vLLM detokenized (stop strings need it); its text is authoritative
+        if req.engine_text():  # vLLM detokenized; its text is authoritative
             return delta
         text = self.tokenizer.decode(delta.token_ids, skip_special_tokens=True)
         return replace(delta, text=text)
@@ -204,6 +196,39 @@ class VllmEngine:
             # drop it now: AsyncLLM's finaliser calls shutdown again, which fails noisily if it
             # only runs at interpreter exit, after the modules it needs are gone
             self._llm = None
+
+
+def vllm_params(req: GenRequest, final_only: bool = False) -> Any:
+    """vLLM's ``SamplingParams`` for one sequence of ``req``.
+
+    Unless the text must be vLLM's (:meth:`GenRequest.engine_text`), a non-streamed sequence is
+    decoded once by :meth:`VllmEngine.complete`, so vLLM's output processor skips detokenizing every
+    step and every logprob entry: about a third of the API process's CPU per token on small models.
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=req.max_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=max(0, req.top_k),
+        min_p=req.min_p,
+        seed=req.seed,
+        stop=list(req.stop) or None,
+        stop_token_ids=list(req.stop_token_ids) or None,
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
+        logprobs=req.top_logprobs,  # the sampled token's own logprob, and the top N
+        detokenize=not final_only or req.engine_text(),
+        # streamed requests take each step's new tokens; others only the finished sequence,
+        # which saves the API one task wake-up per token
+        output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
+    )
 
 
 def _delta(out: Any, n_top: int) -> Delta:

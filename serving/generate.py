@@ -143,10 +143,24 @@ def _limits(ctx: Ctx, n: int, max_tokens: int, n_prompt: int) -> None:
                        "max_tokens" if n_prompt < limit else "prompt", code="context_length_exceeded")
 
 
-def _gen(ids: list[int], body: Any, max_tokens: int) -> GenRequest:
+def _check_extras(ctx: Ctx, body: CompletionRequest | ChatRequest, max_tokens: int) -> None:
+    """vLLM's extras that depend on this request's or this model's other numbers."""
+    if body.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens={body.min_tokens} is above max_tokens={max_tokens}", "min_tokens")
+    vocab = len(ctx.fleet.tokenizer)
+    if any(t >= vocab for t in body.stop_token_ids or ()):
+        raise ApiError(400, f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+
+
+def gen_request(ids: list[int], body: CompletionRequest | ChatRequest, max_tokens: int) -> GenRequest:
+    """The engine request for a parsed body (null sampling values are their defaults by now)."""
     return GenRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stops(),
-                      top_logprobs=body.top_logprobs_n() or 0)
+                      top_logprobs=body.top_logprobs_n() or 0, min_p=body.min_p, min_tokens=body.min_tokens,
+                      stop_token_ids=tuple(body.stop_token_ids or ()), ignore_eos=body.ignore_eos,
+                      include_stop_str_in_output=body.include_stop_str_in_output,
+                      skip_special_tokens=body.skip_special_tokens,
+                      spaces_between_special_tokens=body.spaces_between_special_tokens)
 
 
 def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepared:
@@ -155,7 +169,7 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepa
     pinned_version(ctx, body.model)  # an unknown model is refused before the prompt is read
     tok = ctx.fleet.tokenizer
     if isinstance(body.prompt, str):
-        text, ids = body.prompt, tok.encode(body.prompt, add_special_tokens=True)
+        text, ids = body.prompt, tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     else:
         vocab = len(tok)
         if any(t < 0 or t >= vocab for t in body.prompt):
@@ -164,7 +178,8 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepa
     # a deployment limit below OpenAI's default must not refuse requests that leave it out
     max_tokens = body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS, ctx.serve.max_tokens_limit)
     _limits(ctx, body.n, max_tokens, len(ids))
-    return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
+    _check_extras(ctx, body, max_tokens)
+    return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, gen_request(ids, body, max_tokens),
                     body.n, user_id, time.time(), body.top_logprobs_n())
 
 
@@ -173,14 +188,15 @@ def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
     pinned_version(ctx, body.model)
     tok = ctx.fleet.tokenizer
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    # the template writes the BOS itself, so no special tokens are added again
-    ids = tok.encode(text, add_special_tokens=False)
+    text = _chat_prompt(tok, messages, body)
+    # the template writes the BOS itself: special tokens are added again only if asked (vLLM's rule)
+    ids = tok.encode(text, add_special_tokens=body.add_special_tokens)
     room = ctx.fleet.max_model_len - len(ids)
     requested = body.max_completion_tokens or body.max_tokens
     max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
     _limits(ctx, body.n, max_tokens, len(ids))
-    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, _gen(ids, body, max_tokens),
+    _check_extras(ctx, body, max_tokens)
+    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, gen_request(ids, body, max_tokens),
                     body.n, user_id, time.time(), body.top_logprobs_n())
 
 
@@ -190,6 +206,17 @@ def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
     could be loading another version by the time the request reaches it."""
     slot, how, version = route(ctx, model, prep.user_id, key)
     return dataclasses.replace(prep, slot=slot, route=how, version=version)
+
+
+def _chat_prompt(tok: Any, messages: list[dict[str, str]], body: ChatRequest) -> str:
+    try:
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                                       continue_final_message=body.continue_final_message)
+    except ValueError as exc:  # transformers: the last message is not found in what the template wrote
+        if not body.continue_final_message:
+            raise
+        raise ApiError(400, f"continue_final_message: this model's chat template cannot leave the last "
+                            f"message open ({exc})", "continue_final_message") from None
 
 
 # -- running and recording ---------------------------------------------------------------------
@@ -241,9 +268,7 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
             prompt_text=prep.prompt_text, prompt_token_ids=tuple(g.prompt_token_ids),
             completion_text="".join(c.text), completion_token_ids=tuple(c.token_ids),
             logprobs=tuple(c.logprobs),
-            sampling=SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                                    max_tokens=g.max_tokens, seed=prep.request_for(c.index).seed,
-                                    stop=g.stop, logprobs_mode=ctx.fleet.logprobs_mode),
+            sampling=sampling_record(g, prep.request_for(c.index).seed, ctx.fleet.logprobs_mode),
             finish_reason=c.finish_reason or "abort",
         )
     except ValidationError as exc:  # an engine output we cannot vouch for is not training data
@@ -252,6 +277,16 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
         return
     ctx.tokens_counter.labels(str(prep.version)).inc(len(c.token_ids))
     ctx.recorder.record_generation(ctx.topics.generations, event)
+
+
+def sampling_record(g: GenRequest, seed: int | None, logprobs_mode: str) -> SamplingParams:
+    """What the trainer needs to know of how a choice was sampled (``seed``: the choice's own)."""
+    return SamplingParams(temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_tokens,
+                          seed=seed, stop=g.stop, logprobs_mode=logprobs_mode, min_p=g.min_p,
+                          min_tokens=g.min_tokens, stop_token_ids=g.stop_token_ids, ignore_eos=g.ignore_eos,
+                          include_stop_str_in_output=g.include_stop_str_in_output,
+                          skip_special_tokens=g.skip_special_tokens,
+                          spaces_between_special_tokens=g.spaces_between_special_tokens)
 
 
 def _spans(version: int, spans: list[tuple[int, int, int]]) -> tuple[VersionSpan, ...]:

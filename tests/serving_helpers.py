@@ -22,6 +22,25 @@ from flywheel.settings import ServeSettings, Settings
 KEY = "sk-test"
 SALT = "test-salt"
 
+#: A value that asks for something, per vLLM extra this API refuses unless neutral
+#: (serving/vllm_extras.py): type-correct for vLLM, so the refusal is the reason.
+VLLM_ASKING: dict[str, Any] = {
+    "repetition_penalty": 1.2, "watermarking": True, "allowed_token_ids": [1, 2], "bad_words": ["river"],
+    "structured_outputs": {"json": {"type": "object"}}, "response_format": {"type": "json_object"},
+    "guided_json": {"type": "object"}, "guided_regex": "a+", "guided_choice": ["a", "b"],
+    "guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "use_beam_search": True, "length_penalty": 0.8, "repetition_detection": {"max_pattern_size": 4},
+    "thinking_token_budget": 32, "truncate_prompt_tokens": 8, "truncation_side": "left", "prompt_embeds": "AAAA",
+    "echo": True, "documents": [{"title": "t", "text": "x"}], "chat_template": "{{ messages }}",
+    "chat_template_kwargs": {"enable_thinking": False}, "media_io_kwargs": {"image": {}},
+    "mm_processor_kwargs": {"k": 1}, "prompt_logprobs": 1, "logprob_token_ids": [1],
+    "return_tokens_as_token_ids": True, "return_token_ids": True, "return_prompt_text": True,
+    "include_reasoning": False, "routed_experts_prompt_start": 2, "return_token_offsets": True,
+    "mm_payload": "none", "return_mm_kwargs": False, "request_id": "mine", "session_id": "s1", "priority": 1,
+    "stream_interval": 4, "cache_salt": "salt", "kv_transfer_params": {"do_remote_decode": True},
+    "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"},
+}
+
 
 class SharedEngine:
     """A :class:`~serving.server.LoopThread` and the engine on it, started on first use."""

@@ -10,8 +10,8 @@ An algorithm engineer drives a :class:`Policy` directly::
 
 The service loop (trainer/loop.py) uses exactly these calls. Logprobs are recomputed at each
 sample's sampling temperature so they are comparable with the behaviour logprobs the sampler
-recorded in "processed" mode; top-p/top-k truncation is not replayed, and what remains of the gap
-is reported as ``trainer_logprob_gap_nats``. ZeRO stages 0-2 keep full parameters on every rank,
+recorded in "processed" mode; truncation (top-p/top-k/min-p, min_tokens' mask) is not replayed, and
+what remains of the gap is reported as ``trainer_logprob_gap_nats``. ZeRO stages 0-2 keep full parameters on every rank,
 which :meth:`publish_weights` relies on; stage 3 would need a gather and is rejected up front.
 """
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from serving_helpers import Served, generations
+from serving_helpers import VLLM_ASKING, Served, generations
 
 from serving.protocol import (
     ChatCompletionChunk,
@@ -127,16 +127,16 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _ASKING = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "logit_bias": {"17": 5}, "echo": True,
            "suffix": "end", "response_format": {"type": "json_object"},
            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+           "parallel_tool_calls": False, "functions": [{"name": "f"}], "function_call": "auto",
            "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
            "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
            "web_search_options": {}, "service_tier": "flex", "store": True, "metadata": {"k": "v"},
-           "prompt_cache_key": "k", "prompt_cache_retention": "24h"}
+           "prompt_cache_key": "k", "prompt_cache_retention": "24h", **VLLM_ASKING}
 REFUSED = (
     [(COMPLETIONS, name, _ASKING[name]) for name in CompletionRequest.UNSUPPORTED]
     + [(CHAT, name, _ASKING[name]) for name in ChatRequest.UNSUPPORTED]
     + [(COMPLETIONS, "best_of", 3), (COMPLETIONS, "logprobs", 6), (CHAT, "top_logprobs", 21),
-       (COMPLETIONS, "min_p", 0.1), (CHAT, "n_probs", 2),  # other servers' names: not this API's
+       (COMPLETIONS, "mirostat_tau", 5.0), (CHAT, "n_probs", 2),  # other servers' names: not this API's
        (COMPLETIONS, "stream_options.include_obfuscation", True), (CHAT, "messages.0.name", "ann")]
 )
 

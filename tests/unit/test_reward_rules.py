@@ -403,6 +403,10 @@ def test_stage_guard_counts_survive_rollback_and_restart(tmp_path):
     (episode().model_copy(update={"generation": episode().generation.model_copy(update={"sampling": SamplingParams(
         temperature=0.7, top_p=0.9, top_k=40, max_tokens=8, seed=7, stop=("\n", "END"), logprobs_mode="raw")})}),
      1.0, {"signal": 1.0}, 1.0, ()),
+    # vLLM's extras: written only when they ask for something (flywheel/contracts.py's _extra)
+    (episode().model_copy(update={"generation": episode().generation.model_copy(update={"sampling": SamplingParams(
+        temperature=1.0, top_p=1.0, max_tokens=8, min_p=0.05, min_tokens=2, stop_token_ids=(3, 9), ignore_eos=True,
+        skip_special_tokens=False)})}), 1.0, {"signal": 1.0}, 1.0, ()),
 ])
 def test_reward_bytes_are_the_encoded_reward_event(ep, reward, components, weight, flags):
     from flywheel.contracts import RewardEvent, decode, encode

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from serving_helpers import VLLM_ASKING
 
 from serving.protocol import (
     ApiError,
@@ -42,7 +43,7 @@ from serving.protocol import (
          None, "lone UTF-16 surrogate"),
         (ChatRequest, b'{"model": "m", "messages": [{"role": "user", "content": "hi \\uDC00"}]}', None, "surrogate"),
         # names that are no parameter of this API: refused, never dropped
-        (CompletionRequest, {"model": "m", "prompt": "x", "repetition_penalty": 1.1}, "repetition_penalty", "unknown parameter"),
+        (CompletionRequest, {"model": "m", "prompt": "x", "mirostat_tau": 5.0}, "mirostat_tau", "unknown parameter"),
         (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages.0.name",
          "unknown parameter"),
         (CompletionRequest, {"model": "m", "prompt": "x", "stream_options": {"include_usage": True, "x": 1}},
@@ -126,7 +127,7 @@ _ASKING = {"presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"17"
            "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "mp3"},
            "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low", "verbosity": "low",
            "web_search_options": {}, "service_tier": "priority", "store": True, "metadata": {"k": "v"},
-           "prompt_cache_key": "k", "prompt_cache_retention": "24h", "include_obfuscation": True}
+           "prompt_cache_key": "k", "prompt_cache_retention": "24h", "include_obfuscation": True, **VLLM_ASKING}
 
 
 @pytest.mark.parametrize("cls, name", [(cls, name) for cls in _BASES for name in cls.UNSUPPORTED])
