@@ -82,3 +82,19 @@ def test_a_release_no_trusted_key_signed_pages(tmp_path, reason, pages):
                  "exp_annotations": {"summary": summary, "runbook": "dashboards/runbooks/unverified-records.md"}}]
     done = _promtool(tmp_path, series, "10m", expected if pages else [], alertname="FlywheelUnverifiedRelease")
     assert done.returncode == 0, f"{reason}: {done.stdout}{done.stderr}"
+
+
+RELEASE = 'job="flywheel-release", instance="release:8080"'
+
+
+@pytest.mark.parametrize("reason, pages", [("bad_signature", True), ("unknown_key", True), ("unsigned", True),
+                                           ("invalid", False)])
+def test_a_checkpoint_no_trusted_key_signed_pages(tmp_path, reason, pages):
+    # the controller's refusals: before, only serving's were watched, and a trainer whose key the
+    # controller did not trust published versions that silently never became candidates
+    series = {f'release_deadletters_total{{{RELEASE}, reason="{reason}"}}': "0x5 1x20"}
+    summary = f"The release controller refused a checkpoint record no trusted key signed ({reason})"
+    expected = [{"exp_labels": {"severity": "page", "reason": reason},
+                 "exp_annotations": {"summary": summary, "runbook": "dashboards/runbooks/unverified-records.md"}}]
+    done = _promtool(tmp_path, series, "10m", expected if pages else [], alertname="FlywheelUnverifiedCheckpoint")
+    assert done.returncode == 0, f"{reason}: {done.stdout}{done.stderr}"
