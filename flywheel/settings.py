@@ -11,12 +11,15 @@ This module must stay free of torch and of stage code: every process imports it 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import unquote_plus
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -614,12 +617,43 @@ def describe(settings: Settings) -> str:
     serve = data.get("serve", {})
     for keys in ("api_keys", "pin_api_keys"):
         if serve.get(keys):
-            serve[keys] = [k[:3] + "***" for k in serve[keys]]
+            serve[keys] = [key_fingerprint(k) for k in serve[keys]]
     release = data.get("release", {})
     if release.get("tokens"):  # name:role:token -> name:role:***
         release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]
-    if release.get("database_url") and "@" in release["database_url"]:  # a password may sit before the @
-        scheme, _, rest = release["database_url"].partition("://")
-        release["database_url"] = f"{scheme}://***@{rest.rpartition('@')[2]}"
+    if release.get("database_url"):
+        release["database_url"] = redact_database_url(release["database_url"])
     serve["user_id_salt"] = "***"
     return json.dumps(data, sort_keys=True)
+
+
+def key_fingerprint(key: str) -> str:
+    """``sha256:`` and the first 8 hex digits of the key's SHA-256: enough to tell the configured
+    keys apart in a log, and no character of any (the log once showed each key's first three)."""
+    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+
+
+#: A libpq ``key=value`` connection string's password (``password=x``, ``sslpassword = 'x y'``).
+_CONNINFO_PASSWORD = re.compile(r"""(?i)\b(\w*password)\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S+)""")
+
+
+def redact_database_url(url: str) -> str:
+    """``url`` with every password it holds replaced by ``***``: the userinfo's
+    (``user:pw@host``; the user stays), a query parameter whose name ends in ``password``
+    (libpq reads ``?password=`` and ``?sslpassword=``), or a libpq ``key=value`` string's."""
+    if "://" not in url:
+        return _CONNINFO_PASSWORD.sub(r"\1=***", url)
+    scheme, _, rest = url.partition("://")
+    # the query starts at the first "?"; the host at the last "@" before it (a password may hold
+    # an unescaped "/" or "@", and must not leak through a split at it)
+    before, q, query = rest.partition("?")
+    userinfo, at, hostpath = before.rpartition("@")
+    if at and ":" in userinfo:
+        userinfo = userinfo.split(":", 1)[0] + ":***"
+    params = "&".join(_redact_param(p) for p in query.split("&")) if q else ""
+    return f"{scheme}://{userinfo}{at}{hostpath}{q}{params}"
+
+
+def _redact_param(param: str) -> str:
+    name, eq, _ = param.partition("=")
+    return f"{name}=***" if eq and unquote_plus(name).lower().endswith("password") else param

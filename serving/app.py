@@ -60,6 +60,8 @@ from serving.protocol import (
     CompletionResponse,
     FeedbackAccepted,
     FeedbackRequest,
+    Health,
+    HealthProbe,
     ModelList,
     error_body,
     parse,
@@ -121,6 +123,12 @@ class Gate:
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                            type="authentication_error", code="invalid_api_key")
         return key
+
+    def sees_details(self, request: Request) -> bool:
+        """Whether the caller holds a product key (or the deployment has none): hosts, store URIs
+        and errors are for such callers only, never for whoever can reach the port."""
+        key = bearer_key(request.headers.get("authorization"))
+        return key_allowed(key, self.serve.api_keys, self.serve.allow_anonymous)
 
     def user(self, request: Request, key: str | None, body_user: str | None) -> str:
         raw = raw_user(body_user, request.headers.get("x-flywheel-user"), key)
@@ -199,10 +207,11 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
         body = parse(FeedbackRequest, await read_body(request, limit))
         return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
 
-    @app.get("/health", responses={200: {"description": "The engines', releases' and publisher's state"},
-                                   503: {"description": "An engine is dead"}})
-    async def health() -> Response:
+    @app.get("/health", responses=openapi.health_responses(Health | HealthProbe))
+    async def health(request: Request) -> Response:
         ok = fleet.healthy()
+        if not gate.sees_details(request):  # a probe: no key, and nothing it does not need
+            return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
         versions = fleet.served_versions()
         state: dict[str, Any] = {
             "ok": ok, "engine": "ok" if ok else "dead", "model": ctx.model_id(versions["stable"]),

@@ -55,6 +55,13 @@ def responses(ok: type[BaseModel], *errors: int, ok_status: int = 200,
     return out
 
 
+def health_responses(model: Any) -> dict[int | str, Any]:
+    """``GET /health``: ``model`` (the probe's body or, for a product key, the full state) with
+    200 while every engine is alive and 503 when one is not. No ``security``: a probe sends no key."""
+    return {200: {"model": model, "description": "Every engine is alive; the state in full for a product key"},
+            503: {"model": model, "description": "An engine is dead"}}
+
+
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
     """One server-sent event of a stream (OpenAPI before 3.2 has ``schema`` describe each event):
     its ``data`` is a ``chunk`` as JSON, or ``[DONE]`` in the last event."""

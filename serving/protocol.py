@@ -487,3 +487,57 @@ class FeedbackAccepted(_Resp):
     object: Literal["feedback"]
     status: Literal["accepted"]
     generation_id: str
+
+
+class HealthProbe(_Resp):
+    """``GET /health`` without a product key: all a probe needs (200 when ok, else 503). The rest
+    names hosts, store URIs and errors, and is for key holders."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    ok: bool
+    """Every engine is alive."""
+
+
+class EngineState(_Resp):
+    slot: int
+    version: int
+    in_flight: int
+    """Requests running on it."""
+    loading: bool
+    """Loading a version now (its requests pause)."""
+
+
+class ReleaseState(_Resp):
+    """The release follower's state (docs/serving-releases.md)."""
+
+    deployment: str
+    revision: int | None
+    """The release applied; null before the first."""
+    versions: dict[str, int]
+    canary_share: float
+    last_apply: dict[str, Any] | None
+    last_refusal: dict[str, Any] | None
+    last_error: str | None
+
+
+class Health(HealthProbe):
+    """``GET /health`` with a product key (or on a deployment without keys)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="allow")
+
+    engine: Literal["ok", "dead"]
+    model: str
+    """``name@vN`` of the stable route."""
+    versions: dict[str, int]
+    """The version each route serves."""
+    engines: list[EngineState]
+    publisher: Literal["ok", "degraded"]
+    """``degraded`` while events wait in the local journal for the broker."""
+    queue_depth: int
+    journal_records: int
+    journal_bytes: int
+    last_error: str | None
+    """The publisher's last error."""
+    releases: ReleaseState | None = None
+    """Only when serving follows releases."""

@@ -94,7 +94,7 @@ def test_models_health_and_metrics(serve):
     # the deployment (routed by user), then each version loaded, which a request may pin
     assert [m.id for m in s.client.models.list().data] == ["flywheel", "flywheel@v0"]
     s.client.completions.create(model="flywheel", prompt="count my tokens", max_tokens=4)
-    health = httpx.get(s.url + "/health").json()
+    health = httpx.get(s.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert health["ok"] and health["engine"] == "ok" and health["journal_records"] == 0
     assert health["versions"] == {"stable": 0} and health["engines"][0]["in_flight"] == 0
     text = httpx.get(s.url + "/metrics").text
@@ -135,6 +135,18 @@ def test_feedback_is_recorded_once_per_post(serve, broker):
     assert next(e for e in events if e.feedback_id == "fb-1").decision_ms == 850
     metrics = httpx.get(s.url + "/metrics").text
     assert 'serving_feedback_total{signal="accept"} 2.0' in metrics
+
+
+def test_health_shows_internals_only_to_a_product_key(serve):
+    """A probe needs to know whether to send traffic: ``{"ok": bool}``, with 200 or 503. Versions,
+    engines, the publisher's last error (broker addresses), and the release follower's state (store
+    URIs, refusals) are for callers with a product key; the release API does the same."""
+    s = serve()
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic c2stdGVzdA=="}):
+        r = httpx.get(s.url + "/health", headers=headers)
+        assert r.status_code == 200 and r.json() == {"ok": True}, headers
+    full = httpx.get(s.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert full["ok"] and full["versions"] == {"stable": 0} and {"engines", "publisher", "last_error"} <= set(full)
 
 
 def test_unknown_or_missing_key_gets_401(serve):
@@ -292,12 +304,14 @@ def test_broker_stall_loses_no_accepted_feedback(serve, broker):
     try:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(send, range(3, 15)))
-        stalled = httpx.get(s.url + "/health").json()
+        stalled = httpx.get(s.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+        public = httpx.get(s.url + "/health").json()  # what a probe (or anyone) sees meanwhile
         # a completion during the stall answers normally; its event waits in the journal
         gen = s.client.completions.create(model="flywheel", prompt="during the stall", max_tokens=3)
     finally:
         broker.resume()
     assert stalled["publisher"] == "degraded" and stalled["journal_records"] > 0
+    assert public == {"ok": True}  # no broker address, no error text
     assert len(accepted) == 15
     records = read_all(broker.bootstrap, s.topics.feedback, expect=15, timeout_s=30)
     seen = Counter(decode(FeedbackEvent, r.value).feedback_id for r in records)

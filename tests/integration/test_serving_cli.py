@@ -82,7 +82,7 @@ def test_serve_process_starts_on_the_released_versions_and_flushes_on_sigterm(br
             time.sleep(0.5)
         # the first answer is already on the released versions: nothing was served from the
         # model directory before the release was applied
-        health = httpx.get(url + "/health", timeout=5).json()
+        health = httpx.get(url + "/health", headers=auth, timeout=5).json()
         assert health["versions"] == {"stable": 1, "canary": 2} and health["releases"]["revision"] == 4
         gen = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
                          json={"model": "flywheel", "prompt": "hello", "max_tokens": 4}).json()

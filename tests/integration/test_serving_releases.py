@@ -114,7 +114,7 @@ class Rig:
             time.sleep(0.05)
 
     def health(self) -> dict:
-        return httpx.get(self.served.url + "/health", timeout=10).json()
+        return httpx.get(self.served.url + "/health", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
 
     def deadletters(self, expect: int) -> list[DeadLetterEvent]:
         recs = read_all(self.broker.bootstrap, self.served.topics.deadletter, expect=expect)

@@ -83,3 +83,58 @@ def test_a_setting_that_would_poison_the_arithmetic_is_refused_at_start(env):
     (name,) = env
     with pytest.raises(SettingsError, match=name.removeprefix("FLYWHEEL_REWARD_").lower()):
         load_settings(env=env)
+
+
+# -- what the start-up log and `flywheel config show` print ------------------------------------------
+KEYS = ("sk-live-7f3a9c2e51", "sk-pin-0b6d44e1a8")
+
+
+@pytest.mark.parametrize("url, secret, kept", [
+    ("postgresql://flywheel:s3cr3t-pw@db.internal:5432/release", "s3cr3t-pw", "postgresql://flywheel:***@db.internal:5432/release"),
+    ("postgresql://db.internal/release?user=flywheel&password=s3cr3t-pw&sslmode=require", "s3cr3t-pw",
+     "postgresql://db.internal/release?user=flywheel&password=***&sslmode=require"),
+    ("postgresql://db/release?sslpassword=s3cr3t-pw", "s3cr3t-pw", "postgresql://db/release?sslpassword=***"),
+    ("postgresql://db/release?PASSWORD=s3cr3t-pw", "s3cr3t-pw", "postgresql://db/release?PASSWORD=***"),
+    ("postgresql://db/release?pass%77ord=s3cr3t-pw", "s3cr3t-pw", "postgresql://db/release?pass%77ord=***"),
+    ("postgresql://u:a%40b@db/release?password=s3cr3t-pw", "s3cr3t-pw", "postgresql://u:***@db/release?password=***"),
+    ("host=db dbname=release user=flywheel password=s3cr3t-pw", "s3cr3t-pw",
+     "host=db dbname=release user=flywheel password=***"),
+    ("host=db password = 's3cr3t pw' user=x", "s3cr3t", "host=db password=*** user=x"),
+    ("postgresql://flywheel@db/release?options=-csearch_path%3Dx", None,
+     "postgresql://flywheel@db/release?options=-csearch_path%3Dx"),
+    ("sqlite:///var/flywheel/release.sqlite3", None, "sqlite:///var/flywheel/release.sqlite3"),
+])
+def test_a_database_password_is_never_logged(url, secret, kept):
+    """Wherever it sits: the URL's userinfo, its query string (``?password=``, which the start-up
+    log once printed whole), or a libpq ``key=value`` string."""
+    import json
+
+    from flywheel.settings import describe
+
+    shown = json.loads(describe(load_settings(env={"FLYWHEEL_DATABASE_URL": url})))["release"]["database_url"]
+    assert shown == kept
+    if secret:
+        assert secret not in shown and "a%40b" not in shown
+
+
+def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
+    """The start-up log showed each key's first 3 characters; now a short sha256 fingerprint, which
+    tells keys apart without a character of any. `flywheel config show` prints the same."""
+    import hashlib
+    import json
+
+    from cli.main import main
+    from flywheel.settings import describe
+
+    monkeypatch.setenv("FLYWHEEL_API_KEYS", ",".join(KEYS))
+    monkeypatch.setenv("FLYWHEEL_SERVE_PIN_API_KEYS", KEYS[1])
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", "postgresql://db/release?password=s3cr3t-pw")
+    assert main(["config", "show"]) == 0
+    shown = capsys.readouterr().out
+    assert shown.strip() == describe(load_settings())
+    serve = json.loads(shown)["serve"]
+    fingerprints = ["sha256:" + hashlib.sha256(k.encode()).hexdigest()[:8] for k in KEYS]
+    assert serve["api_keys"] == fingerprints and serve["pin_api_keys"] == fingerprints[1:]
+    for key in KEYS:  # no prefix or suffix of any length that says more than "sk-"
+        assert not any(key[:n] in shown or key[-n:] in shown for n in range(4, len(key) + 1)), key
+    assert "s3cr3t-pw" not in shown
