@@ -121,7 +121,8 @@ class Gate:
         key = bearer_key(request.headers.get("authorization"))
         if not key_allowed(key, self.serve.api_keys, self.serve.allow_anonymous):
             raise ApiError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": 'Bearer realm="flywheel"'})  # RFC 9110: a 401 names its scheme
         return key
 
     def sees_details(self, request: Request) -> bool:

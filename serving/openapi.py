@@ -9,7 +9,11 @@ name, ``serve.max_n``, ``serve.max_tokens_limit``, the vocabulary for prompt tok
 into the schema, so a client (or the fuzz test, ``tests/integration/test_serving_fuzz.py``) sees the
 limits the server enforces; what no schema can say (a prompt's length in tokens against the
 context) is still a 400. The product
-routes (``/v1/*``) declare the bearer-key scheme; ``/health`` and ``/metrics`` need no key.
+routes (``/v1/*``) declare the bearer-key scheme; ``/health`` and ``/metrics`` need no key (without
+one ``/health`` says only ``ok``). Every error is documented with what it means on that route, its
+body (``ErrorResponse``, the shape every 4xx and 5xx has) and the headers it always carries
+(``WWW-Authenticate`` on a 401, ``Retry-After`` on a 429 or 503); no route answers 422 (a body that
+fails validation is a 400), so none is documented.
 """
 
 from __future__ import annotations
@@ -51,8 +55,29 @@ def responses(ok: type[BaseModel], *errors: int, ok_status: int = 200,
     if chunk is not None:
         out[ok_status]["content"] = {"text/event-stream": {"schema": _sse_event(chunk)}}
     for status in errors:
-        out[status] = {"model": ErrorResponse}
+        out[status] = {"model": ErrorResponse, "description": _ERRORS.get(status, "Error")}
+        if status in _HEADERS:
+            out[status]["headers"] = {_HEADERS[status][0]: {"required": True, "schema": {"type": "string"},
+                                                            "description": _HEADERS[status][1]}}
     return out
+
+
+#: What each error status means on these routes; the body is always an ErrorResponse.
+_ERRORS = {
+    400: "The request is invalid: not JSON, a parameter out of range or not supported (``param`` names it)",
+    401: "No product key, or not a valid one",
+    403: "This key may not do that (pin a version: ``serve.pin_api_keys``)",
+    404: "No such model, or that version is not loaded",
+    413: "The body is larger than ``serve.max_body_bytes``",
+    429: "The user's or the API key's rate limit: retry after ``Retry-After`` seconds",
+    503: "Not recorded yet (the journal is full, or the broker slow): retry with the same ``feedback_id``",
+}
+#: Headers an error status always carries.
+_HEADERS = {
+    401: ("WWW-Authenticate", "``Bearer``: the scheme to authenticate with"),
+    429: ("Retry-After", "Seconds until the limit allows a request again"),
+    503: ("Retry-After", "Seconds to wait before sending the feedback again"),
+}
 
 
 def health_responses(model: Any) -> dict[int | str, Any]:

@@ -3,12 +3,14 @@
 Schemathesis reads ``/openapi.json`` from a real app on the session's shared engine
 (tests/conftest.py) and sends each operation bodies generated from the schema: valid ones
 (``positive``) and ones that break it (``negative``: wrong types, missing fields, unknown names).
-Every answer must be below 500; every 4xx must carry an OpenAI-style error message; and every
-answer must match what the schema declares for it (status code, content type, JSON body, each
-event of a stream), so the published schema is checked against the app's real responses too.
+Every answer must be below 500; every 4xx must carry an OpenAI-style error message; every answer
+must match what the schema declares for it (status code, content type, JSON body, each event of a
+stream, the headers it documents), so the published schema is checked against the app's real
+responses too; and a body that breaks the schema must be refused, never answered as valid.
 Random bodies rarely reach every response shape (a streamed chat answer with logprobs, say), so
 ``test_every_response_shape_matches_the_schema`` sends one request of each and runs the same
-checks on the answers. The first version of this test found a 500: a ``top_k`` past 64 bits
+checks on the answers, and ``test_every_documented_answer_is_given_and_matches_the_schema`` provokes
+each documented error once. The first version of this test found a 500: a ``top_k`` past 64 bits
 broke the engine's request encoding (now bounded in the request model).
 
 Bounded to keep the file within about a minute on the 2-core machine, most of it the engine's
@@ -22,6 +24,7 @@ publishes, so generated bodies stay cheap while still reaching the engine. Run w
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -30,16 +33,21 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    negative_data_rejection,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
-from serving_helpers import KEY
+from serving_helpers import KEY, Served
 
 pytestmark = pytest.mark.integration
 
 MAX_EXAMPLES = 100  # per operation and generation mode
 AUTH = {"Authorization": f"Bearer {KEY}"}
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+               response_headers_conformance]
+#: and a body that breaks the schema is refused (4xx), never answered as if it were valid
+CHECKS = [*CONFORMANCE, negative_data_rejection]
 OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /v1/feedback",
               "GET /health", "GET /metrics"}
 
@@ -106,3 +114,47 @@ def test_every_response_shape_matches_the_schema(api_schema, stream):
     response = case.call(headers=AUTH, timeout=60)
     assert response.status_code == 400 and response.json()["error"]["param"] == "echo"
     case.validate_response(response, checks=CHECKS, headers=AUTH)
+
+
+def test_every_documented_answer_is_given_and_matches_the_schema(serve):
+    """One request per status the schema documents for the generation routes, each answer checked
+    against it: the error body ``{"error": {...}}`` of 400, 401, 403, 404, 413 and 429 (no 422:
+    the app answers a body that fails validation with a 400, and documents none), the headers a
+    401 (``WWW-Authenticate``) and a 429 (``Retry-After``) must carry, and ``/health`` with and
+    without a key."""
+    s: Served = serve(api_keys=(KEY, "sk-no-pin"), pin_api_keys=(KEY,), max_body_bytes=4096,
+                      rate_limit_burst=1, rate_limit_per_minute=1)
+    schema = schemathesis.openapi.from_url(s.url + "/openapi.json", config=SchemathesisConfig.from_dict({}))
+    raw = schema.raw_schema
+    documented = {code for ops in raw["paths"].values() for op in ops.values() for code in op["responses"]}
+    assert "422" not in documented
+    for ops in raw["paths"].values():  # every answer has a body schema (an error's: ErrorResponse)
+        for op in ops.values():
+            assert all(r.get("content") for r in op["responses"].values()), op["operationId"]
+    op = schema["/v1/completions"]["POST"]
+    ok = {"model": "flywheel", "prompt": "x", "max_tokens": 1}
+    sent = {
+        400: (AUTH, b"{not json"),
+        401: ({}, ok),
+        403: ({"Authorization": "Bearer sk-no-pin"}, {**ok, "model": "flywheel@v0", "user": "u403"}),
+        404: (AUTH, {**ok, "model": "elsewhere", "user": "u404"}),
+        413: (AUTH, {**ok, "prompt": "x" * 5000}),
+        200: (AUTH, {**ok, "user": "u429"}),
+        429: (AUTH, {**ok, "user": "u429"}),
+    }
+    for status, (headers, body) in sent.items():
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        response = httpx.post(s.url + "/v1/completions", headers={**headers, "Content-Type": "application/json"},
+                              timeout=60, **kw)
+        assert response.status_code == status, (status, response.text)
+        documented = raw["paths"]["/v1/completions"]["post"]["responses"][str(status)]
+        for header in {401: ["WWW-Authenticate"], 429: ["Retry-After"]}.get(status, []):
+            assert documented["headers"][header]["required"] and response.headers[header], (status, header)
+        op.Case(media_type="application/json").validate_response(response, checks=CONFORMANCE, headers=headers)
+    health = schema["/health"]["GET"]
+    for headers, keys in (({}, {"ok"}), (AUTH, {"ok", "engines", "versions", "publisher", "last_error"})):
+        response = httpx.get(s.url + "/health", headers=headers, timeout=60)
+        assert response.status_code == 200 and keys <= set(response.json())
+        assert headers or set(response.json()) == {"ok"}  # nothing else without a key
+        health.Case().validate_response(response, checks=CONFORMANCE, headers=headers)
+
