@@ -327,6 +327,10 @@ class ReleaseEvent(_Event):
     #: here and stopped every serving start that read it).
     canary_version: int | None = Field(default=None, ge=1)
     canary_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    #: Salts the hash that picks the canary's users (serving/routing.py): the controller gives
+    #: each canary its own, so each draws a fresh split, kept for the whole canary. Empty (every
+    #: record before salts): the unsalted hash, so an old record routes as it did.
+    canary_salt: str = _extra("", max_length=256)
     stable_ref: VersionRef | None = None
     canary_ref: VersionRef | None = None
     reason: str = ""
@@ -336,6 +340,8 @@ class ReleaseEvent(_Event):
     def _refs_name_their_versions(self) -> ReleaseEvent:
         if self.canary_version is None and self.canary_ref is not None:
             raise ValueError("canary_ref without a canary_version")
+        if self.canary_version is None and self.canary_salt:
+            raise ValueError("canary_salt without a canary_version")
         for role, version, ref in (("stable", self.stable_version, self.stable_ref),
                                    ("canary", self.canary_version, self.canary_ref)):
             if ref is not None and ref.version != version:

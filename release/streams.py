@@ -10,7 +10,8 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
   (release/measure.py), at most ``MAX_READ`` records a turn so a backlog does not stall the loop.
 - Revisions are sent keyed by the deployment, signed with ``release.signing_key`` (serving
   verifies them), and counted published only once Kafka acked them; the store keeps the rest
-  for the next turn.
+  for the next turn. A canary's revisions carry its salt (:func:`canary_salt`), which picks the
+  canary's users.
 """
 
 from __future__ import annotations
@@ -192,7 +193,18 @@ def release_event(rev: Revision, deployment: str, ref: Callable[[int], VersionRe
     when the store's rows cannot make one (a version unknown, or its uri or hash one the contract
     refuses): the same rows give the same error every turn."""
     canary = rev.canary_version
+    canary_ref = ref(canary) if canary else None
     return ReleaseEvent(revision=rev.revision, deployment=deployment, stable_version=rev.stable_version,
                         canary_version=canary, canary_share=rev.canary_share,
+                        canary_salt=canary_salt(deployment, canary_ref) if canary_ref else "",
                         stable_ref=ref(rev.stable_version) if rev.stable_version else None,
-                        canary_ref=ref(canary) if canary else None, reason=rev.reason, updated_at=rev.at)
+                        canary_ref=canary_ref, reason=rev.reason, updated_at=rev.at)
+
+
+def canary_salt(deployment: str, canary: VersionRef) -> str:
+    """The salt of the hash that splits users for this canary (serving/routing.py): the same for
+    every revision of one canary, so a user keeps their version while it runs, and another for
+    the next canary, so each draws a fresh split. The manifest hash tells apart two versions
+    given one number (a checkpoint store started afresh). Not a secret: which version a user got
+    is in every answer anyway."""
+    return f"{deployment}/v{canary.version}/{canary.manifest_sha256[:16]}"

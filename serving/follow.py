@@ -243,7 +243,7 @@ class ReleaseFollower:
         """``applied``, ``refused``, ``unreachable`` (deadline passed) or a newer release that
         arrived while the store was being retried."""
         t0 = time.perf_counter()
-        want = Want(ev.stable_version, ev.canary_version, ev.canary_share)
+        want = Want(ev.stable_version, ev.canary_version, ev.canary_share, ev.canary_salt)
         held = [s.version for s in self.fleet.slots]
         if canary_unservable(held, want):
             self._refuse(ev, rec, ev.canary_version or 0, "no_canary_engine",

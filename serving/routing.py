@@ -1,9 +1,14 @@
 """Who gets which version, and how engine slots change to follow a release: pure functions.
 
-**Users.** :func:`arm_of` sends a user to the canary when a hash of their pseudonymous id, read as
-a number in [0, 1), is below ``canary_share``. The same user lands on the same side for as long as
-the share holds, in every serving process (sha256, not Python's salted ``hash``), and raising the
-share only moves users from stable to canary, never back.
+**Users.** :func:`arm_of` sends a user to the canary when a hash of the canary's salt and their
+pseudonymous id, read as a number in [0, 1), is below ``canary_share``. The salt comes with the
+release record (``ReleaseEvent.canary_salt``): the controller gives each canary its own, so each
+canary draws a fresh split of the users (with one fixed hash the same users were the canary arm
+in every canary, and one unlucky split, an abusive user on the canary side, biased every verdict
+alike), while within one canary the same user lands on the same side for as long as the share
+holds, in every serving process (sha256, not Python's salted ``hash``), and raising the share only
+moves users from stable to canary, never back. No salt (a record from before salts) hashes as
+before.
 
 **Slots.** Serving runs one or two engines ("slots"); each holds one version at a time.
 :func:`plan` turns what the slots hold, which slot serves which route now, and the release
@@ -27,23 +32,27 @@ from typing import Literal
 Arm = Literal["stable", "canary"]
 
 
-def bucket(user_id: str) -> float:
-    """The user's fixed point in [0, 1)."""
-    digest = hashlib.sha256(b"flywheel-canary\0" + user_id.encode("utf-8", "surrogatepass")).digest()
+def bucket(user_id: str, salt: str = "") -> float:
+    """The user's fixed point in [0, 1) for the canary salted ``salt``."""
+    # the salt ends with a NUL that no salt holds, so ("a", "b\0c") and ("a\0b", "c") differ
+    key = (salt.encode("utf-8", "surrogatepass") + b"\0" if salt else b"") + user_id.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(b"flywheel-canary\0" + key).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def arm_of(user_id: str, canary_share: float) -> Arm:
-    return "canary" if bucket(user_id) < canary_share else "stable"
+def arm_of(user_id: str, canary_share: float, salt: str = "") -> Arm:
+    return "canary" if bucket(user_id, salt) < canary_share else "stable"
 
 
 @dataclass(frozen=True)
 class Routing:
-    """Which slot answers each route; ``canary`` None sends everyone to ``stable``."""
+    """Which slot answers each route; ``canary`` None sends everyone to ``stable``. ``salt`` picks
+    which users the share takes (:func:`arm_of`)."""
 
     stable: int
     canary: int | None = None
     share: float = 0.0
+    salt: str = ""
 
     def role_of(self, slot: int) -> Arm | None:
         if slot == self.stable:
@@ -58,6 +67,7 @@ class Want:
     stable: int
     canary: int | None = None
     share: float = 0.0
+    salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,7 @@ def plan(held: list[int], now: Routing, want: Want) -> list[Step]:
     so (:func:`canary_unservable`)."""
     st = _stable_slot(held, now, want)
     ca = _canary_slot(held, st, want)
-    final = Routing(st, ca, want.share if ca is not None else 0.0)
+    final = Routing(st, ca, want.share, want.salt) if ca is not None else Routing(st)
     loads = [(i, v) for i, v in ((st, want.stable), (ca, want.canary)) if i is not None and v is not None and held[i] != v]
     # idle slots first: by the time a serving slot changes route, the slot taking over is ready
     loads.sort(key=lambda load: now.role_of(load[0]) is not None)
@@ -83,9 +93,9 @@ def plan(held: list[int], now: Routing, want: Want) -> list[Step]:
         role, role_after = routing.role_of(slot), final.role_of(slot)
         if role == "stable" and role_after != "stable":
             canary = routing.canary if routing.canary != st else None
-            routing = Routing(st, canary, routing.share if canary is not None else 0.0)
+            routing = replace(routing, stable=st) if canary is not None else Routing(st)
         elif role == "canary" and role_after != "canary":
-            routing = replace(routing, canary=None, share=0.0)
+            routing = Routing(routing.stable)
         steps.append(Step(routing, (slot, version)))
     steps.append(Step(final))
     return steps

@@ -97,7 +97,7 @@ class Fleet:
                 if i is not None and self.slots[i].version == pinned:
                     return self._count(self.slots[i], "pinned")
             raise LookupError(pinned)
-        if r.canary is not None and arm_of(user_id, r.share) == "canary":
+        if r.canary is not None and arm_of(user_id, r.share, r.salt) == "canary":
             return self._count(self.slots[r.canary], "canary")
         return self._count(self.slots[r.stable], "stable")
 

@@ -92,9 +92,10 @@ class Rig:
         return VersionRef(version=version, uri=uri or str(store.path(version)), manifest_sha256=sha)
 
     def release(self, stable: int, canary: int | None = None, share: float = 0.0, *, wait: bool = True,
-                **refs: VersionRef | None) -> int:
+                salt: str = "", **refs: VersionRef | None) -> int:
         self.revision += 1
         ev = ReleaseEvent(revision=self.revision, stable_version=stable, canary_version=canary, canary_share=share,
+                          canary_salt=salt,
                           stable_ref=refs.get("stable_ref", self.ref(stable)),
                           canary_ref=refs.get("canary_ref", self.ref(canary) if canary else None),
                           reason="test", updated_at=time.time())
@@ -213,6 +214,16 @@ def test_a_trained_canary_at_half_splits_users_and_serves_the_trainers_weights(e
         logits = trained.policy.module(input_ids=torch.tensor([list(ev.prompt_token_ids)])).logits[0, -1].float()
     want = torch.log_softmax(logits, -1)[ev.completion_token_ids[0]].item()
     assert ev.logprobs[0] == pytest.approx(want, abs=1e-3)
+
+    # the next canary comes with a salt of its own: the same users split afresh (no reload), and
+    # each keeps the version the salted hash gives while that canary runs
+    rig.release(0, 3, 0.5, salt="flywheel/v3/another-canary")
+    resplit = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5, "flywheel/v3/another-canary") == "canary" else 0
+               for u in users}
+    assert resplit != expected  # a fresh split, not the one every canary used to share
+    for _ in range(2):
+        got = {u: _complete(rig, u, "a third prompt")["model"] for u in users}
+        assert got == {u: f"flywheel@v{v}" for u, v in resplit.items()}
     assert sampled["choices"][0]["logprobs"]["token_logprobs"][0] == pytest.approx(ev.logprobs[0])
 
 

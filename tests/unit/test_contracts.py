@@ -259,6 +259,20 @@ def test_an_episode_is_unknown_when_its_generation_is(version, reason):
         assert info.value.reason == reason and needle in info.value.detail
 
 
+def test_a_release_carries_its_canarys_salt_and_an_old_record_decodes_without_one():
+    from flywheel.contracts import ReleaseEvent, VersionRef
+
+    ref = VersionRef(version=5, uri="s3://b/v00000005", manifest_sha256="b" * 64)
+    salted = ReleaseEvent(revision=2, stable_version=0, canary_version=5, canary_ref=ref, canary_share=0.1,
+                          canary_salt="flywheel/v5/bbbb", updated_at=1.0)
+    assert decode(ReleaseEvent, encode(salted)).canary_salt == "flywheel/v5/bbbb"
+    # a record without one (written before salts) is the same bytes as before and routes unsalted
+    plain = salted.model_copy(update={"canary_salt": ""})
+    assert b"canary_salt" not in encode(plain) and decode(ReleaseEvent, encode(plain)).canary_salt == ""
+    with pytest.raises(ValidationError, match="canary_salt without a canary_version"):
+        ReleaseEvent(revision=1, stable_version=0, canary_salt="x", updated_at=1.0)
+
+
 def test_a_release_names_where_each_version_lives():
     from flywheel.contracts import ReleaseEvent, VersionRef
 

@@ -20,6 +20,26 @@ def test_the_canary_share_is_met_and_each_user_keeps_their_arm():
     assert all(0.0 <= bucket(u) < 1.0 for u in USERS[:100])
 
 
+def test_each_canary_draws_a_fresh_split_and_keeps_it_for_its_whole_run():
+    """The release record's salt picks the split: without one, the same users were the canary arm
+    in every canary (an abusive user landed on the canary side in five seeds of five), so one
+    unlucky split biased every verdict the same way."""
+    import hashlib
+
+    # no salt: the hash of every record before salts existed, so an old record routes as it did
+    old = int.from_bytes(hashlib.sha256(b"flywheel-canary\0user-1").digest()[:8], "big") / 2**64
+    assert bucket("user-1") == bucket("user-1", "") == old
+    first = {u for u in USERS if arm_of(u, 0.10, "flywheel/v5/aa") == "canary"}
+    second = {u for u in USERS if arm_of(u, 0.10, "flywheel/v6/bb") == "canary"}
+    # one canary keeps each user on one side: the same salt gives the same split, every time
+    assert first == {u for u in USERS if arm_of(u, 0.10, "flywheel/v5/aa") == "canary"}
+    assert 0.08 < len(first) / len(USERS) < 0.12 and 0.08 < len(second) / len(USERS) < 0.12
+    # another canary draws again: independent splits share ~1% of users (10% of 10%), not all 10%
+    assert len(first & second) / len(USERS) < 0.02
+    # within one canary, raising the share still only moves users from stable to canary
+    assert first < {u for u in USERS if arm_of(u, 0.5, "flywheel/v5/aa") == "canary"}
+
+
 # (what slot i holds, routing now, release wanted) -> steps
 CASES = {
     "first canary loads into the idle slot, then takes its share": (
@@ -52,6 +72,15 @@ CASES = {
     "a share change alone is a routing change": (
         [3, 5], Routing(0, 1, 0.1), Want(3, 5, 0.5),
         [Step(Routing(0, 1, 0.5))]),
+    "a new canary's salt comes with its route": (
+        [3, 3], Routing(0), Want(3, 5, 0.1, "d/v5"),
+        [Step(Routing(0), (1, 5)), Step(Routing(0, 1, 0.1, "d/v5"))]),
+    "a salt change alone is a routing change": (
+        [3, 5], Routing(0, 1, 0.1, "d/v5"), Want(3, 5, 0.1, "d/v5'"),
+        [Step(Routing(0, 1, 0.1, "d/v5'"))]),
+    "no canary, no salt: every user is on stable whatever the record says": (
+        [3, 5], Routing(0, 1, 0.1, "d/v5"), Want(3, None, 0.0, "left over"),
+        [Step(Routing(0))]),
     "one engine: a new stable reloads in place": (
         [3], Routing(0), Want(4),
         [Step(Routing(0), (0, 4)), Step(Routing(0))]),
