@@ -442,14 +442,13 @@ class ReleaseSettings(_Section):
     gate_min_distinct_ratio: float = Field(default=0.8, gt=0, le=1)
     """The candidate's share of distinct completions must stay above this share of stable's."""
     alpha: float = Field(default=0.05, gt=0, lt=1)
-    """False-alarm rate of the canary analysis, however often it is looked at."""
+    """False-alarm rate of the canary analysis, however often it is looked at. A rollback is
+    tested at it per canary; a promotion at the share of it the deployment's budget across
+    canaries gives each one (e-LOND: the expected share of promotions no better than stable stays
+    at most alpha; release/README.md)."""
     min_events: int = Field(default=50, ge=1)
     """Requests each arm must have served before a guardrail is judged, and accepts, rejects or
     edits before the accept rate is."""
-    outcomes_per_user: int = Field(default=1, ge=1)
-    """Outcomes counted per user and arm. One keeps the canary test valid (a user's outcomes are
-    correlated, users are what the hash assigns to an arm); more reaches a verdict on fewer
-    users at the price of false alarms above ``alpha`` when users' tastes differ."""
     deadline_s: float = Field(default=3600.0, gt=0)
     """A canary with no verdict by then is held for a person (Inconclusive)."""
     on_inconclusive: Literal["hold", "rollback"] = "hold"

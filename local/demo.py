@@ -127,8 +127,10 @@ def _policy(s: Settings) -> dict[str, Any]:
     return {
         "promotion": ("auto-promote: the controller promoted a canary that passed its analysis, with no person"
                       if r.auto_promote else "a person approves each promotion"),
-        "canary": f"{r.canary_share:.0%} of users; verdict at alpha {r.alpha} after {r.min_events} outcomes per arm "
-                  f"(at most {r.outcomes_per_user} per user); held for a person after {r.deadline_s:g} s",
+        "canary": f"{r.canary_share:.0%} of users; verdict after {r.min_events} outcomes per arm (one per user, "
+                  f"flagged users left out), a promotion at the deployment's budget of alpha {r.alpha} across "
+                  f"canaries; {'rolled back' if r.on_inconclusive == 'rollback' else 'held for a person'} "
+                  f"without one after {r.deadline_s:g} s",
         "trainer": f"{t.loss}, lr {t.lr:g}, batch {t.batch_size}, a version every {t.publish_every_steps} steps "
                    f"or {t.publish_every_s:g} s",
         "ingest": (f"an episode leaves {s.ingest.emit_after_signal_s:g} s after its signal"

@@ -78,7 +78,7 @@ from release.openapi import (
     route,
 )
 from release.openapi import install as install_openapi
-from release.store import Candidate, ReleaseStore
+from release.store import Candidate, ReleaseStore, Revision
 
 log = logging.getLogger(__name__)
 
@@ -214,8 +214,7 @@ def status_body(store: ReleaseStore, settings: ReleaseSettings,
     return {
         "time": now,  # the server's clock, so a console can show ages without trusting its own
         "stable_version": rev.stable_version if rev else 0,
-        "canary": ({"version": rev.canary_version, "share": rev.canary_share}
-                   if rev and rev.canary_version is not None else None),
+        "canary": _canary(store, rev),
         "paused": store.paused(),
         "revision": asdict(rev) if rev else None,
         "lease": {"holder": lease[0], "expires_at": lease[1], "live": lease[1] > now} if lease else None,
@@ -226,6 +225,18 @@ def status_body(store: ReleaseStore, settings: ReleaseSettings,
         "candidates": counts,
         "controller": _controller(status),
     }
+
+
+def _canary(store: ReleaseStore, rev: Revision | None) -> dict[str, Any] | None:
+    """The newest routing's canary, with what its analysis says of who counts: the users reward's
+    guards flagged and the comparison left out, and the level its PASS is tested at (None until
+    an analysis says)."""
+    if rev is None or rev.canary_version is None:
+        return None
+    cand = store.get(rev.canary_version)
+    analysis = (cand.analysis if cand else None) or {}
+    return {"version": rev.canary_version, "share": rev.canary_share,
+            "excluded_users": analysis.get("excluded_users"), "pass_alpha": analysis.get("pass_alpha")}
 
 
 def _controller(status: Callable[[], dict[str, Any]] | None) -> dict[str, Any] | None:

@@ -181,13 +181,24 @@ def _describe_result(result: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def _canary_line(canary: dict[str, Any]) -> str:
+    """``v4 (10% of users; 3 users flagged by reward's guards left out; PASS at level 0.025)``:
+    the routing, and what its analysis says of who counts (once there is one)."""
+    parts = [f"{canary['share']:.0%} of users"]
+    if canary.get("excluded_users") is not None:
+        parts.append(f"{canary['excluded_users']} users flagged by reward's guards left out")
+    if canary.get("pass_alpha") is not None:
+        parts.append(f"PASS at level {canary['pass_alpha']:.3g}")
+    return f"v{canary['version']} ({'; '.join(parts)})"
+
+
 def format_status(s: dict[str, Any]) -> str:
     canary = s.get("canary")
     rev = s.get("revision")
     lease = s.get("lease")
     rows = [
         ("stable", f"v{s['stable_version']}"),
-        ("canary", f"v{canary['version']} ({canary['share']:.0%} of users)" if canary else "none"),
+        ("canary", _canary_line(canary) if canary else "none"),
         ("pipeline", "PAUSED" if s.get("paused") else "running"),
         ("revision", f"{rev['revision']} ({_published(rev)}): {rev['reason']}" if rev else "none yet"),
         ("lease", f"{lease['holder']} ({'held' if lease['live'] else 'lapsed'}, until {when(lease['expires_at'])})"

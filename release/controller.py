@@ -10,7 +10,8 @@ database; another takes over when the lease lapses):
    are superseded), gate it offline (release/gate.py) and either start its canary (publishing the
    routing) or reject it;
 3. with a canary live: measure it from the episodes and rewards (release/measure.py), judge it
-   (release/judge.py) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
+   (release/judge.py; its PASS at the level the deployment's budget across canaries gives it,
+   release/sequential.py ``canary_alpha``) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
    the state; PASS promotes under the auto-promote policy, else awaits an approver;
    INCONCLUSIVE past the deadline holds it for a person;
 4. publish every routing revision not yet acked.
@@ -28,7 +29,7 @@ import socket
 import tempfile
 import time
 import uuid
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,7 @@ from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
 from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_canary, judge_gate
 from release.measure import Tally
-from release.sequential import confidence_band, e_value, log_e_better, log_e_worse
+from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
 from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing, controller_actor
 from release.streams import release_event
@@ -161,7 +162,7 @@ class Controller:
                 f"gate passed; canary for {self.cfg.canary_share:.0%} of users against stable v{stable}",
                 {"gate": record}, Routing(stable, newest.version, self.cfg.canary_share))
             tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time(),
-                          outcomes_per_user=self.cfg.outcomes_per_user)
+                          alpha=self._pass_alpha(State.CANARY))
             tally.offsets = offsets
             self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
                             tally=tally.to_dict())
@@ -217,10 +218,11 @@ class Controller:
             log.warning("version %d: measurement failed (%d of %d): %s", cand.version, tally.errors,
                         self.cfg.error_limit, exc)
         m = tally.measurement(now)
-        verdict = judge_canary(m, self.canary_policy)
+        verdict = judge_canary(m, replace(self.canary_policy, pass_alpha=tally.alpha))
         self._record(cand, tally, verdict, now)
         evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
-                    "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs)}
+                    "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs),
+                    "excluded_users": m.excluded_users}
         why = "; ".join(verdict.reasons)
         if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
             actions.rollback(self.store, self.actor, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
@@ -263,9 +265,18 @@ class Controller:
             return Tally.from_dict(saved)
         rev = self.store.latest_revision()
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
-                      started_at=rev.at if rev else now, outcomes_per_user=self.cfg.outcomes_per_user)
+                      started_at=rev.at if rev else now, alpha=self._pass_alpha(cand.state))
         tally.offsets = self.streams.ends()  # measure what users do from now on
         return tally
+
+    def _pass_alpha(self, state: State) -> float:
+        """The level the live canary's PASS is tested at: the budget across this deployment's
+        canaries (release/sequential.py ``canary_alpha``), from the canaries the audit log says
+        ran before it and passed. Read as it starts and saved with its tally, so it stays fixed."""
+        k, passes = self.store.canary_record()  # this canary counted among those started
+        passes -= state == State.AWAITING_APPROVAL  # its own pass is no pass before it
+        k = max(k, 1)
+        return canary_alpha(self.cfg.alpha, k, min(max(passes, 0), k - 1))
 
     def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float) -> None:
         m = tally.measurement(now)
@@ -281,7 +292,9 @@ class Controller:
         self.store.save(cand.version, analysis={
             "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
-            "alpha": self.canary_policy.alpha, "elapsed_s": m.elapsed_s, "history": tally.history},
+            "alpha": self.canary_policy.alpha, "pass_alpha": tally.alpha or self.canary_policy.alpha,
+            "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,
+            "elapsed_s": m.elapsed_s, "history": tally.history},
             tally=tally.to_dict())
 
     # -- routing ----------------------------------------------------------------------------

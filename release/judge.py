@@ -14,7 +14,8 @@ Order of the canary rules, first match wins:
    naming it;
 3. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
    the always-valid test says the canary is accepted less often: FAIL;
-4. ... or more often: PASS;
+4. ... or more often, at this canary's level (``pass_alpha``: the deployment's budget across
+   canaries, release/sequential.py): PASS;
 5. past ``deadline_s`` without a verdict, enough traffic or not: INCONCLUSIVE (a person decides);
 6. otherwise RUNNING, saying what it waits for.
 """
@@ -46,15 +47,17 @@ class Verdict:
 class ArmStats:
     """What one arm's users did, measured from the event streams (release/measure.py)."""
 
-    outcomes: int = 0  # episodes with an explicit accept, reject or edit
+    outcomes: int = 0  # users' first explicit accept, reject or edit, once reward judged it
     accepts: int = 0
     rejects: int = 0
     requests: int = 0  # generations served
     errors: int = 0  # generations that ended in an error
     latency_ms_p95: float = 0.0
     completion_tokens_mean: float = 0.0
-    flagged: int = 0  # rewards the reward guards flagged (abuse, hacking)
+    flagged: int = 0  # rewards the reward guards flagged for hacking (long, repetition)
     rewards: int = 0
+    excluded: int = 0  # outcomes dropped: reward's abuse guards flagged their user
+    pending: int = 0  # outcomes waiting for reward's judgement
 
     @property
     def accept_rate(self) -> float:
@@ -81,6 +84,10 @@ class CanaryMeasurement:
     pairs: PairCount
     elapsed_s: float
     measurement_errors: int = 0
+    #: users reward's abuse guards flagged, excluded from the comparison (release/measure.py)
+    excluded_users: int = 0
+    #: ... of whom this many had an outcome counted before the flag came (it stays: pairs are fixed)
+    flagged_after_counting: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ class CanaryPolicy:
     """The limits a canary is judged by (``[release]`` settings)."""
 
     alpha: float = 0.05
+    #: The level this canary's PASS is tested at, from the deployment's budget across canaries
+    #: (release/sequential.py ``canary_alpha``); None: ``alpha``. FAIL is tested at ``alpha``.
+    pass_alpha: float | None = None
     min_events: int = 50
     deadline_s: float = 3600.0
     error_limit: int = 3
@@ -114,15 +124,19 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     if served and (breached := guardrails(m.stable, m.canary, policy)):
         return Verdict(Outcome.FAIL, breached)
     short = [name for name, arm in (("stable", m.stable), ("canary", m.canary)) if arm.outcomes < policy.min_events]
-    threshold = math.log(1 / policy.alpha)
+    pass_alpha = policy.pass_alpha or policy.alpha
     stats = (f"{m.pairs.wins} discordant pairs won by canary, {m.pairs.losses} by stable; accept rate "
              f"{m.canary.accept_rate:.3f} against {m.stable.accept_rate:.3f}")
-    if not short and log_e_worse(m.pairs) >= threshold:
+    if m.excluded_users:
+        stats += (f"; {m.excluded_users} users flagged by reward's guards left out"
+                  + (f" ({m.flagged_after_counting} after their outcome counted)" if m.flagged_after_counting else ""))
+    if not short and log_e_worse(m.pairs) >= math.log(1 / policy.alpha):
         return Verdict(Outcome.FAIL, ((f"canary accepted less often (e-value {_shown(log_e_worse(m.pairs))} "
                                       f">= {1 / policy.alpha:.0f}): {stats}"),))
-    if not short and log_e_better(m.pairs) >= threshold:
+    if not short and log_e_better(m.pairs) >= math.log(1 / pass_alpha):
+        level = f", this canary's level {pass_alpha:.3g}" if pass_alpha != policy.alpha else ""
         return Verdict(Outcome.PASS, ((f"canary accepted more often (e-value {_shown(log_e_better(m.pairs))} "
-                                      f">= {1 / policy.alpha:.0f}): {stats}"),))
+                                      f">= {1 / pass_alpha:.0f}{level}): {stats}"),))
     waiting = tuple(f"{name} has {getattr(m, name).outcomes} of the {policy.min_events} outcomes needed "
                     "before a verdict on accept rate" for name in short)
     if m.elapsed_s >= policy.deadline_s:

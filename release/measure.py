@@ -1,27 +1,36 @@
 """Measuring a canary against stable from the event streams (judging is release/judge.py).
 
-Episodes carry the version that produced them (``generation.model_version``): each episode of a
-generation made after the canary started is counted for its arm, canary or stable; other versions
-are not in the comparison. Rewards carry the version too, and their reward-hacking flags
-(``long``, ``repetition``) are counted the same way; abuse flags (``constant_user`` ...) are not:
-they describe a user, and which arm a user lands in is the hash's doing, not the model's. A :class:`Tally` is a plain fold over those records, so it can be saved with the
-candidate (with the topic offsets it covers, in one transaction) and a restarted controller goes
-on where it stopped.
+A :class:`Tally` is a fold over the episodes and rewards read since the canary started: saved with
+the candidate (with the topic offsets it covers, in one transaction), so a restarted controller
+goes on exactly where it stopped. What it does with each record:
 
-Outcomes are the explicit signals: ``accept`` is an accept; ``reject`` and ``edit`` are not (an
-edit is a partial accept at best, and the accept rate is what the canary promises to lift);
-``ignore`` is no outcome.
-
-What keeps the sequential test valid (release/sequential.py):
-
-- **One outcome per user** by default (``outcomes_per_user``): users, not requests, are what the
-  hash assigns to an arm, and one user's outcomes are correlated; counted many times, a few
-  heavy users of differing taste make the two arms differ by chance far more often than alpha.
-  Each user's first outcomes are independent across users, so the pairs stay independent.
-- **Pairs close in time**: each canary outcome is paired with the first stable outcome made at or
-  after it (in the generations' own time), and stable outcomes in between are left unpaired. At a
-  10% canary share, pairing by arrival count would put a canary outcome next to a stable one from
-  far earlier, and any drift of the accept rate over the day would read as a difference.
+- **Arms.** Episodes carry the version that produced them (``generation.model_version``): a
+  generation made after the canary started is counted for its arm, canary or stable, which is
+  the arm serving's salted hash put its user in (serving/routing.py); other versions, and
+  evaluation traffic that named its version (``route == "pinned"``), are in neither arm.
+  Requests, errors, latencies and output length are counted per arm, as are rewards and their
+  hacking flags (``long``, ``repetition``: about the answer).
+- **Who counts.** Abuse flags (:data:`~flywheel.contracts.ABUSE_FLAGS`: ``user_cap``,
+  ``constant_user``, ``rate_anomaly``) describe the user who sent a signal (the episode's
+  ``rater_id``, else the generation's user). A user reward flags on any of their rewards (any
+  version, any time) is excluded from this canary's comparison from then on: their signals are
+  neither outcomes nor rejects. The exclusions are counted and shown (:class:`Counts`).
+- **One outcome per user per canary**: their first explicit signal (``accept`` is an accept,
+  ``reject`` and ``edit`` are not, ``ignore`` is none). Users, not requests, are what the hash
+  assigns to an arm, and one user's outcomes are correlated: counted ten times each, a few heavy
+  users of differing taste (or one abusive user) moved verdicts far more often than alpha.
+- **Settling.** An outcome counts once reward has judged its signal, when the reward record of
+  its generation arrives (before or after the episode): dropped if that reward or an earlier one
+  flagged the user, else folded into the pairs. So a flag on the signal itself always comes in
+  time; a user flagged only after their outcome counted keeps it (a pair once formed is never
+  rebuilt) and is counted apart (``flagged_after_counting``). An outcome reward never judges
+  (the labeler failed, or reward is down) waits, shown as ``pending``, and is given up after
+  ``MAX_PENDING`` newer ones.
+- **Pairs** (release/sequential.py :class:`~release.sequential.Pairing`): outcomes in the order
+  they settle, each meeting the most recent waiting outcome of the other arm. **Late feedback**
+  follows the same rule: an outcome counts when it settles, whenever its generation was made
+  after the canary started, and pairs with what waits then; it never moves a pair already
+  formed. A generation made before the canary started never counts, however late its feedback.
 
 Repeats (topics are at least once) are dropped by generation id, within a bounded window of ids
 (a repeat arrives soon after its original: ``DEDUPE_IDS``). Latencies are kept as a bounded
@@ -30,14 +39,13 @@ sample (``LATENCY_SAMPLE``) for the p95.
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.contracts import HACKING_FLAGS
+from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS
 from release.judge import ArmStats, CanaryMeasurement
-from release.sequential import PairCount
+from release.sequential import PairCount, Pairing
 
 ARMS = ("stable", "canary")
 #: Generation ids remembered per stream to drop repeats (a repeat follows its original within
@@ -45,16 +53,22 @@ ARMS = ("stable", "canary")
 DEDUPE_IDS = 200_000
 #: Latencies kept per arm for the p95 (the most recent).
 LATENCY_SAMPLE = 5_000
+#: Outcomes kept waiting for reward's judgement; past it the oldest is given up (its user may
+#: count with a later signal: which one depends on reward's records arriving, never on what the
+#: user said).
+MAX_PENDING = 50_000
+#: Rewards kept that came before their episode (the two topics are read side by side).
+MAX_EARLY = 20_000
 
-
-def _time(outcome: tuple[float, bool]) -> float:
-    return outcome[0]
+#: A user's state in one canary (``Tally.users``).
+PENDING, COUNTED, EXCLUDED, FLAGGED_LATE = "pending", "counted", "excluded", "flagged_after_counting"
 
 
 @dataclass
 class Arm:
-    #: (the generation's created_at, accepted) of each counted outcome
-    outcomes: list[tuple[float, bool]] = field(default_factory=list)
+    #: settled outcomes counted (one per user), and the accepts among them
+    outcomes: int = 0
+    accepts: int = 0
     rejects: int = 0
     requests: int = 0
     errors: int = 0
@@ -62,16 +76,16 @@ class Arm:
     tokens: int = 0
     flagged: int = 0
     rewards: int = 0
-    per_user: dict[str, int] = field(default_factory=dict)
+    #: outcomes dropped because reward's guards flagged their user
+    excluded: int = 0
 
-    def stats(self) -> ArmStats:
+    def stats(self, pending: int = 0) -> ArmStats:
         lat = sorted(self.latencies_ms)
         p95 = lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else 0.0
-        return ArmStats(outcomes=len(self.outcomes), accepts=sum(o for _, o in self.outcomes), rejects=self.rejects,
-                        requests=self.requests,
+        return ArmStats(outcomes=self.outcomes, accepts=self.accepts, rejects=self.rejects, requests=self.requests,
                         errors=self.errors, latency_ms_p95=p95,
                         completion_tokens_mean=self.tokens / self.requests if self.requests else 0.0,
-                        flagged=self.flagged, rewards=self.rewards)
+                        flagged=self.flagged, rewards=self.rewards, excluded=self.excluded, pending=pending)
 
 
 @dataclass
@@ -81,8 +95,17 @@ class Tally:
     stable_version: int
     canary_version: int
     started_at: float
-    outcomes_per_user: int = 1
+    #: the level this canary's PASS is tested at (the deployment's budget, release/sequential.py
+    #: ``canary_alpha``), fixed when it started; None: ``release.alpha``
+    alpha: float | None = None
     arms: dict[str, Arm] = field(default_factory=lambda: {a: Arm() for a in ARMS})
+    pairing: Pairing = field(default_factory=Pairing)
+    #: user -> PENDING, COUNTED, EXCLUDED or FLAGGED_LATE (module docstring)
+    users: dict[str, str] = field(default_factory=dict)
+    #: generation id -> [arm, accepted, user] of outcomes waiting for their reward, oldest first
+    pending: dict[str, list[Any]] = field(default_factory=dict)
+    #: generation id -> whether its reward flagged the user, for rewards ahead of their episode
+    early: dict[str, bool] = field(default_factory=dict)
     seen_episodes: deque[str] = field(default_factory=deque)
     seen_rewards: deque[str] = field(default_factory=deque)
     #: topic -> partition -> next offset, saved with the tally
@@ -111,6 +134,7 @@ class Tally:
             seen.discard(order.popleft())
         return True
 
+    # -- the fold ----------------------------------------------------------------------------
     def add_episode(self, ep: dict[str, Any]) -> None:
         """Fold one episode record (decoded JSON) in."""
         g = ep["generation"]
@@ -125,54 +149,91 @@ class Tally:
         arm.latencies_ms.append(float(g.get("latency_ms", 0.0)))
         del arm.latencies_ms[:-LATENCY_SAMPLE]
         arm.tokens += len(g.get("completion_token_ids", ()))
-        signal = ep.get("signal")
-        if signal in ("accept", "reject", "edit"):
-            arm.rejects += signal == "reject"
-            user = ep.get("rater_id") or g["user_id"]
-            if arm.per_user.get(user, 0) < self.outcomes_per_user:
-                arm.per_user[user] = arm.per_user.get(user, 0) + 1
-                # by time alone (ties keep arrival order): an order that looked at the outcome
-                # would make the pairing look at it too
-                bisect.insort(arm.outcomes, (float(g["created_at"]), signal == "accept"), key=_time)
+        gid, signal = g["generation_id"], ep.get("signal")
+        judged = self.early.pop(gid, None)  # reward's judgement, when it came first
+        user = ep.get("rater_id") or g["user_id"]
+        if signal not in ("accept", "reject", "edit") or self.users.get(user) in (EXCLUDED, FLAGGED_LATE):
+            return
+        arm.rejects += signal == "reject"
+        if user in self.users:
+            return  # one outcome per user per canary
+        outcome = [arm_name, signal == "accept", user]
+        self.users[user] = PENDING
+        if judged is not None:
+            self._settle(outcome, judged)
+            return
+        self.pending[gid] = outcome
+        if len(self.pending) > MAX_PENDING:
+            oldest = next(iter(self.pending))
+            self.users.pop(self.pending.pop(oldest)[2], None)
 
     def add_reward(self, rw: dict[str, Any]) -> None:
-        if float(rw.get("generated_at", self.started_at)) < self.started_at:
-            return  # a generation from before the canary: not in the comparison
-        arm_name = self.arm_of(int(rw["model_version"]))
-        if arm_name is None or not self._first("rewards", rw["generation_id"]):
+        gid = rw["generation_id"]
+        if not self._first("rewards", gid):
             return
+        abusive = any(f in ABUSE_FLAGS for f in rw.get("flags") or ())
+        if abusive:  # whatever the version or time: it says who the user is
+            self._exclude(rw.get("rater_id") or rw["user_id"])
+        generated_at = float(rw.get("generated_at", self.started_at))
+        arm_name = self.arm_of(int(rw["model_version"])) if generated_at >= self.started_at else None
+        if gid in self.pending:
+            self._settle(self.pending.pop(gid), abusive)
+        elif arm_name is not None and gid not in self._seen["episodes"]:
+            self.early[gid] = abusive  # its episode is still to come
+            if len(self.early) > MAX_EARLY:
+                del self.early[next(iter(self.early))]
+        if arm_name is None:
+            return  # a generation from before the canary, or of neither arm: no guardrail count
         arm = self.arms[arm_name]
         arm.rewards += 1
-        # only flags about the answer: abuse flags describe the user, and users are what the hash
-        # puts in an arm, so one abusive user on the canary's side would read as a worse model
+        # only flags about the answer count against a version: abuse flags describe the user
         arm.flagged += any(f in HACKING_FLAGS for f in rw.get("flags") or ())
 
+    def _exclude(self, user: str) -> None:
+        state = self.users.get(user)
+        if state == COUNTED:
+            self.users[user] = FLAGGED_LATE
+        elif state not in (EXCLUDED, FLAGGED_LATE):
+            self.users[user] = EXCLUDED  # a pending outcome of theirs is dropped when it settles
+
+    def _settle(self, outcome: list[Any], abusive: bool) -> None:
+        arm_name, accepted, user = outcome
+        arm = self.arms[arm_name]
+        if abusive or self.users.get(user) == EXCLUDED:
+            self.users[user] = EXCLUDED
+            arm.excluded += 1
+            return
+        self.users[user] = COUNTED
+        arm.outcomes += 1
+        arm.accepts += accepted
+        self.pairing.add(arm_name, accepted)
+
+    # -- what the judge reads ----------------------------------------------------------------
     def pairs(self) -> PairCount:
-        """Each canary outcome with the first stable outcome at or after it (module docstring)."""
-        count, stable, j = PairCount(), self.arms["stable"].outcomes, 0
-        for t, accepted in self.arms["canary"].outcomes:
-            while j < len(stable) and stable[j][0] < t:
-                j += 1
-            if j == len(stable):
-                break  # later canary outcomes wait for a stable partner
-            count = count.add(accepted, stable[j][1])
-            j += 1
-        return count
+        return self.pairing.count
 
     def measurement(self, now: float) -> CanaryMeasurement:
-        return CanaryMeasurement(stable=self.arms["stable"].stats(), canary=self.arms["canary"].stats(),
-                                 pairs=self.pairs(), elapsed_s=now - self.started_at,
-                                 measurement_errors=self.errors)
+        pending = {a: 0 for a in ARMS}
+        for arm_name, _, _ in self.pending.values():
+            pending[arm_name] += 1
+        states = list(self.users.values())
+        late = states.count(FLAGGED_LATE)
+        return CanaryMeasurement(stable=self.arms["stable"].stats(pending["stable"]),
+                                 canary=self.arms["canary"].stats(pending["canary"]), pairs=self.pairs(),
+                                 elapsed_s=now - self.started_at, measurement_errors=self.errors,
+                                 excluded_users=states.count(EXCLUDED) + late, flagged_after_counting=late)
 
     # -- saved with the candidate ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
             "stable_version": self.stable_version, "canary_version": self.canary_version,
-            "started_at": self.started_at, "outcomes_per_user": self.outcomes_per_user,
-            "arms": {name: {"outcomes": [[t, int(o)] for t, o in a.outcomes], "rejects": a.rejects,
-                            "requests": a.requests, "errors": a.errors,
-                            "latencies_ms": a.latencies_ms, "tokens": a.tokens, "flagged": a.flagged,
-                            "rewards": a.rewards, "per_user": a.per_user} for name, a in self.arms.items()},
+            "started_at": self.started_at, "alpha": self.alpha,
+            "arms": {name: {"outcomes": a.outcomes, "accepts": a.accepts, "rejects": a.rejects,
+                            "requests": a.requests, "errors": a.errors, "latencies_ms": a.latencies_ms,
+                            "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded}
+                     for name, a in self.arms.items()},
+            "pairing": self.pairing.to_dict(), "users": self.users, "pending": self.pending,
+            "early": self.early,
             "seen_episodes": list(self.seen_episodes), "seen_rewards": list(self.seen_rewards),
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
@@ -180,10 +241,17 @@ class Tally:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Tally:
-        arms = {name: Arm([(float(t), bool(o)) for t, o in a["outcomes"]], a.get("rejects", 0), a["requests"],
-                          a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"], dict(a["per_user"]))
+        # A tally saved by the previous fold (no "pairing": its pairs were rebuilt every tick from
+        # a list sorted by generation time) keeps its offsets and guardrail counts; its accept-rate
+        # test starts afresh from here, its outcomes not being pairs that can be resumed.
+        folded = "pairing" in d
+        arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
+                          a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
+                          a.get("excluded", 0))
                 for name, a in d["arms"].items()}
-        return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("outcomes_per_user", 1), arms,
+        return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("alpha"), arms,
+                   Pairing.from_dict(d["pairing"]) if folded else Pairing(), dict(d.get("users", {})),
+                   dict(d.get("pending", {})), dict(d.get("early", {})),
                    deque(d["seen_episodes"]), deque(d["seen_rewards"]),
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
                    d.get("errors", 0), d.get("history", []))

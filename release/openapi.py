@@ -112,6 +112,10 @@ class RevisionRow(_Out):
 class CanaryRouting(_Out):
     version: int
     share: float
+    #: users reward's abuse guards flagged, left out of the canary's comparison (None: no analysis yet)
+    excluded_users: int | None
+    #: the level the canary's PASS is tested at: the deployment's budget across canaries
+    pass_alpha: float | None
 
 
 class LeaseRow(_Out):

@@ -8,9 +8,12 @@ chance it EVER reaches 1/alpha is at most alpha.
 
 The construction (exact, no asymptotics):
 
-- Pair the i-th canary outcome with the i-th stable outcome, by arrival order within each arm
-  (never by outcome). Keep the pairs whose outcomes differ (discordant pairs): W pairs where the
-  canary accepted and stable did not, L the other way round.
+- Pair outcomes as they come, by a rule that never looks at them (:class:`Pairing`, a fold the
+  controller saves and resumes): an outcome of one arm pairs with the most recent outcome of the
+  other arm still waiting for a partner, or waits itself. A pair once formed is never rebuilt, so
+  the counts below only grow and the e-value is one process, not a new one each look. Keep the
+  pairs whose outcomes differ (discordant pairs): W pairs where the canary accepted and stable
+  did not, L the other way round.
 - Under H0 (equal rates) each discordant pair is a canary win with probability 1/2, whatever the
   common rate. Under "canary better" it is some p > 1/2.
 - The e-value against H0 for "canary better" is a mixture of likelihood ratios over a grid of
@@ -20,12 +23,25 @@ The construction (exact, no asymptotics):
 
 The confidence sequence inverts the same mixture around every candidate share p0 (see
 :func:`confidence_band`); the console draws it as a band.
+
+**Across canaries** (:func:`canary_alpha`). Each canary's test holds its error at its own level,
+but a deployment runs canary after canary, and at a fixed alpha each one is another chance of a
+false promotion (the demo, rolling back a canary without a verdict after 45 s, runs one every
+minute). The k-th canary of a deployment is therefore tested for PASS at e-LOND's level
+``alpha * gamma_k * (R + 1)``, with ``gamma_k = 1 / (k (k + 1))`` (summing to 1) and R the passes
+among the canaries before it (Xu and Ramdas, "Online multiple testing with e-values", 2024): the
+expected share of promotions that were no better than stable (the false discovery rate) stays at
+most alpha over the deployment's whole life, under any dependence between canaries. Each pass
+earns the next canaries some level back; a run of canaries without a verdict makes each next one
+need more evidence. FAIL stays at alpha per canary: a wrong rollback sends users back to the
+version they had.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 #: Win shares the "canary better" mixture weighs equally (mirrored for "worse"). A grid rather
 #: than a Beta prior: exact with plain floats, and it covers lifts from a few points up.
@@ -46,8 +62,59 @@ class PairCount:
         return PairCount(self.pairs + 1, self.wins + win, self.losses + loss)
 
 
+#: Outcomes kept waiting for a partner (the most recent): at a 10% share nine stable outcomes come
+#: for each canary one, and the oldest of them would be paired last, far from their partner in time.
+MAX_WAITING = 1_000
+
+
+@dataclass
+class Pairing:
+    """The pairs of one canary, folded as outcomes come (module docstring).
+
+    Only one arm ever has outcomes waiting: an outcome of the other arm pairs at once. Its
+    partner is the most recent waiting one, so pairs stay close in time (at a 10% share the
+    oldest waiting stable outcome is many minutes old, and a drift of the accept rate over the
+    day would read as a difference); which one it is depends on the order of arrival only, never
+    on what the outcomes were."""
+
+    count: PairCount = field(default_factory=PairCount)
+    waiting_arm: str = ""
+    #: the waiting arm's outcomes, oldest first
+    waiting: list[bool] = field(default_factory=list)
+
+    def add(self, arm: str, accepted: bool) -> None:
+        """Fold in one outcome of ``arm`` (``canary`` or ``stable``)."""
+        if self.waiting and self.waiting_arm != arm:
+            partner = self.waiting.pop()
+            canary, stable = (accepted, partner) if arm == "canary" else (partner, accepted)
+            self.count = self.count.add(canary, stable)
+            return
+        self.waiting_arm = arm
+        self.waiting.append(accepted)
+        del self.waiting[:-MAX_WAITING]
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.count
+        return {"pairs": c.pairs, "wins": c.wins, "losses": c.losses, "waiting_arm": self.waiting_arm,
+                "waiting": [int(o) for o in self.waiting]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Pairing:
+        return cls(PairCount(d["pairs"], d["wins"], d["losses"]), d["waiting_arm"], [bool(o) for o in d["waiting"]])
+
+
+def canary_alpha(alpha: float, k: int, passes: int) -> float:
+    """The level the ``k``-th canary of a deployment (from 1) is tested at for PASS, after
+    ``passes`` PASS verdicts among the canaries before it: e-LOND (module docstring)."""
+    if not 0 <= passes < k:
+        raise ValueError(f"{passes} passes before canary {k}: a count of this deployment's canaries is wrong")
+    return alpha * (passes + 1) / (k * (k + 1))
+
+
 def pair_outcomes(canary: list[bool], stable: list[bool]) -> PairCount:
-    """Pair two arms' outcomes by arrival order; the longer arm's extra outcomes wait for a partner."""
+    """Pair two arms' outcomes by position, the i-th with the i-th; the longer arm's extra outcomes
+    wait for a partner. For simulations of outcomes that are i.i.d. within each arm, where this
+    and :class:`Pairing` pair alike in distribution; the controller folds with :class:`Pairing`."""
     count = PairCount()
     for c, s in zip(canary, stable):
         count = count.add(c, s)

@@ -382,6 +382,18 @@ class ReleaseStore:
             self._audit(None, None, None, actor, ("paused: " if paused else "resumed: ") + reason, None, now)
         return True
 
+    def canary_record(self) -> tuple[int, int]:
+        """(canaries started, canaries whose analysis passed) in this database's whole history,
+        read from the audit log, which every transition writes in its own transaction: the counts
+        the budget across canaries is spent by (release/sequential.py ``canary_alpha``). A pass
+        is ``canary -> awaiting_approval``, or ``canary -> promoted`` (only the auto-promote
+        policy makes that one, on a passing analysis: release/states.py)."""
+        row = self.db.execute(
+            "SELECT sum(CASE WHEN to_state='canary' THEN 1 ELSE 0 END), "
+            "sum(CASE WHEN from_state='canary' AND to_state IN ('awaiting_approval', 'promoted') THEN 1 ELSE 0 END) "
+            "FROM release_audit WHERE to_state IN ('canary', 'awaiting_approval', 'promoted')").fetchone()
+        return int(row[0] or 0), int(row[1] or 0)
+
     def last_promotion_at(self) -> float | None:
         value = self._get("last_promotion_at")
         return float(value) if value is not None else None

@@ -303,9 +303,13 @@ function renderDetail(c) {
 function renderAnalysis(a) {
   fill("verdict", [badge(a.outcome, "o")]);
   const p = a.pairs || {};
-  const threshold = typeof a.alpha === "number" ? ` (a verdict at ${+(1 / a.alpha).toFixed(2)})` : "";
+  // PASS at this canary's level (the deployment's budget across canaries), FAIL at alpha
+  const passAt = typeof a.pass_alpha === "number" ? a.pass_alpha : a.alpha;
+  const threshold = typeof a.alpha === "number"
+    ? ` (PASS at ${+(1 / passAt).toFixed(2)}, FAIL at ${+(1 / a.alpha).toFixed(2)})` : "";
+  const left = a.excluded_users ? ` · ${a.excluded_users} users flagged by reward's guards left out` : "";
   $("evidence").textContent = `${p.pairs ?? 0} pairs: ${p.wins ?? 0} won by canary, ${p.losses ?? 0} by stable · ` +
-    `e-value better ${evalue(a.e_better)}, worse ${evalue(a.e_worse)}${threshold}`;
+    `e-value better ${evalue(a.e_better)}, worse ${evalue(a.e_worse)}${threshold}${left}`;
   fill("reasons", (a.reasons || []).map((r) => el("li", {}, r)));
   fill("guardrails-body", guardrailRows(a));  // first: the charts take the width the table leaves
   const h = (a.history || []).filter((pt) => typeof pt.t === "number");

@@ -242,7 +242,8 @@ def test_status_candidates_and_detail_show_what_the_store_holds(api, store):
     seed(store, 3, State.AWAITING_APPROVAL, parent=1)
     analysis = {"outcome": "pass", "reasons": ["canary accepted more often (e-value 25.0 >= 20)"],
                 "arms": {"stable": {"outcomes": 60, "accepts": 30}, "canary": {"outcomes": 61, "accepts": 45}},
-                "e_better": 25.0, "band": [[10, 0.4, 0.9], [20, 0.55, 0.85]]}
+                "e_better": 25.0, "band": [[10, 0.4, 0.9], [20, 0.55, 0.85]], "excluded_users": 2,
+                "pass_alpha": 0.025}
     store.save(3, gate={"outcome": "pass", "reasons": ["24 held-out prompts: every check within its limit"],
                         "kl_from_stable": 0.02}, analysis=analysis)
     store.take_lease("controller-a", ttl_s=30)
@@ -250,7 +251,8 @@ def test_status_candidates_and_detail_show_what_the_store_holds(api, store):
 
     status = a.get("/api/status").json()
     assert status["stable_version"] == 1 and status["paused"] is False
-    assert status["canary"] == {"version": 3, "share": 0.1}  # the newest routing: v3's canary
+    # the newest routing: v3's canary, with the users its analysis left out and its PASS level
+    assert status["canary"] == {"version": 3, "share": 0.1, "excluded_users": 2, "pass_alpha": 0.025}
     assert status["revision"]["canary_version"] == 3 and status["revision"]["published"] is False
     assert status["lease"]["holder"] == "controller-a" and status["lease"]["live"] is True
     assert status["controller"] == {"ok": True, "phase": "measuring"}

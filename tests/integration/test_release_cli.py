@@ -139,6 +139,16 @@ def test_url_and_token_default_to_the_settings_and_the_environment(api, store, c
     assert status["pipeline"] == ["PAUSED"] and status["stable"] == ["v0"] and status["canary"] == ["none"]
 
 
+def test_status_says_who_the_live_canary_left_out_and_its_pass_level(api, store, capsys):
+    seed(store, 4, State.CANARY)
+    store.save(4, analysis={"outcome": "running", "reasons": [], "excluded_users": 3, "pass_alpha": 0.025})
+    code, out, err = run(capsys, "status", "--url", api().url, "--token", TOKENS["vera"])
+    assert code == 0, err
+    line = next(r for r in out.splitlines() if r.split()[0] == "canary")
+    assert line.split(None, 1)[1] == ("v4 (10% of users; 3 users flagged by reward's guards left out; "
+                                      "PASS at level 0.025)")
+
+
 def test_serve_hands_the_settings_to_release_main(monkeypatch):
     # release/main.py (the controller loop and this API) is its own module; the command only
     # parses settings and calls its run(settings, args), imported when the command runs

@@ -53,7 +53,7 @@ def _event(version: int, parent: int | None) -> dict[str, Any]:
 
 
 def canary_analysis(stable_rate: float, canary_rate: float, n: int, started_at: float,
-                    alpha: float = 0.05, seed: int = 7) -> dict[str, Any]:
+                    alpha: float = 0.05, seed: int = 7, pass_alpha: float = 0.025) -> dict[str, Any]:
     """The analysis the controller saves (release/controller.py, ``_record``) for a canary after
     ``n`` simulated outcomes per arm, judged by release/judge.py, with the history the console
     draws (a point per 10 outcomes, one every 2 minutes)."""
@@ -75,14 +75,15 @@ def canary_analysis(stable_rate: float, canary_rate: float, n: int, started_at: 
             "canary": ArmStats(outcomes=n, accepts=sum(canary), requests=2 * n, errors=4, latency_ms_p95=861.0,
                                completion_tokens_mean=44.9, flagged=3, rewards=n)}
     m = CanaryMeasurement(arms["stable"], arms["canary"], pairs, elapsed_s=12.0 * n)
-    verdict = judge_canary(m, CanaryPolicy(alpha=alpha))
+    verdict = judge_canary(m, CanaryPolicy(alpha=alpha, pass_alpha=pass_alpha))
     last = history[-1]
     return {
         "outcome": verdict.outcome.value, "reasons": list(verdict.reasons),
         **{name: {**asdict(a), "accept_rate": a.accept_rate, "error_rate": a.error_rate,
                   "reject_share": a.reject_share, "flag_rate": a.flag_rate} for name, a in arms.items()},
         "pairs": asdict(pairs), "e_better": last["e_better"], "e_worse": last["e_worse"],
-        "band": [last["band_lo"], last["band_hi"]], "alpha": alpha, "elapsed_s": m.elapsed_s, "history": history,
+        "band": [last["band_lo"], last["band_hi"]], "alpha": alpha, "pass_alpha": pass_alpha, "excluded_users": 2,
+        "flagged_after_counting": 0, "elapsed_s": m.elapsed_s, "history": history,
     }
 
 
@@ -209,6 +210,8 @@ def sees_the_canary(browser) -> None:
     assert browser.find_elements(BY_CSS, "#band-chart svg line.ref")  # the 0.5 line
     assert browser.find_element("id", "verdict").text == "pass"
     assert "canary accepted more often" in browser.find_element("id", "reasons").text
+    evidence = browser.find_element("id", "evidence").text
+    assert "(PASS at 40, FAIL at 20)" in evidence and "2 users flagged by reward's guards left out" in evidence
     guard = browser.find_element("id", "guardrails-body").text
     assert "latency p95 812 ms 861 ms" in guard and "breached" not in guard and "within" in guard
     audit = browser.find_element("id", "audit-body").text

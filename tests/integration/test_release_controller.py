@@ -31,7 +31,14 @@ from conftest import small_generation
 from kafka import TopicPartition
 from trainer_helpers import make_trainer, reward_event
 
-from flywheel.contracts import DeadLetterEvent, EpisodeEvent, ReleaseEvent, decode, encode
+from flywheel.contracts import (
+    DeadLetterEvent,
+    EpisodeEvent,
+    ReleaseEvent,
+    RewardEvent,
+    decode,
+    encode,
+)
 from flywheel.kafka.clients import make_producer, read_to_end
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings, Settings
@@ -85,18 +92,29 @@ def publish_checkpoint(kafka_settings, topics, event: dict) -> None:
 
 
 def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: float, p_canary: float,
-                   n: int, seed: int) -> None:
-    """``n`` episodes per arm from distinct users, accepted with each arm's probability."""
+                   n: int, seed: int, abuser: tuple[int, int] | None = None) -> None:
+    """``n`` episodes per arm from distinct users, accepted with each arm's probability, each with
+    the reward record reward's stage would write for it (an outcome counts once reward judged it).
+    ``abuser``: (version, count) episodes of one user who accepts everything, whose rewards
+    reward's guards flag ``constant_user``."""
     rnd = random.Random(seed)
     producer = make_producer(kafka_settings, "users")
     now = time.time()
-    for i in range(n):
-        for version, p in ((stable, p_stable), (canary, p_canary)):
-            gid = f"g{seed}-{version}-{i}"
-            gen = small_generation(gid, now + i / 1000).model_copy(
-                update={"model_version": version, "user_id": f"u{version}-{i}"})
-            ep = EpisodeEvent(generation=gen, signal="accept" if rnd.random() < p else "reject", resolved_at=now)
-            producer.send(topics.episodes, key=gid, value=encode(ep))
+    users = [(version, p, f"u{version}-{i}", i) for i in range(n) for version, p in ((stable, p_stable), (canary, p_canary))]
+    if abuser:
+        users += [(abuser[0], 1.0, "abuser", n + i) for i in range(abuser[1])]
+    for version, p, user, i in users:
+        gid = f"g{seed}-{version}-{user}-{i}"
+        gen = small_generation(gid, now + i / 1000).model_copy(update={"model_version": version, "user_id": user})
+        ep = EpisodeEvent(generation=gen, signal="accept" if rnd.random() < p else "reject", feedback_ids=(f"f{gid}",),
+                          resolved_at=now)
+        producer.send(topics.episodes, key=gid, value=encode(ep))
+        rw = RewardEvent(generation_id=gid, group_id=gid, user_id=user, model_version=version, signal=ep.signal,
+                         prompt_token_ids=gen.prompt_token_ids, completion_token_ids=gen.completion_token_ids,
+                         logprobs=gen.logprobs, sampling=gen.sampling, reward=float(ep.signal == "accept"),
+                         flags=("constant_user",) if user == "abuser" else (), generated_at=gen.created_at,
+                         labeled_at=now)
+        producer.send(topics.rewards, key=gid, value=encode(rw))
     producer.flush()
     producer.close()
 
@@ -151,11 +169,17 @@ def test_a_better_candidate_is_canaried_passes_and_is_promoted_on_approval(run_c
     canary = next(r for r in releases(kafka_settings, topics) if r.canary_version == 1)
     assert (canary.stable_version, canary.canary_share) == (0, 0.5)
 
-    simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=1)
+    # one abusive user on the canary's side accepts everything; reward's guards flag them
+    simulate_users(kafka_settings, topics, stable=0, canary=1, p_stable=0.3, p_canary=0.8, n=120, seed=1,
+                   abuser=(1, 30))
     tick_until(ctl, lambda: rs.get(1).state == State.AWAITING_APPROVAL, "the analysis to pass")
     analysis = rs.get(1).analysis
     assert analysis["outcome"] == "pass" and analysis["canary"]["accept_rate"] > analysis["stable"]["accept_rate"]
-    assert analysis["e_better"] >= 20 and analysis["history"]
+    # the first canary of this deployment passes at alpha/2 (release/sequential.py canary_alpha)
+    assert analysis["pass_alpha"] == pytest.approx(0.025) and analysis["e_better"] >= 40 and analysis["history"]
+    # the abuser is left out, and shown: at most the 120 real users count, one outcome each
+    assert analysis["excluded_users"] == 1 and analysis["canary"]["excluded"] == 1
+    assert analysis["canary"]["outcomes"] <= 120 and "1 users flagged by reward's guards left out" in analysis["reasons"][0]
 
     # a release engineer approves through the CLI, against the controller's REST API
     from cli.main import main as flywheel
@@ -385,7 +409,7 @@ def light_controller(kafka_settings, topics, tiny_model_dir, tmp_path):
 
 def live_canary_with_pairs(url: str, version: int, wins: int, losses: int) -> None:
     """``version`` live as canary against stable 0, its saved tally holding ``wins`` + ``losses``
-    discordant pairs (each canary outcome a moment before its stable partner). Written through a
+    discordant pairs (each canary outcome paired with the stable one after it). Written through a
     store of its own: the controller's is fenced by its lease."""
     from release.measure import Tally
     from release.store import Routing
@@ -403,8 +427,10 @@ def _seed_canary(rs, version, wins, losses, Tally, Routing) -> None:
     tally = Tally(stable_version=0, canary_version=version, started_at=start)
     for i in range(wins + losses):
         won = i < wins
-        tally.arms["canary"].outcomes.append((start + i * 0.01, won))
-        tally.arms["stable"].outcomes.append((start + i * 0.01 + 0.001, not won))
+        for arm, accepted in (("canary", won), ("stable", not won)):
+            tally.arms[arm].outcomes += 1
+            tally.arms[arm].accepts += accepted
+            tally.pairing.add(arm, accepted)
     rs.save(version, tally=tally.to_dict())
 
 
@@ -423,6 +449,30 @@ def test_a_canary_losing_past_the_float_range_is_rolled_back_not_wedged(light_co
     assert (last.stable_version, last.canary_version) == (0, None)
     analysis = rs.get(1).analysis
     assert 0 < analysis["e_worse"] < float("inf") and json.dumps(analysis, allow_nan=False)
+
+
+def test_each_canary_passes_at_the_level_the_deployments_budget_leaves_it(light_controller, kafka_settings, topics):
+    """Three canaries ran before (one passed): the fourth is tested for PASS at
+    alpha * (1 + 1) / (4 * 5), from the audit log, and keeps that level once saved."""
+    from release.measure import Tally
+    from release.sequential import canary_alpha
+    from release.store import Routing
+
+    ctl, rs = light_controller()
+    with closing(ReleaseStore(rs.db.url)) as people:
+        for version, end in ((1, State.AWAITING_APPROVAL), (2, State.ROLLED_BACK), (3, State.HELD), (4, None)):
+            people.add_candidate({"version": version, "parent": None, "uri": f"file:///ckpt/v{version}",
+                                  "manifest_sha256": f"{version:064x}", "step": version}, "test")
+            people.transition(version, State.GATING, "test", "gate")
+            people.transition(version, State.CANARY, "test", "canary", routing=Routing(0, version, 0.5))
+            if end is not None:
+                people.transition(version, end, "test", "its verdict")
+            if end in (State.AWAITING_APPROVAL, State.HELD):
+                people.transition(version, State.ROLLED_BACK, "test", "done", routing=Routing(0, None, 0.0))
+    ctl.tick()  # v4 has no saved tally yet (as after a crash right after its start): it is made now
+    level = canary_alpha(0.05, 4, 1)
+    assert level == pytest.approx(0.005) and rs.get(4).analysis["pass_alpha"] == pytest.approx(level)
+    assert Tally.from_dict(rs.tally(4)).alpha == pytest.approx(level)
 
 
 def bad_uri_checkpoint(version: int, uri: str) -> bytes:

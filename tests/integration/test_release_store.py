@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -318,6 +319,26 @@ def test_rollback_ends_the_live_canary(store):
     assert (rev.stable_version, rev.canary_version, rev.canary_share) == (1, None, 0.0)
     with pytest.raises(ActionRefused, match="no canary is live"):
         actions.rollback(store, "alice", "again")
+
+
+def test_the_canaries_run_and_passed_are_read_from_the_audit_log(store):
+    """What the budget across canaries reads (release/sequential.py canary_alpha): every canary
+    started, and those whose analysis passed (canary -> awaiting approval, or -> promoted by the
+    policy). A person's later approval of a held canary is no pass of its test."""
+    assert store.canary_record() == (0, 0)
+    to_state(store, 1, State.AWAITING_APPROVAL)  # passed
+    actions.promote(store, 1, "bob", "ok", interval_s=0)
+    to_state(store, 2, State.CANARY)
+    actions.promote(store, 2, "auto-promote policy", "analysis passed", interval_s=0, by_policy=True)  # passed
+    to_state(store, 3, State.HELD)  # no verdict by the deadline
+    actions.promote(store, 3, "ann", "looks fine to me", interval_s=0)
+    to_state(store, 4, State.CANARY)
+    actions.rollback(store, "controller", "analysis fail")
+    to_state(store, 5, State.GATING)  # gated, never canaried
+    actions.reject(store, 5, "controller", "gate failed")
+    assert store.canary_record() == (4, 2)
+    with closing(ReleaseStore(store.db.url)) as again:  # the database's counts, not the process's
+        assert again.canary_record() == (4, 2)
 
 
 def test_pause_and_resume_are_idempotent_and_audited(store):

@@ -244,6 +244,26 @@ def test_e_values_are_capped_finite(log_e, shown):
     assert e_value(log_e) == pytest.approx(shown) and math.isfinite(e_value(log_e))
 
 
+def test_pass_is_tested_at_the_canarys_own_level_and_fail_at_alpha():
+    """The deployment's budget (release/sequential.py canary_alpha) gives each canary its PASS
+    level; a rollback stays at alpha."""
+    mine = replace(POLICY, pass_alpha=0.005)
+    w = first_passing_wins(10, 0.005)
+    assert w > first_passing_wins(10, 0.05)
+    assert judge_canary(replace(BASE, pairs=PairCount(300, w - 1, 10)), mine).outcome == Outcome.RUNNING
+    v = judge_canary(replace(BASE, pairs=PairCount(300, w, 10)), mine)
+    assert v.outcome == Outcome.PASS and ">= 200, this canary's level 0.005)" in v.reasons[0]
+    fail_at = first_passing_wins(10, 0.05)  # mirrored: FAIL needs only alpha's evidence
+    assert judge_canary(replace(BASE, pairs=PairCount(300, 10, fail_at)), mine).outcome == Outcome.FAIL
+
+
+def test_the_reasons_say_how_many_flagged_users_were_left_out():
+    m = replace(BASE, excluded_users=3, flagged_after_counting=1, canary=replace(ARM, excluded=2, pending=4))
+    v = judge_canary(m, POLICY)
+    assert v.reasons == (("20 discordant pairs won by canary, 20 by stable; accept rate 0.300 against 0.300; "
+                          "3 users flagged by reward's guards left out (1 after their outcome counted)"),)
+
+
 def test_a_smaller_alpha_asks_for_more_evidence():
     assert first_passing_wins(10, 0.01) > first_passing_wins(10, 0.05)
 

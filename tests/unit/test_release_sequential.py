@@ -25,14 +25,20 @@ say how unlikely a failure is for a correct implementation):
 
 from __future__ import annotations
 
+import itertools
+import json
 import math
+import random
 
 import numpy as np
 import pytest
 
+from release import sequential
 from release.sequential import (
     BETTER_GRID,
     PairCount,
+    Pairing,
+    canary_alpha,
     confidence_band,
     log_e_better,
     log_e_worse,
@@ -91,6 +97,79 @@ def test_pairs_follow_arrival_order_and_the_longer_arms_tail_waits():
     assert pair_outcomes([True, False], [False, True]) == PairCount(2, 1, 1)
     assert pair_outcomes([True, False], [True, False]) == PairCount(2, 0, 0)
     assert pair_outcomes([], [True, True]) == PairCount()
+
+
+# (arm of each outcome as it comes, accepted) -> the pairs; each pairs with the MOST RECENT waiting
+# outcome of the other arm, so at a 10% share a canary outcome meets the stable one just before it
+PAIRING = {
+    "alternating arms pair as they come": (
+        [("canary", True), ("stable", False), ("stable", True), ("canary", True)], PairCount(2, 1, 0), "", 0),
+    "a run of one arm waits; the other pairs with its newest first": (
+        # s1=F s2=T wait; c1=F meets s2=T (loss), c2=T meets s1=F (win)
+        [("stable", False), ("stable", True), ("canary", False), ("canary", True)], PairCount(2, 1, 1), "", 0),
+    "at a small share stable outcomes wait and each canary one takes the latest": (
+        [("stable", True)] * 5 + [("stable", False), ("canary", True)], PairCount(1, 1, 0), "stable", 5),
+    "only one arm ever waits": (
+        [("canary", True), ("canary", False), ("stable", False)], PairCount(1, 0, 0), "canary", 1),
+    "nothing yet": ([], PairCount(), "", 0),
+}
+
+
+@pytest.mark.parametrize("name", list(PAIRING))
+def test_pairing_is_a_fold_each_outcome_meeting_the_newest_waiting_one_of_the_other_arm(name):
+    outcomes, count, waiting_arm, waiting = PAIRING[name]
+    p = Pairing()
+    for arm, accepted in outcomes:
+        p.add(arm, accepted)
+    assert (p.count, p.waiting_arm if p.waiting else "", len(p.waiting)) == (count, waiting_arm, waiting)
+
+
+def test_pairs_once_formed_never_change_and_the_fold_resumes_from_its_saved_state():
+    rnd = random.Random(5)
+    stream = [(rnd.choice(["canary", "stable", "stable"]), rnd.random() < 0.4) for _ in range(3000)]
+    whole, seen = Pairing(), []
+    for arm, accepted in stream:
+        whole.add(arm, accepted)
+        seen.append(whole.count)
+    # every count only grows: a pair formed is never rebuilt, whatever comes after it
+    for a, b in itertools.pairwise(seen):
+        assert b.pairs >= a.pairs and b.wins >= a.wins and b.losses >= a.losses and b.pairs - a.pairs <= 1
+    # saved and resumed at every 100th outcome: the same pairs as one uninterrupted fold
+    resumed = Pairing()
+    for i, (arm, accepted) in enumerate(stream):
+        if i % 100 == 0:
+            resumed = Pairing.from_dict(json.loads(json.dumps(resumed.to_dict())))
+        resumed.add(arm, accepted)
+        assert resumed.count == seen[i]
+    assert resumed.to_dict() == whole.to_dict()
+
+
+def test_waiting_outcomes_are_bounded_dropping_the_oldest(monkeypatch):
+    monkeypatch.setattr(sequential, "MAX_WAITING", 3)
+    p = Pairing()
+    for accepted in (True, True, False, False, True):  # the two oldest accepts are dropped
+        p.add("stable", accepted)
+    assert p.waiting == [False, False, True]
+    for _ in range(4):
+        p.add("canary", True)
+    assert p.count == PairCount(3, 2, 0) and p.waiting_arm == "canary" and p.waiting == [True]
+
+
+# -- the budget across canaries ---------------------------------------------------------------------
+
+def test_the_kth_canary_is_tested_at_the_elond_level():
+    # alpha * gamma_k * (passes before it + 1), gamma_k = 1 / (k (k + 1)): the gammas sum to 1
+    assert canary_alpha(0.05, 1, 0) == pytest.approx(0.025)
+    assert canary_alpha(0.05, 2, 0) == pytest.approx(0.05 / 6)
+    assert canary_alpha(0.05, 2, 1) == pytest.approx(0.05 / 3)
+    assert canary_alpha(0.05, 4, 3) == pytest.approx(0.05 * 4 / 20)
+    assert sum(1 / (k * (k + 1)) for k in range(1, 100_000)) == pytest.approx(1.0, abs=1e-4)
+    # never above alpha, and each further canary without a pass is tested harder
+    levels = [canary_alpha(0.05, k, 0) for k in range(1, 50)]
+    assert all(a > b for a, b in itertools.pairwise(levels)) and max(canary_alpha(0.05, k, k - 1)
+                                                                     for k in range(1, 50)) <= 0.05
+    with pytest.raises(ValueError):
+        canary_alpha(0.05, 3, 3)  # three passes before the third canary: not a count of this budget
 
 
 def test_pair_count_add_counts_only_discordant_pairs_as_wins_or_losses():
