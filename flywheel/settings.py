@@ -337,9 +337,15 @@ class RewardSettings(_Section):
     repetition_ngram: int = Field(default=3, ge=1)
     """n-gram size for the repetition/degeneration detector."""
     repetition_min_distinct: float = Field(default=0.5, gt=0, le=1)
-    """Completions whose distinct n-gram ratio is below this are flagged ``repetition``."""
+    """Completions whose distinct n-gram ratio is below this are flagged ``repetition``: token
+    n-grams, or character pairs (the share that are neither a doubled character nor a pair seen
+    before, over the first 64 characters: flywheel/degeneracy.py). Natural sentences keep 0.7 or
+    more of their character pairs new; ``aaa eee ooo`` keeps 0.4."""
     repetition_min_tokens: int = Field(default=16, ge=1)
-    """Shorter completions are too short to judge repetition."""
+    """Completions with fewer tokens are too short to judge by token n-grams."""
+    repetition_min_chars: int = Field(default=8, ge=2)
+    """Completions with fewer characters are too short to judge by character pairs; from this
+    many, a completion of a few tokens (``aaaaaaaa`` is one to three) is judged too."""
     repetition_penalty: float = Field(default=0.5, ge=0, le=1e6)
     """Reward subtracted from a ``repetition``-flagged sample. At most 1e6, as
     ``length_penalty_max``: a larger one only risks an infinite reward."""
@@ -470,9 +476,25 @@ class ReleaseSettings(_Section):
     ``repetition``) over stable's. Abuse flags are about users, whom the hash assigns to arms,
     so they are not compared."""
     guardrail_z: float = Field(default=3.0, ge=0)
-    """A rate guardrail (error rate, share of rejects, flags) breaches only when the canary's
-    increase passes its allowance by this many standard errors: they are checked every tick, and
-    over a few dozen requests a point estimate crosses the allowance by chance. 0: point estimates."""
+    """A rate guardrail (error rate, share of rejects, flags) or a degeneracy guardrail breaches
+    only when the canary's increase passes its allowance by this many standard errors: they are
+    checked every tick, and over a few dozen requests a point estimate crosses the allowance by
+    chance. 0: point estimates."""
+    max_repetition_increase: float = Field(default=0.05, ge=0)
+    """Gate check and canary guardrail: the candidate's mean character repetition over stable's
+    (the share of an answer's character pairs that double a character or repeat an earlier pair,
+    over its first 64 characters: flywheel/degeneracy.py). Natural sentences score 0.1-0.3 and
+    ``aaa eee ooo`` 0.6; measured on short answers too, where token n-grams say nothing."""
+    max_char_class_shift: float = Field(default=0.15, ge=0)
+    """Gate check and canary guardrail: how far the mean share of one class of characters in an
+    answer (vowels, consonants, digits, spaces, other) may move from stable's, either way.
+    Relative to stable, so a model vowel-rich from the start passes; one that starts stuffing
+    vowels in does not."""
+    max_collapse_increase: float = Field(default=0.25, ge=0)
+    """Gate check and canary guardrail: the share of the candidate's answers far shorter than
+    stable's median answer (under a quarter to a half of it), over stable's own share. The mean
+    length (``gate_max_length_ratio``, ``max_length_ratio``) misses a version that collapses some
+    answers and keeps the others long."""
     lease_ttl_s: float = Field(default=15.0, gt=0)
     """The controller lease lapses this long after its holder last renewed it; another
     controller then takes over."""

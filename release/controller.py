@@ -39,7 +39,15 @@ from flywheel.contracts import VersionRef
 from flywheel.scorers import load_plugins
 from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
-from release.judge import CanaryPolicy, GatePolicy, Outcome, Verdict, judge_canary, judge_gate
+from release.judge import (
+    CanaryPolicy,
+    DegeneracyLimits,
+    GatePolicy,
+    Outcome,
+    Verdict,
+    judge_canary,
+    judge_gate,
+)
 from release.measure import Tally
 from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
@@ -60,13 +68,21 @@ def canary_policy(cfg: Any) -> CanaryPolicy:
                         error_limit=cfg.error_limit, max_error_rate_increase=cfg.max_error_rate_increase,
                         max_latency_ratio=cfg.max_latency_ratio, max_length_ratio=cfg.max_length_ratio,
                         max_reject_share_increase=cfg.max_reject_share_increase,
-                        max_flag_rate_increase=cfg.max_flag_rate_increase, guardrail_z=cfg.guardrail_z)
+                        max_flag_rate_increase=cfg.max_flag_rate_increase, guardrail_z=cfg.guardrail_z,
+                        degeneracy=degeneracy_limits(cfg))
 
 
 def gate_policy(cfg: Any) -> GatePolicy:
     return GatePolicy(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
                       min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio,
-                      max_score_drop=cfg.gate_max_score_drop)
+                      max_score_drop=cfg.gate_max_score_drop, degeneracy=degeneracy_limits(cfg))
+
+
+def degeneracy_limits(cfg: Any) -> DegeneracyLimits:
+    """The same limits at the gate and on the canary: the canary adds only its allowance for noise."""
+    return DegeneracyLimits(max_repetition_increase=cfg.max_repetition_increase,
+                            max_char_class_shift=cfg.max_char_class_shift,
+                            max_collapse_increase=cfg.max_collapse_increase)
 
 
 class Controller:

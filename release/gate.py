@@ -11,8 +11,11 @@ What it measures (:class:`release.judge.GateMeasurement`): mean output length of
 candidate's mean per-token KL from stable and both per-token entropies (exact, from the full
 distributions, on the candidate's own samples), the share of distinct completions of each, the
 mean score of each configured verifier and reward model (``release.gate_scorers``, from the
-registry the reward stage uses: flywheel/scorers.py) for both, and the trainer's collapse signals
-from the checkpoint event. Judging is release/judge.py.
+registry the reward stage uses: flywheel/scorers.py) for both, the trainer's collapse signals
+from the checkpoint event, and a :class:`~flywheel.degeneracy.TextProfile` of each version's
+decoded answers (character repetition, character classes, lengths), which the judge compares
+whatever scorers are configured: a version that games its users with degenerate text fails the
+gate by default. Judging is release/judge.py.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from flywheel.degeneracy import TextProfile
 from release.judge import GateMeasurement
 
 log = logging.getLogger(__name__)
@@ -101,7 +105,6 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.manual_seed(seed)
     # the controller's own accelerator when it has one, else its CPU; float32 either way, so
     # entropies and KL compare versions, not precisions
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -114,7 +117,13 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
     # busy two-core machine for 24 prompts, all of it between a checkpoint and its canary
     prompt_ids = [tok.encode(prompt) or [eos or 0] for prompt in prompts]
     with torch.no_grad():
+        # common random numbers: both versions sample from the same random stream, so a candidate
+        # that changed little answers much as stable did, and comparing their answers (the
+        # degeneracy checks) measures the change rather than the luck of two draws. With a stream
+        # each, the character repetition of one unchanged model moved by 0.03 (sd) over 8 prompts.
+        torch.manual_seed(seed)
         s_seqs = _sample_all(stable, prompt_ids, max_new_tokens, eos, pad, device)
+        torch.manual_seed(seed)
         c_seqs = _sample_all(cand, prompt_ids, max_new_tokens, eos, pad, device)
         s_ent = [x for ent, _ in _entropy_and_kl(stable, None, prompt_ids, s_seqs, pad, device) for x in ent]
         c_ent, kls = [], []
@@ -134,6 +143,9 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
         stable_distinct=len(s_outs) / n, candidate_distinct=len(c_outs) / n,
         scores=_scores(scorers or {}, answers, tok.decode),
         trainer_metrics=dict(trainer_metrics),
+        # the text users would read: serving's answers leave special tokens out too
+        stable_text=TextProfile.of([tok.decode(x, skip_special_tokens=True) for x in s_seqs]),
+        candidate_text=TextProfile.of([tok.decode(x, skip_special_tokens=True) for x in c_seqs]),
     )
 
 

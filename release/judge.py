@@ -10,8 +10,9 @@ Order of the canary rules, first match wins:
 
 1. measurement errors in a row at or past ``error_limit``: ERROR;
 2. once each arm has served ``min_events`` requests, a guardrail breached (error rate, latency,
-   output length, share of rejects, reward-guard flags, each canary against stable): FAIL,
-   naming it;
+   output length, share of rejects, reward-guard flags, and the degeneracy of the answers served:
+   character repetition, character-class stuffing, length collapse; each canary against stable):
+   FAIL, naming it;
 3. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
    the always-valid test says the canary is accepted less often: FAIL;
 4. ... or more often, at this canary's level (``pass_alpha``: the deployment's budget across
@@ -26,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from flywheel.degeneracy import TextProfile, compare
 from release.sequential import PairCount, e_value, log_e_better, log_e_worse
 
 
@@ -58,6 +60,8 @@ class ArmStats:
     rewards: int = 0
     excluded: int = 0  # outcomes dropped: reward's abuse guards flagged their user
     pending: int = 0  # outcomes waiting for reward's judgement
+    #: the answers served, for the degeneracy guardrails (flywheel/degeneracy.py)
+    text: TextProfile = field(default_factory=TextProfile)
 
     @property
     def accept_rate(self) -> float:
@@ -91,6 +95,16 @@ class CanaryMeasurement:
 
 
 @dataclass(frozen=True)
+class DegeneracyLimits:
+    """How far the candidate's answers may move from stable's (flywheel/degeneracy.py), at the gate
+    and on the canary: ``release.max_repetition_increase`` and the two after it."""
+
+    max_repetition_increase: float = 0.05
+    max_char_class_shift: float = 0.15
+    max_collapse_increase: float = 0.25
+
+
+@dataclass(frozen=True)
 class CanaryPolicy:
     """The limits a canary is judged by (``[release]`` settings)."""
 
@@ -111,6 +125,7 @@ class CanaryPolicy:
     guardrail_z: float = 3.0
     max_reject_share_increase: float = 0.15
     max_flag_rate_increase: float = 0.05
+    degeneracy: DegeneracyLimits = DegeneracyLimits()
 
 
 def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
@@ -181,7 +196,30 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tupl
     if _rate_breached(canary.flagged, canary.rewards, stable.flagged, stable.rewards, policy.max_flag_rate_increase, z):
         out.append(f"guardrail reward-guard flags: {canary.flag_rate:.3f} against {stable.flag_rate:.3f} "
                    f"(at most +{policy.max_flag_rate_increase})")
+    out.extend(f"guardrail {r}" for r in degenerate(stable.text, canary.text, policy.degeneracy, z))
     return tuple(out)
+
+
+def degenerate(stable: TextProfile, candidate: TextProfile, limits: DegeneracyLimits, z: float) -> list[str]:
+    """The degeneracy checks the candidate's answers fail against stable's, as reasons: each breaches
+    when its move passes its allowance by ``z`` standard errors (0 at the gate: one look at a fixed
+    prompt set; ``guardrail_z`` on the canary, looked at every tick). Written as "not within", so
+    a NaN breaches."""
+    if not stable.answers or not candidate.answers:
+        return []
+    c = compare(stable, candidate)
+    out = []
+    rep, cls, short = c.repetition, c.char_class, c.collapsed
+    if not rep.increase - limits.max_repetition_increase <= z * rep.se:
+        out.append(f"character repetition {rep.candidate:.3f} against {rep.stable:.3f} (share of an answer's "
+                   f"character pairs doubled or repeated; at most +{limits.max_repetition_increase})")
+    if not abs(cls.increase) - limits.max_char_class_shift <= z * cls.se:
+        out.append(f"character-class stuffing: {cls.what} {cls.candidate:.3f} of an answer's characters against "
+                   f"{cls.stable:.3f} (within +-{limits.max_char_class_shift})")
+    if not short.increase - limits.max_collapse_increase <= z * short.se:
+        out.append(f"length collapse: {short.candidate:.0%} of answers under a quarter to a half of stable's "
+                   f"median length against {short.stable:.0%} (at most +{limits.max_collapse_increase:.0%})")
+    return out
 
 
 def _rate_breached(c_hits: int, c_n: int, s_hits: int, s_n: int, allowance: float, z: float) -> bool:
@@ -212,6 +250,9 @@ class GateMeasurement:
     scores: dict[str, tuple[float, float]] = field(default_factory=dict)
     #: the trainer's own collapse signals from the checkpoint event
     trainer_metrics: dict[str, float] = field(default_factory=dict)
+    #: both versions' answers, for the degeneracy checks (flywheel/degeneracy.py)
+    stable_text: TextProfile = field(default_factory=TextProfile)
+    candidate_text: TextProfile = field(default_factory=TextProfile)
 
 
 @dataclass(frozen=True)
@@ -223,6 +264,7 @@ class GatePolicy:
     max_score_drop: float = 0.1
     min_trainer_entropy: float = 0.05
     min_trainer_distinct: float = 0.2
+    degeneracy: DegeneracyLimits = DegeneracyLimits()
 
 
 def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
@@ -254,6 +296,7 @@ def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
     if distinct is not None and not distinct >= policy.min_trainer_distinct:
         failed.append(f"the trainer reports {distinct:.2f} distinct completions per batch "
                       f"(at least {policy.min_trainer_distinct})")
+    failed.extend(degenerate(g.stable_text, g.candidate_text, policy.degeneracy, 0.0))
     if failed:
         return Verdict(Outcome.FAIL, tuple(failed))
     return Verdict(Outcome.PASS, (f"{g.prompts} held-out prompts: every check within its limit",))

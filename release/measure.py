@@ -9,7 +9,10 @@ goes on exactly where it stopped. What it does with each record:
   the arm serving's salted hash put its user in (serving/routing.py); other versions, and
   evaluation traffic that named its version (``route == "pinned"``), are in neither arm.
   Requests, errors, latencies and output length are counted per arm, as are rewards and their
-  hacking flags (``long``, ``repetition``: about the answer).
+  hacking flags (``long``, ``repetition``: about the answer), and the answers served are folded
+  into a :class:`~flywheel.degeneracy.TextProfile` per arm (fixed-size sums: character repetition,
+  character classes, a histogram of lengths) for the degeneracy guardrails; an aborted generation
+  is an error, not an answer.
 - **Who counts.** Abuse flags (:data:`~flywheel.contracts.ABUSE_FLAGS`: ``user_cap``,
   ``constant_user``, ``rate_anomaly``) describe the user who sent a signal (the episode's
   ``rater_id``, else the generation's user). A user reward flags on any of their rewards (any
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS
+from flywheel.degeneracy import TextProfile
 from release.judge import ArmStats, CanaryMeasurement
 from release.sequential import PairCount, Pairing
 
@@ -78,6 +82,8 @@ class Arm:
     rewards: int = 0
     #: outcomes dropped because reward's guards flagged their user
     excluded: int = 0
+    #: the answers served (module docstring)
+    text: TextProfile = field(default_factory=TextProfile)
 
     def stats(self, pending: int = 0) -> ArmStats:
         lat = sorted(self.latencies_ms)
@@ -85,7 +91,8 @@ class Arm:
         return ArmStats(outcomes=self.outcomes, accepts=self.accepts, rejects=self.rejects, requests=self.requests,
                         errors=self.errors, latency_ms_p95=p95,
                         completion_tokens_mean=self.tokens / self.requests if self.requests else 0.0,
-                        flagged=self.flagged, rewards=self.rewards, excluded=self.excluded, pending=pending)
+                        flagged=self.flagged, rewards=self.rewards, excluded=self.excluded, pending=pending,
+                        text=self.text)
 
 
 @dataclass
@@ -122,6 +129,19 @@ class Tally:
 
     def __post_init__(self) -> None:
         self._seen = {"episodes": set(self.seen_episodes), "rewards": set(self.seen_rewards)}
+        #: users in each state, kept as they change (the judge reads them after every record)
+        self._states = {s: 0 for s in (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE)}
+        for state in self.users.values():
+            self._states[state] += 1
+
+    def _set(self, user: str, state: str | None) -> None:
+        """Move ``user`` to ``state`` (None: forget them)."""
+        old = self.users.pop(user, None)
+        if old is not None:
+            self._states[old] -= 1
+        if state is not None:
+            self.users[user] = state
+            self._states[state] += 1
 
     def _first(self, stream: str, gid: str) -> bool:
         """Whether ``gid`` is new on ``stream`` (remembering it, and forgetting the oldest)."""
@@ -149,6 +169,8 @@ class Tally:
         arm.latencies_ms.append(float(g.get("latency_ms", 0.0)))
         del arm.latencies_ms[:-LATENCY_SAMPLE]
         arm.tokens += len(g.get("completion_token_ids", ()))
+        if g.get("finish_reason") != "abort":
+            arm.text = arm.text.add(g.get("completion_text", ""))
         gid, signal = g["generation_id"], ep.get("signal")
         judged = self.early.pop(gid, None)  # reward's judgement, when it came first
         user = ep.get("rater_id") or g["user_id"]
@@ -158,14 +180,14 @@ class Tally:
         if user in self.users:
             return  # one outcome per user per canary
         outcome = [arm_name, signal == "accept", user]
-        self.users[user] = PENDING
+        self._set(user, PENDING)
         if judged is not None:
             self._settle(outcome, judged)
             return
         self.pending[gid] = outcome
         if len(self.pending) > MAX_PENDING:
             oldest = next(iter(self.pending))
-            self.users.pop(self.pending.pop(oldest)[2], None)
+            self._set(self.pending.pop(oldest)[2], None)
 
     def add_reward(self, rw: dict[str, Any]) -> None:
         gid = rw["generation_id"]
@@ -192,18 +214,18 @@ class Tally:
     def _exclude(self, user: str) -> None:
         state = self.users.get(user)
         if state == COUNTED:
-            self.users[user] = FLAGGED_LATE
+            self._set(user, FLAGGED_LATE)
         elif state not in (EXCLUDED, FLAGGED_LATE):
-            self.users[user] = EXCLUDED  # a pending outcome of theirs is dropped when it settles
+            self._set(user, EXCLUDED)  # a pending outcome of theirs is dropped when it settles
 
     def _settle(self, outcome: list[Any], abusive: bool) -> None:
         arm_name, accepted, user = outcome
         arm = self.arms[arm_name]
         if abusive or self.users.get(user) == EXCLUDED:
-            self.users[user] = EXCLUDED
+            self._set(user, EXCLUDED)
             arm.excluded += 1
             return
-        self.users[user] = COUNTED
+        self._set(user, COUNTED)
         arm.outcomes += 1
         arm.accepts += accepted
         self.pairing.add(arm_name, accepted)
@@ -216,12 +238,11 @@ class Tally:
         pending = {a: 0 for a in ARMS}
         for arm_name, _, _ in self.pending.values():
             pending[arm_name] += 1
-        states = list(self.users.values())
-        late = states.count(FLAGGED_LATE)
+        late = self._states[FLAGGED_LATE]
         return CanaryMeasurement(stable=self.arms["stable"].stats(pending["stable"]),
                                  canary=self.arms["canary"].stats(pending["canary"]), pairs=self.pairs(),
                                  elapsed_s=now - self.started_at, measurement_errors=self.errors,
-                                 excluded_users=states.count(EXCLUDED) + late, flagged_after_counting=late)
+                                 excluded_users=self._states[EXCLUDED] + late, flagged_after_counting=late)
 
     # -- saved with the candidate ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -230,7 +251,8 @@ class Tally:
             "started_at": self.started_at, "alpha": self.alpha,
             "arms": {name: {"outcomes": a.outcomes, "accepts": a.accepts, "rejects": a.rejects,
                             "requests": a.requests, "errors": a.errors, "latencies_ms": a.latencies_ms,
-                            "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded}
+                            "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded,
+                            "text": a.text.to_dict()}
                      for name, a in self.arms.items()},
             "pairing": self.pairing.to_dict(), "users": self.users, "pending": self.pending,
             "early": self.early,
@@ -247,7 +269,7 @@ class Tally:
         folded = "pairing" in d
         arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
                           a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
-                          a.get("excluded", 0))
+                          a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile())
                 for name, a in d["arms"].items()}
         return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("alpha"), arms,
                    Pairing.from_dict(d["pairing"]) if folded else Pairing(), dict(d.get("users", {})),

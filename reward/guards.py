@@ -27,7 +27,11 @@ Reward hacking (what the model produced), judged per sample:
   component, ``-length_penalty`` per target length of excess tokens, down to
   ``-length_penalty_max``, so a policy cannot buy reward with verbosity.
 - ``repetition``: a completion whose distinct n-gram ratio is below ``repetition_min_distinct``
-  is degenerate; it pays ``repetition_penalty``.
+  is degenerate; it pays ``repetition_penalty``. Token n-grams from ``repetition_min_tokens``
+  tokens, and characters from ``repetition_min_chars``: the share of character pairs that are
+  new (neither a doubled character nor a pair seen before; flywheel/degeneracy.py, the measure
+  the release gate compares versions by). A gamed answer is often short (``aaa eee ooo`` is four
+  tokens), and token n-grams say nothing under a dozen tokens.
 
 Each is flagged whether or not its penalty is set (a penalty of 0 turns the penalty off, not
 the guard's eyes): the flags still reach the metrics, the alerts and the archive.
@@ -41,6 +45,7 @@ from __future__ import annotations
 from itertools import pairwise
 from typing import NamedTuple
 
+from flywheel.degeneracy import repetition
 from flywheel.settings import RewardSettings
 
 #: The components :func:`judge_sample` adds to a reward; labelers may not name their own so.
@@ -128,22 +133,31 @@ def distinct_ngram_ratio(tokens: tuple[int, ...], n: int) -> float:
     return len(set(grams)) / count
 
 
-def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings) -> tuple[dict[str, float], tuple[str, ...]]:
-    """Reward-hacking guards for one completion: (extra components, flags)."""
+def judge_sample(tokens: tuple[int, ...], cfg: RewardSettings,
+                 text: str = "") -> tuple[dict[str, float], tuple[str, ...]]:
+    """Reward-hacking guards for one completion (its token ids and its text): (extra components, flags)."""
     components: dict[str, float] = {}
     flags: list[str] = []
-    if len(tokens) < cfg.repetition_min_tokens and len(tokens) <= cfg.length_target_tokens:
-        return components, ()  # the usual sample: nothing to judge
-    if len(tokens) > cfg.length_target_tokens:
+    long, repetitive = len(tokens) > cfg.length_target_tokens, _repetitive(tokens, text, cfg)
+    if not long and not repetitive:
+        return components, ()  # the usual sample: nothing to say
+    if long:
         flags.append("long")
         if cfg.length_penalty:
             components["length_penalty"] = length_penalty(len(tokens), cfg)
-    if (len(tokens) >= cfg.repetition_min_tokens
-            and distinct_ngram_ratio(tokens, cfg.repetition_ngram) < cfg.repetition_min_distinct):
+    if repetitive:
         flags.append("repetition")
         if cfg.repetition_penalty:
             components["repetition_penalty"] = -cfg.repetition_penalty
     return components, tuple(flags)
+
+
+def _repetitive(tokens: tuple[int, ...], text: str, cfg: RewardSettings) -> bool:
+    """Too few distinct token n-grams, or character pairs (module docstring)."""
+    if (len(tokens) >= cfg.repetition_min_tokens
+            and distinct_ngram_ratio(tokens, cfg.repetition_ngram) < cfg.repetition_min_distinct):
+        return True
+    return len(text) >= cfg.repetition_min_chars and 1.0 - repetition(text) < cfg.repetition_min_distinct
 
 
 def window_of(generated_at: float, cfg: RewardSettings) -> int:

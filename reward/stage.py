@@ -175,7 +175,7 @@ class RewardStage:
         """The episode's reward record, encoded (see :func:`reward_bytes`)."""
         g = ep.generation
         components = self.label(ep)
-        extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg)
+        extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg, g.completion_text)
         components.update(extra)  # (labelers may not use these names: reward/labelers.py)
         reward = self._total(components, extra)  # before the guards count it: failed, it counts nowhere
         verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from flywheel.degeneracy import LENGTH_BUCKETS, TextProfile
 from release.judge import (
     ArmStats,
     CanaryMeasurement,
@@ -356,3 +357,76 @@ def test_gate_an_empty_prompt_set_is_an_error_whatever_else():
 def test_gate_fails_a_non_finite_measurement(changes):
     # a diverged candidate measures NaN: the gate must not wave it through
     assert judge_gate(replace(GATE, **changes), GATE_POLICY).outcome == Outcome.FAIL
+
+
+# -- degeneracy: stable's answers against the candidate's, at the gate and on the canary -----------
+
+def profile(n: int = 100, repetition: float = 0.15, vowels: float = 0.30, collapsed: int = 0,
+            sd: float = 0.0) -> TextProfile:
+    """``n`` answers (flywheel/degeneracy.py's sums, built directly): mean repetition and vowel share
+    as given, each with standard deviation ``sd`` across answers; 20% spaces, consonants and other
+    characters giving way to vowels half each (so vowels move most); ``collapsed`` of the answers 1
+    visible character long, the others 16-31 (stable's median bucket is 5)."""
+    def sq(mean: float) -> float:
+        return n * mean * mean + (n - 1) * sd * sd
+    d = (vowels - 0.3) / 2
+    shares = (vowels, 0.4 - d, 0.0, 0.2, 0.1 - d)
+    lengths = [0] * LENGTH_BUCKETS
+    lengths[1], lengths[5] = collapsed, n - collapsed
+    return TextProfile(answers=n, repetition_sum=n * repetition, repetition_sq=sq(repetition), classed=n,
+                       class_sum=tuple(n * s for s in shares), class_sq=tuple(sq(s) for s in shares),
+                       lengths=tuple(lengths))
+
+
+# reason prefix, candidate profile past the limit, at / just inside it (stable: profile())
+DEGENERACY = [
+    ("character repetition", {"repetition": 0.2005}, {"repetition": 0.199}),  # +0.05
+    ("character-class stuffing: vowels", {"vowels": 0.4505}, {"vowels": 0.449}),  # +-0.15
+    ("character-class stuffing: vowels", {"vowels": 0.1495}, {"vowels": 0.151}),  # a class that falls
+    ("length collapse", {"collapsed": 26}, {"collapsed": 25}),  # +0.25
+]
+DEGENERACY_IDS = ["repetition", "vowels-up", "vowels-down", "collapse"]
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), DEGENERACY, ids=DEGENERACY_IDS)
+def test_gate_fails_degenerate_answers_naming_the_check(name, past, inside):
+    v = judge_gate(replace(GATE, stable_text=profile(), candidate_text=profile(**past)), GATE_POLICY)
+    assert v.outcome == Outcome.FAIL
+    assert len(v.reasons) == 1 and v.reasons[0].startswith(name), v.reasons
+    assert judge_gate(replace(GATE, stable_text=profile(), candidate_text=profile(**inside)),
+                      GATE_POLICY).outcome == Outcome.PASS
+
+
+def test_gate_judges_degeneracy_against_stable_not_absolute():
+    # a model vowel-rich, repetitive and terse from the start is no reason to reject its successor
+    odd = profile(repetition=0.6, vowels=0.7, collapsed=40)
+    assert judge_gate(replace(GATE, stable_text=odd, candidate_text=odd), GATE_POLICY).outcome == Outcome.PASS
+
+
+def test_gate_degeneracy_is_a_point_estimate_on_the_held_out_prompts():
+    # one look, a fixed prompt set: no allowance for noise beyond the limit itself
+    noisy = replace(GATE, stable_text=profile(n=24, sd=0.2), candidate_text=profile(n=24, repetition=0.21, sd=0.2))
+    assert judge_gate(noisy, GATE_POLICY).outcome == Outcome.FAIL
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), DEGENERACY, ids=DEGENERACY_IDS)
+def test_a_degenerate_canary_breaches_its_guardrail(name, past, inside):
+    m = replace(BASE, stable=replace(ARM, text=profile()), canary=replace(ARM, text=profile(**past)))
+    v = judge_canary(m, EXACT)
+    assert v.outcome == Outcome.FAIL
+    assert len(v.reasons) == 1 and v.reasons[0].startswith("guardrail " + name), v.reasons
+    m = replace(m, canary=replace(ARM, text=profile(**inside)))
+    assert judge_canary(m, EXACT).outcome == Outcome.RUNNING
+
+
+@pytest.mark.parametrize("n, breached", [(30, False), (2000, True)])
+def test_a_degeneracy_guardrail_breaches_only_beyond_sampling_noise(n, breached):
+    # +0.08 repetition, 0.03 past the allowance: within noise over 30 answers a side (standard
+    # error 0.026), eight standard errors over 2,000
+    m = replace(BASE, stable=replace(ARM, text=profile(n=n, sd=0.1)),
+                canary=replace(ARM, text=profile(n=n, repetition=0.23, sd=0.1)))
+    assert (judge_canary(m, POLICY).outcome == Outcome.FAIL) is breached
+
+
+def test_arms_without_answers_compare_no_degeneracy():
+    assert judge_canary(replace(BASE, canary=replace(ARM, text=profile())), POLICY).outcome == Outcome.RUNNING

@@ -23,10 +23,11 @@ SAMPLING = SamplingParams(temperature=1, top_p=1, max_tokens=4)
 
 
 def episode(gid: str, version: int, t: float, signal: str, user: str = "", latency: float = 10.0,
-            finish: str = "stop", tokens: int = 4, route: str = "stable", rater: str | None = None) -> dict:
+            finish: str = "stop", tokens: int = 4, route: str = "stable", rater: str | None = None,
+            text: str = "c") -> dict:
     gen = GenerationEvent(generation_id=gid, group_id=gid, model_name="m", model_version=version,
                           user_id=user or gid, endpoint="chat", created_at=t, completed_at=t, latency_ms=latency,
-                          prompt_text="p", prompt_token_ids=(1,), completion_text="c",
+                          prompt_text="p", prompt_token_ids=(1,), completion_text=text,
                           completion_token_ids=(1,) * tokens, logprobs=(-0.5,) * tokens, sampling=SAMPLING,
                           finish_reason=finish, route=route)
     ep = EpisodeEvent(generation=gen, signal=signal, timed_out=signal == "ignore",
@@ -279,3 +280,43 @@ def test_latencies_are_a_bounded_sample(monkeypatch):
     for i in range(100):
         t.add_episode(episode(f"g{i}", 0, T0 + i, "ignore", latency=float(i)))
     assert t.arms["stable"].latencies_ms == [float(i) for i in range(90, 100)]
+
+
+# -- the answers served, for the degeneracy guardrails ------------------------------------------
+
+def test_the_answers_each_arm_served_are_profiled():
+    t = tally()
+    for i in range(3):
+        t.add_episode(episode(f"c{i}", 7, T0 + i, "ignore", text="aaa eee ooo"))
+        t.add_episode(episode(f"s{i}", 0, T0 + i, "accept", text="the cat sat on the mat"))
+    t.add_episode(episode("c0", 7, T0 + 5, "ignore", text="aaa eee ooo"))  # a repeat
+    t.add_episode(episode("early", 7, T0 - 1, "ignore", text="zzzzzzzz"))  # before the canary
+    t.add_episode(episode("eval", 7, T0 + 1, "ignore", text="zzzzzzzz", route="pinned"))
+    t.add_episode(episode("cut", 7, T0 + 1, "ignore", text="", finish="abort"))  # an error, judged as one
+    canary, stable = t.measurement(T0 + 9).canary.text, t.measurement(T0 + 9).stable.text
+    assert (canary.answers, stable.answers) == (3, 3)
+    assert canary.repetition == pytest.approx(0.6) and stable.repetition == pytest.approx(6 / 21)
+
+
+def test_a_degenerate_canary_is_rolled_back_on_what_it_served():
+    from release.judge import CanaryPolicy, Outcome, judge_canary
+
+    t = tally()
+    for i in range(60):
+        t.add_episode(episode(f"c{i}", 7, T0 + i, "ignore", text=f"aaa{i} eee ooo"))
+        t.add_episode(episode(f"s{i}", 0, T0 + i, "ignore", text=f"the answer number {i} is here"))
+    v = judge_canary(t.measurement(T0 + 99), CanaryPolicy(min_events=50))
+    assert v.outcome == Outcome.FAIL
+    assert [r.split(" 0.")[0] for r in v.reasons] == ["guardrail character repetition",
+                                                      "guardrail character-class stuffing: consonants"], v.reasons
+
+
+def test_the_profiles_are_saved_with_the_tally():
+    t = tally()
+    t.add_episode(episode("c", 7, T0 + 1, "ignore", text="aaa eee"))
+    back = Tally.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.arms["canary"].text == t.arms["canary"].text and back.arms["canary"].text.answers == 1
+    saved = t.to_dict()
+    for arm in saved["arms"].values():
+        del arm["text"]  # saved before the profiles were kept: they start from there
+    assert Tally.from_dict(saved).arms["canary"].text.answers == 0

@@ -332,6 +332,20 @@ def test_judge_sample(tokens, components, flags):
     assert judge_sample(tokens, CFG) == (pytest.approx(components), flags)
 
 
+@pytest.mark.parametrize("tokens, text, flags", [
+    ((5, 6, 7), "aaaaaaaa", ("repetition",)),  # three tokens of one letter: the token guard waits for 16
+    ((5, 6, 7, 8), "aaa eee ooo", ("repetition",)),  # what the demo's shortcut cohort accepts
+    ((5, 6, 7, 8), "hahahahaha", ("repetition",)),
+    ((5, 6, 7, 8, 9, 10), "the cat sat on the mat", ()),  # short natural text
+    ((5, 6, 7, 8), "Hello there", ()),
+    ((5, 6), "aaaaaaa", ()),  # under repetition_min_chars: too short to judge
+    (tuple(range(20)), "ab" * 40, ("repetition",)),  # distinct tokens, one pair of characters over and over
+    ((5,) * 20, "a" * 20, ("repetition",)),  # both say so: flagged once
+])
+def test_judge_sample_catches_short_degenerate_text_by_its_characters(tokens, text, flags):
+    assert judge_sample(tokens, CFG, text) == (pytest.approx({"repetition_penalty": -0.5} if flags else {}), flags)
+
+
 def test_a_guard_whose_penalty_is_off_still_flags():
     """A penalty of 0 stops the reward paying for it; the guard still says what it saw, so the
     hacking alert and the report keep seeing long and degenerate completions."""
