@@ -206,7 +206,8 @@ def _print_summary(s: dict[str, Any]) -> None:
          f"last {acc['window_s']:.0f} s, best {f(acc['best'])}; doubled after {f(acc['doubled_after_s'], ' s', 0)}")
     for v, row in s["versions"].items():
         _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged, "
-             f"latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}")
+             f"latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "
+             f"quality {f(row['quality'])}")
     _say(f"versions published {s['published']}, canaried {s['canaried']}, promoted {s['promoted']}")
     for d in s["decisions"]:
         _say(f"  +{d['at'] - s['started_at']:4.0f}s v{d['version']} {d['from']} -> {d['to']} ({d['actor']}): "

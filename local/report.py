@@ -1,5 +1,6 @@
 """What a run of the whole loop showed: accept rate over time by version, every release decision,
-latency, and how long feedback took to reach users as a better model (``flywheel demo``).
+latency, how long feedback took to reach users as a better model, and each version's quality
+score, the simulator's measure apart from any cohort's taste (``flywheel demo``).
 
 The numbers come from three records a run leaves, all read after the fact:
 
@@ -30,6 +31,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from local.simulate import quality
 
 #: The demo's goals, as the issue that asked for it states them.
 DOUBLE_WITHIN_S = 180.0
@@ -189,7 +192,9 @@ def latencies(rows: list[dict[str, Any]], versions: dict[int, Version], live: di
 
 
 def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Requests, accept rate, request latency and share of distinct answers by serving version."""
+    """Requests, accept rate, request latency, share of distinct answers and the simulator's quality
+    score (local/simulate.py: a score apart from any cohort's taste, which a version that games
+    its users lowers) by serving version, from the answers the simulated users got."""
     out: dict[int, dict[str, Any]] = {}
     for v in sorted({r["version"] for r in rows if r.get("version") is not None}):
         mine = [r for r in rows if r.get("version") == v and r.get("status") == 200]
@@ -198,7 +203,8 @@ def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
         lat = [r["latency_s"] for r in mine]
         out[v] = {"requests": len(mine), "judged": len(judged), "accept_rate": _rate(judged),
                   "latency_p50_s": _pct(lat, 0.5), "latency_p95_s": _pct(lat, 0.95),
-                  "distinct": len(set(texts)) / len(texts) if texts else None}
+                  "distinct": len(set(texts)) / len(texts) if texts else None,
+                  "quality": sum(map(quality, texts)) / len(texts) if texts else None}
     return out
 
 
@@ -314,7 +320,8 @@ def write_html(summary: dict[str, Any], png: Path | None, path: Path) -> Path:
     ver_rows = "".join(
         f"<tr><td>v{v}</td><td>{s['requests']}</td><td>{s['judged']}</td><td>{_fmt(s['accept_rate'])}</td>"
         f"<td>{_fmt(s['latency_p50_s'] and s['latency_p50_s'] * 1000, ' ms', 0)}</td>"
-        f"<td>{_fmt(s['latency_p95_s'] and s['latency_p95_s'] * 1000, ' ms', 0)}</td><td>{_fmt(s['distinct'])}</td></tr>"
+        f"<td>{_fmt(s['latency_p95_s'] and s['latency_p95_s'] * 1000, ' ms', 0)}</td><td>{_fmt(s['distinct'])}</td>"
+        f"<td>{_fmt(s['quality'])}</td></tr>"
         for v, s in summary["versions"].items())
     dec_rows = "".join(
         f"<tr><td>{_fmt(d['at'] - t0, ' s', 0)}</td><td>v{e(str(d['version']))}</td><td>{e(str(d['from']))} → "
@@ -341,7 +348,7 @@ reached twice the start after {_fmt(acc['doubled_after_s'], ' s', 0)} of traffic
 {img}
 <h2>Versions as users met them</h2>
 <table><tr><th>version</th><th>requests</th><th>judged</th><th>accept rate</th><th>latency p50</th><th>p95</th>
-<th>distinct answers</th></tr>{ver_rows}</table>
+<th>distinct answers</th><th>quality</th></tr>{ver_rows}</table>
 <h2>Release decisions</h2>
 <table><tr><th>after</th><th>version</th><th>change</th><th>by</th><th>why</th></tr>{dec_rows}</table>
 <h2>From feedback to users</h2>

@@ -124,8 +124,23 @@ def test_per_version_counts_distinct_answers_and_latency():
             row(2, "accept", 1, text="y"), row(3, None, 1, text="z"), row(4, None, None, status=429)]
     out = per_version(rows)
     assert out[0] == {"requests": 2, "judged": 2, "accept_rate": 0.5, "latency_p50_s": 0.1, "latency_p95_s": 0.3,
-                      "distinct": 0.5}
+                      "distinct": 0.5, "quality": 0.0}
     assert out[1]["accept_rate"] == 1.0 and out[1]["judged"] == 1 and out[1]["distinct"] == 1.0
+
+
+@pytest.mark.parametrize("texts, score", [
+    (["abcd"], 1.0),  # ab, bc, cd: every pair distinct
+    (["aaaa"], 1 / 3),  # the shortcut: aa three times
+    (["abcd", "aaaa"], 2 / 3),  # the mean over the version's answers
+    (["abab"], 2 / 3),  # ab, ba, ab
+    (["", "x", "abcd"], 1 / 3),  # an answer without pairs scores 0, as the simulator scores it
+    ([None, None], None),  # no answer text: nothing to score
+])
+def test_per_version_quality_is_the_simulators_score_of_its_answers(texts, score):
+    rows = [dict(row(i, "accept", 2), text=t) for i, t in enumerate(texts)] + [row(9, "accept", 3, text="abc")]
+    out = per_version(rows)
+    assert out[2]["quality"] == (pytest.approx(score) if score is not None else None)
+    assert out[3]["quality"] == 1.0
 
 
 def _run_rows() -> list[dict]:
@@ -168,3 +183,4 @@ def test_report_files_are_written_and_the_page_escapes_what_it_shows(tmp_path):
     page = write_html(s, png, tmp_path / "r" / "report.html").read_text()
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "data:image/png;base64," in page and "v1" in page
+    assert "<th>quality</th>" in page
