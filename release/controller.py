@@ -36,6 +36,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.contracts import VersionRef
+from flywheel.degeneracy import compare
 from flywheel.scorers import load_plugins
 from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
@@ -302,11 +303,19 @@ class Controller:
             tally.history.append({"t": now, "stable_rate": m.stable.accept_rate, "canary_rate": m.canary.accept_rate,
                                   "band_lo": band[0], "band_hi": band[1], "e_better": eb, "e_worse": ew})
             del tally.history[:-500]  # the console draws the last few hundred points
-        arms = {name: {**asdict(arm), "accept_rate": arm.accept_rate, "error_rate": arm.error_rate,
-                       "reject_share": arm.reject_share, "flag_rate": arm.flag_rate}
-                for name, arm in (("stable", m.stable), ("canary", m.canary))}
+        # the degeneracy guardrails' numbers as the console shows them (the sums behind them are in
+        # the tally): each arm's character repetition, share of the class that moved most, share
+        # of answers collapsed against stable's median
+        shift = compare(m.stable.text, m.canary.text)
+        arms = {name: {**{k: v for k, v in asdict(arm).items() if k != "text"}, "accept_rate": arm.accept_rate,
+                       "error_rate": arm.error_rate, "reject_share": arm.reject_share, "flag_rate": arm.flag_rate,
+                       "repetition": getattr(shift.repetition, side),
+                       "char_class_share": getattr(shift.char_class, side),
+                       "collapsed_share": getattr(shift.collapsed, side)}
+                for name, side, arm in (("stable", "stable", m.stable), ("canary", "candidate", m.canary))}
         self.store.save(cand.version, analysis={
             "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
+            "char_class": shift.char_class.what,
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
             "alpha": self.canary_policy.alpha, "pass_alpha": tally.alpha or self.canary_policy.alpha,
             "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,

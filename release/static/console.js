@@ -336,6 +336,10 @@ const GUARDRAILS = [
   { key: "completion_tokens_mean", label: "output length", fmt: (x) => `${num(x, 1)} tok`, change: "ratio", rule: "output length" },
   { key: "reject_share", label: "share of rejects", fmt: pct, change: "diff", rule: "share of rejects" },
   { key: "flag_rate", label: "reward-guard flags", fmt: pct, change: "diff", rule: "reward-guard flags" },
+  { key: "repetition", label: "character repetition", fmt: (x) => num(x, 3), change: "diff", rule: "character repetition" },
+  { key: "char_class_share", label: (a) => `${a.char_class || "character class"} share`, fmt: pct, change: "diff",
+    rule: "character-class stuffing" },
+  { key: "collapsed_share", label: "collapsed answers", fmt: pct, change: "diff", rule: "length collapse" },
   { key: "outcomes", label: "outcomes", fmt: (x) => num(x, 0) },
   { key: "requests", label: "requests", fmt: (x) => num(x, 0) },
 ];
@@ -363,7 +367,7 @@ function guardrailRows(a) {
         : judged ? el("span", { class: "badge o-pass" }, "within") : el("span", { class: "muted" }, "not judged yet");
     }
     return el("tr", { class: g.rule ? "" : "muted-row" },
-      el("th", { scope: "row" }, g.label),
+      el("th", { scope: "row" }, typeof g.label === "function" ? g.label(a) : g.label),
       el("td", { class: "num" }, g.fmt(s[g.key])),
       el("td", { class: "num" }, g.fmt(c[g.key])),
       el("td", { class: "num" }, change),

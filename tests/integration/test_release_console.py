@@ -80,11 +80,18 @@ def canary_analysis(stable_rate: float, canary_rate: float, n: int, started_at: 
     return {
         "outcome": verdict.outcome.value, "reasons": list(verdict.reasons),
         **{name: {**asdict(a), "accept_rate": a.accept_rate, "error_rate": a.error_rate,
-                  "reject_share": a.reject_share, "flag_rate": a.flag_rate} for name, a in arms.items()},
+                  "reject_share": a.reject_share, "flag_rate": a.flag_rate, **degenerate}
+           for (name, a), degenerate in zip(arms.items(), DEGENERACY)},
+        "char_class": "vowels",
         "pairs": asdict(pairs), "e_better": last["e_better"], "e_worse": last["e_worse"],
         "band": [last["band_lo"], last["band_hi"]], "alpha": alpha, "pass_alpha": pass_alpha, "excluded_users": 2,
         "flagged_after_counting": 0, "elapsed_s": m.elapsed_s, "history": history,
     }
+
+
+#: The degeneracy guardrails' numbers the controller records per arm (stable, canary).
+DEGENERACY = ({"repetition": 0.135, "char_class_share": 0.284, "collapsed_share": 0.0},
+              {"repetition": 0.141, "char_class_share": 0.301, "collapsed_share": 0.02})
 
 
 GATE_PASS = {"outcome": "pass", "reasons": ["32 held-out prompts: every check within its limit"],
@@ -214,6 +221,8 @@ def sees_the_canary(browser) -> None:
     assert "(PASS at 40, FAIL at 20)" in evidence and "2 users flagged by reward's guards left out" in evidence
     guard = browser.find_element("id", "guardrails-body").text
     assert "latency p95 812 ms 861 ms" in guard and "breached" not in guard and "within" in guard
+    assert "character repetition 0.135 0.141 +0.6 pt" in guard and "vowels share 28.4% 30.1%" in guard
+    assert "collapsed answers 0.0% 2.0%" in guard
     audit = browser.find_element("id", "audit-body").text
     assert newest_audit(browser)[0] == "v4 canary → awaiting approval by controller"
     assert MARKUP_REASON in audit and not browser.find_elements(BY_CSS, "#injected")  # text, never markup
