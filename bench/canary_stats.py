@@ -1,9 +1,28 @@
-"""What the canary's always-valid test costs in events, and what watching does to a classic test.
+"""Whether a canary verdict can be trusted: its false-PASS rate and power through the controller's
+own measurement and judge, what the always-valid test costs in events, and what watching does to
+a classic test. ``flywheel bench --only canary`` runs it into the bench table.
 
-Run: ``python bench/canary_stats.py [--runs 2000] [--null-runs 10000] [--null-pairs 10000]
-[--seed 20250101] [--quick]`` (about 5 s on 2 cores; ``--quick``: a smoke run under a second).
-Simulated users only (numpy, seeded): nothing is served, nothing is written. A pair is one
-outcome of each arm: with a 10% canary share, pairs grow as the canary's outcomes do.
+Run: ``python bench/canary_stats.py [--fold-runs 1000] [--power-runs 100] [--runs 2000]
+[--null-runs 10000] [--null-pairs 10000] [--seed 20250101] [--quick] [--json PATH]`` (about 5
+minutes of one core; ``--quick``: a smoke run of about 15 s). Simulated users only (seeded):
+nothing is served, nothing is written.
+
+(c) False PASS through the real fold (bench/canary_fold.py): two IDENTICAL versions, canaries of
+    simulated users whose records (built through flywheel/contracts.py) go through serving's
+    salted hash, reward's abuse guards, release/measure.py's Tally and release/judge.py's
+    judge_canary, asked after every record that moved the counts, at the level the deployment's
+    budget gives each canary. Scenarios: i.i.d. users; one abusive user sending 10% of requests
+    and accepting everything (reward's guard window fresh as the canary starts: the worst case);
+    late feedback; two tastes with unequal base rates among few, heavy-tailed users (the arms'
+    tastes differ by chance); the demo's settings (local/demo.toml: canary after canary for
+    210 s, each rolled back after 45 s without a verdict; a run's false PASS is any PASS in it).
+    Printed per scenario: the share of runs with a false PASS, its standard error, and alpha.
+    Goal: at most alpha in every scenario. The same harness with a deliberately invalid judge (a
+    fixed-horizon z-test asked as often) shows it can see an inflated rate.
+(d) Power through the same fold: the canary's users accept 0.40 where stable's accept 0.30; the
+    share of canaries that PASS by their deadline, at the size stated.
+(a)-(b) below use numpy alone, on i.i.d. outcomes already paired (a pair is one outcome of each
+    arm: with a 10% canary share, pairs grow as the canary's outcomes do).
 
 (a) Pairs until a verdict. Canary and stable users accept at the given rates; after every pair
     the discordant-pair e-process of release/sequential.py is checked, as the controller does,
@@ -30,13 +49,20 @@ size in (a) and against the nominal false-alarm rate in (b).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
+from dataclasses import replace
+from pathlib import Path
 from statistics import NormalDist
 
+import canary_fold as fold
 import numpy as np
 
+from flywheel.settings import load_settings
 from release.sequential import PairCount, log_e_better
+
+DEMO_CONFIG = Path(__file__).resolve().parents[1] / "local" / "demo.toml"
 
 STABLE_RATE = 0.30
 MIN_EVENTS = 50  # the judge's default: no verdict before 50 outcomes per arm
@@ -140,6 +166,53 @@ def false_alarms(rng: np.random.Generator, runs: int, pairs: int, alpha: float) 
         print(f"{label:<50}{counts[key]:>9,}{rate / nominal:>10.2f}{rate:>8.3f}{nominal:>9.2f}")
 
 
+def false_passes(runs: int, seed: int) -> list[dict]:
+    """(c): a row per scenario, and the naive judge's row."""
+    demo = load_settings(env={}, config_file=DEMO_CONFIG).release
+    rows = []
+    print(f"{'scenario (identical versions)':<62}{'runs':>6}{'false PASS':>11}{'SE':>7}{'alpha':>7}"
+          f"{'pairs':>7}{'left out':>9}")
+    for sc in fold.scenarios(demo):
+        rows.append(_null_row(sc.name, sc, fold.measure(sc, runs, seed)))
+    no_budget = replace(fold.demo_scenario(demo), budget=False)
+    rows.append(_null_row("the demo's settings, each canary at alpha (no budget)", no_budget,
+                          fold.measure(no_budget, runs, seed), goal=False))
+    iid = fold.scenarios(demo)[0]
+    rows.append(_null_row("i.i.d. users, a fixed-horizon z-test asked as often (invalid)", iid,
+                          fold.measure(iid, runs, seed, fold.naive_z), goal=False))
+    return rows
+
+
+def _null_row(label: str, sc: fold.Scenario, r: fold.Rates, goal: bool = True) -> dict:
+    print(f"{label:<62}{r.runs:>6}{r.rate:>11.4f}{r.se:>7.4f}{sc.alpha:>7.2f}{r.pairs:>7.0f}{r.excluded_users:>9.2f}")
+    per = f", {r.canaries / r.runs:.1f} canaries a run" if sc.canaries > 1 else ""
+    return {"name": f"canary false PASS: {label}", "value": r.rate, "baseline": sc.alpha, "se": r.se,
+            "unit": "share of runs", "goal": goal,
+            "note": f"{r.runs} runs, SE {r.se:.4f}, {r.pairs:.0f} pairs at the verdict{per}"}
+
+
+#: (label, scenario) of the power rows: 0.30 against 0.40
+POWER = (
+    ("half the users on the canary, 2,000 users, 20 requests/s, 5 min",
+     fold.Scenario("power", users=2000, rate=20.0, deadline_s=300.0, min_events=50, lift=0.10, tick_s=1.0)),
+    ("10% of users on the canary, 6,000 users, 40 requests/s, 10 min",
+     fold.Scenario("power", users=6000, rate=40.0, deadline_s=600.0, canary_share=0.1, min_events=50, lift=0.10,
+                   tick_s=1.0)),
+)
+
+
+def power(runs: int, seed: int) -> list[dict]:
+    """(d): the share of canaries that PASS, the first of their deployment (at alpha/2)."""
+    rows = []
+    print(f"{'0.30 against 0.40':<62}{'runs':>6}{'PASS':>11}{'SE':>7}{'pairs':>14}")
+    for label, sc in POWER:
+        r = fold.measure(sc, runs, seed)
+        print(f"{label:<62}{r.runs:>6}{r.rate:>11.3f}{r.se:>7.3f}{r.pairs:>14.0f}")
+        rows.append({"name": f"canary power at 0.30 -> 0.40: {label}", "value": r.rate, "se": r.se,
+                     "unit": "share of canaries", "note": f"{r.runs} runs, {r.pairs:.0f} pairs at the verdict"})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2000, help="simulated canaries per lift in (a)")
@@ -147,12 +220,23 @@ def main() -> None:
     ap.add_argument("--null-pairs", type=int, default=10_000, help="pairs each canary in (b) is watched for")
     ap.add_argument("--alpha", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=20250101)
+    ap.add_argument("--fold-runs", type=int, default=1000, help="simulated runs per scenario in (c)")
+    ap.add_argument("--power-runs", type=int, default=100, help="simulated canaries per size in (d)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few runs, short canaries")
+    ap.add_argument("--json", type=Path, default=None, help="also write (c) and (d)'s rows here")
     args = ap.parse_args()
     if args.quick:
-        args.runs, args.null_runs, args.null_pairs = 100, 300, 1000
+        args.runs, args.null_runs, args.null_pairs, args.fold_runs, args.power_runs = 100, 300, 1000, 40, 4
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
+
+    print(f"(c) false PASS through the real fold and judge, alpha from local/demo.toml and the defaults, seed "
+          f"{args.seed}")
+    rows = false_passes(args.fold_runs, args.seed)
+    print()
+    print("(d) power through the real fold and judge")
+    rows += power(args.power_runs, args.seed)
+    print()
 
     print(f"(a) pairs until a verdict, one-sided alpha {args.alpha}, {args.runs:,} runs per lift, seed {args.seed}")
     print(f"{'rates':<14}{'test':<52}{'pairs':>8}{'x fixed':>9}")
@@ -164,6 +248,8 @@ def main() -> None:
     print(f"{'test':<50}{'flagged':>9}{'x nominal':>10}{'rate':>8}{'nominal':>9}")
     false_alarms(rng, args.null_runs, args.null_pairs, args.alpha)
     print(f"\n{time.perf_counter() - t0:.1f} s")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "quick": args.quick}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """``flywheel bench``: every performance claim of the project, measured in one run, as one table.
 
-    flywheel bench                     # every row at full size (about 25 minutes on 2 cores)
+    flywheel bench                     # every row at full size (about 30 minutes on 2 cores)
     flywheel bench --quick             # every row at smoke size: proves each runs, numbers are not judged
     flywheel bench --only delta,ingest --json results.json
     flywheel bench --demo-report data/demo/report/summary.json   # the loop rows from a finished demo
@@ -117,6 +117,15 @@ def _p95(xs: list[float]) -> float | None:
     return xs[max(0, -(-95 * len(xs) // 100) - 1)] if xs else None
 
 
+def _canary_rows(d: dict[str, Any]) -> list[Row]:
+    """bench/canary_stats.py: a false-PASS row per scenario, judged against alpha (the rows it marks
+    as no goal, a contrast such as an invalid judge, stay in its own output), and the power rows."""
+    rows = [Row(r["name"], r["value"], r["baseline"], r["unit"], "<= 1.0", r["note"])
+            for r in d["rows"] if "baseline" in r and r["goal"]]
+    return rows + [Row(r["name"], r["value"], None, r["unit"], ">= 0.8", r["note"])
+                   for r in d["rows"] if "baseline" not in r]
+
+
 def _picked(*picks: tuple[str, str, str, bool]) -> Callable[[dict[str, Any]], list[Row]]:
     """Rows of a script's own JSON rows, by name: (its name, the row's name here, goal, goal on value)."""
     def rows(d: dict[str, Any]) -> list[Row]:
@@ -140,6 +149,7 @@ JOBS: tuple[Job, ...] = (
         ("trainer vs vLLM dtype=auto logprob gap, mean", "... with serving's default dtype (auto)", "<= 0.01", True))),
     Job("bare", "bare_loop.py", (), ("--quick",), lambda d: [Row("bare loop", d["rows"][0]["value"], None, "s", "<= 60",
                                                                  d["rows"][0]["note"])]),
+    Job("canary", "canary_stats.py", (), ("--quick",), _canary_rows),
 )
 
 

@@ -47,6 +47,21 @@ def test_rows_are_read_from_each_scripts_json():
     assert [r.met for r in swap] == [True, True, True] and swap[0].ratio == pytest.approx(1.25)
 
 
+def test_the_canary_rows_judge_false_passes_against_alpha_and_leave_contrasts_out():
+    rows = {j.key: j for j in SUITE["JOBS"]}["canary"].rows({"rows": [
+        {"name": "canary false PASS: i.i.d. users", "value": 0.02, "baseline": 0.05, "se": 0.004,
+         "unit": "share of runs", "goal": True, "note": "1000 runs"},
+        {"name": "canary false PASS: late feedback", "value": 0.06, "baseline": 0.05, "se": 0.007,
+         "unit": "share of runs", "goal": True, "note": "1000 runs"},
+        {"name": "canary false PASS: an invalid z-test", "value": 0.3, "baseline": 0.05, "se": 0.01,
+         "unit": "share of runs", "goal": False, "note": ""},
+        {"name": "canary power at 0.30 -> 0.40: 2,000 users", "value": 0.9, "se": 0.03,
+         "unit": "share of canaries", "note": "100 runs"}]})
+    assert [(r.name.split(": ")[1], r.ratio, r.met) for r in rows] == [
+        ("i.i.d. users", pytest.approx(0.4), True), ("late feedback", pytest.approx(1.2), False),
+        ("2,000 users", None, True)]
+
+
 def test_the_loop_rows_come_from_a_demo_report():
     spread = {"n": 3, "p50": 10.0, "p95": 20.0}
     summary = {"accept_rate": {"start": 0.25, "doubled_after_s": 160.0},
