@@ -251,7 +251,9 @@ def test_a_routing_committed_but_not_published_before_a_crash_is_published_by_th
         rs.transition(1, state, "controller", "before the crash",
                       routing=Routing(0, 1, 0.5) if state == State.CANARY else None)
     assert [r.revision for r in rs.unpublished()] == [1]
-    second, _ = run_controller(lease_ttl_s=2)  # the restarted process, once the dead one's lease lapsed
+    # the restarted process, once the dead one's lease lapsed; its own lease is long, so a turn
+    # slowed by a loaded machine does not lose it before it publishes (seen with 2 s)
+    second, _ = run_controller(lease_ttl_s=30)
     time.sleep(max(0.0, rs.lease_holder()[1] - time.time()) + 0.1)
     second.tick()
     assert second.active
