@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     d.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
+    d.add_argument("--control", action="store_true",
+                   help="learning off (trainer.lr = 0): every version the loop publishes equals the first, "
+                        "so the learning goals must not be met")
     d.add_argument("--start-timeout", type=float, default=300, help="longest wait for serving to answer, s")
     d.add_argument("--model-dir", type=Path, default=None,
                    help="a model directory to run on, e.g. one `flywheel model import` wrote (default: model_dir, "

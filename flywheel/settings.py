@@ -184,8 +184,10 @@ class TrainerSettings(_Section):
     restart resumes from the offsets stored inside the latest durable checkpoint."""
     deepspeed_config: Path | None = None
     """DeepSpeed JSON config (ZeRO stage, precision, optimizer). None: ZeRO-0, fp32, AdamW."""
-    lr: float = Field(default=1e-5, gt=0)
-    """AdamW learning rate, used when the DeepSpeed config names no optimizer."""
+    lr: float = Field(default=1e-5, ge=0)
+    """AdamW learning rate, used when the DeepSpeed config names no optimizer. 0 leaves the
+    weights as they are while everything else runs: a control run with learning off
+    (``flywheel demo --control``)."""
     loss: str = "grpo"
     """Objective from the loss registry: reinforce, ppo, grpo, gspo or dapo."""
     batch_size: int = Field(default=16, ge=1)

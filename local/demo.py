@@ -2,6 +2,7 @@
 
     flywheel demo                       # under 6 minutes on two cores: start, 3.5 min of traffic, report
     flywheel demo --duration 120 --rate 8 --seed 3 --users 500 --gameable
+    flywheel demo --control             # the same with learning off: its learning goals must not be met
 
 What it does, in order:
 
@@ -15,7 +16,14 @@ What it does, in order:
 4. reads the release controller's audit log over its API, stops ``flywheel up`` (every process
    with it), and reads the checkpoint store's versions;
 5. writes ``<data_dir>/demo/report/``: ``summary.json``, ``accept_rate.png`` and ``report.html``
-   (local/report.py), and prints the summary with each goal met or not.
+   (local/report.py), and prints the summary with each goal MET or NOT MET.
+
+The learning goals (local/report.py): counting only versions that stayed live, the accept rate
+over the last 60 s of traffic at least twice the start's, and the last version live accepted
+more often than the start by 3 standard errors; and, measured offline while the loop stops
+(local/taste.py), the newest version's answers accepted more often than the first version's by 4.
+``--control`` sets ``trainer.lr`` to 0 for the stages; the loop runs the same, and a sound report
+must then say NOT MET for all three.
 
 Nothing here imports a stage: the stages are processes meeting over the broker, as in production.
 The release controller promotes on its own in the demo (``release.auto_promote``), and the report
@@ -33,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -68,7 +77,6 @@ def run(settings: Settings, args: Any) -> int:
     from local.up import STAGES
 
     config = Path(args.config) if getattr(args, "config", None) else DEMO_CONFIG
-    demo = load_settings(config_file=config)  # what the stages will run with (the environment applies too)
     root = Path(settings.data_dir) / "demo"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -80,6 +88,9 @@ def run(settings: Settings, args: Any) -> int:
                # every stage and both engines share the cores: a spinning OpenMP thread starves the rest
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                **{var: str(port) for var, port in ports.items()})
+    if getattr(args, "control", False):
+        env["FLYWHEEL_TRAINER_LR"] = "0"  # trainer.lr, through the settings every stage reads
+    demo = load_settings(env=env, config_file=config)  # what the stages will run with
     serve_url = f"http://127.0.0.1:{ports['FLYWHEEL_SERVE_PORT']}"
     release_url = f"http://127.0.0.1:{ports['FLYWHEEL_RELEASE_PORT']}"
     log = root / "up.log"
@@ -102,6 +113,7 @@ def run(settings: Settings, args: Any) -> int:
         sim.run()
         ended = time.time()
         stop.set()
+        taste = _taste_beside_stop(root / "checkpoints", args)
         audit = _audit(release_url, token)
     finally:
         stop.set()
@@ -110,7 +122,7 @@ def run(settings: Settings, args: Any) -> int:
     (root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     versions = read_versions(root / "checkpoints")
     policy = _policy(demo)
-    summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"))
+    summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"), taste())
     report = root / "report"
     report.mkdir(exist_ok=True)
     (report / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -121,10 +133,40 @@ def run(settings: Settings, args: Any) -> int:
     return 0
 
 
+def _taste_beside_stop(store: Path, args: Any) -> Callable[[], dict[str, Any] | None]:
+    """Start comparing the newest version published by the end of traffic with the first
+    (local/taste.py) while the loop stops; the returned function waits for the result (None: no
+    trained version, or the measurement failed, which the demo says)."""
+    with_weights = sorted(int(d.name[1:]) for d in store.glob("v[0-9]*") if (d / "model.safetensors").is_file())
+    if len(with_weights) < 2 or with_weights[0] != 0:
+        return lambda: None
+    newest, out = with_weights[-1], {}
+
+    def measure() -> None:
+        try:
+            from local.taste import compare
+
+            out.update(compare(store / f"v{0:08d}", store / f"v{newest:08d}", users=args.users, seed=args.seed,
+                               gameable=args.gameable), version=newest)
+        except Exception as exc:  # noqa: BLE001 - a measurement that failed is "not measured", not a lost report
+            _say(f"the offline measure of v{newest} failed: {exc!r}")
+
+    worker = threading.Thread(target=measure, daemon=True)
+    worker.start()
+
+    def result() -> dict[str, Any] | None:
+        worker.join()
+        return out or None
+
+    return result
+
+
 def _policy(s: Settings) -> dict[str, Any]:
     """What the report states about how this run released and trained."""
     r, t = s.release, s.trainer
     return {
+        "learning": ("OFF: a control run (trainer.lr = 0; every version equals the first), whose learning goals "
+                     "must not be met" if t.lr == 0 else f"on (trainer.lr {t.lr:g})"),
         "promotion": ("auto-promote: the controller promoted a canary that passed its analysis, with no person"
                       if r.auto_promote else "a person approves each promotion"),
         "canary": f"{r.canary_share:.0%} of users; verdict after {r.min_events} outcomes per arm (one per user, "
@@ -196,6 +238,8 @@ def _stop(up: subprocess.Popen) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
+    from local.report import learning_line, taste_line
+
     acc = s["accept_rate"]
 
     def f(x: Any, unit: str = "", d: int = 2) -> str:
@@ -203,7 +247,9 @@ def _print_summary(s: dict[str, Any]) -> None:
 
     _say(f"{s['requests']} requests over {s['traffic_s']:.0f} s, {s['judged']} judged")
     _say(f"accept rate: {f(acc['start'])} before the first trained version went live, {f(acc['end'])} in the "
-         f"last {acc['window_s']:.0f} s, best {f(acc['best'])}; doubled after {f(acc['doubled_after_s'], ' s', 0)}")
+         f"last {acc['window_s']:.0f} s, best {f(acc['best'])}")
+    _say(learning_line(acc))
+    _say(taste_line(s["taste"]))
     for v, row in s["versions"].items():
         _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged, "
              f"latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "

@@ -1,9 +1,16 @@
 """`make demo` end to end: ``flywheel up`` and simulated users on real parts, then the report.
 
-The short run (default suite) checks that the loop closes: a version trained on the simulated
-users' feedback reaches canary traffic, and each version's accept rate is measured. The full run
-(slow) checks the demo's promise, on two seeds: users' accept rate doubles within 3 minutes of
-traffic and the controller promotes a canary, without entropy or diversity collapsing.
+The short run (default suite) checks that the loop closes and learns: a version trained on the
+simulated users' feedback reaches canary traffic, each version's accept rate is measured, and the
+newest version learned the users' taste (the report's offline goal: its answers, sampled from the
+checkpoint and judged by the simulated users, accepted more often than the first version's by 4
+standard errors). It cannot assert the live goals: 45 s of traffic on two loaded cores give a
+canary about 60 judgements, and a version trained on a few hundred judgements showed a lift of
+0.15-0.45 over them (z 2.6-4.1 in tuned trial runs), too little to pass 3 standard errors every
+time; the 60 s hold needs a longer run than the suite's budget allows. The full run (slow) checks
+the demo's promise, on two seeds: users' accept rate doubles and holds and the controller promotes
+a canary, without entropy or diversity collapsing. The control (slow): the same with learning off
+meets none of the learning goals.
 """
 
 from __future__ import annotations
@@ -57,7 +64,12 @@ def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_p
     assert s["versions"]["0"]["accept_rate"] is not None and s["versions"][str(canary)]["judged"] > 0
     assert any(d["version"] == canary and d["to"] == "canary" for d in s["decisions"])
     assert s["latency"]["feedback_to_canary_s"]["n"] > 0
-    assert "goal accept rate doubled within 180s" in got["said"]
+    # ... and learned: the newest version, against the first, on the same draws
+    newest = max(int(d.name[1:]) for d in (root / "checkpoints").glob("v[0-9]*"))
+    assert s["taste"]["version"] >= canary and s["taste"]["version"] <= newest, s["taste"]
+    assert s["goals"]["newest_version_learned_the_taste"], json.dumps(s["taste"])
+    for goal, met in s["goals"].items():  # every goal says MET or NOT MET, as summary.json does
+        assert f"goal {goal.replace('_', ' ')}: {'MET' if met else 'NOT MET'}" in got["said"]
     # ... through signed records: flywheel up made a pair per role, and each reader trusted only
     # its writer's key (a forged or unsigned record would have been dead-lettered, not canaried)
     logs = root / "logs"
@@ -70,3 +82,20 @@ def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_p
 def test_the_demo_doubles_the_accept_rate_and_promotes(tmp_path, seed):
     s = run_demo(tmp_path, "--seed", str(seed), timeout=900)["summary"]
     assert all(s["goals"].values()), json.dumps({k: s[k] for k in ("goals", "accept_rate", "decisions")}, indent=1)
+
+
+LEARNING_GOALS = ("accept_rate_doubled_and_held", "last_live_version_beat_the_start", "newest_version_learned_the_taste")
+
+
+@pytest.mark.slow  # the whole demo, about 6 minutes on 2 cores
+def test_the_control_with_learning_off_meets_no_learning_goal(tmp_path):
+    got = run_demo(tmp_path, "--control", "--seed", "1", timeout=900)
+    s = got["summary"]
+    assert s["policy"]["learning"].startswith("OFF"), s["policy"]
+    assert s["published"] > 0, got["said"]  # the loop ran: the trainer published, at lr 0
+    assert not any(s["goals"][g] for g in LEARNING_GOALS), json.dumps({k: s[k] for k in ("goals", "accept_rate",
+                                                                                          "taste")}, indent=1)
+    # lr 0 leaves the weights as they are: the offline measure draws the same answers from both
+    assert s["taste"]["z"] == 0 and s["taste"]["start"] == s["taste"]["newest"], s["taste"]
+    for g in LEARNING_GOALS:
+        assert f"goal {g.replace('_', ' ')}: NOT MET" in got["said"]

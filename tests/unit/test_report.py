@@ -7,18 +7,27 @@ import json
 import pytest
 
 from local.report import (
+    HOLD_S,
     MIN_JUDGED,
+    TASTE_Z,
     Version,
     accept_windows,
     decisions,
-    doubling,
+    fallen,
+    held_from,
+    held_rate,
+    kept,
+    last_live,
     latencies,
+    learning_line,
+    lift_z,
     live_times,
     per_version,
     read_stage_times,
     read_versions,
     start_rate,
     summarise,
+    taste_line,
     write_html,
     write_png,
 )
@@ -48,17 +57,71 @@ def test_windows_rate_only_with_enough_judgements_and_leave_out_the_abuser():
     assert w[1][1] is None  # the window 5..35 holds 15 of them: too few to rate
 
 
-@pytest.mark.parametrize("rates, start, doubled", [
-    ([0.25, 0.3, 0.49, 0.5, 0.6], 0.25, 20.0),
+@pytest.mark.parametrize("rates, start, since", [
+    ([0.25, 0.3, 0.49, 0.5, 0.6], 0.25, 20.0),  # at 2x from the 4th window to the end
+    ([0.25, 0.5, 0.6, 0.4], 0.25, None),  # a peak that did not hold is no doubling
+    ([0.25, 0.5, 0.4, 0.5, 0.5], 0.25, 20.0),  # a dip starts the hold again
+    ([0.2, 0.45, None, 0.45], 0.2, 20.0),  # a window too thin to rate breaks the hold
     ([0.25, 0.3, 0.4], 0.25, None),
-    ([None, 0.2, None, 0.45], 0.2, 20.0),
     ([None, None], 0.2, None),
     ([0.0, 0.5], 0.0, None),  # twice nothing is no doubling
     ([0.3, 0.5], None, None),
 ])
-def test_doubling(rates, start, doubled):
+def test_a_doubling_counts_once_it_holds_to_the_end(rates, start, since):
     windows = [(5.0 * (i + 1), r, 0) for i, r in enumerate(rates)]
-    assert doubling(windows, start) == doubled
+    assert held_from(windows, start) == since
+
+
+def test_the_held_rate_is_the_last_minute_of_traffic():
+    rows = judged(0, 60, 15, spacing=60) + judged(60, 60, 36, version=1, spacing=60)  # 0.25, then 0.6
+    assert held_rate(rows, T0, T0 + 120) == (pytest.approx(0.6), 60)
+    assert held_rate(rows, T0, T0 + 120, hold_s=120) == (pytest.approx(51 / 120), 120)
+    # shorter than the hold: the last minute would hold the start too
+    assert held_rate(rows, T0, T0 + 50) == (None, 50)
+    assert held_rate(judged(0, MIN_JUDGED - 1, 5, spacing=60), T0, T0 + 60) == (None, MIN_JUDGED - 1)
+
+
+@pytest.mark.parametrize("audit, gone", [
+    ([], frozenset()),
+    ([{"version": 3, "to_state": "canary"}, {"version": 3, "to_state": "rolled_back"},
+      {"version": 4, "to_state": "rejected"}, {"version": 5, "to_state": "promoted"}], frozenset({3, 4})),
+    ([{"version": 6, "to_state": "canary"}], frozenset()),  # undecided at the end: live to the end
+    ([{"version": None, "to_state": "rolled_back"}], frozenset()),
+])
+def test_versions_rolled_back_or_rejected_fall_out(audit, gone):
+    assert fallen(audit) == gone
+    rows = [row(0, "accept", v) for v in (0, 3, 4, 5, 6)]
+    assert [r["version"] for r in kept(rows, gone)] == [v for v in (0, 3, 4, 5, 6) if v not in gone]
+
+
+@pytest.mark.parametrize("before, after, z", [
+    ((100, 25), (100, 50), 3.651),  # pooled 0.375: (0.5 - 0.25) / sqrt(0.375 * 0.625 * 0.02)
+    ((100, 25), (100, 25), 0.0),
+    ((400, 100), (50, 20), 2.261),  # a real rise, too few judgements to tell from noise
+    ((100, 40), (100, 20), -3.086),  # a fall is no lift
+    ((10, 0), (10, 0), None),  # no spread
+    ((0, 0), (10, 5), None),
+])
+def test_lift_is_a_two_proportion_z(before, after, z):
+    got = lift_z((before[1], before[0]), (after[1], after[0]))
+    assert got == (pytest.approx(z, abs=1e-3) if z is not None else None)
+
+
+def test_the_last_live_version_that_stayed_is_compared_with_the_start():
+    live = {1: T0 + 40, 2: T0 + 70, 3: T0 + 100}
+    rows = (judged(0, 100, 25, spacing=40) + judged(40, 40, 12, version=1, spacing=30)
+            + judged(70, 60, 36, version=2, spacing=30) + judged(100, 60, 6, version=3, spacing=20))
+    got = last_live(rows, live, frozenset({3}))  # v3 rolled back: v2 is the last that stayed
+    assert got["version"] == 2 and got["accept_rate"] == pytest.approx(0.6) and got["judged"] == 60
+    assert got["before"] == 0.25 and got["before_judged"] == 100
+    assert got["z"] == pytest.approx(lift_z((25, 100), (36, 60)))
+    # a version canaried in the last seconds, judged too few times, is no evidence either way
+    thin = rows + judged(118, MIN_JUDGED - 1, 19, version=4, spacing=1)
+    assert last_live(thin, {**live, 4: T0 + 118}, frozenset({3}))["version"] == 2
+    assert last_live(rows, live, frozenset({1, 2, 3}))["version"] is None
+    # live after 5 s: too few judgements before it to compare with
+    early = last_live(rows, {**live, 1: T0 + 5}, frozenset())
+    assert early["z"] is None and early["before_judged"] == 13
 
 
 def test_the_start_is_every_judgement_before_the_first_trained_version_went_live():
@@ -144,22 +207,77 @@ def test_per_version_quality_is_the_simulators_score_of_its_answers(texts, score
 
 
 def _run_rows() -> list[dict]:
-    """0.25 accepted for the first minute (v0), then 0.6 (v1, canaried at +5 and promoted at +40)."""
+    """0.25 accepted for the first minute (v0), then 0.6 (v1, canaried at +60 in RUN_AUDIT)."""
     return judged(0, 60, 15, spacing=60) + judged(60, 60, 36, version=1, spacing=60)
+
+
+#: AUDIT 55 s later: v1 canaried at +60 (as _run_rows' traffic has it), promoted at +95; v3
+#: canaried at +105 and rolled back after the traffic ended
+RUN_AUDIT = [{**e, "at": e["at"] + 55} for e in AUDIT]
 
 
 def test_summary_states_each_goal():
     versions = {1: Version(1, T0 + 3, 16, 16, frozenset(), {"entropy": 6.0}),
                 2: Version(2, T0 + 30, 32, 16, frozenset(), {"entropy": 3.5})}
-    s = summarise(_run_rows(), AUDIT, versions, T0, T0 + 120, {"promotion": "auto"})
-    assert s["accept_rate"]["start"] == pytest.approx(0.25, abs=0.02) and s["accept_rate"]["doubled_after_s"]
+    taste = {"version": 2, "start": [240, 900], "newest": [400, 900], "z": lift_z((240, 900), (400, 900))}
+    s = summarise(_run_rows(), RUN_AUDIT, versions, T0, T0 + 120, {"promotion": "auto"}, taste=taste)
+    acc = s["accept_rate"]
+    assert acc["start"] == 0.25  # the first minute, before v1 went live
+    assert acc["held"] == pytest.approx(0.6) and acc["held_judged"] == 60 and acc["hold_s"] == HOLD_S
+    # the minute ending at 105 s holds 15 judgements at 0.25 and 45 at 0.6: 0.51, the first at 2x
+    assert acc["held_2x_from_s"] == 105 and acc["left_out"] == [3]
+    assert acc["last_live"]["version"] == 1 and acc["last_live"]["z"] == pytest.approx(lift_z((15, 60), (36, 60)))
     assert s["promoted"] == [1] and s["canaried"] == [1, 3]
-    assert s["goals"] == {"accept_rate_doubled_within_180s": True, "a_version_canaried_and_promoted": True,
+    assert s["goals"] == {"accept_rate_doubled_and_held": True, "last_live_version_beat_the_start": True,
+                          "newest_version_learned_the_taste": True, "a_version_canaried_and_promoted": True,
                           "entropy_above_half_its_start": True, "completions_distinct": True}
+    assert s["taste"]["z"] > TASTE_Z and "v2 was accepted 0.44 of 900" in taste_line(s["taste"])
     collapsed = {**versions, 3: Version(3, T0 + 45, 48, 16, frozenset(), {"entropy": 2.9})}
     s = summarise(_run_rows(), AUDIT[:3], collapsed, T0, T0 + 120)
     assert not s["goals"]["entropy_above_half_its_start"]
     assert not s["goals"]["a_version_canaried_and_promoted"]  # canaried, never promoted
+
+
+def test_traffic_of_a_version_rolled_back_does_not_count_as_learning():
+    # v1 canaried at +30 and rolled back at +110; its users accepted it at 0.6 all along: a canary
+    # that failed its trial is no doubling users kept, whatever its own rate was
+    live, gone = ("canary", T0 + 30), ("rolled_back", T0 + 110)
+    audit = [{"at": at, "version": 1, "from_state": None, "to_state": to, "actor": "controller", "reason": ""}
+             for to, at in (live, gone)]
+    rows = judged(0, 120, 30, spacing=120) + judged(30, 80, 48, version=1, spacing=80)
+    s = summarise(rows, audit, {}, T0, T0 + 120)
+    assert s["accept_rate"]["held"] == pytest.approx(0.25, abs=0.02) and s["accept_rate"]["left_out"] == [1]
+    assert s["accept_rate"]["last_live"]["version"] is None
+    assert not s["goals"]["accept_rate_doubled_and_held"]
+    assert not s["goals"]["last_live_version_beat_the_start"]
+    # the same traffic with v1 promoted instead: users kept it
+    s = summarise(rows, [audit[0], {**audit[1], "to_state": "promoted"}], {}, T0, T0 + 120)
+    assert s["accept_rate"]["last_live"]["version"] == 1 and s["goals"]["last_live_version_beat_the_start"]
+
+
+@pytest.mark.parametrize("taste, met", [
+    (None, False),  # not measured: no goal met
+    ({"version": 3, "start": [240, 900], "newest": [240, 900], "z": 0.0}, False),  # identical weights, same draws
+    ({"version": 3, "start": [240, 900], "newest": [300, 900], "z": lift_z((240, 900), (300, 900))}, False),  # z 3.1
+    ({"version": 3, "start": [240, 900], "newest": [320, 900], "z": lift_z((240, 900), (320, 900))}, True),  # z 4.1
+    ({"version": 3, "start": [0, 0], "newest": [0, 0], "z": None}, False),
+])
+def test_the_newest_version_learned_the_taste_offline_by_four_standard_errors(taste, met):
+    s = summarise(_run_rows(), RUN_AUDIT, {}, T0, T0 + 120, taste=taste)
+    assert s["goals"]["newest_version_learned_the_taste"] is met
+    assert " - " not in taste_line(s["taste"])
+
+
+def test_a_learning_goal_not_met_reads_as_a_sentence_without_dashes():
+    s = summarise(judged(0, 40, 10, spacing=40), [], {}, T0, T0 + 45)
+    assert s["goals"]["accept_rate_doubled_and_held"] is False
+    assert s["goals"]["last_live_version_beat_the_start"] is False
+    line = learning_line(s["accept_rate"])
+    assert " - " not in line and "shorter than the 60 s" in line and "No trained version" in line
+    line = learning_line(summarise(judged(0, 40, 10, spacing=40), [], {}, T0, T0 + 100)["accept_rate"])
+    assert "held 0 judgements: too few" in line
+    line = learning_line(summarise(_run_rows(), RUN_AUDIT, {}, T0, T0 + 120)["accept_rate"])
+    assert "0.60 over 60 judged" in line and "from 105 s" in line and "v3" in line and "v1" in line
 
 
 def test_versions_are_read_from_a_checkpoint_store(tmp_path):

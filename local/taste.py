@@ -1,0 +1,85 @@
+"""How often the simulated users would accept a model's answers, sampled offline from a checkpoint.
+
+    from local.taste import compare
+    compare(Path("model"), Path("data/demo/checkpoints/v00000008"), users=200, seed=1)
+
+A :class:`Sampler` loads a model directory with transformers (fp32, on the CPU), asks it the
+prompts ``flywheel simulate`` asks (temperature 1, 24 tokens, as simulated users ask serving), and
+has each answer judged by a random user of local/simulate.py's population, noise and missing
+feedback included, the abusive user left out. :func:`compare` does that for two models with the
+same draws: the same prompts, users, sampling noise and judging noise, batch for batch, so two
+identical models get identical counts and a difference comes from the weights alone.
+
+``flywheel demo`` compares its newest version with the starting model this way once traffic
+ends: a short run has too little live traffic on any one version to show learning beyond noise
+(45 s gives a canary about 60 judgements), while a thousand answers sampled here take seconds.
+bench/bare_loop.py samples its training batches with the same :class:`Sampler`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from local.report import lift_z
+from local.simulate import DEFAULT_COHORTS, default_prompts, judge, population
+
+#: (accepts, judgements).
+Counts = tuple[int, int]
+
+
+class Sampler:
+    """One model and the simulated users who judge its answers."""
+
+    def __init__(self, model_dir: Path, *, seed: int, users: int = 40, gameable: bool = False) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.tok = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.users = population(users, DEFAULT_COHORTS, seed, gameable=gameable, abuser=False)
+        self.prompts = default_prompts()
+        self.batches = 0
+
+    def sample(self, n: int) -> tuple[Any, int, list[str | None]]:
+        """``n`` answers to one prompt: token ids (prompt and answer), the prompt's length, and each
+        answer's judgement (None: no feedback). The sampling noise of batch ``i`` is seeded by the
+        seed and ``i``, so another Sampler of the same seed draws the same."""
+        import torch
+
+        ids = self.tok.apply_chat_template([{"role": "user", "content": self.rng.choice(self.prompts)}],
+                                           add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        torch.manual_seed(self.seed * 1_000_003 + self.batches)
+        self.batches += 1
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
+                                      num_return_sequences=n, pad_token_id=self.tok.pad_token_id)
+        texts = [self.tok.decode(c, skip_special_tokens=True) for c in out[:, ids.shape[1]:]]
+        # judge() draws the same number of random numbers whatever the text: the draws stay paired
+        return out, ids.shape[1], [judge(self.rng.choice(self.users), t, self.rng) for t in texts]
+
+
+def counts(signals: list[str | None]) -> Counts:
+    return sum(s == "accept" for s in signals), sum(s is not None for s in signals)
+
+
+def compare(start: Path, newest: Path, *, users: int, seed: int, gameable: bool = False, samples: int = 1024,
+            batch: int = 64, budget_s: float = 30.0) -> dict[str, Any]:
+    """The two models' answers, drawn alike, batch by batch in turn until ``samples`` each or
+    ``budget_s`` (a large model gets fewer: its z says how much evidence that was)."""
+    import torch
+
+    torch.set_num_threads(1)  # the loop's processes may still be stopping beside it
+    a, b = (Sampler(d, seed=seed, users=users, gameable=gameable) for d in (start, newest))
+    before, after = (0, 0), (0, 0)
+    deadline = time.monotonic() + budget_s
+    while a.batches * batch < samples and time.monotonic() < deadline:
+        before = tuple(map(sum, zip(before, counts(a.sample(batch)[2]))))
+        after = tuple(map(sum, zip(after, counts(b.sample(batch)[2]))))
+    return {"start": list(before), "newest": list(after), "z": lift_z(before, after)}
