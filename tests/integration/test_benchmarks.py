@@ -127,7 +127,9 @@ def test_flywheel_bench_quick_runs_every_row(tmp_path):
 
     got = json.loads((tmp_path / "bench.json").read_text())
     names = {r["name"] for r in got["rows"]}
-    for expected in ("delta bytes vs full weights", "ingest records/s vs raw consume", "reward records/s vs raw consume",
+    for expected in ("delta bytes vs XOR+zstd, lr 1e-5", "delta bytes vs XOR+zstd, lr 1e-6",
+                     "bare loop 'doubles' at lr 0 (share of runs)", "ingest records/s vs raw consume",
+                     "reward records/s vs raw consume",
                      "pipelined vs synchronous trainer", "API serving vs raw vLLM",
                      "full loop time-to-double vs bare in-process loop", "feedback to checkpoint, p95",
                      "checkpoint to canary, p95", "trainer vs vLLM logprob gap per token",
