@@ -61,8 +61,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
     # find the handler in place
     signal.signal(signal.SIGTERM, stop)
     broker = EmbeddedBroker(port=args.port, host=args.host).start()
-    print(f"broker listening on {broker.bootstrap}; Ctrl-C or SIGTERM stops it", flush=True)
     try:
+        # announced inside the try: a signal sent on reading the line can land before the next
+        # statement, and outside the try it ended the command by SIGINT (exit -2; 1 run in 3)
+        print(f"broker listening on {broker.bootstrap}; Ctrl-C or SIGTERM stops it", flush=True)
         return broker.wait()
     except KeyboardInterrupt:
         return 0
