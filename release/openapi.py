@@ -19,13 +19,12 @@ FastAPI does not describe by itself: :func:`route` puts each one in.
 
 from __future__ import annotations
 
-from importlib import metadata
 from typing import Any, Literal
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict
 
+from flywheel.openapi import base_schema
 from release.states import State
 
 BEARER = "bearerAuth"
@@ -205,12 +204,7 @@ def install(app: FastAPI) -> None:
 
 
 def build(app: FastAPI) -> dict[str, Any]:
-    try:
-        version = metadata.version("flywheel")
-    except metadata.PackageNotFoundError:
-        version = "0"
-    schema = get_openapi(title=app.title, version=version, routes=app.routes,
-                         description=(__doc__ or "").split("\n\n")[0])
+    schema = base_schema(app, __doc__)
     components = schema.setdefault("components", {})
     components["securitySchemes"] = {BEARER: {
         "type": "http", "scheme": "bearer",

@@ -19,13 +19,12 @@ fails validation is a 400), so none is documented.
 from __future__ import annotations
 
 import re
-from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from flywheel.openapi import base_schema
 from flywheel.settings import ServeSettings
 from serving.protocol import (
     ChatCompletionChunk,
@@ -116,12 +115,7 @@ def install(app: FastAPI, serve: ServeSettings, vocab_size: int) -> None:
 
 
 def build(app: FastAPI, serve: ServeSettings, vocab_size: int) -> dict[str, Any]:
-    try:
-        version = metadata.version("flywheel")
-    except metadata.PackageNotFoundError:
-        version = "0"
-    schema = get_openapi(title=app.title, version=version, routes=app.routes,
-                         description=(__doc__ or "").split("\n\n")[0])
+    schema = base_schema(app, __doc__)
     components = schema.setdefault("components", {})
     schemas = components.setdefault("schemas", {})
     for model in _REQUESTS:
