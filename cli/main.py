@@ -58,8 +58,10 @@ def cmd_broker(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     # installed before the line below announces the broker: a SIGTERM sent on reading it must
-    # find the handler in place
+    # find the handler in place. SIGINT too: a shell starts a background command with SIGINT
+    # ignored, and Python then installs no KeyboardInterrupt of its own (Ctrl-C did nothing)
     signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     broker = EmbeddedBroker(port=args.port, host=args.host).start()
     try:
         # announced inside the try: a signal sent on reading the line can land before the next
