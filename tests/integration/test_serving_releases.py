@@ -268,7 +268,8 @@ def test_versions_swap_under_load_without_a_failed_or_truncated_response(engine,
     assert all(done), [r for r, ok in zip(results, done) if not ok][:5]
     # swaps under load can hold an ack past the recorder's timeout: a generation may then be
     # recorded twice, the same bytes (at least once), and ingest drops the repeat by its id
-    events = _events(rig, [rid for rid, _, _ in results], repeats_ok=True)
+    # and a journal fallen back to under that load drains after it: wait as long as a replay takes
+    events = _events(rig, [rid for rid, _, _ in results], timeout_s=240.0, repeats_ok=True)
     load = [events[rid] for rid, _, _ in results]
     assert [(e.finish_reason, len(e.completion_token_ids)) for e in load] == [(r, n) for _, r, n in results]
     straddled = [e for e in load if e.version_spans]
