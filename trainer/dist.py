@@ -76,6 +76,19 @@ def barrier(world: int) -> None:
         tdist.barrier()
 
 
+def shutdown() -> None:
+    """Tear the process group down before the interpreter exits.
+
+    Left to interpreter teardown, gloo's worker threads can be destroyed while still joinable,
+    and the C++ runtime aborts the process ("terminate called without an active exception"):
+    torchrun then reports a clean stop as a failure.
+    """
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
 def cpu_threads(n: int) -> None:
     """Set torch's intra-op threads on the CPU backend (0: leave torch's default)."""
     import torch

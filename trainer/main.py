@@ -100,5 +100,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         if trainer.rank == 0:
             trainer.consumer.close(autocommit=False, timeout_ms=5000)
             trainer.sink.close()
+        from trainer import dist
+
+        dist.shutdown()
     return 0
 
