@@ -17,7 +17,8 @@ Two threads own the producer:
   it, so events reach the topic in the order serving accepted them.
 * the *replay* thread (re)connects the producer, so only it ever blocks on a dead broker, and
   sends journal entries oldest first, waits for their acks, then advances the journal head past
-  the acked prefix; on a failure it backs off and retries with a new producer. On start-up it
+  the acked prefix; on a failure it backs off and retries with a new producer, waiting longer
+  for acks or sending smaller batches, so a slow broker still drains it. On start-up it
   replays whatever a previous process left in the journal. Events that arrive before the first
   connection go through the journal too.
 
@@ -49,6 +50,11 @@ from serving.journal import Journal, JournalFull
 log = logging.getLogger(__name__)
 
 BATCH = 500
+# A broker that is alive but slower than ``ack_timeout_s`` (a cold producer's first metadata
+# round, a loaded host) must still drain the journal: each replay that acks nothing doubles its
+# wait up to this cap (below ``stop``'s join timeout), and a replay that acks only part of its
+# batch halves the next one. Only the intake thread answers to the response path's bound.
+REPLAY_TIMEOUT_MAX_S = 8.0
 
 
 @dataclass
@@ -137,6 +143,8 @@ class Recorder:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_error: str | None = None
+        self._replay_batch = BATCH
+        self._replay_timeout_s = ack_timeout_s
 
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Recorder:
@@ -207,8 +215,9 @@ class Recorder:
                 self._producer = None
         force_close(producer)
 
-    def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]]) -> list[bool]:
-        """Send and wait up to the ack timeout; ``acked[i]`` says which made it."""
+    def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]],
+                  timeout_s: float | None = None) -> list[bool]:
+        """Send and wait up to ``timeout_s`` (the ack timeout); ``acked[i]`` says which made it."""
         futures: list[Any] = []
         for topic, key, value in items:
             try:
@@ -216,7 +225,7 @@ class Recorder:
             except Exception as exc:  # noqa: BLE001 - any refusal means "not acked": journal it
                 self.last_error = f"send: {exc!r}"
                 futures.append(None)
-        deadline = time.monotonic() + self.ack_timeout_s
+        deadline = time.monotonic() + (self.ack_timeout_s if timeout_s is None else timeout_s)
         acked = []
         for fut in futures:
             ok = False
@@ -307,11 +316,11 @@ class Recorder:
                 self._stop.wait(self.retry_interval_s)
 
     def _replay_once(self) -> bool:
-        entries = self.journal.peek(BATCH)
+        entries = self.journal.peek(self._replay_batch)
         producer = self._get_producer()
         if producer is None:
             return False
-        acked = self._send_all(producer, [(e.topic, e.key, e.value) for e in entries])
+        acked = self._send_all(producer, [(e.topic, e.key, e.value) for e in entries], self._replay_timeout_s)
         prefix = 0
         while prefix < len(acked) and acked[prefix]:
             prefix += 1
@@ -322,7 +331,13 @@ class Recorder:
         if prefix < len(entries):
             self.metrics.failures.labels("replay").inc(len(entries) - prefix)
             self._discard_producer(producer)
+            if prefix == 0:
+                self._replay_timeout_s = min(REPLAY_TIMEOUT_MAX_S, 2 * self._replay_timeout_s)
+            else:
+                self._replay_batch = max(1, len(entries) // 2)
             return False
+        self._replay_batch = min(BATCH, 2 * self._replay_batch)
+        self._replay_timeout_s = max(self.ack_timeout_s, self._replay_timeout_s / 2)
         if not self.journal.records:
             log.info("journal drained; publishing directly again")
         return True

@@ -143,3 +143,52 @@ def test_drop_counters_are_exported_at_zero_before_any_drop(tmp_path):
     for reason in ("invalid", "queue_full", "journal_full"):
         labels = {"kind": "generation", "reason": reason}
         assert registry.get_sample_value("serving_dropped_events_total", labels) == 0.0
+
+
+class ColdBroker(FakeBroker):
+    """Up, but each new producer's first acks take ``warmup_s`` (metadata, connect): longer than
+    the recorder's ack timeout."""
+
+    def __init__(self, warmup_s: float) -> None:
+        super().__init__()
+        self.warmup_s = warmup_s
+        self.producers = 0
+
+    def producer(self) -> ColdBroker._P:
+        self.producers += 1
+        return ColdBroker._P(self, time.monotonic() + self.warmup_s)
+
+    class _P(FakeBroker._P):
+        def __init__(self, broker: ColdBroker, ready_at: float) -> None:
+            super().__init__(broker)
+            self.ready_at = ready_at
+
+        def send(self, topic, key, value):
+            producer, broker = self, self.b
+
+            class _Slow:
+                def get(self, timeout: float) -> None:
+                    wait = producer.ready_at - time.monotonic()
+                    if wait > timeout:
+                        time.sleep(timeout)
+                        raise TimeoutError("no ack yet")
+                    time.sleep(max(0.0, wait))
+                    with broker.lock:
+                        broker.acked.append(value)
+
+            return _Slow()
+
+
+def test_a_broker_slower_than_the_ack_timeout_still_drains_the_journal(tmp_path):
+    # a fixed ack timeout shorter than a fresh producer's first ack discarded the producer on every
+    # replay and started the next one cold: the journal never drained while the broker was up
+    broker = FakeBroker()
+    broker.up = False
+    rec = recorder(tmp_path, broker)
+    [rec.record_feedback("t.feedback", fb(i)).result(2) for i in range(30)]
+    rec.stop()
+    cold = ColdBroker(warmup_s=0.3)  # six times the 0.05 s ack timeout
+    again = recorder(tmp_path, cold)
+    wait_until(lambda: again.journal.records == 0, timeout_s=10)
+    again.stop()
+    assert sorted(set(ids(cold.acked))) == sorted(f"f{i}" for i in range(30))
