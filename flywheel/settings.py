@@ -166,6 +166,12 @@ class ServeSettings(_Section):
     release_wait_s: float = Field(default=30.0, gt=0)
     """How long serving waits at start for the releases topic and the checkpoint store before it
     opens its port on the last release it applied (or the model directory)."""
+    drain_s: float = Field(default=25.0, ge=0)
+    """On SIGTERM serving stops taking new requests (its port closes, ``/readyz`` stops
+    answering) and lets the requests in flight finish for up to this many seconds, streams
+    included; what is still running then is cut. Keep the pod's ``terminationGracePeriodSeconds``
+    above it plus about 20 s for the publisher's flush and the engines' shutdown
+    (deploy/k8s/base/serving.yaml)."""
     pin_api_keys: tuple[str, ...] = ()
     """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic);
     empty lets every key pin. Pinned requests are recorded with ``route=pinned`` and left out of
@@ -512,6 +518,21 @@ class ReleaseSettings(_Section):
     becomes a candidate. Empty: announcements are not verified (logged at start)."""
 
 
+class ProbeSettings(_Section):
+    """What ``/livez`` and ``/readyz`` of the ingest, reward and trainer processes and of the
+    release controller judge (serving's are its engines: serving/app.py)."""
+
+    stale_s: float = Field(default=60.0, gt=0)
+    """``/readyz`` (and ``/health``) answer 503 while the loop has not finished a turn, or has
+    made no progress with the broker, for this long: a long labeling turn, a broker that does not
+    answer. ``/livez`` stays 200 meanwhile, so Kubernetes waits instead of restarting."""
+    hung_s: float = Field(default=900.0, gt=0)
+    """``/livez`` answers 503 once the loop has neither started nor finished a turn for this long:
+    a turn that long (a labeling turn, a gate, a training step or a publish) is taken as hung, and
+    Kubernetes restarts the process. Keep it above the longest turn you expect: a turn longer than
+    ``kafka.max_poll_interval_ms`` already costs a rebalance."""
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -535,6 +556,8 @@ class Settings(_Section):
     """The stages' Parquet archives of episodes and rewards."""
     release: ReleaseSettings = Field(default_factory=ReleaseSettings)
     """The release controller (``flywheel release serve``)."""
+    probes: ProbeSettings = Field(default_factory=ProbeSettings)
+    """``/livez`` and ``/readyz`` of every role but serving (docs/deploy.md, Probes)."""
 
 
 #: Environment names kept short because operators type them most.
