@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import unquote_plus
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
 
@@ -81,6 +89,37 @@ class KafkaSettings(_Section):
     ``confluent`` (librdkafka; a third or less of kafka-python's CPU per record in
     bench/ingest_throughput.py) or ``kafka-python``. Both are idempotent with ``acks=all``; every
     other Kafka client (consumers, serving's producer) is kafka-python either way."""
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    """How every client (kafka-python, confluent-kafka, the admin client, the CLI tools) reaches
+    the brokers: ``PLAINTEXT``, ``SSL`` (TLS), ``SASL_PLAINTEXT`` (SASL login, no TLS: the login
+    and the records cross the network in the clear) or ``SASL_SSL`` (both; what managed clusters
+    ask for). docs/deploy.md, Secured Kafka."""
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    """SASL mechanism, required with a ``SASL_*`` protocol. ``PLAIN`` sends the password itself
+    (use it over ``SASL_SSL`` only); the SCRAM ones prove it without sending it."""
+    sasl_username: str = ""
+    """SASL user, required with a ``SASL_*`` protocol."""
+    sasl_password: str = ""
+    """SASL password, required with a ``SASL_*`` protocol. Mount it as a file and name that with
+    ``FLYWHEEL_KAFKA_SASL_PASSWORD_FILE``; it is masked in the start-up log."""
+    ssl_cafile: Path | None = None
+    """PEM file of the certificate authorities that sign the brokers' certificates, with ``SSL``
+    or ``SASL_SSL``. Unset: the system's trust store (enough for most managed clusters)."""
+    ssl_certfile: Path | None = None
+    """PEM client certificate, for brokers that authenticate clients by TLS (mutual TLS). Needs
+    ``ssl_keyfile``."""
+    ssl_keyfile: Path | None = None
+    """PEM private key of ``ssl_certfile`` (unencrypted: mount it from a Secret)."""
+    ssl_check_hostname: bool = True
+    """Check that the broker's certificate names the host the client dialled. Turn it off only
+    for brokers whose certificates name no advertised host (the certificate is still checked
+    against ``ssl_cafile``)."""
+
+    @model_validator(mode="after")
+    def _security_fits_protocol(self) -> KafkaSettings:
+        if problems := security_problems(self):
+            raise ValueError("; ".join(problems))
+        return self
 
     @field_validator("delivery_timeout_ms")
     @classmethod
@@ -99,6 +138,32 @@ class KafkaSettings(_Section):
                 f"heartbeat_interval_ms={v} must be at most a third of session_timeout_ms={session}"
             )
         return v
+
+
+def security_problems(cfg: KafkaSettings) -> list[str]:
+    """What is wrong with ``cfg``'s security settings taken together, each a sentence that names
+    the setting and says what to do; empty when they fit."""
+    protocol = cfg.security_protocol
+    sasl, tls = protocol.startswith("SASL_"), protocol.endswith("SSL")
+    problems: list[str] = []
+    if sasl:
+        missing = [name for name in ("sasl_mechanism", "sasl_username", "sasl_password") if not getattr(cfg, name)]
+        if missing:
+            problems.append(f"security_protocol={protocol} needs {', '.join(missing)}")
+    elif given := [name for name in ("sasl_mechanism", "sasl_username", "sasl_password") if getattr(cfg, name)]:
+        problems.append(f"{', '.join(given)} set, but security_protocol={protocol} logs in with no SASL: "
+                        "set security_protocol to SASL_SSL (or SASL_PLAINTEXT), or remove them")
+    tls_files = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+    if not tls and (given := [name for name in tls_files if getattr(cfg, name) is not None]):
+        problems.append(f"{', '.join(given)} set, but security_protocol={protocol} uses no TLS: "
+                        f"set security_protocol to {'SASL_SSL' if sasl else 'SSL'}, or remove them")
+    if (cfg.ssl_certfile is None) != (cfg.ssl_keyfile is None):
+        problems.append("ssl_certfile and ssl_keyfile go together (a client certificate and its key)")
+    for name in tls_files:
+        path = getattr(cfg, name)
+        if path is not None and not path.is_file():
+            problems.append(f"{name}={path}: no such file")
+    return problems
 
 
 class ServeSettings(_Section):
@@ -670,6 +735,8 @@ def describe(settings: Settings) -> str:
     if release.get("database_url"):
         release["database_url"] = redact_database_url(release["database_url"])
     serve["user_id_salt"] = "***"
+    if data.get("kafka", {}).get("sasl_password"):
+        data["kafka"]["sasl_password"] = "***"
     return json.dumps(data, sort_keys=True)
 
 
