@@ -49,7 +49,8 @@ def _fields(model: type[BaseModel], section: str | None) -> list[str]:
 
 
 def example_toml() -> str:
-    out = ["# flywheel.toml: every setting with its default. Environment variables override this file.", ""]
+    out = ["# flywheel.toml: every setting with its default. Environment variables override this file:",
+           "# each setting's variable below, or that name with _FILE naming a file that holds the value.", ""]
     out += _fields(Settings, None)
     for name, info in Settings.model_fields.items():
         annotation = info.annotation

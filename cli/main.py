@@ -19,6 +19,9 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel simulate                      simulated users with hidden preferences, against the API
     flywheel demo                          the whole loop with simulated users for minutes, then a report
     flywheel bench [--quick]               every performance claim measured: one table of ratios and goals
+    flywheel --version                     the installed package's version
+
+``--config FILE`` and ``--log-level LEVEL`` are global: given before the subcommand or after it.
 """
 
 from __future__ import annotations
@@ -38,12 +41,20 @@ from flywheel.settings import Settings, SettingsError, describe, load_settings
 log = logging.getLogger("flywheel")
 
 
-def _settings(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> Settings:
-    settings = load_settings(config_file=args.config, overrides=overrides)
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings the global flags set: applied last, over the file and the environment."""
+    return {"log_level": args.log_level} if getattr(args, "log_level", None) else {}
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    # configured before the settings load, so what loading warns about (variables it ignores) is
+    # logged in the same format; the level is set again once the settings say which
+    logging.basicConfig(level=getattr(args, "log_level", None) or logging.INFO, format=LOG_FORMAT)
+    settings = load_settings(config_file=args.config, overrides=_flags(args))
+    logging.getLogger().setLevel(settings.log_level)
     # kafka-python logs every connection and rebalance at INFO; keep its warnings, drop the chatter.
     logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     log.info("settings %s", describe(settings))
@@ -53,7 +64,8 @@ def _settings(args: argparse.Namespace, overrides: dict[str, Any] | None = None)
 def cmd_broker(args: argparse.Namespace) -> int:
     from local.broker import EmbeddedBroker
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level or logging.INFO, format=LOG_FORMAT)
+
     def stop(*_: object) -> None:  # a supervisor's or kill's SIGTERM stops the broker too
         raise KeyboardInterrupt
 
@@ -133,7 +145,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
         print(example_toml(), end="")
         return 0
-    settings = load_settings(config_file=args.config)  # "show": what this process would run with
+    settings = load_settings(config_file=args.config, overrides=_flags(args))  # "show": what this process would run with
     print(describe(settings))
     return 0
 
@@ -150,7 +162,7 @@ def _role(module: str) -> Callable[[argparse.Namespace], int]:
 
 
 #: The CLI's own variable (a person's token), not a setting: kept out of settings parsing, which
-#: refuses unknown FLYWHEEL_* names.
+#: warns about unknown FLYWHEEL_* names.
 RELEASE_TOKEN_ENV = "FLYWHEEL_RELEASE_TOKEN"
 
 
@@ -231,9 +243,47 @@ def _one_line(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(text: str) -> str:
+    """An argparse type: a log level in any case (the setting's own check would say the same,
+    later and less plainly)."""
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text.upper()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command and subcommand takes the global options, before or after its name
+    (``flywheel --config x.toml serve`` and ``flywheel serve --config x.toml``): an orchestrator's
+    manifest appends flags to a command it names first. Below the top they default to SUPPRESS,
+    so a subcommand that was not given one keeps what was given before it."""
+
+    def __init__(self, *args: Any, top: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        default = None if top else argparse.SUPPRESS
+        self.add_argument("--config", type=Path, default=default, metavar="FILE",
+                          help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
+        self.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
+                          help=f"{', '.join(LOG_LEVELS)} in any case: overrides the log_level setting")
+
+
+def version() -> str:
+    """The installed distribution's version (the wheel's metadata; a checkout run from source
+    without an install has none)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("flywheel")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flywheel", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, default=None, help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
+    p = _Parser(prog="flywheel", description=__doc__.split("\n\n")[0], top=True)
+    p.add_argument("--version", action="version", version=f"flywheel {version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("broker", help="run the embedded Kafka-protocol broker (in memory)")

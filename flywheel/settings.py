@@ -4,7 +4,17 @@ Sources, later wins: built-in defaults < ``flywheel.toml`` (path from ``FLYWHEEL
 ``./flywheel.toml`` when present) < environment variables. An environment variable names a field
 as ``FLYWHEEL_<SECTION>_<FIELD>`` (``FLYWHEEL_SERVE_PORT`` -> ``serve.port``) or, for top-level
 fields, ``FLYWHEEL_<FIELD>`` (``FLYWHEEL_DATA_DIR``). A few historical names are aliases (see
-``_ALIASES``). Unknown ``FLYWHEEL_*`` variables are an error, so a typo never silently does nothing.
+``_ALIASES``). Every setting can also be read from a file: ``FLYWHEEL_<NAME>_FILE=/path`` gives
+``FLYWHEEL_<NAME>`` the file's content, less its trailing newline, so a secret mounts as a file
+(setting both is an error).
+
+An orchestrator adds variables of its own to a process's environment: Kubernetes injects service
+links (``FLYWHEEL_SERVICE_HOST`` for a Service named ``flywheel``, ``FLYWHEEL_SERVE_PORT=tcp://IP:PORT``
+for one named ``flywheel-serve``). So an unknown ``FLYWHEEL_*`` variable, and a service link's
+``tcp://`` value under a real setting's name, is ignored with a warning logged once per process
+(no value is logged: a misspelt secret's name must not print the secret). A key of
+``flywheel.toml`` that names no setting stays an error: a file is written by a person, a typo in it
+is always theirs.
 
 This module must stay free of torch and of stage code: every process imports it first.
 """
@@ -32,6 +42,7 @@ from pydantic import (
 )
 
 from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
+from flywheel.environment import VariableError, read_environment, warn_once
 
 
 def _distinct(shards: tuple[int, ...]) -> tuple[int, ...]:
@@ -520,6 +531,12 @@ class ReleaseSettings(_Section):
     """The candidate's per-token entropy must stay above this share of stable's."""
     gate_min_distinct_ratio: float = Field(default=0.8, gt=0, le=1)
     """The candidate's share of distinct completions must stay above this share of stable's."""
+    gate_min_trainer_entropy: float = Field(default=0.05, ge=0)
+    """Least policy entropy (nats per token) the trainer may report with the checkpoint (its
+    ``entropy`` metric): below it the gate fails the candidate as collapsed, whatever it samples."""
+    gate_min_trainer_distinct: float = Field(default=0.2, ge=0, le=1)
+    """Least share of distinct completions per batch the trainer may report with the checkpoint
+    (its ``distinct_frac`` metric) before the gate fails the candidate as collapsed."""
     alpha: float = Field(default=0.05, gt=0, lt=1)
     """False-alarm rate of the canary analysis, however often it is looked at. A rollback is
     tested at it per canary; a promotion at the share of it the deployment's budget across
@@ -607,8 +624,9 @@ class Settings(_Section):
     """Journals, checkpoints, archives and databases live under here (``FLYWHEEL_DATA_DIR``)."""
     topic_prefix: str = "flywheel."
     """Prefix of every topic name (``FLYWHEEL_TOPIC_PREFIX``)."""
-    log_level: str = "INFO"
-    """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower)."""
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower);
+    ``--log-level`` on the command line overrides it. Any case: ``debug`` is ``DEBUG``."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
@@ -623,6 +641,11 @@ class Settings(_Section):
     """The release controller (``flywheel release serve``)."""
     probes: ProbeSettings = Field(default_factory=ProbeSettings)
     """``/livez`` and ``/readyz`` of every role but serving (docs/deploy.md, Probes)."""
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level_in_any_case(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
 
 
 #: Environment names kept short because operators type them most.
@@ -675,13 +698,15 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         for name, field in Settings.model_fields.items()
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
     }
-    for key, raw in env.items():
-        if not key.startswith("FLYWHEEL_") or key in _NOT_SETTINGS:
-            continue
-        path = _ALIASES.get(key) or _env_path(key[len("FLYWHEEL_"):].lower(), sections)
-        if path is None:
-            raise SettingsError(f"unknown setting {key}; see flywheel/settings.py for the names")
-        _merge(out, _nest(path, _coerce(path, raw, sections)))
+    try:
+        reading = read_environment(
+            env, lambda key: _ALIASES.get(key) or _env_path(key[len("FLYWHEEL_"):].lower(), sections),
+            skip=_NOT_SETTINGS)
+    except VariableError as exc:
+        raise SettingsError(str(exc)) from None
+    warn_once(reading.ignored)
+    for var in reading.values:
+        _merge(out, _nest(var.path, _coerce(var.path, var.raw, sections)))
     return out
 
 

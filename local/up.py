@@ -243,6 +243,11 @@ def run(settings: Any, args: Any) -> int:
     topics()
     env = dict(os.environ, FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, FLYWHEEL_DATA_DIR=str(data_dir),
                FLYWHEEL_MODEL_DIR=str(model_dir))
+    # the global flags reach the children as the settings they stand for
+    if getattr(args, "config", None):
+        env["FLYWHEEL_CONFIG"] = str(Path(args.config).resolve())
+    if getattr(args, "log_level", None):
+        env["FLYWHEEL_LOG_LEVEL"] = args.log_level
     if not settings.serve.api_keys and not settings.serve.allow_anonymous:
         env["FLYWHEEL_API_KEYS"] = key = "sk-local-" + secrets.token_hex(8)
         print(f"API key for this run: {key}", flush=True)

@@ -39,9 +39,22 @@ def test_file_then_env(tmp_path):
     assert s.topic_prefix == "file."
 
 
-def test_unknown_variable_is_an_error():
-    with pytest.raises(SettingsError, match="FLYWHEEL_SERVE_PROT"):
-        load_settings(env={"FLYWHEEL_SERVE_PROT": "1"})
+def test_unknown_variable_is_a_warning_not_an_error(monkeypatch, caplog):
+    """An orchestrator puts variables of its own under the prefix (tests/unit/test_settings_environment.py)."""
+    from flywheel import environment
+
+    monkeypatch.setattr(environment, "_warned", set())
+    assert load_settings(env={"FLYWHEEL_SERVE_PROT": "1"}) == load_settings(env={})
+    assert [r.getMessage() for r in caplog.records if "FLYWHEEL_SERVE_PROT" in r.getMessage()] == [
+        ("FLYWHEEL_SERVE_PROT is not a setting: ignored (a misspelt name? `flywheel config example` lists every "
+         "setting's variable)")]
+
+
+def test_a_typo_in_the_config_file_stays_an_error(tmp_path):
+    cfg = tmp_path / "flywheel.toml"
+    cfg.write_text("[serve]\nprot = 9001\n")
+    with pytest.raises(SettingsError, match="serve.prot: Extra inputs are not permitted"):
+        load_settings(env={}, config_file=cfg)
 
 
 def test_bad_value_names_the_field():
