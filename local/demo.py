@@ -186,7 +186,9 @@ def _wait_healthy(url: str, up: subprocess.Popen, log: Path, timeout_s: float) -
         if up.poll() is not None:
             raise RuntimeError(f"flywheel up exited with {up.returncode}:\n{log.read_text(errors='replace')[-3000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            # ready, not only up: its engines have answered a warm-up (serving/readiness.py), so
+            # the users' first requests do not queue behind the engines' first passes
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

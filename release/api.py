@@ -19,7 +19,8 @@ POST     /api/rollback                        approver  end the live canary (``{
 POST     /api/pause                           admin     stop starting gates and canaries (``{"reason"}``)
 POST     /api/resume                          admin     start them again (``{"reason"}``)
 GET      /api/audit?version=&limit=           viewer    the audit log, newest first
-GET      /health, /metrics, /openapi.json     none      operators' probes and the schema
+GET      /livez, /readyz, /health             none      probes (liveness, readiness) and people's check
+GET      /metrics, /openapi.json              none      Prometheus and the schema
 =======  ===================================  ========  =============================================
 
 Every error is ``{"detail": "<a sentence for a person>"}``: 401 (with ``WWW-Authenticate:
@@ -60,6 +61,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
+from flywheel.probes import HealthFn
 from flywheel.settings import ReleaseSettings
 from flywheel.terminal import ONE_LINE, check_one_line
 from release import actions
@@ -266,11 +268,12 @@ class ApiMetrics:
 
 def make_app(store: ReleaseStore, settings: ReleaseSettings,
              status: Callable[[], dict[str, Any]] | None = None,
-             registry: CollectorRegistry | None = None) -> FastAPI:
+             registry: CollectorRegistry | None = None, live: HealthFn | None = None) -> FastAPI:
     """The API over ``store`` (module docstring). ``status``, when given, is the controller loop's
     health report, shown under ``controller`` in ``/api/status``; ``/health`` says only whether it
     is ``ok``. ``registry``, when given, is the process's registry, so ``/metrics`` shows the
-    controller's own metrics (its dead letters) beside the API's. Raises
+    controller's own metrics (its dead letters) beside the API's. ``live``, when given, is the
+    controller loop's liveness (``/livez``; without it ``/livez`` says only that the API answers). Raises
     :class:`~flywheel.settings.SettingsError` for malformed ``settings.tokens``."""
     app = FastAPI(title="flywheel release controller", docs_url=None, redoc_url=None)
     setattr(app.state, STATE_KEY, parse_tokens(settings.tokens))
@@ -281,7 +284,7 @@ def make_app(store: ReleaseStore, settings: ReleaseSettings,
     lock = threading.Lock()
     _read_routes(app, store, settings, status, lock)
     _action_routes(app, store, settings, metrics, lock)
-    _ops_routes(app, store, registry, status, lock)
+    _ops_routes(app, store, registry, status, lock, live)
     _console(app)
     install_openapi(app)
     return app
@@ -380,7 +383,27 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
 
 
 def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,
-                status: Callable[[], dict[str, Any]] | None, lock: threading.Lock) -> None:
+                status: Callable[[], dict[str, Any]] | None, lock: threading.Lock,
+                live: HealthFn | None) -> None:
+    @app.get("/livez", response_model=None, responses={
+        200: {"model": Health, "description": "The API answers and the controller loop turns."},
+        503: {"model": Health, "description": "The controller loop has not started or finished a turn for "
+                                              "probes.hung_s: restart the process."}})
+    def livez() -> Response:
+        """Liveness: 200 ``{"ok": true}`` while the controller loop is not hung (a gate or a
+        canary turn in progress is not hung), else 503. The database is not asked: a database
+        that does not answer makes the process unready (``/readyz``), and a restart would not
+        bring it back."""
+        ok = live is None or live()[0]
+        return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
+
+    @app.get("/readyz", response_model=None, responses={
+        200: {"model": Health, "description": "Ready: the database answers."},
+        503: {"model": Health, "description": "The database does not answer, or the controller is not ok."}})
+    def readyz() -> Response:
+        """Readiness: as ``/health`` (the console and the API can serve a person)."""
+        return health()
+
     @app.get("/health", response_model=None, responses={
         200: {"model": Health, "description": "Healthy."},
         503: {"model": Health, "description": "The database does not answer, or the controller is not ok."}})
@@ -388,7 +411,8 @@ def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,
         """200 ``{"ok": true}`` while the database answers (and the controller, when it reports
         ``ok``, says so), else 503 ``{"ok": false}``. Nothing more, token or not: a probe needs
         no hostname, lease holder or error text (which named database URLs); a viewer reads them
-        in ``/api/status``."""
+        in ``/api/status``. Both replicas of a deployment answer 200: the one without the lease
+        serves the API and the console, and stands by."""
         try:
             with lock:
                 store.paused()

@@ -55,6 +55,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     """Serve until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     from flywheel.checkpoints import open_store
     from flywheel.metrics import new_registry
+    from flywheel.probes import Heartbeat, alive
     from release.api import make_app
     from release.auth import parse_tokens
     from release.controller import Controller
@@ -75,17 +76,21 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         # the API gets a connection of its own: one connection is not for two threads' transactions
         api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
         held.callback(api_store.close)
-        api = ApiServer(make_app(api_store, cfg, controller.status, registry), cfg.host, cfg.port).start()
+        heartbeat = Heartbeat()  # beaten when a turn starts and ends: /livez (flywheel/probes.py)
+        api = ApiServer(make_app(api_store, cfg, controller.status, registry,
+                                 live=alive(heartbeat, settings.probes.hung_s)), cfg.host, cfg.port).start()
         held.callback(api.stop)
         log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
         # the gate's model libraries take seconds to import on a busy machine: import them now,
         # not between the first checkpoint and its canary (where it was most of that wait)
         threading.Thread(target=_import_gate_libraries, name="release-warm", daemon=True).start()
         while not stop.is_set():
+            heartbeat.beat()
             try:
                 controller.tick()
             except Exception:  # a turn that fails is logged and retried: the store is consistent
                 log.exception("a controller turn failed; retrying")
+            heartbeat.beat()
             stop.wait(cfg.tick_s) if hasattr(stop, "wait") else time.sleep(cfg.tick_s)
     return 0
 

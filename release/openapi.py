@@ -42,7 +42,8 @@ class ErrorBody(_Out):
 
 
 class Health(_Out):
-    """``/health``: whether the database answers and the controller, if it reports, is ok."""
+    """``/health`` and ``/readyz``: whether the database answers and the controller, if it reports,
+    is ok; ``/livez``: whether the controller loop is not hung."""
 
     ok: bool
 

@@ -8,7 +8,8 @@ production.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI wire format, SSE
 streaming included), ``GET /v1/models``, ``POST /v1/feedback`` (202 once the event is durable),
-``GET /health``, ``GET /metrics``, and ``GET /openapi.json``, the schema of all of them
+``GET /livez`` and ``GET /readyz`` (the probes: serving/readiness.py), ``GET /health`` (for
+people), ``GET /metrics``, and ``GET /openapi.json``, the schema of all of them
 (:mod:`serving.openapi`; there is no ``/docs`` page). Product routes need
 ``Authorization: Bearer <key>``; generation routes are rate limited per user and per API key
 (feedback is not: refusing it would bias the reward signal, and abuse is judged downstream by the
@@ -63,10 +64,12 @@ from serving.protocol import (
     Health,
     HealthProbe,
     ModelList,
+    ProbeAnswer,
     error_body,
     parse,
     validation_error,
 )
+from serving.readiness import Readiness
 from serving.recorder import Recorder
 from serving.versions import Fleet
 
@@ -146,9 +149,12 @@ class Gate:
 
 
 def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, registry: CollectorRegistry,
-               follower: ReleaseFollower | None = None) -> FastAPI:
-    """The app over ``fleet`` (or one engine); ``follower`` adds the release state to ``/health``."""
+               follower: ReleaseFollower | None = None, readiness: Readiness | None = None) -> FastAPI:
+    """The app over ``fleet`` (or one engine); ``follower`` adds the release state to ``/health``.
+    ``readiness`` is what ``/readyz`` reads (``flywheel serve`` warms the engines up before it
+    says ready); without one the app is ready while its engines live."""
     metrics = AppMetrics(registry)
+    readiness = readiness if readiness is not None else Readiness(warm=True)
     gate = Gate(settings, metrics)
     if not isinstance(fleet, Fleet):
         fleet = Fleet([fleet], registry)
@@ -207,6 +213,24 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
         limit = min(settings.serve.max_body_bytes, MAX_FEEDBACK_BODY_BYTES)
         body = parse(FeedbackRequest, await read_body(request, limit))
         return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
+
+    @app.get("/livez", responses=openapi.probe_responses(
+        ProbeAnswer, "Every engine is alive", "An engine is dead: restart the process"))
+    async def livez() -> Response:
+        # answered on the event loop that runs the engines' output handlers: a loop that no
+        # longer turns does not answer at all, which the probe counts as a failure too
+        if fleet.healthy():
+            return JSONResponse({"ok": True})
+        return JSONResponse({"ok": False, "reason": "an engine is dead"}, status_code=503)
+
+    @app.get("/readyz", responses=openapi.probe_responses(
+        ProbeAnswer, "Takes traffic: every engine is alive and has answered its warm-up",
+        "Warming up, draining on SIGTERM, or an engine is dead"))
+    async def readyz() -> Response:
+        not_ready = readiness.check(fleet)
+        if not_ready is None:
+            return JSONResponse({"ok": True})
+        return JSONResponse({"ok": False, "reason": not_ready.value}, status_code=503)
 
     @app.get("/health", responses=openapi.health_responses(Health | HealthProbe))
     async def health(request: Request) -> Response:

@@ -6,9 +6,12 @@ Start-up order: the model directory is checked against its manifest (unverified 
 served), the topics are created if missing, the recorder starts and replays any journal a previous
 process left under ``<data_dir>/serving/journal``, the engines start (``serve.engines``), the newest
 release for ``release.deployment`` is fetched, verified and loaded (serving/follow.py), and only
-then uvicorn opens ``serve.host:serve.port``. SIGTERM/SIGINT stop the server (in-flight requests
-finish), the release follower, then the recorder delivers or journals everything queued, then the
-engines shut down.
+then uvicorn opens ``serve.host:serve.port``; ``/livez`` answers from then on, ``/readyz`` once
+every engine has answered a warm-up (serving/readiness.py). SIGTERM/SIGINT stop the server: its
+port closes, ``/readyz`` says draining, and in-flight requests (streams included) finish for up
+to ``serve.drain_s``; then the release follower stops, the recorder delivers or journals
+everything queued, and the engines shut down. Kubernetes' grace period covers all of it
+(deploy/k8s/base/serving.yaml).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     from serving.app import create_app
     from serving.engine import VllmEngine
+    from serving.readiness import Readiness, warm_up
     from serving.server import AppServer, LoopThread
 
     try:
@@ -84,11 +88,18 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
             follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=600), registry)
             follower.catch_up(settings.serve.release_wait_s)  # before the port opens
             follower.start()
-        app = create_app(settings, fleet, recorder, registry, follower)
-        server = AppServer(app, loop, settings.serve.host, settings.serve.port).start()
-        log.info("serving %s %s on %s", settings.serve.model_name, fleet.served_versions(), server.url)
+        readiness = Readiness()
+        app = create_app(settings, fleet, recorder, registry, follower, readiness)
+        server = AppServer(app, loop, settings.serve.host, settings.serve.port,
+                           drain_s=settings.serve.drain_s).start()
+        log.info("serving %s %s on %s; warming the engines up", settings.serve.model_name,
+                 fleet.served_versions(), server.url)
+        loop.call(lambda: warm_up(fleet), timeout_s=600)
+        readiness.warm = True
+        log.info("ready: /readyz answers 200")
         stop.wait()
-        log.info("stopping: draining requests, then flushing the publisher")
+        readiness.draining = True
+        log.info("stopping: draining requests for up to %.0fs, then flushing the publisher", settings.serve.drain_s)
         server.stop()
     finally:
         if follower is not None:

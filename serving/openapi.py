@@ -86,6 +86,11 @@ def health_responses(model: Any) -> dict[int | str, Any]:
             503: {"model": model, "description": "An engine is dead"}}
 
 
+def probe_responses(model: Any, ok: str, not_ok: str) -> dict[int | str, Any]:
+    """``GET /livez`` and ``GET /readyz``: no ``security``, as ``/health``."""
+    return {200: {"model": model, "description": ok}, 503: {"model": model, "description": not_ok}}
+
+
 def _sse_event(chunk: type[BaseModel]) -> dict[str, Any]:
     """One server-sent event of a stream (OpenAPI before 3.2 has ``schema`` describe each event):
     its ``data`` is a ``chunk`` as JSON, or ``[DONE]`` in the last event."""

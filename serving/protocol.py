@@ -489,6 +489,16 @@ class FeedbackAccepted(_Resp):
     generation_id: str
 
 
+class ProbeAnswer(_Resp):
+    """``GET /livez`` and ``GET /readyz``: 200 when ok, else 503 with the reason."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True, extra="forbid")
+
+    ok: bool
+    reason: str | None = None
+    """Why not ok (absent when ok): warming up, draining, or an engine is dead."""
+
+
 class HealthProbe(_Resp):
     """``GET /health`` without a product key: all a probe needs (200 when ok, else 503). The rest
     names hosts, store URIs and errors, and is for key holders."""

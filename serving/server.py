@@ -50,10 +50,15 @@ async def _wrap(fn: Callable[[], Awaitable[T]]) -> T:
 class AppServer:
     """A uvicorn server for ``app`` on ``loop``; ``port`` is known once :meth:`start` returns."""
 
-    def __init__(self, app: Any, loop: LoopThread, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Any, loop: LoopThread, host: str = "127.0.0.1", port: int = 0,
+                 drain_s: float = 5.0) -> None:
+        # On stop uvicorn closes its listening socket first (a new connection is refused, a kept
+        # alive one is closed once its response ends), then lets the requests in flight finish for
+        # up to drain_s (``serve.drain_s``) and cancels what is left.
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5)
+                                lifespan="off", timeout_graceful_shutdown=drain_s)
         self.server = uvicorn.Server(config)
+        self.drain_s = drain_s
         self.loop = loop
         self._done: Any = None
 
@@ -77,10 +82,12 @@ class AppServer:
     def url(self) -> str:
         return f"http://{self.server.config.host}:{self.port}"
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop taking requests and drain (see ``__init__``); returns once the server has stopped,
+        or ``timeout_s`` (default: the drain and 5 s) has passed."""
         self.server.should_exit = True
         if self._done is not None:
             try:
-                self._done.result(timeout_s)
+                self._done.result(self.drain_s + 5.0 if timeout_s is None else timeout_s)
             except Exception:  # noqa: BLE001, S110 - it is stopping either way; nothing left to serve
                 pass

@@ -46,6 +46,7 @@ from flywheel.contracts import (
 from flywheel.kafka.batches import unreadable_batch
 from flywheel.kafka.lag import LagGauge
 from flywheel.kafka.producers import KafkaSink
+from flywheel.probes import Heartbeat
 from flywheel.settings import Settings
 from flywheel.signing import Signer
 from flywheel.stream.deadletters import DeadLetters
@@ -170,6 +171,7 @@ class Trainer:
         # the writer (rank 0) signs its announcements, so the controller can tell them from anyone's
         self.signer = Signer.load(self.cfg.signing_key, setting="trainer.signing_key") if sink is not None else Signer()
         metrics.stalled.set_function(self.stalled_s)
+        self.heartbeat = Heartbeat()
 
     # ------------------------------------------------------------ start / resume
     def start(self) -> None:
@@ -200,6 +202,7 @@ class Trainer:
     def run(self) -> None:
         """Loop until :attr:`stop_event` is set (leader) or the leader says stop (other ranks)."""
         while True:
+            self.heartbeat.beat()  # a turn starts: /livez (flywheel/probes.py)
             cmd = self._decide() if self.rank == 0 else None
             cmd = dist.broadcast(cmd, self.rank, self.world)
             kind, payload = cmd

@@ -85,13 +85,18 @@ def build(settings: Settings):
 
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     from flywheel.metrics import serve_ops
+    from flywheel.probes import Probes, alive
 
     trainer, registry = build(settings)
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: trainer.stop_event.set())
     trainer.start()
     if trainer.rank == 0:
-        server = serve_ops(registry, trainer.healthy, settings.trainer.host, settings.trainer.port)
+        # opens once the model is loaded and resumed (minutes for a large one): the manifest's
+        # startupProbe waits for it (deploy/k8s/base/trainer.yaml)
+        probes = Probes(alive(trainer.heartbeat, settings.probes.hung_s),
+                        lambda: trainer.healthy(settings.probes.stale_s))
+        server = serve_ops(registry, probes, settings.trainer.host, settings.trainer.port)
         log.info("trainer ops on %s:%d, version %d", settings.trainer.host, server.server_port, trainer.version)
         trainer.subscribe()
     try:

@@ -46,6 +46,7 @@ from flywheel.kafka.clients import partitions_of, topic_ids
 from flywheel.kafka.ends import readable_end
 from flywheel.kafka.headers import unreadable_header
 from flywheel.kafka.lag import LagGauge
+from flywheel.probes import Heartbeat
 from flywheel.settings import SettingsError
 from flywheel.stream.deadletters import DeadLetters
 from flywheel.stream.outbox import Outbox
@@ -178,6 +179,8 @@ class StreamRunner(ConsumerRebalanceListener):
         self._assigned: set[TopicPartition] = set()
         self._revoked: set[int] = set()
         self.last_loop = time.monotonic()
+        #: beaten when a turn starts and ends: /livez (flywheel/probes.py)
+        self.heartbeat = Heartbeat()
         self.records_in = 0
         self.delivered = 0
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
@@ -410,6 +413,7 @@ class StreamRunner(ConsumerRebalanceListener):
         while not stop.is_set():
             if check is not None:
                 check()
+            self.heartbeat.beat()
             try:
                 self.step()
             except BROKER_ERRORS as exc:
@@ -418,6 +422,7 @@ class StreamRunner(ConsumerRebalanceListener):
                 if self._failing_since is not None:
                     log.info("the broker answers again after %.0fs", time.monotonic() - self._failing_since)
                 self._failing_since = None
+            self.heartbeat.beat()
         self.finish()
 
     def _failed_turn(self, exc: BaseException, stop: StopFlag) -> None:
@@ -452,6 +457,8 @@ class StreamRunner(ConsumerRebalanceListener):
             self.outbox.archive(force=True)
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
+        """Ready: a turn finished, and progress made with the broker, within ``stale_s``
+        (``probes.stale_s``); a turn still running past it makes the stage unready, not dead."""
         age, stalled = time.monotonic() - self.last_loop, self.stalled_s()
         return age < stale_s and stalled < stale_s, {
             "loop_age_s": round(age, 3), "stalled_s": round(stalled, 3), "shards": sorted(self.owned),

@@ -1,11 +1,13 @@
 """Runs a stream stage as a process: a stage declares itself (:class:`StageSpec`) and
 :func:`serve_stage` wires it to Kafka, its state store, its archives and its ops server.
 
-Start-up, in order: create the topics (waiting for a broker that does not answer yet), lock the
-data_dir, open the state store, claim the shards (flywheel/stream/claims.py), open ``/health``
-and ``/metrics``, run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
+Start-up, in order: open the ops server (``/livez`` answers 200 from here on, ``/readyz`` and
+``/health`` 503 until the loop runs), create the topics (waiting for a broker that does not
+answer yet), lock the data_dir, open the state store, claim the shards
+(flywheel/stream/claims.py), run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
 (:func:`stop_on_signals`). Every step holds only what the ones before it opened, and is released
-in reverse on any exit, a refused start included.
+in reverse on any exit, a refused start included. The ops server opens first so that a stage
+waiting for its broker or its shards is seen alive and not ready, never restarted for waiting.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from flywheel.probes import alive
 from flywheel.settings import SettingsError
 from flywheel.stream.claims import STOP_CHECK_S, ShardClaims
 from flywheel.stream.outbox import Archive, Outbox
@@ -37,7 +40,7 @@ from flywheel.stream.store import StateStore
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
-    from flywheel.settings import Settings
+    from flywheel.settings import ProbeSettings, Settings
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +89,21 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
     from flywheel.kafka.lag import LagGauge
     from flywheel.kafka.producers import make_output_producer
     from flywheel.metrics import new_registry, serve_ops
+    from flywheel.probes import Probes
 
     stop = stop if stop is not None else stop_on_signals()
     name, registry = spec.name, new_registry()
-    log.info("%s: checking the topics on the broker at %s", name, settings.kafka.bootstrap)
-    if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
-                                    stop, name):
-        log.info("%s: stopped before the broker answered", name)
-        return  # nothing was opened yet
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
+        probes = StageProbes(settings.probes)
+        ops = serve_ops(registry, Probes(probes.live, probes.ready), spec.host, spec.port)
+        held.callback(ops.shutdown)
+        log.info("%s: checking the topics on the broker at %s (ops on %s:%d)", name, settings.kafka.bootstrap,
+                 spec.host, ops.server_port)
+        if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
+                                        stop, name):
+            log.info("%s: stopped before the broker answered", name)
+            return  # nothing but the ops server was opened yet
+        probes.phase = "opening the state store"
         held.enter_context(lock_data_dir(settings.data_dir / name, name))
         store = StateStore(settings.data_dir / name / "state.sqlite3", spec.tables)
         held.callback(store.close)
@@ -117,19 +126,39 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
         # nothing is processed before the claims group grants this process its shards
         claims = ShardClaims(settings.kafka, name, spec.group_id, spec.inputs, store.epoch, tuple(spec.shards))
         held.callback(claims.close)
+        probes.phase = "waiting for its shards to be granted"
         if not claims.wait_granted(stop):
             return  # stopped before the shards were granted: nothing was processed
-
-        def health() -> tuple[bool, dict[str, object]]:
-            ok, detail = runner.healthy()
-            return ok, {**detail, "claims": claims.state}
-
-        ops = serve_ops(registry, health, spec.host, spec.port)
-        held.callback(ops.shutdown)
-        log.info("%s running: inputs %s, outputs %s, shards %s, ops on %s:%d, state %s", name, spec.inputs,
-                 spec.outputs, list(spec.shards) or "all (consumer group)", spec.host, ops.server_port,
-                 settings.data_dir / name)
+        probes.running(runner, claims)
+        log.info("%s running: inputs %s, outputs %s, shards %s, state %s", name, spec.inputs,
+                 spec.outputs, list(spec.shards) or "all (consumer group)", settings.data_dir / name)
         runner.run(stop, claims.check)
+
+
+class StageProbes:
+    """``/livez`` and ``/readyz`` of a stage: alive while it starts (it waits for its broker and
+    its shards on purpose), then while its loop turns (flywheel/probes.py); ready once it runs,
+    its shards granted, and its loop has turned and made progress within ``probes.stale_s``."""
+
+    def __init__(self, settings: ProbeSettings) -> None:
+        self.settings = settings
+        self.phase = "waiting for the broker"
+        self._runner: StreamRunner | None = None
+        self._claims: ShardClaims | None = None
+
+    def running(self, runner: StreamRunner, claims: ShardClaims) -> None:
+        self._claims, self._runner = claims, runner
+
+    def live(self) -> tuple[bool, dict[str, object]]:
+        if self._runner is None:
+            return True, {"starting": self.phase}
+        return alive(self._runner.heartbeat, self.settings.hung_s)()
+
+    def ready(self) -> tuple[bool, dict[str, object]]:
+        if self._runner is None or self._claims is None:
+            return False, {"starting": self.phase}
+        ok, detail = self._runner.healthy(self.settings.stale_s)
+        return ok, {**detail, "claims": self._claims.state}
 
 
 def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str) -> bool:
