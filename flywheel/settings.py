@@ -699,15 +699,25 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
     }
     try:
-        reading = read_environment(
-            env, lambda key: _ALIASES.get(key) or _env_path(key[len("FLYWHEEL_"):].lower(), sections),
-            skip=_NOT_SETTINGS)
+        reading = read_environment(env, setting_of, skip=_NOT_SETTINGS)
     except VariableError as exc:
         raise SettingsError(str(exc)) from None
     warn_once(reading.ignored)
     for var in reading.values:
         _merge(out, _nest(var.path, _coerce(var.path, var.raw, sections)))
     return out
+
+
+def setting_of(variable: str) -> tuple[str, ...] | None:
+    """The field path a ``FLYWHEEL_*`` variable names (``FLYWHEEL_SERVE_PORT`` -> ``("serve",
+    "port")``), or None when it names no setting. ``FLYWHEEL_<NAME>_FILE`` is resolved by
+    flywheel/environment.py on top of this; the Kubernetes manifests' tests use both."""
+    sections = {
+        name: field.annotation
+        for name, field in Settings.model_fields.items()
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+    }
+    return _ALIASES.get(variable) or _env_path(variable[len("FLYWHEEL_"):].lower(), sections)
 
 
 def _env_path(name: str, sections: dict[str, Any]) -> tuple[str, ...] | None:
