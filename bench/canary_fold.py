@@ -35,7 +35,7 @@ from statistics import NormalDist
 from typing import Any
 
 from flywheel.contracts import EpisodeEvent, GenerationEvent, RewardEvent, SamplingParams, encode
-from flywheel.settings import RewardSettings
+from flywheel.settings import ReleaseSettings, RewardSettings
 from release.judge import CanaryMeasurement, CanaryPolicy, Outcome, judge_canary
 from release.measure import Tally
 from release.sequential import canary_alpha
@@ -303,8 +303,9 @@ class Run:
         stable = self.routes[-1][1]
         level = canary_alpha(self.sc.alpha, k, self.passes) if self.sc.budget else self.sc.alpha
         salt = f"bench/v{k}/{self.run}-{self.rng.getrandbits(32):08x}"
-        policy = CanaryPolicy(alpha=self.sc.alpha, pass_alpha=level, min_events=self.sc.min_events,
-                              deadline_s=self.sc.deadline_s)
+        policy = CanaryPolicy.of(ReleaseSettings(alpha=self.sc.alpha, min_events=self.sc.min_events,
+                                                 deadline_s=self.sc.deadline_s))
+        policy = replace(policy, pass_alpha=level)
         self.live = Canary(k, k, stable, salt, Tally(stable_version=stable, canary_version=k, started_at=at,
                                                      alpha=level), policy)
         self.routes.append((at, stable, k, salt))

@@ -31,18 +31,18 @@ import time
 import uuid
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from flywheel.contracts import VersionRef
 from flywheel.degeneracy import compare
 from flywheel.scorers import load_plugins
+from flywheel.settings import Settings
 from release import actions
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
 from release.judge import (
     CanaryPolicy,
-    DegeneracyLimits,
     GatePolicy,
     Outcome,
     Verdict,
@@ -53,7 +53,10 @@ from release.measure import Tally
 from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
 from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing, controller_actor
-from release.streams import release_event
+from release.streams import Streams, release_event
+
+if TYPE_CHECKING:  # numpy and the delta codec load when a version is first exported, not at import
+    from flywheel.checkpoints import CheckpointStore
 
 log = logging.getLogger(__name__)
 
@@ -64,33 +67,13 @@ AUTO_POLICY = "auto-promote policy"
 HISTORY_EVERY_S = 2.0
 
 
-def canary_policy(cfg: Any) -> CanaryPolicy:
-    return CanaryPolicy(alpha=cfg.alpha, min_events=cfg.min_events, deadline_s=cfg.deadline_s,
-                        error_limit=cfg.error_limit, max_error_rate_increase=cfg.max_error_rate_increase,
-                        max_latency_ratio=cfg.max_latency_ratio, max_length_ratio=cfg.max_length_ratio,
-                        max_reject_share_increase=cfg.max_reject_share_increase,
-                        max_flag_rate_increase=cfg.max_flag_rate_increase, guardrail_z=cfg.guardrail_z,
-                        degeneracy=degeneracy_limits(cfg))
-
-
-def gate_policy(cfg: Any) -> GatePolicy:
-    return GatePolicy(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
-                      min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio,
-                      max_score_drop=cfg.gate_max_score_drop, degeneracy=degeneracy_limits(cfg))
-
-
-def degeneracy_limits(cfg: Any) -> DegeneracyLimits:
-    """The same limits at the gate and on the canary: the canary adds only its allowance for noise."""
-    return DegeneracyLimits(max_repetition_increase=cfg.max_repetition_increase,
-                            max_char_class_shift=cfg.max_char_class_shift,
-                            max_collapse_increase=cfg.max_collapse_increase)
-
-
 class Controller:
-    """Drives candidates through release/states.py. ``streams`` is the Kafka side
-    (:class:`release.streams.Streams`); ``checkpoints`` the checkpoint store to load versions from."""
+    """Drives candidates through release/states.py. ``streams`` is the Kafka side;
+    ``checkpoints`` the checkpoint store to load versions from (None: a controller that never
+    gates, for tests of the turns after the gate)."""
 
-    def __init__(self, settings: Any, store: ReleaseStore, streams: Any, checkpoints: Any) -> None:
+    def __init__(self, settings: Settings, store: ReleaseStore, streams: Streams,
+                 checkpoints: CheckpointStore | None) -> None:
         self.settings, self.cfg = settings, settings.release
         self.store, self.streams, self.checkpoints = store, streams, checkpoints
         self.holder = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
@@ -104,7 +87,7 @@ class Controller:
         self.prompts = load_prompts(self.cfg.prompts_file)
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
-        self.canary_policy, self.gate_policy = canary_policy(self.cfg), gate_policy(self.cfg)
+        self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -201,6 +184,8 @@ class Controller:
         the checkpoint event announced."""
         from flywheel.checkpoints import verify_dir
 
+        if self.checkpoints is None:
+            raise GateError("this controller was given no checkpoint store to load versions from")
         self.checkpoints.export(version, out)
         verify_dir(out, expect_manifest_sha256=manifest_sha256)
         return out

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from flywheel.degeneracy import TextProfile, compare
+from flywheel.settings import ReleaseSettings
 from release.sequential import PairCount, e_value, log_e_better, log_e_worse
 
 
@@ -99,33 +100,45 @@ class DegeneracyLimits:
     """How far the candidate's answers may move from stable's (flywheel/degeneracy.py), at the gate
     and on the canary: ``release.max_repetition_increase`` and the two after it."""
 
-    max_repetition_increase: float = 0.05
-    max_char_class_shift: float = 0.15
-    max_collapse_increase: float = 0.25
+    max_repetition_increase: float
+    max_char_class_shift: float
+    max_collapse_increase: float
+
+    @classmethod
+    def of(cls, cfg: ReleaseSettings) -> DegeneracyLimits:
+        """The same limits at the gate and on the canary: the canary adds only its allowance for noise."""
+        return cls(max_repetition_increase=cfg.max_repetition_increase, max_char_class_shift=cfg.max_char_class_shift,
+                   max_collapse_increase=cfg.max_collapse_increase)
 
 
 @dataclass(frozen=True)
 class CanaryPolicy:
-    """The limits a canary is judged by (``[release]`` settings)."""
+    """The limits a canary is judged by: the ``[release]`` settings of the same names (flywheel/
+    settings.py documents each, and holds the one default of each). Built by :meth:`of`."""
 
-    alpha: float = 0.05
+    alpha: float
+    min_events: int
+    deadline_s: float
+    error_limit: int
+    max_error_rate_increase: float
+    max_latency_ratio: float
+    max_length_ratio: float
+    guardrail_z: float
+    max_reject_share_increase: float
+    max_flag_rate_increase: float
+    degeneracy: DegeneracyLimits
     #: The level this canary's PASS is tested at, from the deployment's budget across canaries
     #: (release/sequential.py ``canary_alpha``); None: ``alpha``. FAIL is tested at ``alpha``.
+    #: Not a setting: the controller sets it per canary.
     pass_alpha: float | None = None
-    min_events: int = 50
-    deadline_s: float = 3600.0
-    error_limit: int = 3
-    max_error_rate_increase: float = 0.02
-    max_latency_ratio: float = 1.5
-    max_length_ratio: float = 2.0
-    #: How many standard errors past its allowance a rate's increase must be to breach (error
-    #: rate, share of rejects, reward-guard flags): the guardrails are looked at every tick, and a
-    #: point estimate over a few dozen requests crosses +0.15 by chance alone (a canary no
-    #: different from stable was rolled back that way). 0 compares the point estimates.
-    guardrail_z: float = 3.0
-    max_reject_share_increase: float = 0.15
-    max_flag_rate_increase: float = 0.05
-    degeneracy: DegeneracyLimits = DegeneracyLimits()
+
+    @classmethod
+    def of(cls, cfg: ReleaseSettings) -> CanaryPolicy:
+        return cls(alpha=cfg.alpha, min_events=cfg.min_events, deadline_s=cfg.deadline_s, error_limit=cfg.error_limit,
+                   max_error_rate_increase=cfg.max_error_rate_increase, max_latency_ratio=cfg.max_latency_ratio,
+                   max_length_ratio=cfg.max_length_ratio, guardrail_z=cfg.guardrail_z,
+                   max_reject_share_increase=cfg.max_reject_share_increase,
+                   max_flag_rate_increase=cfg.max_flag_rate_increase, degeneracy=DegeneracyLimits.of(cfg))
 
 
 def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
@@ -257,14 +270,24 @@ class GateMeasurement:
 
 @dataclass(frozen=True)
 class GatePolicy:
-    max_length_ratio: float = 2.0
-    max_kl: float = 1.0
-    min_entropy_ratio: float = 0.5
-    min_distinct_ratio: float = 0.8
-    max_score_drop: float = 0.1
-    min_trainer_entropy: float = 0.05
-    min_trainer_distinct: float = 0.2
-    degeneracy: DegeneracyLimits = DegeneracyLimits()
+    """The limits the offline gate judges by: the ``release.gate_*`` settings (flywheel/settings.py
+    holds their one default each) and the degeneracy limits the canary shares. Built by :meth:`of`."""
+
+    max_length_ratio: float
+    max_kl: float
+    min_entropy_ratio: float
+    min_distinct_ratio: float
+    max_score_drop: float
+    min_trainer_entropy: float
+    min_trainer_distinct: float
+    degeneracy: DegeneracyLimits
+
+    @classmethod
+    def of(cls, cfg: ReleaseSettings) -> GatePolicy:
+        return cls(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
+                   min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio,
+                   max_score_drop=cfg.gate_max_score_drop, min_trainer_entropy=cfg.gate_min_trainer_entropy,
+                   min_trainer_distinct=cfg.gate_min_trainer_distinct, degeneracy=DegeneracyLimits.of(cfg))
 
 
 def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:

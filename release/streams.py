@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kafka import TopicPartition
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import (
@@ -42,6 +43,7 @@ from flywheel.kafka.clients import (
     partitions_of,
 )
 from flywheel.kafka.producers import KafkaSink
+from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from release.measure import Tally
@@ -55,7 +57,7 @@ DEADLETTER_REASONS = ("undecodable", "invalid", "unknown_version", "too_large", 
 
 
 class Streams:
-    def __init__(self, settings: Any, registry: Any) -> None:
+    def __init__(self, settings: Settings, registry: CollectorRegistry) -> None:
         self.settings, self.kafka = settings, settings.kafka
         # the trainer's key vouches for a checkpoint, this controller's for a routing (flywheel/signing.py),
         # read first: a key that cannot be used stops the start before any client connects

@@ -20,7 +20,7 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +75,7 @@ def canary_analysis(stable_rate: float, canary_rate: float, n: int, started_at: 
             "canary": ArmStats(outcomes=n, accepts=sum(canary), requests=2 * n, errors=4, latency_ms_p95=861.0,
                                completion_tokens_mean=44.9, flagged=3, rewards=n)}
     m = CanaryMeasurement(arms["stable"], arms["canary"], pairs, elapsed_s=12.0 * n)
-    verdict = judge_canary(m, CanaryPolicy(alpha=alpha, pass_alpha=pass_alpha))
+    verdict = judge_canary(m, replace(CanaryPolicy.of(ReleaseSettings(alpha=alpha)), pass_alpha=pass_alpha))
     last = history[-1]
     return {
         "outcome": verdict.outcome.value, "reasons": list(verdict.reasons),

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 
 from flywheel.degeneracy import LENGTH_BUCKETS, TextProfile
+from flywheel.settings import ReleaseSettings
 from release.judge import (
     ArmStats,
     CanaryMeasurement,
@@ -26,7 +27,7 @@ from release.judge import (
 )
 from release.sequential import PairCount, e_value, log_e_better
 
-POLICY = CanaryPolicy()  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
+POLICY = CanaryPolicy.of(ReleaseSettings())  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
 EXACT = replace(POLICY, guardrail_z=0.0)  # guardrails on point estimates: their limits, exactly
 ARM = ArmStats(outcomes=200, accepts=60, rejects=100, requests=400, errors=4, latency_ms_p95=1000.0,
                completion_tokens_mean=100.0, flagged=2, rewards=200)
@@ -289,7 +290,7 @@ def test_running_before_the_deadline_without_evidence():
 
 # -- the offline gate ----------------------------------------------------------------------------
 
-GATE_POLICY = GatePolicy()  # length x2, KL 1.0, entropy x0.5, distinct x0.8, score -0.1, trainer 0.05 / 0.2
+GATE_POLICY = GatePolicy.of(ReleaseSettings())  # length x2, KL 1.0, entropy x0.5, distinct x0.8, score -0.1, trainer 0.05 / 0.2
 GATE = GateMeasurement(prompts=32, stable_length_mean=20.0, candidate_length_mean=22.0, kl_from_stable=0.2,
                        stable_entropy=2.0, candidate_entropy=1.8, stable_distinct=1.0, candidate_distinct=0.9,
                        scores={"verifier": (0.6, 0.58), "labeler": (0.7, 0.72)},
@@ -430,3 +431,34 @@ def test_a_degeneracy_guardrail_breaches_only_beyond_sampling_noise(n, breached)
 
 def test_arms_without_answers_compare_no_degeneracy():
     assert judge_canary(replace(BASE, canary=replace(ARM, text=profile())), POLICY).outcome == Outcome.RUNNING
+
+
+# -- one definition per setting ----------------------------------------------------------------
+
+#: Policy field -> the ``[release]`` setting it is read from (the gate's carry a ``gate_`` prefix).
+CANARY_FIELDS = {f: f for f in ("alpha", "min_events", "deadline_s", "error_limit", "max_error_rate_increase",
+                                "max_latency_ratio", "max_length_ratio", "guardrail_z", "max_reject_share_increase",
+                                "max_flag_rate_increase")}
+GATE_FIELDS = {f: f"gate_{f}" for f in ("max_length_ratio", "max_kl", "min_entropy_ratio", "min_distinct_ratio",
+                                        "max_score_drop", "min_trainer_entropy", "min_trainer_distinct")}
+DEGENERACY_FIELDS = ("max_repetition_increase", "max_char_class_shift", "max_collapse_increase")
+
+
+@pytest.mark.parametrize("policy, mapping", [(CanaryPolicy, CANARY_FIELDS), (GatePolicy, GATE_FIELDS)])
+def test_policies_repeat_no_default_and_read_every_limit_from_its_setting(policy, mapping):
+    """A limit with a default of its own in the dataclass drifts from its setting's (the gate's
+    trainer thresholds were such defaults, and no setting moved them)."""
+    from dataclasses import MISSING, fields
+
+    own = {f.name for f in fields(policy) if f.default is not MISSING or f.default_factory is not MISSING}
+    assert own <= {"pass_alpha"}, f"{policy.__name__} repeats defaults: {sorted(own)}"
+    assert set(mapping) | {"degeneracy"} == {f.name for f in fields(policy)} - {"pass_alpha"}
+    base = ReleaseSettings()
+    # every setting moved off its default, inside its bounds (a tenth down: ratios stay over 1)
+    moved = {name: type(getattr(base, name))(getattr(base, name) * 0.9)
+             for name in (*mapping.values(), *DEGENERACY_FIELDS)}
+    built = policy.of(ReleaseSettings(**moved))
+    for field_name, setting in mapping.items():
+        assert getattr(built, field_name) == moved[setting] != getattr(base, setting), field_name
+    for name in DEGENERACY_FIELDS:
+        assert getattr(built.degeneracy, name) == moved[name] != getattr(base, name), name

@@ -299,13 +299,14 @@ def test_the_answers_each_arm_served_are_profiled():
 
 
 def test_a_degenerate_canary_is_rolled_back_on_what_it_served():
+    from flywheel.settings import ReleaseSettings
     from release.judge import CanaryPolicy, Outcome, judge_canary
 
     t = tally()
     for i in range(60):
         t.add_episode(episode(f"c{i}", 7, T0 + i, "ignore", text=f"aaa{i} eee ooo"))
         t.add_episode(episode(f"s{i}", 0, T0 + i, "ignore", text=f"the answer number {i} is here"))
-    v = judge_canary(t.measurement(T0 + 99), CanaryPolicy(min_events=50))
+    v = judge_canary(t.measurement(T0 + 99), CanaryPolicy.of(ReleaseSettings(min_events=50)))
     assert v.outcome == Outcome.FAIL
     assert [r.split(" 0.")[0] for r in v.reasons] == ["guardrail character repetition",
                                                       "guardrail character-class stuffing: consonants"], v.reasons
