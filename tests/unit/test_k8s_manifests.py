@@ -1,0 +1,248 @@
+"""deploy/k8s against the Kubernetes schemas and against the code, offline.
+
+Every overlay is rendered (tests/k8s_render.py) and each resource validated strictly against the
+Kubernetes 1.37 OpenAPI schemas that ``kubernetes-validate`` carries. Then the manifests are held
+to the code: every ``FLYWHEEL_*`` variable names a setting, each role's settings load from the
+ConfigMap and its env, each containerPort is the port its role listens on, each probe's path is a
+route the role answers, and each grace period covers what the role does on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from k8s_render import apply_patches, load_docs, pod_spec, render
+
+from flywheel.environment import FILE_SUFFIX
+from flywheel.metrics import OPS_PATHS
+from flywheel.settings import Settings, load_settings, setting_of
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+OVERLAYS = ("cpu", "gpu")
+#: The role's command (the container's args, or the shell's exec), and its port's setting.
+ROLES = {"serve": "serve", "ingest": "ingest", "reward": "reward", "train": "trainer", "release": "release"}
+
+
+def rendered(overlay: str) -> list[dict[str, Any]]:
+    return render(K8S / "overlays" / overlay)
+
+
+def with_kafka_component(overlay: str) -> list[dict[str, Any]]:
+    comp = yaml.safe_load((K8S / "components" / "kafka-sasl-ssl" / "kustomization.yaml").read_text())
+    return apply_patches(rendered(overlay), comp["patches"])
+
+
+def workloads(resources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in resources if pod_spec(r)]
+
+
+def role(workload: dict[str, Any]) -> str:
+    c = pod_spec(workload)["containers"][0]
+    words = " ".join(c.get("args", [])).split()
+    cmd = words[-1] if c.get("command") else words[0]  # sh -c '... exec flywheel <role>' or [<role>, ...]
+    return ROLES[cmd]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_rendered_resource_is_valid_kubernetes(overlay):
+    for resources in (rendered(overlay), with_kafka_component(overlay)):
+        kinds = sorted({r["kind"] for r in resources})
+        assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service",
+                         "StatefulSet"]
+        for res in resources:
+            kubernetes_validate.validate(res, "1.37.0", strict=True)
+
+
+def test_every_manifest_file_is_valid_kubernetes():
+    files = sorted(K8S.glob("base/*.yaml")) + [K8S / "secrets.example.yaml"]
+    files = [f for f in files if f.name != "kustomization.yaml"]
+    assert len(files) == 7
+    for f in files:
+        for doc in load_docs(f):
+            kubernetes_validate.validate(doc, "1.37.0", strict=True)
+
+
+def test_a_wrong_manifest_is_refused():
+    """The validator does refuse what Kubernetes would: a misspelt field, a wrong type."""
+    serving = next(r for r in rendered("cpu") if r["metadata"]["name"] == "flywheel-serving" and pod_spec(r))
+    pod_spec(serving)["enableServiceLink"] = False
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(serving, "1.37.0", strict=True)
+    pvc = load_docs(K8S / "base" / "checkpoints.yaml")[0]
+    pvc["spec"]["accessModes"] = "ReadWriteMany"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pvc, "1.37.0", strict=True)
+
+
+def manifest_variables(workload: dict[str, Any]) -> dict[str, str]:
+    """Every FLYWHEEL_* variable a workload's container sets, in its env or in its shell line."""
+    c = pod_spec(workload)["containers"][0]
+    env = {e["name"]: e["value"] for e in c.get("env", []) if e["name"].startswith("FLYWHEEL_")}
+    for name in re.findall(r"\b(FLYWHEEL_[A-Z0-9_]+)=", " ".join(c.get("args", []))):
+        env[name] = "0"
+    return env
+
+
+def test_every_variable_names_a_setting():
+    seen = set()
+    for overlay in OVERLAYS:
+        for w in workloads(with_kafka_component(overlay)):
+            for name in manifest_variables(w):
+                if name == "FLYWHEEL_CONFIG":  # the config file's path, not a setting
+                    continue
+                stem = name.removesuffix(FILE_SUFFIX)
+                assert setting_of(name) or (stem != name and setting_of(stem)), \
+                    f"{w['metadata']['name']}: {name} names no setting (flywheel/settings.py)"
+                seen.add(name)
+    assert {"FLYWHEEL_API_KEYS_FILE", "FLYWHEEL_KAFKA_SASL_PASSWORD_FILE", "FLYWHEEL_INGEST_SHARDS"} <= seen
+    assert setting_of("FLYWHEEL_SERVE_DRAIN") is None  # the check can fail
+
+
+#: What the mounted secrets hold here, to load each role's settings.
+_FILES = {"api-keys": "sk-a,sk-b", "user-id-salt": "salt", "release-tokens": "ops:admin:t0ken",
+          "database-url": "postgresql://u:p@db:5432/flywheel", "username": "flywheel", "password": "pw"}
+
+
+def role_settings(workload: dict[str, Any], tmp_path: Path) -> Settings:
+    """The role's settings as its pod would load them: the ConfigMap's file, then its env, with
+    every file it names under /etc/flywheel made here."""
+    env = {}
+    for name, value in manifest_variables(workload).items():
+        if value.startswith("/etc/flywheel/"):
+            local = tmp_path / value.removeprefix("/etc/flywheel/")
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(_FILES.get(local.name, "x"))
+            value = str(local)
+        env[name] = value
+    return load_settings(env=env, config_file=K8S / "base" / "flywheel.toml")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_role_loads_its_settings_and_listens_where_its_manifest_says(overlay, tmp_path):
+    resources = with_kafka_component(overlay)
+    for w in workloads(resources):
+        r = role(w)
+        settings = role_settings(w, tmp_path / w["metadata"]["name"])
+        section = getattr(settings, "serve" if r == "serve" else r)
+        assert section.host == "0.0.0.0", f"{r} listens on loopback only"
+        ports = pod_spec(w)["containers"][0]["ports"]
+        assert [p["containerPort"] for p in ports] == [section.port], r
+        assert settings.kafka.security_protocol == "SASL_SSL" and settings.kafka.sasl_password == "pw"
+        services = [s for s in resources if s["kind"] == "Service" and s["spec"]["selector"] ==
+                    w["spec"]["selector"]["matchLabels"]]
+        assert [p["targetPort"] for s in services for p in s["spec"]["ports"]] == [ports[0]["name"]]
+
+
+def serving_paths() -> set[str]:
+    """The GET routes serving/app.py declares (its app needs engines to build)."""
+    import serving.app
+
+    tree = ast.parse(inspect.getsource(serving.app))
+    return {d.args[0].value for node in ast.walk(tree) if isinstance(node, ast.AsyncFunctionDef)
+            for d in node.decorator_list if isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "get"}
+
+
+def release_paths(tmp_path: Path) -> set[str]:
+    from release.api import make_app
+    from release.store import ReleaseStore
+
+    store = ReleaseStore(f"sqlite:///{tmp_path / 'release.sqlite3'}")
+    try:
+        return {r.path for r in make_app(store, Settings().release).routes}
+    finally:
+        store.close()
+
+
+def test_every_probe_path_is_a_route_of_its_role(tmp_path):
+    paths = {"serve": serving_paths(), "release": release_paths(tmp_path), "ingest": set(OPS_PATHS),
+             "reward": set(OPS_PATHS), "trainer": set(OPS_PATHS)}
+    assert {"/livez", "/readyz", "/health"} <= paths["serve"] & paths["release"] & paths["ingest"]
+    for w in workloads(rendered("gpu")):
+        c = pod_spec(w)["containers"][0]
+        probes = {k: c[k] for k in ("startupProbe", "livenessProbe", "readinessProbe") if k in c}
+        assert probes["livenessProbe"]["httpGet"]["path"] == "/livez"
+        assert probes["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        for kind, probe in probes.items():
+            assert probe["httpGet"]["path"] in paths[role(w)], f"{w['metadata']['name']} {kind}"
+            assert probe["httpGet"]["port"] in {p["name"] for p in c["ports"]}
+
+
+def test_grace_periods_cover_what_each_role_does_on_sigterm(tmp_path):
+    from flywheel.stream.runner import STOP_CLOSE_MS, STOP_FLUSH_S
+    from serving.recorder import Recorder
+    from trainer.loop import STOP_WAIT_S
+
+    recorder_stop_s = inspect.signature(Recorder.stop).parameters["timeout_s"].default
+    for w in workloads(rendered("gpu")):
+        spec, r = pod_spec(w), role(w)
+        grace = spec["terminationGracePeriodSeconds"]
+        settings = role_settings(w, tmp_path / w["metadata"]["name"])
+        if r == "serve":
+            pre_stop = spec["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
+            assert grace >= pre_stop + settings.serve.drain_s + recorder_stop_s + 5
+        elif r in ("ingest", "reward"):
+            assert grace >= STOP_FLUSH_S + STOP_CLOSE_MS / 1000 + 30  # and the turn in progress
+        elif r == "trainer":
+            assert grace >= 2 * STOP_WAIT_S + 60  # and the last version's write
+        else:
+            assert grace >= settings.release.tick_s + 10
+
+
+def test_pods_run_unprivileged_without_service_links_and_with_bounds():
+    for overlay in OVERLAYS:
+        resources = rendered(overlay)
+        budgets = [r["spec"]["selector"]["matchLabels"] for r in resources if r["kind"] == "PodDisruptionBudget"]
+        for w in workloads(resources):
+            spec = pod_spec(w)
+            assert spec["enableServiceLinks"] is False
+            assert spec["securityContext"]["runAsNonRoot"] is True
+            c = spec["containers"][0]
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False
+            assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+            assert w["spec"]["selector"]["matchLabels"] in budgets
+            assert c["image"] == f"flywheel:{overlay}"
+        gpus = {w["metadata"]["name"] for w in workloads(resources)
+                if "nvidia.com/gpu" in pod_spec(w)["containers"][0]["resources"]["limits"]}
+        assert gpus == ({"flywheel-serving", "flywheel-trainer"} if overlay == "gpu" else set())
+
+
+def test_shard_pods_match_the_replicas_and_own_a_partition_each(tmp_path):
+    for w in workloads(rendered("cpu")):
+        if w["kind"] != "StatefulSet":
+            continue
+        env = {e["name"]: e["value"] for e in pod_spec(w)["containers"][0]["env"]}
+        assert int(env["SHARD_PODS"]) == w["spec"]["replicas"] <= int(env["FLYWHEEL_KAFKA_PARTITIONS"])
+
+
+def test_the_configmap_is_flywheel_config_example():
+    from cli.configdoc import example_toml
+
+    assert (K8S / "base" / "flywheel.toml").read_text() == example_toml(), \
+        "regenerate it: flywheel config example > deploy/k8s/base/flywheel.toml"
+
+
+def test_the_shard_line_gives_pod_i_of_n_every_partition_p_with_p_mod_n_equal_i(tmp_path):
+    """The StatefulSets' shell line, run by sh with the pod's hostname; ``flywheel`` here is a
+    script that prints the shards it was started with."""
+    import os
+    import subprocess
+
+    (tmp_path / "flywheel").write_text('#!/bin/sh\necho "$1 $FLYWHEEL_INGEST_SHARDS$FLYWHEEL_REWARD_SHARDS"\n')
+    (tmp_path / "flywheel").chmod(0o755)
+    for w in workloads(rendered("cpu")):
+        if w["kind"] != "StatefulSet":
+            continue
+        c = pod_spec(w)["containers"][0]
+        env = {e["name"]: e["value"] for e in c["env"]}
+        for n, partitions, pod, want in ((2, 4, 1, "1,3"), (3, 8, 0, "0,3,6"), (1, 4, 0, "0,1,2,3")):
+            run_env = {**os.environ, **env, "SHARD_PODS": str(n), "FLYWHEEL_KAFKA_PARTITIONS": str(partitions),
+                       "HOSTNAME": f"{w['metadata']['name']}-{pod}", "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+            out = subprocess.run([*c["command"], *c["args"]], env=run_env, capture_output=True, text=True, check=True)
+            assert out.stdout.split() == [role(w), want]
