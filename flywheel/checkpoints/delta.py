@@ -18,6 +18,8 @@ Decoding is vectorised (cumulative sum of gaps, one scatter-add), so applying a 
 than reading the full weights. :func:`naive_xor` is the dense XOR + zstd baseline the benchmark
 (bench/delta_compression.py) compares against. The container also carries the child's safetensors
 header, so reconstruction reproduces the child *file* byte for byte and its manifest hash holds.
+A delta is between two single files: the store keeps every version's weights as one
+``model.safetensors``, also for a model imported in shards (flywheel/checkpoints/store.py says why).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ sha256 its checkpoint event announced for N's manifest:
    byte of weights is copied), then every file it lists is copied into ``<cache>/.tmp-*``.
    A version whose full weights were pruned keeps a delta from its parent: the parent is fetched
    the same way from beside it (its own manifest need not be announced, because the child's final
-   hash check covers every byte it contributes).
+   hash check covers every byte it contributes). Weights in several files (the shards of an
+   imported model) are files of the manifest like any other: each is copied and checked; only
+   the trainer's single ``model.safetensors`` is ever pruned to a delta (the store's docstring
+   says why versions are consolidated).
 2. **rebuild**: deltas applied forward from the nearest full weights, each delta file and each
    intermediate result checked against its manifest (:meth:`CheckpointStore.materialize_bytes`).
 3. **verify**: every file and every tensor against the manifest, and the manifest against the
@@ -35,7 +38,14 @@ from typing import Any
 from flywheel.checkpoints import manifest
 from flywheel.checkpoints.delta import DeltaError
 from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError
-from flywheel.checkpoints.store import DELTA, WEIGHTS, CheckpointStore, verify_tensors, vname
+from flywheel.checkpoints.store import (
+    DELTA,
+    WEIGHTS,
+    CheckpointStore,
+    pruned,
+    verify_tensors,
+    vname,
+)
 
 log = logging.getLogger(__name__)
 
@@ -110,11 +120,11 @@ def _copy_chain(uri: str, version: int, want_sha: str | None, cache: CheckpointS
                 fs.get_file(f"{base}/{name}", str(tmp / name))
             except FileNotFoundError:
                 if name == WEIGHTS and DELTA in man["files"]:
-                    continue  # pruned: rebuilt from the parent below
+                    continue  # pruned: rebuilt from the parent below (no other file ever is)
                 raise VersionRefused(version, "absent", f"{name}, listed in its manifest, is missing at {uri}") from None
             except OSError as exc:
                 raise StoreUnreachable(f"copying {name} of version {version} from {uri}: {exc}") from exc
-        if not (tmp / WEIGHTS).exists():
+        if pruned(tmp, man):
             parent = man.get("parent")
             if not isinstance(parent, int) or parent < 0 or parent >= version:
                 raise VersionRefused(version, "malformed", f"its weights are a delta from an invalid parent {parent!r}")
@@ -131,7 +141,7 @@ def _rebuild_and_verify(cache: CheckpointStore, version: int, want_sha: str | No
                         seconds: dict[str, float]) -> dict[str, Any]:
     d = cache.path(version)
     t0 = time.perf_counter()
-    if not (d / WEIGHTS).exists():
+    if pruned(d, manifest.read(d)):
         cache.place_weights(version, cache.materialize_bytes(version))  # every delta and intermediate checked
     t1 = time.perf_counter()
     man = manifest.verify_dir(d, expect_manifest_sha256=want_sha)

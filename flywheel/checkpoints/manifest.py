@@ -1,7 +1,8 @@
 """Model-directory manifests: what a published version contains and the hashes that prove it.
 
 A served model directory is a Hugging Face directory (``config.json``, tokenizer files,
-``*.safetensors``) plus ``flywheel-manifest.json``. The manifest lists the sha256 of every file and
+``*.safetensors``: one file, or shards with their ``model.safetensors.index.json``, each a file of
+the manifest like any other) plus ``flywheel-manifest.json``. The manifest lists the sha256 of every file and
 of every tensor's raw bytes. Serving calls :func:`verify_dir` before it loads weights and refuses a
 directory whose bytes do not match, or that holds a file the manifest does not list; the trainer
 writes manifests when it publishes a version and the delta codec checks tensor hashes after
@@ -58,9 +59,16 @@ def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, list[int], bytes]]
 
 
 def tensor_hashes(directory: Path) -> dict[str, str]:
+    """sha256 of every tensor in every ``*.safetensors`` file of ``directory`` (one file, or the
+    shards of a sharded model), by tensor name. A name in two files is refused: which of the two
+    a loader keeps is its own choice, so the hashes could not say what is served."""
     out: dict[str, str] = {}
+    where: dict[str, str] = {}
     for path in sorted(directory.glob("*.safetensors")):
         for name, _dtype, _shape, raw in iter_tensor_bytes(path):
+            if name in where:
+                raise ManifestError(f"{directory}: tensor {name} is in both {where[name]} and {path.name}")
+            where[name] = path.name
             out[name] = hashlib.sha256(raw).hexdigest()
     return out
 

@@ -10,6 +10,17 @@ Layout under the store root (``<data_dir>/checkpoints`` by default)::
       flywheel-manifest.json         version, parent, step, samples, hashes, metrics, data offsets
       ds/                            DeepSpeed checkpoint (optimizer state), newest few versions only
 
+Every published version holds its weights as one file, ``model.safetensors``, also when the model
+it started from is sharded (``model-0000N-of-0000M.safetensors`` with an index, as ``flywheel model
+import`` keeps a Hugging Face directory). The consolidation is deliberate: the trainer holds every
+parameter on each rank (ZeRO 0-2) and writes them in one ``save_file``; a delta is then one
+container with one parent hash, a chain is one file per version, and serving rebuilds a version
+into one buffer. Shards exist to split uploads and downloads on a hub, which the store does not
+need; what they would buy here (rebuilding one shard at a time in less memory) is left for
+models whose weights do not fit a reader's memory. The source's shard files and its index are
+never copied beside the consolidated file: vLLM filters the weight files by an index it finds, so
+a stale index would hide ``model.safetensors`` from it.
+
 A version becomes visible in one atomic step: everything is written into ``.tmp-*`` beside it,
 fsynced, then renamed to ``vNNNNNNNN`` and the root directory fsynced. A directory without that
 name does not exist as far as readers and restarts are concerned, so a kill -9 at any moment leaves
@@ -51,7 +62,9 @@ DELTA = "delta.fwd"
 LEDGER = "ledger.json"
 DS_DIR = "ds"
 REBUILD_PREFIX = ".rebuild-"
-_SKIP_COPY = {WEIGHTS, manifest.MANIFEST_NAME, "model.safetensors.index.json"}
+#: Copied from the source model directory by every name but these (the weights are the trainer's).
+_SKIP_COPY = {manifest.MANIFEST_NAME}
+_SKIP_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
 def vname(version: int) -> str:
@@ -113,6 +126,10 @@ class CheckpointStore:
 
         Returns ``(manifest sha256, manifest)``.
         """
+        weights = sorted(p.name for p in tmp.iterdir() if p.name.endswith(_SKIP_SUFFIXES))
+        if weights != [WEIGHTS]:
+            raise ManifestError(f"a staged version holds its weights as one {WEIGHTS} (module docstring), "
+                                f"{tmp.name} holds {weights or 'none'}")
         _copy_model_files(source_dir, tmp)
         full = self.is_snapshot(version, parent)
         info: dict[str, Any] = {"full_snapshot": full}
@@ -174,7 +191,7 @@ class CheckpointStore:
     def materialize(self, version: int) -> Path:
         """Restore ``version``'s model.safetensors in place if pruned; verify every file; return the dir."""
         d = self.path(version)
-        if not (d / WEIGHTS).exists():
+        if pruned(d, self.manifest(version)):
             self.place_weights(version, self.materialize_bytes(version))
         man = manifest.verify_dir(d, allow_dirs={DS_DIR})
         verify_tensors(d, man)
@@ -223,6 +240,13 @@ def open_store(settings: Settings) -> CheckpointStore:
     return CheckpointStore(Path(local), full_every=cfg.full_every, keep_full=cfg.keep_full, keep_optimizer=cfg.keep_optimizer)
 
 
+def pruned(directory: Path, man: dict[str, Any]) -> bool:
+    """Whether a version's weights must be rebuilt from its delta chain: it keeps a delta and its
+    weights file is gone. A version without a delta holds all its weights, one file or shards;
+    a missing one is a missing file, not something to rebuild."""
+    return DELTA in man["files"] and not (Path(directory) / WEIGHTS).exists()
+
+
 def _check_file(man: dict[str, Any], name: str, data: bytes, version: int) -> None:
     import hashlib
 
@@ -245,7 +269,7 @@ def verify_tensors(directory: Path, man: dict[str, Any]) -> None:
 def _copy_model_files(source: Path, dest: Path) -> None:
     """Config, generation config and tokenizer files: everything serving needs besides weights."""
     for p in Path(source).iterdir():
-        wanted = p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(".safetensors")
+        wanted = p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(_SKIP_SUFFIXES)
         if wanted and not (dest / p.name).exists():  # a file the trainer wrote itself wins
             shutil.copy2(p, dest / p.name)
 
