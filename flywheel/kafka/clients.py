@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
-from kafka.errors import TopicAlreadyExistsError
+from kafka.errors import KafkaTimeoutError, TopicAlreadyExistsError
 
 from flywheel.kafka.batches import require_codecs
 from flywheel.kafka.patches import install_client_patches
+from flywheel.kafka.security import check_access, kafka_python_options
 from flywheel.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 def make_producer(cfg: KafkaSettings, role: str, **overrides: object) -> KafkaProducer:
     opts: dict[str, object] = {
-        "bootstrap_servers": cfg.bootstrap.split(","),
+        **kafka_python_options(cfg),
         "client_id": f"{cfg.client_id}-{role}",
         "acks": "all",
         "enable_idempotence": True,
@@ -70,7 +71,7 @@ def make_consumer(
     cfg: KafkaSettings, role: str, group_id: str | None, topics: Iterable[str] = (), **overrides: object
 ) -> KafkaConsumer:
     opts: dict[str, object] = {
-        "bootstrap_servers": cfg.bootstrap.split(","),
+        **kafka_python_options(cfg),
         "client_id": f"{cfg.client_id}-{role}",
         "group_id": group_id,
         "enable_auto_commit": False,
@@ -98,11 +99,14 @@ def make_consumer(
 NO_TOPIC_ID = "00000000-0000-0000-0000-000000000000"
 
 
-def topic_ids(bootstrap: str, topics: Iterable[str], *, client_id: str) -> dict[str, str]:
+def topic_ids(connection: Mapping[str, object], topics: Iterable[str], *, client_id: str) -> dict[str, str]:
     """Each topic's id: a UUID the broker gives a topic when it is created, so a topic deleted and
     created again under the same name has another. Topics that do not exist, or that the broker
-    gives no id, are left out (whoever asks then cannot tell, and goes on as before)."""
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap.split(","), client_id=client_id)
+    gives no id, are left out (whoever asks then cannot tell, and goes on as before).
+
+    ``connection``: how to reach the brokers, :func:`kafka_python_options` of the settings or
+    :func:`~flywheel.kafka.security.connection_of` a client that reaches them."""
+    admin = KafkaAdminClient(**connection, client_id=client_id)
     try:
         described = admin.describe_topics(sorted(set(topics)))
     finally:
@@ -121,7 +125,7 @@ def partitions_of(consumer: KafkaConsumer, topic: str, timeout_s: float = 30.0) 
     return set(parts)
 
 
-def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, client_id: str,
+def read_to_end(cfg: KafkaSettings, starts: dict[TopicPartition, int | None], *, client_id: str,
                 timeout_s: float = 60.0, max_fetch_bytes: int = 8 * 1024 * 1024,
                 ) -> Iterator[tuple[TopicPartition, ConsumerRecord]]:
     """Every record of each partition from its start offset (None: its beginning) up to the high
@@ -135,7 +139,7 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
     # A start offset the partition no longer holds reads from the oldest record left, never from
     # the end: a reader asked for everything after a point must not skip what is there. earliest covers a start that retention deleted (kafka-python's
     # default is the end); the loop below covers a start past the end.
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
+    consumer = KafkaConsumer(**kafka_python_options(cfg), group_id=None, client_id=client_id,
                              enable_auto_commit=False, max_partition_fetch_bytes=max_fetch_bytes,
                              auto_offset_reset="earliest")
     try:
@@ -174,7 +178,7 @@ def read_to_end(bootstrap: str, starts: dict[TopicPartition, int | None], *, cli
         consumer.close()
 
 
-def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id: str,
+def high_watermarks(cfg: KafkaSettings, tps: Iterable[TopicPartition], *, client_id: str,
                     timeout_s: float = 30.0) -> dict[TopicPartition, int]:
     """Each partition's end (the offset its next record will get), from a fetch response.
 
@@ -187,7 +191,7 @@ def high_watermarks(bootstrap: str, tps: Iterable[TopicPartition], *, client_id:
     # One byte per partition and fetch: the answer carries the watermark, the records are not
     # read. Short waits, broker and client side: an empty partition's fetch would otherwise be
     # held for fetch_max_wait_ms (500 ms), and the stage's loop waits with this call.
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=None, client_id=client_id,
+    consumer = KafkaConsumer(**kafka_python_options(cfg), group_id=None, client_id=client_id,
                              enable_auto_commit=False, max_partition_fetch_bytes=1, fetch_max_wait_ms=5)
     try:
         consumer.assign(tps)
@@ -210,10 +214,18 @@ def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | No
     default ``max.message.bytes`` (about 1 MB) is below the largest valid episode, and a record
     the broker refuses is refused at every try (the outbox then reports a stall). Topics created
     by other means need the same setting (docs/exactly-once.md).
+
+    The first broker call of every role, so it first checks the security settings
+    (:func:`~flywheel.kafka.security.check_access`): a wrong password, an untrusted authority or
+    the wrong protocol raises :class:`~flywheel.kafka.security.KafkaAccessError` naming the
+    setting, where the admin client would retry until its timeout and say only that no broker
+    answered.
     """
+    if not check_access(cfg, timeout_s=cfg.request_timeout_ms / 1000):
+        raise KafkaTimeoutError(f"no broker of kafka.bootstrap={cfg.bootstrap} answered in {cfg.request_timeout_ms} ms")
     # (the configured request timeout, not kafka-python's 30 s: a start while the broker does
     # not answer says so after it, flywheel/stream/runner.py until_the_broker_answers)
-    admin = KafkaAdminClient(bootstrap_servers=cfg.bootstrap.split(","), client_id=f"{cfg.client_id}-admin",
+    admin = KafkaAdminClient(**kafka_python_options(cfg), client_id=f"{cfg.client_id}-admin",
                              request_timeout_ms=cfg.request_timeout_ms, bootstrap_timeout_ms=cfg.request_timeout_ms)
     try:
         existing = set(admin.list_topics())

@@ -24,6 +24,7 @@ from kafka import errors as kafka_errors
 from kafka.errors import KafkaError, MessageSizeTooLargeError
 
 from flywheel.kafka.clients import force_close, make_producer
+from flywheel.kafka.security import librdkafka_options
 from flywheel.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class ConfluentOutput:
 
     def __init__(self, cfg: KafkaSettings, role: str) -> None:
         self._conf = {
-            "bootstrap.servers": cfg.bootstrap,
+            **librdkafka_options(cfg),
             "client.id": f"{cfg.client_id}-{role}",
             "enable.idempotence": True,
             "acks": "all",

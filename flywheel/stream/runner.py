@@ -46,6 +46,7 @@ from flywheel.kafka.clients import partitions_of, topic_ids
 from flywheel.kafka.ends import readable_end
 from flywheel.kafka.headers import unreadable_header
 from flywheel.kafka.lag import LagGauge
+from flywheel.kafka.security import connection_of
 from flywheel.probes import Heartbeat
 from flywheel.settings import SettingsError
 from flywheel.stream.deadletters import DeadLetters
@@ -167,9 +168,8 @@ class StreamRunner(ConsumerRebalanceListener):
         max_owed: int = MAX_OWED_ROWS,
     ) -> None:
         self.stage, self.store, self.outbox, self.consumer = stage, store, outbox, consumer
-        # where the consumer reads: the topic ids of the inputs are asked there
-        servers = consumer.config["bootstrap_servers"]
-        self.bootstrap = servers if isinstance(servers, str) else ",".join(servers)
+        # where and how the consumer reads: the topic ids of the inputs are asked there, so
+        self.connection = connection_of(consumer.config)
         self.max_owed = max_owed
         self.holding = False  # input paused: the outbox owes max_owed rows
         self.topics, self.lag, self.max_batch, self.poll_ms = topics, lag, max_batch, poll_ms
@@ -268,7 +268,7 @@ class StreamRunner(ConsumerRebalanceListener):
         has grown past them: read from there, they were lost without a trace.
         """
         changed, recreated = self.store.changed_ids(
-            topic_ids(self.bootstrap, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
+            topic_ids(self.connection, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
         if not changed:
             return stored
         restart = {key: 0 for key in [*stored, *((tp.topic, tp.partition) for tp in assigned)] if key[0] in recreated}

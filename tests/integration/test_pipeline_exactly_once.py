@@ -62,7 +62,7 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.kafka.clients import high_watermarks, make_producer
-from flywheel.settings import RewardSettings, load_settings
+from flywheel.settings import KafkaSettings, RewardSettings, load_settings
 from flywheel.stream.deadletters import DEADLETTER_PREFIX_BYTES
 from ingest.stage import DEADLETTER_REASONS as INGEST_REASONS
 from reward.guards import within_cap
@@ -346,7 +346,7 @@ def read_topic(bootstrap: str, topic: str, until=None, timeout_s: float = 60.0):
         consumer.seek_to_beginning(*tps)
         while True:
             # a fetch's high watermark: the embedded broker answers offset requests wrongly
-            ends = high_watermarks(bootstrap, tps, client_id="test-read")
+            ends = high_watermarks(KafkaSettings(bootstrap=bootstrap), tps, client_id="test-read")
             while any(consumer.position(tp) < ends[tp] for tp in tps) and time.monotonic() < deadline:
                 for records in consumer.poll(timeout_ms=300).values():
                     out.extend(records)

@@ -122,7 +122,7 @@ def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: f
 def releases(kafka_settings, topics) -> list[ReleaseEvent]:
     """The releases topic up to its end, in revision order."""
     starts = {TopicPartition(topics.releases, p): None for p in range(kafka_settings.partitions)}
-    got = [decode(ReleaseEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts, client_id="t")]
+    got = [decode(ReleaseEvent, rec.value) for _, rec in read_to_end(kafka_settings, starts, client_id="t")]
     return sorted(got, key=lambda r: r.revision)
 
 
@@ -287,7 +287,7 @@ def test_a_malformed_checkpoint_record_is_dead_lettered_and_the_controller_goes_
     publish_checkpoint(kafka_settings, topics, checkpoint_event(trained[0], 1))
     tick_until(ctl, lambda: rs.get(1) is not None, "the valid candidate")
     starts = {TopicPartition(topics.deadletter, p): None for p in range(kafka_settings.partitions)}
-    letters = [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts,
+    letters = [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings, starts,
                                                                             client_id="t")]
     assert [(dl.stage, dl.reason, dl.source_topic) for dl in letters] == [("release", "invalid", topics.checkpoints)]
     assert [c.version for c in rs.candidates()] == [1]
@@ -489,7 +489,7 @@ def bad_uri_checkpoint(version: int, uri: str) -> bytes:
 
 def dead_letters(kafka_settings, topics) -> list[DeadLetterEvent]:
     starts = {TopicPartition(topics.deadletter, p): None for p in range(kafka_settings.partitions)}
-    return [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings.bootstrap, starts,
+    return [decode(DeadLetterEvent, rec.value) for _, rec in read_to_end(kafka_settings, starts,
                                                                          client_id="t")]
 
 

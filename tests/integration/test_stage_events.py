@@ -46,7 +46,7 @@ def recreate(kafka_settings, topic: str) -> None:
         admin.close()
     ensure_topics(kafka_settings, [topic])
     tp = TopicPartition(topic, 0)
-    assert high_watermarks(kafka_settings.bootstrap, [tp], client_id="test")[tp] == 0
+    assert high_watermarks(kafka_settings, [tp], client_id="test")[tp] == 0
 
 
 def owe(store: StateStore, topic: str, values: list[str]) -> None:

@@ -61,7 +61,7 @@ def test_every_reader_gets_past_an_unreadable_batch(kafka_settings, topics, brea
     assert marker is not None and (marker.first, marker.last) == (read[-1] + 1, 3)
     assert got[-1].value == b"after"
     # the reader behind the dead-letter tools
-    scanned = [rec.offset for _, rec in read_to_end(kafka_settings.bootstrap, {TopicPartition(topic, 0): 0},
+    scanned = [rec.offset for _, rec in read_to_end(kafka_settings, {TopicPartition(topic, 0): 0},
                                                      client_id="test", timeout_s=20)]
     assert scanned == [*read, 3, 4]
 

@@ -62,7 +62,7 @@ def test_every_reader_gets_past_a_header_key_that_is_not_utf8(kafka_settings, to
     assert recs[1].headers[1] == ("ok", b"2")
     assert unreadable_header(recs[0].headers) is None
     # the reader behind the dead-letter tools
-    scanned = [rec.offset for _, rec in read_to_end(kafka_settings.bootstrap, {TopicPartition(topics.generations, 0): 0},
+    scanned = [rec.offset for _, rec in read_to_end(kafka_settings, {TopicPartition(topics.generations, 0): 0},
                                                      client_id="test", timeout_s=20)]
     assert scanned == [0, 1, 2]
 

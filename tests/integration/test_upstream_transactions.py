@@ -94,7 +94,7 @@ def name(tp: TopicPartition) -> str:
 
 def ends(kafka_settings, topics) -> dict[TopicPartition, int]:
     tps = [TopicPartition(t, p) for t in (topics.generations, topics.feedback) for p in range(PARTITIONS)]
-    return high_watermarks(kafka_settings.bootstrap, tps, client_id="test")
+    return high_watermarks(kafka_settings, tps, client_id="test")
 
 
 class Ingest:
@@ -358,10 +358,10 @@ def test_an_output_partition_that_ends_in_a_commit_marker_is_read_to_its_end_and
 
     tp = TopicPartition(topics.deadletter, part)
     started = time.monotonic()
-    read = [rec.value for _, rec in read_to_end(kafka_settings.bootstrap, {tp: 0}, client_id="test", timeout_s=5.0)]
+    read = [rec.value for _, rec in read_to_end(kafka_settings, {tp: 0}, client_id="test", timeout_s=5.0)]
     assert time.monotonic() - started < 5.0 and sorted(read) == sorted([b"foreign"] * 2 + [f"v{i}".encode()
                                                                                          for i in range(10)])
-    assert high_watermarks(kafka_settings.bootstrap, [tp], client_id="test")[tp] > 12  # past the records: markers
+    assert high_watermarks(kafka_settings, [tp], client_id="test")[tp] > 12  # past the records: markers
 
     second = Outbox(store, make_output_producer(kafka_settings, "t2"))
     assert second.deliver({0}, wait=True) == 10 and store.owed == 0
@@ -402,5 +402,5 @@ def test_the_trainers_offset_book_settles_past_the_markers_and_resumes_after_the
     assert offsets[-1] + 1 <= book.floors[(tp.topic, 0)] <= end and not book.above.get((tp.topic, 0))
     restart = OffsetBook.from_json(book.to_json())
     starts = {tp: restart.resume_at(tp.topic, 0)}
-    again = list(read_to_end(kafka_settings.bootstrap, starts, client_id="test", timeout_s=10))
+    again = list(read_to_end(kafka_settings, starts, client_id="test", timeout_s=10))
     assert again == []

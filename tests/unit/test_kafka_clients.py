@@ -14,6 +14,7 @@ import pytest
 from kafka import TopicPartition
 
 from flywheel.kafka import clients as bus
+from flywheel.settings import KafkaSettings
 
 TP = TopicPartition("t", 0)
 
@@ -52,20 +53,18 @@ class _Trickle:
 def test_a_read_that_keeps_getting_records_runs_past_the_limit(monkeypatch):
     monkeypatch.setattr(bus, "KafkaConsumer", _Trickle(8, 0.1))
     started = time.monotonic()
-    got = [rec for _, rec in bus.read_to_end("b", {TP: 0}, client_id="t", timeout_s=0.35)]
+    got = [rec for _, rec in bus.read_to_end(KafkaSettings(bootstrap="b:9092"), {TP: 0}, client_id="t", timeout_s=0.35)]
     assert got == list(range(8)) and time.monotonic() - started > 0.35
 
 
 def test_a_read_that_gets_nowhere_is_a_timeout_the_stages_retry(monkeypatch):
     monkeypatch.setattr(bus, "KafkaConsumer", _Trickle(None, 0.05))
     with pytest.raises(TimeoutError, match="no progress in 0s"):
-        list(bus.read_to_end("b", {TP: 0}, client_id="t", timeout_s=0.3))
+        list(bus.read_to_end(KafkaSettings(bootstrap="b:9092"), {TP: 0}, client_id="t", timeout_s=0.3))
 
 
 def test_topics_are_created_to_take_records_as_large_as_a_produce_request(monkeypatch):
     """Kafka's default limit (about 1 MB) refuses valid episodes, at every try."""
-    from flywheel.settings import KafkaSettings
-
     created = []
 
     class Admin:
@@ -80,5 +79,6 @@ def test_topics_are_created_to_take_records_as_large_as_a_produce_request(monkey
         def close(self) -> None: ...
 
     monkeypatch.setattr(bus, "KafkaAdminClient", Admin)
+    monkeypatch.setattr(bus, "check_access", lambda cfg, timeout_s: True)  # no broker here
     bus.ensure_topics(KafkaSettings(max_request_bytes=9 << 20), ["old", "new"])
     assert [(t.name, t.topic_configs) for t in created] == [("new", {"max.message.bytes": str(9 << 20)})]
