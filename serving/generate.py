@@ -209,6 +209,10 @@ def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
 
 
 def _chat_prompt(tok: Any, messages: list[dict[str, str]], body: ChatRequest) -> str:
+    if not tok.chat_template:
+        # a base model imported without one (`flywheel model import` warns): no format to guess
+        raise ApiError(400, "this model has no chat template: send the prompt in the model's own format to "
+                            "/v1/completions", "messages")
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
                                        continue_final_message=body.continue_final_message)

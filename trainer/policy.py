@@ -65,6 +65,51 @@ def without_aliases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+class ModelRefused(ValueError):
+    """A model directory the trainer could not load, and why (:func:`check_model_dir`)."""
+
+
+def check_model_dir(model_dir: Path) -> None:
+    """What :meth:`Policy.load` does with ``model_dir``, on the meta device: the model class
+    transformers picks from the config is built without memory, and every tensor it expects must
+    be in the directory's safetensors (one file or shards) with its shape, and nothing else.
+    Seconds for any model size, where loading the weights would take their memory in fp32.
+
+    A tied output head (``tie_word_embeddings``) may be absent, or stored too: loaders tie it
+    again from the config. Checkpoints whose names transformers converts while loading (fused
+    experts of some mixture-of-experts models) are refused here, with the names that differ.
+    Raises :class:`ModelRefused`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from flywheel.checkpoints.manifest import safetensors_header
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - an unknown architecture, remote code, a bad config
+        raise ModelRefused(f"transformers cannot build it: {exc}") from None
+    want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    stored = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers() if n in want}
+    tied = set(want) - stored  # second names of one tensor
+    held: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        held.update((k, tuple(v["shape"])) for k, v in safetensors_header(path)[0].items() if k != "__metadata__")
+    problems = [
+        (what, names) for what, names in (
+            ("missing", sorted(set(want) - set(held) - tied)),
+            ("not in the model", sorted(set(held) - set(want))),
+            ("of the wrong shape", [f"{n} {list(held[n])} (the model's {list(want[n])})"
+                                    for n in sorted(set(want) & set(held)) if held[n] != want[n]]),
+        ) if names
+    ]
+    if problems:
+        raise ModelRefused(f"its weights do not fit {type(model).__name__}: " + "; ".join(
+            f"{len(names)} {what} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for what, names in problems))
+
+
 @dataclass
 class Batch:
     input_ids: torch.Tensor  # [B, L]
