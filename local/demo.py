@@ -71,11 +71,22 @@ def ensure_model(model_dir: Path) -> Path:
 
 
 def run(settings: Settings, args: Any) -> int:
-    from local.broker import free_port
-    from local.report import read_stage_times, read_versions, summarise, write_html, write_png
+    from local.broker import free_port, tansu_binary
+    from local.report import (
+        read_stage_times,
+        read_versions,
+        require_plot,
+        summarise,
+        write_html,
+        write_png,
+    )
     from local.simulate import Config, Simulator
     from local.up import STAGES
 
+    # what the demo needs beyond a production install, checked before minutes of running
+    if "FLYWHEEL_KAFKA_BOOTSTRAP" not in os.environ:
+        tansu_binary()
+    require_plot()
     config = Path(args.config) if getattr(args, "config", None) else DEMO_CONFIG
     root = Path(settings.data_dir) / "demo"
     shutil.rmtree(root, ignore_errors=True)

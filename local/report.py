@@ -357,11 +357,17 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
 
 
 # -- rendering -------------------------------------------------------------------------------
+def require_plot() -> Any:
+    """matplotlib, or MissingExtra naming the extra that installs it (flywheel/extras.py)."""
+    from flywheel.extras import require
+
+    return require("matplotlib", "demo", "The demo report's plot")
+
+
 def write_png(summary: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> Path:
     """Accept rate over time (overall, and each version's answers) with the release decisions
     marked; request latency under it."""
-    import matplotlib
-
+    matplotlib = require_plot()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -224,13 +224,15 @@ def run(settings: Any, args: Any) -> int:
     """``flywheel up``."""
     from flywheel.contracts import Topics
     from flywheel.kafka.clients import ensure_topics
-    from local.broker import EmbeddedBroker, free_port
+    from local.broker import EmbeddedBroker, free_port, tansu_binary
     from local.demo import ensure_model
 
     data_dir = Path(settings.data_dir)
+    bootstrap = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
+    if bootstrap is None:
+        tansu_binary()  # an install without the embedded broker says so now, not after building a model
     model_dir = ensure_model(Path(settings.model_dir))
     broker = None
-    bootstrap = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
     if bootstrap is None:
         broker = EmbeddedBroker(port=getattr(args, "broker_port", None) or free_port()).start()
         bootstrap = broker.bootstrap
