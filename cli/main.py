@@ -14,7 +14,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel deadletters summary|show|replay   what the stages could not use, and its replay
     flywheel keys generate --out DIR --key-id ID   an Ed25519 pair that signs releases or checkpoints
     flywheel release serve                 the release controller: gates, canaries, approvals, API
-    flywheel release list|show|approve|... its REST API from a terminal (release/client.py)
+    flywheel release list|show|approve|undo|... its REST API from a terminal (release/client.py)
     flywheel up                            the whole loop on one machine, supervised, until Ctrl-C
     flywheel status                        what `flywheel up` runs: pids, ports, restarts
     flywheel simulate                      simulated users with hidden preferences, against the API
@@ -202,6 +202,10 @@ def _add_release(sub: Any) -> None:
         c.set_defaults(func=cmd_release)
 
     command("status", "stable and canary versions, pause, lease, controller health")
+    cmds.choices["status"].add_argument("--watch", action="store_true",
+                                        help="print the status again whenever it changes, until Ctrl-C")
+    cmds.choices["status"].add_argument("--interval", type=_seconds, default=2.0,
+                                        help="with --watch: seconds between polls (default 2)")
     command("list", "every candidate with its state and verdicts")
     command("show", "one candidate: gate, live analysis and audit entries", version="positional")
     command("approve", "promote a version awaiting approval (approver)", version="positional", reason="optional")
@@ -210,8 +214,15 @@ def _add_release(sub: Any) -> None:
             version="option", reason="optional")
     command("pause", "stop starting gates and canaries (admin)", reason="required")
     command("resume", "start gates and canaries again (admin)", reason="required")
+    command("undo", "return stable to an earlier promoted version, verified again first (approver)",
+            reason="optional")
+    cmds.choices["undo"].add_argument("--to", type=_count, required=True, metavar="N",
+                                      help="the promoted version stable goes back to")
     command("audit", "the audit log, newest first", version="option")
     cmds.choices["audit"].add_argument("--limit", type=_count, default=None, help="at most this many entries")
+    for read in ("status", "list", "show", "audit"):  # the API's JSON body, for scripts
+        cmds.choices[read].add_argument("-o", "--output", choices=("table", "json"), default="table",
+                                        help="table (default) or json: the API's body as one line")
 
 
 def _age(text: str) -> float:
@@ -225,6 +236,14 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
 
 

@@ -69,6 +69,31 @@ ROWS = [
             ('max(ingest_stalled_seconds)', "ingest"), ('max(reward_stalled_seconds)', "reward"),
             ('max(trainer_stalled_seconds)', "trainer")]),
     ]),
+    ("Release", [
+        ("Candidates by state", "short", [
+            ('max by (state) (release_candidates)', "{{state}}")]),
+        ("Live canary: e-values (a verdict at 1/alpha, 20 at the default)", "short", [
+            ('max by (direction) (release_canary_e_value)', "canary {{direction}}")]),
+        ("Live canary: confidence band on its win share (0.5: no difference)", "percentunit", [
+            ('max by (bound) (release_canary_band)', "{{bound}}")]),
+        ("Live canary: accept rate and outcomes by arm", "short", [
+            ('max by (arm) (release_canary_accept_rate)', "accept rate {{arm}}"),
+            ('max by (arm) (release_canary_outcomes)', "outcomes {{arm}}"),
+            ('max by (arm) (release_canary_accepts)', "accepts {{arm}}")]),
+        ("Seconds in state: canary, awaiting approval, held", "s", [
+            ('max by (state) (release_state_seconds)', "{{state}}")]),
+        ("Decisions per hour by outcome and actor", "short", [
+            ('sum by (outcome, actor_kind) (increase(release_decisions_total[1h]))', "{{outcome}} by {{actor_kind}}")]),
+        ("Gate: p95 duration and verdicts per hour", "short", [
+            ('histogram_quantile(0.95, sum by (le) (rate(release_gate_seconds_bucket[6h])))', "p95 seconds"),
+            ('sum by (outcome) (increase(release_gate_verdicts_total[1h]))', "{{outcome}}")]),
+        ("Routing revision: decided and published (broker-acked)", "short", [
+            ('max by (phase) (release_routing_revision)', "{{phase}}")]),
+        ("Lease held (1 per deployment), database up, webhooks", "short", [
+            ('sum(release_lease_held)', "replicas holding the lease"),
+            ('min(release_database_up)', "database up"),
+            ('sum by (outcome) (increase(release_webhook_deliveries_total[1h]))', "webhooks {{outcome}}/h")]),
+    ]),
     ("Trainer", [
         ("Loss and mean reward", "short", [
             ('trainer_loss_value', "loss"), ('trainer_reward_mean', "reward mean")]),

@@ -598,6 +598,24 @@ class ReleaseSettings(_Section):
     """Public keys (files or directories of ``<key id>.pub``) whose signatures the controller
     accepts on checkpoint announcements (the trainer's); any other is dead-lettered and never
     becomes a candidate. Empty: announcements are not verified (logged at start)."""
+    webhooks: tuple[str, ...] = ()
+    """URLs (``http://`` or ``https://``) every release decision is POSTed to as JSON, with a
+    ``text`` field a chat tool shows (release/webhooks.py; ``FLYWHEEL_RELEASE_WEBHOOKS``,
+    comma-separated). Logged as scheme and host only: chat tools put their secret in the path."""
+    webhook_attempts: int = Field(default=5, ge=1)
+    """Attempts at each webhook body before it is given up (and counted failed)."""
+    webhook_backoff_s: float = Field(default=1.0, gt=0)
+    """Wait after a webhook's first failed attempt; doubled after each next one, at most a minute."""
+
+    @field_validator("webhooks")
+    @classmethod
+    def _webhook_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
+        for n, url in enumerate(urls, 1):
+            scheme, sep, rest = url.partition("://")
+            if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
+                # the value is not shown: it may hold the receiver's secret
+                raise ValueError(f"webhook {n} of {len(urls)} is not an http:// or https:// URL with a host")
+        return urls
 
 
 class ProbeSettings(_Section):
@@ -769,6 +787,9 @@ def describe(settings: Settings) -> str:
         release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]
     if release.get("database_url"):
         release["database_url"] = redact_database_url(release["database_url"])
+    if release.get("webhooks"):  # a chat tool's webhook URL holds its secret in the path
+        release["webhooks"] = [u.split("://", 1)[0] + "://" + u.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1] + "/***"
+                               for u in release["webhooks"]]
     serve["user_id_salt"] = "***"
     if data.get("kafka", {}).get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from release.states import LIVE, State, TransitionRefused
-from release.store import BackToStable, ReleaseStore, Routing
+from release.store import BackToStable, Candidate, ReleaseStore, Revision, Routing
 
 
 class ActionRefused(ValueError):
@@ -54,6 +54,30 @@ def rollback(store: ReleaseStore, actor: str, reason: str, evidence: dict[str, A
     return cand.version
 
 
+def undo_target(store: ReleaseStore, version: int) -> Candidate:
+    """The candidate ``undo`` would make stable, when the rules allow it now (checked again, inside
+    the transaction, by :func:`undo`): a version promoted before, not stable already."""
+    cand = _known(store, version)
+    if cand.state != State.PROMOTED:
+        raise ActionRefused(f"version {version} is {cand.state.value}: only a version promoted before can be "
+                            "stable again")
+    if store.stable_version() == version:
+        raise ActionRefused(f"version {version} is already stable")
+    live = store.candidates(set(LIVE))
+    if live:
+        raise ActionRefused(f"a canary is live (v{live[-1].version}): roll it back first, then undo")
+    return cand
+
+
+def undo(store: ReleaseStore, version: int, actor: str, reason: str) -> Revision:
+    """Return stable to ``version``, promoted before (verified by the caller); the new revision.
+    Refused while a canary is live: roll it back first (release/store.py ``undo``)."""
+    try:
+        return store.undo(version, actor, reason)
+    except TransitionRefused as exc:
+        raise ActionRefused(str(exc)) from None
+
+
 def pause(store: ReleaseStore, actor: str, reason: str) -> bool:
     """Stop the pipeline from starting gates and canaries (a live canary keeps being measured and
     is still rolled back on a failure); False when it was paused already."""
@@ -64,7 +88,7 @@ def resume(store: ReleaseStore, actor: str, reason: str) -> bool:
     return store.set_paused(False, actor, reason or "no reason given")
 
 
-def _known(store: ReleaseStore, version: int):
+def _known(store: ReleaseStore, version: int) -> Candidate:
     cand = store.get(version)
     if cand is None:
         raise ActionRefused(f"no version {version} was ever published to this controller")

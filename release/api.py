@@ -16,6 +16,8 @@ GET      /api/candidates/{version}            viewer    one, with gate, live ana
 POST     /api/candidates/{version}/approve    approver  promote it (``{"reason"}`` optional)
 POST     /api/candidates/{version}/reject     approver  turn it down (``{"reason"}`` optional)
 POST     /api/rollback                        approver  end the live canary (``{"reason", "version"}``)
+POST     /api/undo                            approver  stable back to an earlier promoted version
+                                                        (``{"to", "reason"}``), verified again first
 POST     /api/pause                           admin     stop starting gates and canaries (``{"reason"}``)
 POST     /api/resume                          admin     start them again (``{"reason"}``)
 GET      /api/audit?version=&limit=           viewer    the audit log, newest first
@@ -47,7 +49,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Annotated, Any, TypeVar
@@ -67,6 +69,8 @@ from flywheel.terminal import ONE_LINE, check_one_line
 from release import actions
 from release.actions import ActionRefused
 from release.auth import STATE_KEY, Role, parse_tokens, require
+from release.decisions import DecisionCounter
+from release.metrics import StoreCollector
 from release.openapi import (
     AuditList,
     CandidateDetail,
@@ -77,10 +81,11 @@ from release.openapi import (
     Rejected,
     RolledBack,
     Status,
+    Undone,
     route,
 )
 from release.openapi import install as install_openapi
-from release.store import Candidate, ReleaseStore, Revision
+from release.store import AuditEntry, Candidate, ReleaseStore, Revision
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +124,12 @@ class RollbackBody(ReasonBody):
     person rolls back the canary they looked at, not one that started since)."""
 
     version: int | None = Field(default=None, ge=0, le=MAX_VERSION)
+
+
+class UndoBody(ReasonBody):
+    """Body of undo: the earlier promoted version stable goes back to."""
+
+    to: int = Field(ge=0, le=MAX_VERSION)
 
 
 class RequiredReasonBody(BaseModel):
@@ -268,12 +279,19 @@ class ApiMetrics:
 
 def make_app(store: ReleaseStore, settings: ReleaseSettings,
              status: Callable[[], dict[str, Any]] | None = None,
-             registry: CollectorRegistry | None = None, live: HealthFn | None = None) -> FastAPI:
+             registry: CollectorRegistry | None = None, live: HealthFn | None = None,
+             verify: Callable[[Candidate], None] | None = None,
+             notify: Sequence[Callable[[AuditEntry], None]] = ()) -> FastAPI:
     """The API over ``store`` (module docstring). ``status``, when given, is the controller loop's
     health report, shown under ``controller`` in ``/api/status``; ``/health`` says only whether it
     is ``ok``. ``registry``, when given, is the process's registry, so ``/metrics`` shows the
     controller's own metrics (its dead letters) beside the API's. ``live``, when given, is the
-    controller loop's liveness (``/livez``; without it ``/livez`` says only that the API answers). Raises
+    controller loop's liveness (``/livez``; without it ``/livez`` says only that the API answers).
+    ``verify`` checks a version against its manifest before ``/api/undo`` routes users back to it
+    (the controller's :meth:`~release.controller.Controller.verify`; without it undo is refused).
+    ``notify`` are audit listeners for the decisions people make here (release/webhooks.py); the
+    decisions are counted on ``registry`` (``app.state.decisions``, which the process hands to the
+    controller loop's store as well), and the database's gauges are read at each scrape. Raises
     :class:`~flywheel.settings.SettingsError` for malformed ``settings.tokens``."""
     app = FastAPI(title="flywheel release controller", docs_url=None, redoc_url=None)
     setattr(app.state, STATE_KEY, parse_tokens(settings.tokens))
@@ -282,8 +300,12 @@ def make_app(store: ReleaseStore, settings: ReleaseSettings,
     app.add_middleware(CountRequests, metrics=metrics)
     _errors(app)
     lock = threading.Lock()
+    app.state.decisions = DecisionCounter(registry)
+    store.listeners.extend((app.state.decisions, *notify))
+    registry.register(StoreCollector(store, lock))
     _read_routes(app, store, settings, status, lock)
     _action_routes(app, store, settings, metrics, lock)
+    _undo_route(app, store, metrics, lock, verify)
     _ops_routes(app, store, registry, status, lock, live)
     _console(app)
     install_openapi(app)
@@ -380,6 +402,35 @@ def _action_routes(app: FastAPI, store: ReleaseStore, settings: ReleaseSettings,
                                      role="admin"))
     def resume(actor: Admin, body: Annotated[RequiredReasonBody, Depends(_body(RequiredReasonBody))]) -> dict[str, Any]:
         return pipeline("resume", False, actor, body.reason)
+
+
+def _undo_route(app: FastAPI, store: ReleaseStore, metrics: ApiMetrics, lock: threading.Lock,
+                verify: Callable[[Candidate], None] | None) -> None:
+    @app.post("/api/undo", **route(Undone, 400, 401, 403, 409, 413, body=UndoBody, body_required=True,
+                                   role="approver"))
+    def undo(actor: Approver, body: Annotated[UndoBody, Depends(_body(UndoBody))]) -> dict[str, Any]:
+        """Stable back to ``to``, a version promoted before (Argo Rollouts' ``undo``). The version
+        is rebuilt from the checkpoint store and checked against its manifest first, outside the
+        lock (seconds to minutes on a large model); serving checks it again as it loads it."""
+        try:
+            with lock:
+                cand = actions.undo_target(store, body.to)
+            if verify is None:
+                raise ActionRefused("this API was started without the checkpoint store: it cannot verify a version")
+            try:
+                verify(cand)
+            except Exception as exc:  # noqa: BLE001 - any failure to rebuild or verify refuses the undo
+                raise ActionRefused(f"version {body.to} failed verification, stable stays: "
+                                    f"{type(exc).__name__}: {exc}") from None
+            with lock:
+                rev = actions.undo(store, body.to, actor, body.reason or "undo (no reason given)")
+        except ActionRefused as exc:
+            metrics.actions.labels("undo", "refused").inc()
+            with lock:
+                store.note(body.to if store.get(body.to) else None, actor, f"undo refused: {exc}")
+            raise
+        metrics.actions.labels("undo", "done").inc()
+        return {"version": body.to, "state": "stable", "revision": asdict(rev)}
 
 
 def _ops_routes(app: FastAPI, store: ReleaseStore, registry: CollectorRegistry,

@@ -10,7 +10,12 @@
     flywheel release rollback [--reason R] [--version V]   end the live canary (approver)
     flywheel release pause --reason R             stop starting gates and canaries (admin)
     flywheel release resume --reason R            start them again (admin)
+    flywheel release undo --to N [--reason R]       stable back to an earlier promoted version N (approver)
     flywheel release audit [--version V] [--limit N]
+    flywheel release status --watch [--interval S] print the status again whenever it changes (Ctrl-C ends)
+
+Every read command (``status``, ``list``, ``show``, ``audit``) takes ``-o json``: the API's own JSON
+body, one line (with ``--watch``, one line per change), for scripts and ``jq``.
 
 Every command talks HTTP to ``--url`` (default ``http://<release.host>:<release.port>``) with
 ``--token`` (default ``FLYWHEEL_RELEASE_TOKEN``), so it works from any machine that can reach the
@@ -22,6 +27,7 @@ missing, wrong or its role too low (401, 403), 1 for any other failure.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -72,6 +78,9 @@ class ReleaseClient:
     def rollback(self, reason: str | None, version: int | None = None) -> dict[str, Any]:
         body = _reason(reason) | ({"version": version} if version is not None else {})
         return self._call("POST", "/api/rollback", body)
+
+    def undo(self, to: int, reason: str | None) -> dict[str, Any]:
+        return self._call("POST", "/api/undo", {"to": to} | _reason(reason))
 
     def pause(self, reason: str) -> dict[str, Any]:
         return self._call("POST", "/api/pause", {"reason": reason})
@@ -235,15 +244,23 @@ def _pipeline_note(resp: dict[str, Any]) -> str:
     return f"pipeline {state}" if resp["changed"] else f"pipeline was already {state}: nothing changed"
 
 
+#: Read commands: what each asks the API for, and how a person reads it (``-o json``: the body as is).
+READS = {
+    "status": (lambda c, a: c.status(), format_status),
+    "list": (lambda c, a: {"candidates": c.candidates()}, lambda body: format_candidates(body["candidates"])),
+    "show": (lambda c, a: c.candidate(a.version), format_candidate),
+    "audit": (lambda c, a: {"entries": c.audit(a.version, a.limit)}, lambda body: format_audit(body["entries"])),
+}
+
+
 def run_command(client: ReleaseClient, args: argparse.Namespace) -> str:
-    """Do ``args.release_cmd`` and say what happened, in a line or a table."""
+    """Do ``args.release_cmd`` and say what happened, in a line or a table (a read command's
+    body as one JSON line with ``-o json``)."""
+    if args.release_cmd in READS:
+        fetch, show = READS[args.release_cmd]
+        body = fetch(client, args)
+        return json.dumps(body, sort_keys=True) if getattr(args, "output", "table") == "json" else show(body)
     match args.release_cmd:
-        case "status":
-            return format_status(client.status())
-        case "list":
-            return format_candidates(client.candidates())
-        case "show":
-            return format_candidate(client.candidate(args.version))
         case "approve":
             return f"promoted v{args.version}" + _revision_note(client.approve(args.version, args.reason))
         case "reject":
@@ -251,12 +268,13 @@ def run_command(client: ReleaseClient, args: argparse.Namespace) -> str:
         case "rollback":
             resp = client.rollback(args.reason, args.version)
             return f"rolled back v{resp['version']}" + _revision_note(resp)
+        case "undo":
+            resp = client.undo(args.to, args.reason)
+            return f"stable is v{resp['version']} again" + _revision_note(resp)
         case "pause":
             return _pipeline_note(client.pause(args.reason))
         case "resume":
             return _pipeline_note(client.resume(args.reason))
-        case "audit":
-            return format_audit(client.audit(args.version, args.limit))
     raise ValueError(f"unknown release command {args.release_cmd!r}")
 
 
@@ -266,6 +284,8 @@ def main(args: argparse.Namespace, url: str, token: str | None,
     out, err = out or sys.stdout, err or sys.stderr
     client = ReleaseClient(url, token)
     try:
+        if getattr(args, "watch", False):
+            return watch(client, args, out, err)
         print(run_command(client, args), file=out)
         return EXIT_OK
     except ApiError as exc:
@@ -274,6 +294,46 @@ def main(args: argparse.Namespace, url: str, token: str | None,
         return EXIT_AUTH if exc.status in (401, 403) else EXIT_ERROR
     finally:
         client.close()
+
+
+#: What changes in a status body without anything happening: the server's clock, the lease's
+#: renewal, the age of the controller's last turn. ``--watch`` prints again only on the rest.
+VOLATILE = (("time",), ("lease", "expires_at"), ("controller", "last_tick_age_s"))
+
+
+def watch(client: ReleaseClient, args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """``status --watch``: the status, then again each time it changes, polled every
+    ``--interval`` seconds until Ctrl-C. A controller that cannot be reached (restarting) is
+    reported and polled again; a token refused ends the watch."""
+    last: Any = None
+    try:
+        while True:
+            try:
+                body = client.status()
+            except ApiError as exc:
+                if exc.status in (401, 403):
+                    raise
+                print(f"error: {escape(exc.message)}; trying again", file=err, flush=True)
+                body = None
+            if body is not None and (seen := _steady(body)) != last:
+                last = seen
+                text = (json.dumps(body, sort_keys=True) if args.output == "json"
+                        else f"-- {when(body.get('time'))}\n{format_status(body)}")
+                print(text, file=out, flush=True)
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _steady(body: dict[str, Any]) -> str:
+    steady = json.loads(json.dumps(body))
+    for path in VOLATILE:
+        node = steady
+        for key in path[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(path[-1], None)
+    return json.dumps(steady, sort_keys=True)
 
 
 __all__ = ["ApiError", "ReleaseClient", "main", "table"]

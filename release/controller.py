@@ -33,10 +33,12 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import VersionRef
 from flywheel.degeneracy import compare
+from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
 from flywheel.settings import Settings
 from release import actions
@@ -50,9 +52,18 @@ from release.judge import (
     judge_gate,
 )
 from release.measure import Tally
+from release.metrics import ControllerMetrics
 from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
 from release.states import LIVE, State
-from release.store import Candidate, LeaseLost, ReleaseStore, Revision, Routing, controller_actor
+from release.store import (
+    AUTO_POLICY,
+    Candidate,
+    LeaseLost,
+    ReleaseStore,
+    Revision,
+    Routing,
+    controller_actor,
+)
 from release.streams import Streams, release_event
 
 if TYPE_CHECKING:  # numpy and the delta codec load when a version is first exported, not at import
@@ -60,9 +71,6 @@ if TYPE_CHECKING:  # numpy and the delta codec load when a version is first expo
 
 log = logging.getLogger(__name__)
 
-#: The written policy that promotes without a person, as the audit log names it (with the
-#: controller instance that applied it).
-AUTO_POLICY = "auto-promote policy"
 #: A point is added to the console's history at most this often.
 HISTORY_EVERY_S = 2.0
 
@@ -73,7 +81,7 @@ class Controller:
     gates, for tests of the turns after the gate)."""
 
     def __init__(self, settings: Settings, store: ReleaseStore, streams: Streams,
-                 checkpoints: CheckpointStore | None) -> None:
+                 checkpoints: CheckpointStore | None, registry: CollectorRegistry | None = None) -> None:
         self.settings, self.cfg = settings, settings.release
         self.store, self.streams, self.checkpoints = store, streams, checkpoints
         self.holder = f"{socket.gethostname()}:{uuid.uuid4().hex[:8]}"
@@ -88,6 +96,7 @@ class Controller:
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
+        self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -95,11 +104,13 @@ class Controller:
             self._turn(time.time() if now is None else now)
         except LeaseLost as exc:  # another controller took over while this turn ran: it acts now
             self.active = False
+            self.metrics.lease_held.set(0)
             log.warning("stopped mid-turn: %s; standing by", exc)
 
     def _turn(self, now: float) -> None:
         self.last_tick = time.monotonic()
         was_active, self.active = self.active, self.store.take_lease(self.holder, self.cfg.lease_ttl_s)
+        self.metrics.lease_held.set(int(self.active))
         if not self.active:
             if was_active:
                 log.warning("lost the controller lease: standing by")
@@ -142,8 +153,12 @@ class Controller:
         try:
             verdict, record = self._gate(newest)
         except Exception as exc:  # noqa: BLE001 - any failure of a gate counts toward the limit, never promotes
+            self.metrics.gate_seconds.observe(time.monotonic() - t0)
+            self.metrics.gate_verdicts.labels(Outcome.ERROR.value).inc()
             self._gate_failed(newest, exc)
             return
+        self.metrics.gate_seconds.observe(time.monotonic() - t0)
+        self.metrics.gate_verdicts.labels(verdict.outcome.value).inc()
         log.info("version %d gated in %.1f s: %s", newest.version, time.monotonic() - t0, verdict.outcome.value)
         if not self.store.take_lease(self.holder, self.cfg.lease_ttl_s):
             # the gate outlasted the lease and another controller took over: it acts, not this one
@@ -179,16 +194,12 @@ class Controller:
                              trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers)
         return judge_gate(m, self.gate_policy), asdict(m)
 
-    def _verified_dir(self, version: int, manifest_sha256: str, out: Path) -> Path:
-        """The version rebuilt from its delta chain, every hash checked, and its manifest the one
-        the checkpoint event announced."""
-        from flywheel.checkpoints import verify_dir
+    def verify(self, cand: Candidate) -> None:
+        """:func:`verify_version` against this controller's checkpoint store."""
+        verify_version(self.checkpoints, cand)
 
-        if self.checkpoints is None:
-            raise GateError("this controller was given no checkpoint store to load versions from")
-        self.checkpoints.export(version, out)
-        verify_dir(out, expect_manifest_sha256=manifest_sha256)
-        return out
+    def _verified_dir(self, version: int, manifest_sha256: str, out: Path) -> Path:
+        return verified_dir(self.checkpoints, version, manifest_sha256, out)
 
     def _stable_dir(self, stable: int, out: Path) -> Path:
         if stable == 0:
@@ -332,3 +343,23 @@ class Controller:
         cand = self.store.get(version)
         return None if cand is None else VersionRef(version=version, uri=cand.uri,
                                                      manifest_sha256=cand.manifest_sha256)
+
+
+def verified_dir(checkpoints: CheckpointStore | None, version: int, manifest_sha256: str, out: Path) -> Path:
+    """The version rebuilt from its delta chain into ``out``, every hash checked, and its manifest
+    the one the checkpoint event announced."""
+    from flywheel.checkpoints import verify_dir
+
+    if checkpoints is None:
+        raise GateError("this controller was given no checkpoint store to load versions from")
+    checkpoints.export(version, out)
+    verify_dir(out, expect_manifest_sha256=manifest_sha256)
+    return out
+
+
+def verify_version(checkpoints: CheckpointStore | None, cand: Candidate) -> None:
+    """Rebuild ``cand`` from the checkpoint store and check every hash against the manifest its
+    announcement named: ``release undo`` calls it before routing users back to a version, since
+    the store may have lost or damaged it after it was promoted. Raises on any mismatch."""
+    with tempfile.TemporaryDirectory(prefix="flywheel-verify-") as tmp:
+        verified_dir(checkpoints, cand.version, cand.manifest_sha256, Path(tmp) / "version")

@@ -61,6 +61,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     from release.controller import Controller
     from release.store import ReleaseStore, database_url
     from release.streams import Streams
+    from release.webhooks import Webhooks
 
     cfg = settings.release
     parse_tokens(cfg.tokens)  # a malformed token entry stops the start, with the reason
@@ -72,13 +73,21 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         registry = new_registry()
         streams = Streams(settings, registry)
         held.callback(streams.close)
-        controller = Controller(settings, store, streams, open_store(settings))
+        controller = Controller(settings, store, streams, open_store(settings), registry)
+        # every decision sent to the configured webhooks, whichever of the two stores made it
+        webhooks = (Webhooks(cfg.webhooks, cfg.deployment, registry, attempts=cfg.webhook_attempts,
+                             backoff_s=cfg.webhook_backoff_s) if cfg.webhooks else None)
+        if webhooks is not None:
+            held.callback(webhooks.close)
         # the API gets a connection of its own: one connection is not for two threads' transactions
         api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
         held.callback(api_store.close)
         heartbeat = Heartbeat()  # beaten when a turn starts and ends: /livez (flywheel/probes.py)
-        api = ApiServer(make_app(api_store, cfg, controller.status, registry,
-                                 live=alive(heartbeat, settings.probes.hung_s)), cfg.host, cfg.port).start()
+        notify = (webhooks,) if webhooks is not None else ()
+        app = make_app(api_store, cfg, controller.status, registry, live=alive(heartbeat, settings.probes.hung_s),
+                       verify=controller.verify, notify=notify)
+        store.listeners.extend((app.state.decisions, *notify))  # the loop's own decisions, counted and sent alike
+        api = ApiServer(app, cfg.host, cfg.port).start()
         held.callback(api.stop)
         log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
         # the gate's model libraries take seconds to import on a busy machine: import them now,

@@ -158,6 +158,14 @@ class RolledBack(_Out):
     revision: RevisionRow | None
 
 
+class Undone(_Out):
+    """Stable is back on an earlier promoted version (``release undo``)."""
+
+    version: int
+    state: Literal["stable"]
+    revision: RevisionRow | None
+
+
 class Pipeline(_Out):
     paused: bool
     changed: bool

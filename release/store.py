@@ -14,15 +14,19 @@ serving treats a revision it has applied as a no-op).
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from release.states import FINAL, LIVE, State, TransitionRefused, check
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS release_candidates (
@@ -195,6 +199,32 @@ def controller_actor(holder: str) -> str:
     return f"controller:{holder}"
 
 
+#: The written policy that promotes without a person, as the audit log names it (with the
+#: controller instance that applied it: ``auto-promote policy (controller:<holder>)``).
+AUTO_POLICY = "auto-promote policy"
+
+
+class ActorKind(StrEnum):
+    """Who an audit entry says acted, by kind: a person (a token's name), the auto-promote policy,
+    or a controller instance acting on its own rules."""
+
+    PERSON = "person"
+    POLICY = "policy"
+    CONTROLLER = "controller"
+
+
+def actor_kind(actor: str) -> ActorKind:
+    if actor.startswith(AUTO_POLICY):
+        return ActorKind.POLICY
+    if actor.startswith("controller:") or actor == "controller":
+        return ActorKind.CONTROLLER
+    return ActorKind.PERSON
+
+
+#: The evidence key of an audit entry that returned stable to an earlier version (:meth:`ReleaseStore.undo`).
+UNDO = "undo"
+
+
 class LeaseLost(RuntimeError):
     """A fenced store's holder no longer holds the controller lease: it must stand by."""
 
@@ -208,15 +238,35 @@ class ReleaseStore:
         #: API's store is not fenced: people act whoever holds the lease.
         self.fence: str | None = None
 
+        #: Called with every audit entry once its transaction has committed (release/decisions.py
+        #: counts decisions and sends webhooks from them); a listener that raises is logged, never
+        #: undoes or fails the change.
+        self.listeners: list[Callable[[AuditEntry], None]] = []
+        self._written: list[AuditEntry] = []
+
     def close(self) -> None:
         self.db.close()
+
+    @contextmanager
+    def _txn(self) -> Iterator[None]:
+        """One transaction; its audit entries go to :attr:`listeners` once it has committed."""
+        self._written = []
+        with self.db.txn():
+            yield
+        written, self._written = self._written, []
+        for entry in written:
+            for listener in self.listeners:
+                try:
+                    listener(entry)
+                except Exception:  # a listener's failure is its own, not the change's
+                    log.exception("an audit listener failed on entry %d", entry.id)
 
     # -- candidates ------------------------------------------------------------------------
     def add_candidate(self, event: dict[str, Any], actor: str) -> bool:
         """Record a published version as a candidate (a ``CheckpointEvent`` as a dict); False when
         it is known already (the checkpoints topic is at least once)."""
         now = time.time()
-        with self.db.txn():
+        with self._txn():
             if self.db.execute("SELECT 1 FROM release_candidates WHERE version=?", (event["version"],)).fetchone():
                 return False
             self.db.execute(
@@ -250,7 +300,7 @@ class ReleaseStore:
              tally: dict[str, Any] | None = None) -> None:
         """Keep a gate result, the live analysis or the measurement's tally with the candidate
         (not a transition)."""
-        with self.db.txn():
+        with self._txn():
             self._check_fence()
             if tally is not None:
                 self.db.execute("UPDATE release_candidates SET tally=? WHERE version=?", (json.dumps(tally), version))
@@ -268,7 +318,7 @@ class ReleaseStore:
         transaction. False when it is already there (a no-op); ``TransitionRefused`` when the
         table does not allow it; ``KeyError`` for an unknown version."""
         now = time.time()
-        with self.db.txn():
+        with self._txn():
             self._check_fence(now)
             row = self.db.execute(f"SELECT state FROM release_candidates WHERE version=?{self.db.for_update}",
                                   (version,)).fetchone()
@@ -304,7 +354,7 @@ class ReleaseStore:
         routing, and no transition can end it); the version it named, or None when there is no
         such canary (or not ``version``). One transaction: the revision and its audit entry."""
         now = time.time()
-        with self.db.txn():
+        with self._txn():
             self._check_fence(now)
             self._lock_revisions()
             rev = self.latest_revision()
@@ -349,7 +399,7 @@ class ReleaseStore:
         return [_revision(r) for r in rows]
 
     def mark_published(self, revisions: list[int]) -> None:
-        with self.db.txn():
+        with self._txn():
             for rev in revisions:
                 self.db.execute("UPDATE release_revisions SET published=? WHERE revision=?", (PUBLISHED, rev))
 
@@ -357,11 +407,46 @@ class ReleaseStore:
         """Mark an unpublished revision as one that is never to be published (``reason`` says why,
         in the audit log): no record can be built from it. Serving applies only revisions above
         the last it applied, so the ones after it stand on their own."""
-        with self.db.txn():
+        with self._txn():
             self._check_fence()
             if self.db.execute("UPDATE release_revisions SET published=? WHERE revision=? AND published=0 "
                                "RETURNING revision", (SKIPPED, revision)).fetchall():
                 self._audit(None, None, None, actor, reason, None, time.time())
+
+    def newest_published(self) -> int | None:
+        """The newest revision Kafka acknowledged on the releases topic (None: none yet)."""
+        row = self.db.execute("SELECT max(revision) FROM release_revisions WHERE published=?", (PUBLISHED,)).fetchone()
+        return row[0] if row and row[0] is not None else None
+
+    def undo(self, version: int, actor: str, reason: str) -> Revision:
+        """Return stable to ``version``, a version promoted before (Argo Rollouts' ``undo``): a new
+        revision routing every user to it, and its audit entry (evidence ``{"undo": {"from",
+        "to"}}``), in one transaction. Refused (:class:`TransitionRefused`) for a version never
+        promoted, the version already stable, or while a canary is live (roll it back first: an
+        undo under a canary would change what the canary is compared with). Candidates' states
+        do not change: the version stays promoted, and so does the one it replaces."""
+        now = time.time()
+        with self._txn():
+            self._check_fence(now)
+            self._lock_revisions()
+            row = self.db.execute("SELECT state FROM release_candidates WHERE version=?", (version,)).fetchone()
+            if row is None:
+                raise TransitionRefused(f"no version {version} was ever published to this controller")
+            if State(row[0]) != State.PROMOTED:
+                raise TransitionRefused(f"version {version} is {row[0]}: only a version promoted before can be "
+                                        "stable again")
+            rev = self.latest_revision()
+            stable = rev.stable_version if rev else 0
+            if stable == version:
+                raise TransitionRefused(f"version {version} is already stable")
+            live = [c.version for c in self.candidates(set(LIVE))]
+            if live or (rev and rev.canary_version is not None):
+                raise TransitionRefused(f"a canary is live (v{live[0] if live else rev.canary_version}): roll it "
+                                        "back first, then undo")
+            self._audit(version, None, None, actor, f"undo: stable back to v{version} from v{stable}: {reason}",
+                        {UNDO: {"from": stable, "to": version}}, now)
+            self._route(Routing(version, None, 0.0), f"undo to v{version} from v{stable}: {reason}", now)
+            return self.latest_revision()
 
     def stable_version(self) -> int:
         """The version stable users get: the newest revision's, or 0 (the model serving started on)."""
@@ -375,7 +460,7 @@ class ReleaseStore:
     def set_paused(self, paused: bool, actor: str, reason: str) -> bool:
         """Pause or resume the pipeline (audited); False when it already was."""
         now = time.time()
-        with self.db.txn():
+        with self._txn():
             if (self._get("paused") == "1") == paused:
                 return False
             self._set("paused", "1" if paused else "0")
@@ -394,13 +479,24 @@ class ReleaseStore:
             "FROM release_audit WHERE to_state IN ('canary', 'awaiting_approval', 'promoted')").fetchone()
         return int(row[0] or 0), int(row[1] or 0)
 
+    def state_counts(self) -> dict[State, int]:
+        """Candidates by state, counted in SQL (a long history is not parsed at every scrape)."""
+        rows = self.db.execute("SELECT state, count(*) FROM release_candidates GROUP BY state").fetchall()
+        return {State(r[0]): int(r[1]) for r in rows}
+
+    def entered_at(self, version: int, state: State) -> float | None:
+        """When ``version`` last entered ``state``, from the audit log (None: never)."""
+        row = self.db.execute("SELECT max(at) FROM release_audit WHERE version=? AND to_state=?",
+                              (version, state.value)).fetchone()
+        return row[0] if row and row[0] is not None else None
+
     def last_promotion_at(self) -> float | None:
         value = self._get("last_promotion_at")
         return float(value) if value is not None else None
 
     def note(self, version: int | None, actor: str, reason: str, evidence: dict[str, Any] | None = None) -> None:
         """An audit entry that changes no state (a refused approval, a gate that errored)."""
-        with self.db.txn():
+        with self._txn():
             self._audit(version, None, None, actor, reason, evidence, time.time())
 
     def audit(self, version: int | None = None, limit: int = 200) -> list[AuditEntry]:
@@ -417,7 +513,7 @@ class ReleaseStore:
         """Hold (or renew) the lease for ``ttl_s``; False while another holder's has not lapsed."""
         now = time.time()
         look = f"SELECT holder, expires_at FROM release_lease WHERE name=?{self.db.for_update}"
-        with self.db.txn():
+        with self._txn():
             row = self.db.execute(look, (name,)).fetchone()
             if row is None:
                 # Two controllers starting together both find no row, and on PostgreSQL there is
@@ -451,11 +547,13 @@ class ReleaseStore:
 
     def _audit(self, version: int | None, frm: State | None, to: State | None, actor: str, reason: str,
                evidence: dict[str, Any] | None, at: float) -> None:
-        self.db.execute(
+        row = self.db.execute(
             "INSERT INTO release_audit (version, from_state, to_state, actor, reason, evidence, at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            "VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING id",
             (version, frm.value if frm else None, to.value if to else None, actor, reason,
-             json.dumps(evidence) if evidence is not None else None, at))
+             json.dumps(evidence) if evidence is not None else None, at)).fetchone()
+        self._written.append(AuditEntry(int(row[0]), version, frm.value if frm else None, to.value if to else None,
+                                        actor, reason, evidence, at))
 
     def _get(self, key: str) -> str | None:
         row = self.db.execute("SELECT v FROM release_meta WHERE k=?", (key,)).fetchone()
@@ -479,5 +577,5 @@ def _revision(r: Any) -> Revision:
     return Revision(r[0], r[1], r[2], r[3], r[4], r[5], r[6] == PUBLISHED, r[6] == SKIPPED)
 
 
-__all__ = ["FINAL", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "controller_actor",
-           "database_url"]
+__all__ = ["AUTO_POLICY", "FINAL", "UNDO", "ActorKind", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "actor_kind",
+           "controller_actor", "database_url"]

@@ -46,6 +46,7 @@ API_ROLES: dict[tuple[str, str], Role] = {
     ("POST", "/api/candidates/{version}/approve"): Role.APPROVER,
     ("POST", "/api/candidates/{version}/reject"): Role.APPROVER,
     ("POST", "/api/rollback"): Role.APPROVER,
+    ("POST", "/api/undo"): Role.APPROVER,
     ("POST", "/api/pause"): Role.ADMIN,
     ("POST", "/api/resume"): Role.ADMIN,
 }
@@ -146,11 +147,12 @@ def api(release_db_url, store) -> Iterator[Callable[..., Api]]:
     with ExitStack() as stack:
         http = stack.enter_context(httpx.Client(timeout=10))
 
-        def start(status: Callable[[], dict[str, Any]] | None = None, **overrides: Any) -> Api:
+        def start(status: Callable[[], dict[str, Any]] | None = None, verify: Callable[..., None] | None = None,
+                  notify: tuple[Callable[..., None], ...] = (), **overrides: Any) -> Api:
             settings = ReleaseSettings(**{"tokens": TOKEN_SETTING, "promotion_interval_s": 0.0, **overrides})
             app_store = ReleaseStore(release_db_url)  # the app's own connection, as in production
             stack.callback(app_store.close)
-            app = make_app(app_store, settings, status)
+            app = make_app(app_store, settings, status, verify=verify, notify=notify)
             return Api(stack.enter_context(serving(app)), store, app, http)
 
         yield start

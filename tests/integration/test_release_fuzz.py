@@ -47,7 +47,7 @@ AUTH = {"Authorization": f"Bearer {TOKENS['ada']}"}  # the admin: every route is
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = {"GET /api/status", "GET /api/candidates", "GET /api/candidates/{version}", "GET /api/audit",
               "POST /api/candidates/{version}/approve", "POST /api/candidates/{version}/reject",
-              "POST /api/rollback", "POST /api/pause", "POST /api/resume", "GET /health", "GET /metrics"}
+              "POST /api/rollback", "POST /api/undo", "POST /api/pause", "POST /api/resume", "GET /health", "GET /metrics"}
 
 
 @pytest.fixture
@@ -122,6 +122,9 @@ ANSWERS = [
     ("POST", "/api/candidates/{version}/reject", {"version": 1}, {"reason": "late"}, AUTH, 409),
     ("POST", "/api/rollback", {}, {"reason": "answers got worse", "version": 5}, AUTH, 200),
     ("POST", "/api/rollback", {}, {"reason": "again"}, AUTH, 409),
+    ("POST", "/api/undo", {}, {"to": 2, "reason": "superseded, never stable"}, AUTH, 409),
+    ("POST", "/api/undo", {}, {"to": "1"}, AUTH, 400),
+    ("POST", "/api/undo", {}, {"to": 1}, VIEWER, 403),
     ("POST", "/api/pause", {}, {"reason": "maintenance"}, AUTH, 200),
     ("POST", "/api/resume", {}, {"reason": "done"}, AUTH, 200),
     ("POST", "/api/resume", {}, {"reason": "two\nlines"}, AUTH, 400),

@@ -37,10 +37,20 @@ def _promtool(tmp_path: Path, series: dict[str, str], at: str, expected: list[di
     return subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
 
 
+def _link(runbook: str) -> str:
+    """A rule's runbook_url as promtool renders it: Debian's promtool (2.42) takes no external
+    labels in a rule test, so the deployment's ``runbooks_url`` renders empty."""
+    return f"/{runbook}"
+
+
+def _annotations(name: str) -> dict[str, str]:
+    rule = _alert(name)
+    return {**rule["annotations"], "runbook_url": _link(rule["annotations"]["runbook_url"].rsplit("/", 1)[1])}
+
+
 def _firing() -> list[dict]:
-    rule = _alert("FlywheelPolicyCollapse")
     return [{"exp_labels": {"severity": "page", "job": "flywheel-trainer", "instance": "trainer:8300"},
-             "exp_annotations": rule["annotations"]}]
+             "exp_annotations": _annotations("FlywheelPolicyCollapse")}]
 
 
 @pytest.mark.parametrize("name, entropy, distinct, steps, pages", [
@@ -79,7 +89,7 @@ def test_a_release_no_trusted_key_signed_pages(tmp_path, reason, pages):
     series = {f'serving_deadletters_total{{{SERVING}, reason="{reason}"}}': "0x5 1x20"}
     summary = f"Serving refused a release record no trusted key signed ({reason})"
     expected = [{"exp_labels": {"severity": "page", "reason": reason},
-                 "exp_annotations": {"summary": summary, "runbook": "dashboards/runbooks/unverified-records.md"}}]
+                 "exp_annotations": {"summary": summary, "runbook_url": _link("unverified-records.md")}}]
     done = _promtool(tmp_path, series, "10m", expected if pages else [], alertname="FlywheelUnverifiedRelease")
     assert done.returncode == 0, f"{reason}: {done.stdout}{done.stderr}"
 
@@ -95,6 +105,65 @@ def test_a_checkpoint_no_trusted_key_signed_pages(tmp_path, reason, pages):
     series = {f'release_deadletters_total{{{RELEASE}, reason="{reason}"}}': "0x5 1x20"}
     summary = f"The release controller refused a checkpoint record no trusted key signed ({reason})"
     expected = [{"exp_labels": {"severity": "page", "reason": reason},
-                 "exp_annotations": {"summary": summary, "runbook": "dashboards/runbooks/unverified-records.md"}}]
+                 "exp_annotations": {"summary": summary, "runbook_url": _link("unverified-records.md")}}]
     done = _promtool(tmp_path, series, "10m", expected if pages else [], alertname="FlywheelUnverifiedCheckpoint")
     assert done.returncode == 0, f"{reason}: {done.stdout}{done.stderr}"
+
+
+# -- the release controller's alerts -------------------------------------------------------------
+
+REPLICAS = ('job="flywheel-release", instance="release-a:8100"', 'job="flywheel-release", instance="release-b:8100"')
+
+
+@pytest.mark.parametrize("name, a, b, fires", [
+    ("one replica holds the lease", "1x10", "0x10", False),
+    ("the lease moves to the other replica", "1x3 0x7", "0x3 1x7", False),
+    ("neither holds it", "1x2 0x8", "0x10", True),
+])
+def test_no_controller_holding_the_lease_pages(tmp_path, name, a, b, fires):
+    series = {f"release_lease_held{{{REPLICAS[0]}}}": a, f"release_lease_held{{{REPLICAS[1]}}}": b}
+    expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelReleaseNoController")}]
+    done = _promtool(tmp_path, series, "9m", expected if fires else [], alertname="FlywheelReleaseNoController")
+    assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+
+
+def test_no_controller_scraped_at_all_pages(tmp_path):
+    series = {f"up{{{REPLICAS[0]}}}": "0x10"}  # the controller's own metrics are gone with it
+    expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelReleaseNoController")}]
+    done = _promtool(tmp_path, series, "9m", expected, alertname="FlywheelReleaseNoController")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("alert, state, values, fires", [
+    ("FlywheelReleaseApprovalWaiting", "awaiting_approval", "0+60x100", False),  # 100 min: under two hours
+    ("FlywheelReleaseApprovalWaiting", "awaiting_approval", "0+60x150", True),
+    ("FlywheelReleaseApprovalWaiting", "held", "0+60x150", False),  # another state's seconds
+    ("FlywheelReleaseCanaryHeld", "held", "0x150", False),
+    ("FlywheelReleaseCanaryHeld", "held", "0x140 0+60x10", True),
+])
+def test_release_state_tickets(tmp_path, alert, state, values, fires):
+    # both replicas export the same seconds (read from one database): one ticket, not two
+    series = {f'release_state_seconds{{{r}, state="{state}"}}': values for r in REPLICAS}
+    expected = [{"exp_labels": {"severity": "ticket"}, "exp_annotations": _annotations(alert)}]
+    done = _promtool(tmp_path, series, "150m", expected if fires else [], alertname=alert)
+    assert done.returncode == 0, f"{alert} {state} {values}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("rollbacks, fires", [(5, False), (6, True)])
+def test_rollbacks_over_five_a_day_ticket(tmp_path, rollbacks, fires):
+    # a counter on the replica that acted; spread over the day (one every 3 hours)
+    per_step = f"0+{rollbacks / 24 / 60 * 1.0:.6f}x1500"
+    series = {f'release_decisions_total{{{REPLICAS[0]}, outcome="rolled_back", actor_kind="controller"}}': per_step,
+              f'release_decisions_total{{{REPLICAS[0]}, outcome="promoted", actor_kind="policy"}}': "0+1x1500"}
+    expected = [{"exp_labels": {"severity": "ticket"}, "exp_annotations": _annotations("FlywheelReleaseRollbacks")}]
+    done = _promtool(tmp_path, series, "1440m", expected if fires else [], alertname="FlywheelReleaseRollbacks")
+    assert done.returncode == 0, f"{rollbacks}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("failed, fires", [("0x40", False), ("0x20 1x20", True)])
+def test_webhook_given_up_tickets(tmp_path, failed, fires):
+    series = {f'release_webhook_deliveries_total{{{REPLICAS[0]}, outcome="failed"}}': failed,
+              f'release_webhook_deliveries_total{{{REPLICAS[0]}, outcome="retried"}}': "0+1x40"}
+    expected = [{"exp_labels": {"severity": "ticket"}, "exp_annotations": _annotations("FlywheelReleaseWebhookFailing")}]
+    done = _promtool(tmp_path, series, "30m", expected if fires else [], alertname="FlywheelReleaseWebhookFailing")
+    assert done.returncode == 0, f"{failed}: {done.stdout}{done.stderr}"

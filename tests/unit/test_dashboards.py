@@ -9,8 +9,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DASH = ROOT / "dashboards"
-STAGES = ("serving", "ingest", "reward", "trainer")
-METRIC = re.compile(r"(?<![:\w])((?:serving|ingest|reward|trainer)_[a-z0-9_]+)")
+STAGES = ("serving", "ingest", "reward", "trainer", "release")
+METRIC = re.compile(r"(?<![:\w])((?:serving|ingest|reward|trainer|release)_[a-z0-9_]+)")
+#: How an alert links its runbook: the deployment's external label, then the file's name.
+RUNBOOK_URL = re.compile(r"\{\{ \$externalLabels\.runbooks_url \}\}/([a-z0-9-]+\.md)")
 
 
 def _registered() -> set[str]:
@@ -18,10 +20,11 @@ def _registered() -> set[str]:
     names: set[str] = set()
     for pkg in (*STAGES, "flywheel"):
         for path in (ROOT / pkg).rglob("*.py"):
-            names.update(re.findall(r'"((?:serving|ingest|reward|trainer)_[a-z0-9_]+)"', path.read_text()))
+            names.update(re.findall(r'"((?:serving|ingest|reward|trainer|release)_[a-z0-9_]+)"', path.read_text()))
     for stage in ("ingest", "reward", "trainer"):  # flywheel/kafka/lag.py and flywheel/stream build these from the stage name
         names.update({f"{stage}_deadletters_total", f"{stage}_consumer_lag_records"})
     names.add("serving_deadletters_total")  # serving/follow.py's DeadLetters, named by its stage
+    names.add("release_deadletters_total")  # release/streams.py's, likewise
     for stage in ("ingest", "reward"):  # flywheel/stream/runner.py builds these from the stage name
         names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
     return names
@@ -65,9 +68,14 @@ def test_every_alert_has_a_runbook():
     ]
     assert alerts
     for rule in alerts:
-        runbook = ROOT / rule["annotations"]["runbook"]
+        # a link a pager opens, not a path in this repository (deploy/prometheus.yml sets the base)
+        link = RUNBOOK_URL.fullmatch(rule["annotations"].get("runbook_url", ""))
+        assert link, f"{rule['alert']}: runbook_url must be {RUNBOOK_URL.pattern}, not {rule['annotations']}"
+        runbook = DASH / "runbooks" / link.group(1)
         assert runbook.is_file(), f"{rule['alert']}: runbook {runbook} missing"
         assert rule["labels"]["severity"] in {"page", "ticket"}
+    scrape = yaml.safe_load((ROOT / "deploy" / "prometheus.yml").read_text())
+    assert scrape["global"]["external_labels"]["runbooks_url"].startswith(("http://", "https://"))
 
 
 def test_dashboard_is_generated(tmp_path):
