@@ -47,7 +47,8 @@ AUTH = {"Authorization": f"Bearer {TOKENS['ada']}"}  # the admin: every route is
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 OPERATIONS = {"GET /api/status", "GET /api/candidates", "GET /api/candidates/{version}", "GET /api/audit",
               "POST /api/candidates/{version}/approve", "POST /api/candidates/{version}/reject",
-              "POST /api/rollback", "POST /api/undo", "POST /api/pause", "POST /api/resume", "GET /health", "GET /metrics"}
+              "POST /api/rollback", "POST /api/undo", "POST /api/pause", "POST /api/resume", "GET /livez", "GET /readyz", "GET /health",
+              "GET /metrics"}
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conform
 #: and a body that breaks the schema is refused (4xx), never answered as if it were valid
 CHECKS = [*CONFORMANCE, negative_data_rejection]
 OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "POST /v1/feedback",
-              "GET /health", "GET /metrics"}
+              "GET /livez", "GET /readyz", "GET /health", "GET /metrics"}
 
 
 @pytest.fixture
