@@ -225,6 +225,10 @@ class ServeSettings(_Section):
     """Skip graph capture: starts much faster on the CPU and small models."""
     dtype: str = "auto"
     """Engine dtype (``auto`` follows the checkpoint; ``bfloat16`` on most GPUs)."""
+    engine_stats: bool = True
+    """Collect vLLM's own statistics per engine (time to first token, inter-token latency,
+    waiting and running requests, KV-cache use) and export them on ``/metrics``
+    (serving/engine_stats.py); ``flywheel bench --only engine_stats`` measures what they cost."""
     cpu_threads_bind: str = "auto"
     """CPU build only (``VLLM_CPU_OMP_THREADS_BIND``): ``auto`` pins OpenMP threads to cores,
     ``nobind`` leaves placement to the OS (kinder to a machine shared with other stages), or a

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from flywheel.checkpoints import manifest
 from flywheel.settings import ServeSettings
+from serving.engine_stats import EngineStats, stat_logger
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,8 @@ def engine_args(serve: ServeSettings, model_dir: Path) -> Any:
         # canary): each engine reserves its part at start
         gpu_memory_utilization=serve.gpu_memory_utilization / serve.engines,
         logprobs_mode="processed_logprobs",
+        # vLLM's periodic log line stays off; its statistics reach /metrics through the stat
+        # logger VllmEngine passes (serving/engine_stats.py), which turns their collection on
         disable_log_stats=True,
         # imported in each worker process before it runs the model (see the module)
         worker_extension_cls="serving.vllm_worker.WorkerSetup",
@@ -187,7 +190,10 @@ class VllmEngine:
         self.model_version = int(manifest.read(model_dir)["version"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.logprobs_mode = "processed"
-        self._llm = AsyncLLM.from_engine_args(engine_args(serve, model_dir))
+        #: vLLM's statistics of this engine by version, or None with ``serve.engine_stats`` off
+        self.stats = EngineStats(lambda: self.model_version) if serve.engine_stats else None
+        loggers = [stat_logger(self.stats)] if self.stats is not None else None
+        self._llm = AsyncLLM.from_engine_args(engine_args(serve, model_dir), stat_loggers=loggers)
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self._version_labelled = False
 

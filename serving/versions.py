@@ -23,6 +23,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from serving.engine import Engine, GenRequest
+from serving.engine_stats import FleetStatsCollector
 from serving.routing import Routing, Step, Want, arm_of, plan
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,8 @@ class FleetMetrics:
         routes.labels("canary").set_function(lambda: fleet.version_of("canary"))
         Gauge("serving_canary_share", "Share of users the canary route answers",
               registry=registry).set_function(lambda: fleet.routing.share if fleet.routing.canary is not None else 0.0)
+        # vLLM's statistics of each engine (serving/engine_stats.py), labelled by slot at scrape
+        registry.register(FleetStatsCollector([slot.engine for slot in fleet.slots]))
 
 
 class Fleet:
