@@ -51,7 +51,7 @@ def _flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"log_level": args.log_level} if getattr(args, "log_level", None) else {}
 
 
-def _settings(args: argparse.Namespace) -> Settings:
+def _settings(args: argparse.Namespace, announce: bool = True) -> Settings:
     # configured before the settings load, so what loading warns about (variables it ignores) is
     # logged in the same format; the level is set again once the settings say which
     logging.basicConfig(level=getattr(args, "log_level", None) or logging.INFO, format=LOG_FORMAT)
@@ -59,7 +59,12 @@ def _settings(args: argparse.Namespace) -> Settings:
     logging.getLogger().setLevel(settings.log_level)
     # kafka-python logs every connection and rebalance at INFO; keep its warnings, drop the chatter.
     logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
-    log.info("settings %s", describe(settings))
+    # httpx logs every request at INFO: a client loop (the demo's users, its probes) would bury
+    # its own lines under them
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    # a command that prints its own progress (the demo) keeps the settings out of it: they are
+    # `flywheel config show`'s, and each stage's log under the data dir starts with them
+    log.log(logging.INFO if announce else logging.DEBUG, "settings %s", describe(settings))
     return settings
 
 
@@ -146,12 +151,12 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def _role(module: str) -> Callable[[argparse.Namespace], int]:
+def _role(module: str, announce: bool = True) -> Callable[[argparse.Namespace], int]:
     """A subcommand whose work lives in a module's ``run(settings, args)`` (a stage's ``main``, or a
-    module of this package)."""
+    module of this package); ``announce=False`` for one that prints only its own progress."""
 
     def run(args: argparse.Namespace) -> int:
-        settings = _settings(args)
+        settings = _settings(args, announce)
         return int(importlib.import_module(module).run(settings, args) or 0)
 
     return run
@@ -424,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-dir", type=Path, default=None,
                    help="a model directory to run on, e.g. one `flywheel model import` wrote (default: model_dir, "
                         "the small built model)")
-    d.set_defaults(func=_role("local.demo"))
+    d.set_defaults(func=_role("local.demo", announce=False))
 
     # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)
     sub.add_parser("bench", help="every performance claim measured in one run: ratios, goals, JSON", add_help=False)

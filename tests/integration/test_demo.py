@@ -36,6 +36,10 @@ def run_demo(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None
                          timeout=timeout, check=False)
     said = "\n".join(ln for ln in out.stdout.splitlines() if ln.startswith("[demo]"))
     assert out.returncode == 0, said + out.stderr[-3000:]
+    # its progress and nothing else: no settings line (flywheel config show has them), no line per
+    # HTTP request (one run printed 462 between two progress lines); the stage logs keep the detail
+    assert [ln for ln in out.stdout.splitlines() if ln.strip() and not ln.startswith("[demo]")] == []
+    assert "settings {" not in out.stderr and "HTTP Request:" not in out.stderr, out.stderr[-3000:]
     report = tmp_path / "demo" / "report"
     summary = json.loads((report / "summary.json").read_text())
     assert (report / "accept_rate.png").read_bytes()[:4] == b"\x89PNG"

@@ -601,3 +601,35 @@ def test_the_process_metrics_show_the_controllers_dead_letters(kafka_settings, t
         stop.set()
         loop.join(30)
     assert not loop.is_alive()
+
+
+def test_the_controllers_metrics_move_with_its_lease_its_gate_and_its_decisions(light_controller):
+    """Through the real loop: the replica holding the lease says 1 and the one standing by 0; a
+    gate that cannot load its version counts an error verdict and a duration; the rollback of a
+    losing canary counts one decision by a controller (the audit listener main.py attaches)."""
+    from release.decisions import DecisionCounter
+
+    def sample(metric, name: str, **labels: str) -> float:
+        return next(s.value for fam in metric.collect() for s in fam.samples if s.name == name and s.labels == labels)
+
+    ctl, rs = light_controller(error_limit=1)
+    counted = DecisionCounter(new_registry())
+    rs.listeners.append(counted)
+    standby, _ = light_controller()
+    ctl.tick()
+    standby.tick()
+    assert sample(ctl.metrics.lease_held, "release_lease_held") == 1
+    assert sample(standby.metrics.lease_held, "release_lease_held") == 0
+    live_canary_with_pairs(rs.db.url, 1, wins=0, losses=200)
+    ctl.tick()
+    assert rs.get(1).state == State.ROLLED_BACK
+    assert sample(counted.total, "release_decisions_total", outcome="rolled_back", actor_kind="controller") == 1
+    # a candidate whose gate cannot run (this controller has no checkpoint store): an error verdict
+    with closing(ReleaseStore(rs.db.url)) as people:
+        people.add_candidate({"version": 2, "parent": None, "uri": "file:///ckpt/v2", "manifest_sha256": "2" * 64,
+                              "step": 2}, "test")
+    ctl.tick()
+    assert rs.get(2).state == State.REJECTED  # error_limit 1: the first gate error rejects it
+    assert sample(ctl.metrics.gate_verdicts, "release_gate_verdicts_total", outcome="error") == 1
+    assert sample(ctl.metrics.gate_seconds, "release_gate_seconds_count") == 1
+    assert sample(counted.total, "release_decisions_total", outcome="rejected", actor_kind="controller") == 1
