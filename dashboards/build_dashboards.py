@@ -9,6 +9,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+
+def _by_engine(q: float, histogram: str) -> str:
+    """The ``q`` quantile of an engine histogram per engine and version, over every replica."""
+    return f"histogram_quantile({q}, sum by (le, engine, version) (rate({histogram}_bucket[5m])))"
+
+
 # (row title, [(panel title, unit, [(expr, legend)])])
 ROWS = [
     ("Processes", [
@@ -43,6 +49,20 @@ ROWS = [
             ('sum(serving_journal_depth_records)', "journal records"),
             ('sum(rate(serving_publish_failures_total[5m]))', "publish failures/s"),
             ('sum(rate(serving_dropped_events_total[5m]))', "dropped/s")]),
+    ]),
+    # vLLM's own statistics per engine (slot) and the version it served (serving/engine_stats.py)
+    ("Engines", [
+        ("Time to first token p50 / p99 by engine and version", "s", [
+            (_by_engine(0.5, "serving_engine_time_to_first_token_seconds"), "p50 engine {{engine}} v{{version}}"),
+            (_by_engine(0.99, "serving_engine_time_to_first_token_seconds"), "p99 engine {{engine}} v{{version}}")]),
+        ("Inter-token latency (time per output token) p50 / p99", "s", [
+            (_by_engine(0.5, "serving_engine_inter_token_latency_seconds"), "p50 engine {{engine}} v{{version}}"),
+            (_by_engine(0.99, "serving_engine_inter_token_latency_seconds"), "p99 engine {{engine}} v{{version}}")]),
+        ("Requests waiting (queue) and running by engine", "short", [
+            ('sum by (engine, version) (serving_engine_requests_waiting)', "waiting engine {{engine}} v{{version}}"),
+            ('sum by (engine, version) (serving_engine_requests_running)', "running engine {{engine}} v{{version}}")]),
+        ("KV-cache use by engine (busiest replica)", "percentunit", [
+            ('max by (engine, version) (serving_engine_kv_cache_usage_ratio)', "engine {{engine}} v{{version}}")]),
     ]),
     ("Ingest and reward", [
         ("Consumer lag by stage, topic and partition", "short", [
