@@ -110,6 +110,11 @@ def _serving_rows(d: dict[str, Any]) -> list[Row]:
                 "HTTP API with every generation recorded to Kafka, vs vllm.LLM.generate offline")]
 
 
+def _engine_stats_rows(d: dict[str, Any]) -> list[Row]:
+    return [Row("engine statistics on vs off", d["on_tokens_per_s"], d["off_tokens_per_s"], "tokens/s", d["goal"],
+                "vLLM's TTFT, ITL, queue and KV-cache statistics exported per engine (serve.engine_stats)")]
+
+
 def _swap_rows(d: dict[str, Any]) -> list[Row]:
     phases = {p["phase"]: p for p in d["phases"]}
     in_place, two = phases["swaps, in place"], phases["two versions"]
@@ -156,6 +161,7 @@ JOBS: tuple[Job, ...] = (
     Job("pipeline", "pipelined_trainer.py", (), ("--quick",),
         _picked(("pipelined vs synchronous trainer", "pipelined vs synchronous trainer", None, False))),
     Job("serving", "serving_throughput.py", (), ("--prompts", "32", "--rounds", "1"), _serving_rows),
+    Job("engine_stats", "engine_stats.py", (), ("--prompts", "16", "--rounds", "1"), _engine_stats_rows),
     Job("swap", "weight_swap.py", (), ("--seconds", "3", "--versions", "3"), _swap_rows),
     Job("gap", "logprob_gap.py", (), ("--quick",), _picked(
         ("trainer vs vLLM fp32 logprob gap, mean", "trainer vs vLLM logprob gap per token", "<= 0.01", True),

@@ -1,0 +1,127 @@
+"""What vLLM's engine statistics cost: throughput with ``serve.engine_stats`` on against off.
+
+    .venv/bin/python bench/engine_stats.py [--prompts 128] [--max-tokens 32] [--rounds 5]
+
+One process starts two :class:`serving.engine.VllmEngine` on the same locally built tiny model,
+one collecting vLLM's statistics into serving's metrics (serving/engine_stats.py) and one without,
+and sends both the same prompt token ids, all in flight at once, through ``complete`` as the API
+does. The rounds alternate (off, on, off, ...) so other load on the machine hits both alike; the
+table takes each mode's fastest round and prints the median of the paired ratios. With statistics
+on, vLLM's engine core builds ``SchedulerStats`` every step and the API process's output handler
+builds ``IterationStats`` and runs our stat logger; that is the whole difference between the two.
+Goal: ``on`` within 5% of ``off`` (:data:`GOAL`, which ``flywheel bench`` reads from the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+#: Tokens/s with statistics on over off: collecting them may cost 5% at most.
+GOAL = ">= 0.95"
+
+
+def make_prompts(tokenizer, n: int) -> list[list[int]]:
+    from flywheel.modelinit import synthetic_corpus
+
+    lines = synthetic_corpus(lines=n, seed=321)
+    return [tokenizer.encode(line, add_special_tokens=True)[:48] for line in lines]
+
+
+class Mode:
+    """One engine on its own event loop thread, with or without statistics."""
+
+    def __init__(self, model_dir: Path, stats: bool, args: argparse.Namespace) -> None:
+        from flywheel.settings import ServeSettings
+        from serving.engine import VllmEngine
+        from serving.server import LoopThread
+
+        serve = ServeSettings(max_num_seqs=args.prompts, cpu_threads_bind=args.bind, engine_stats=stats)
+        self.loop = LoopThread()
+
+        async def build():
+            return VllmEngine(serve, model_dir)
+
+        self.engine = self.loop.call(build, timeout_s=600)
+        self.max_tokens = args.max_tokens
+
+    def round(self, prompts: list[list[int]]) -> tuple[float, int]:
+        from serving.engine import GenRequest
+
+        async def go() -> int:
+            reqs = [GenRequest(prompt_token_ids=p, max_tokens=self.max_tokens, ignore_eos=True) for p in prompts]
+            outs = await asyncio.gather(*(self.engine.complete(r, f"b{i}-{time.monotonic_ns()}")
+                                          for i, r in enumerate(reqs)))
+            return sum(len(o.token_ids) for o in outs)
+
+        start = time.perf_counter()
+        tokens = self.loop.call(go, timeout_s=600)
+        return time.perf_counter() - start, tokens
+
+    def close(self) -> None:
+        async def down():
+            self.engine.shutdown()
+
+        self.loop.call(down)
+        self.loop.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--bind", default="nobind", help="VLLM_CPU_OMP_THREADS_BIND for both engines "
+                   "(nobind: two engines pinned to the same core would measure each other)")
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = p.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from flywheel.modelinit import ModelSpec, init_model
+
+    model_dir = args.model_dir or init_model(Path(tempfile.mkdtemp(prefix="bench-model-")), ModelSpec())
+    prompts = make_prompts(AutoTokenizer.from_pretrained(str(model_dir)), args.prompts)
+    off, on = Mode(model_dir, False, args), Mode(model_dir, True, args)
+    base, measured = [], []
+    try:
+        off.round(prompts), on.round(prompts)  # untimed: the first batches warm each engine's kernels
+        for _ in range(args.rounds):
+            base.append(off.round(prompts))
+            measured.append(on.round(prompts))
+        exported = on.engine.stats.ttft.labels(str(on.engine.model_version))._sum.get()
+    finally:
+        on.close(), off.close()
+    report(base, measured, exported, args)
+
+
+def report(base: list[tuple[float, int]], measured: list[tuple[float, int]], ttft_sum: float,
+           args: argparse.Namespace) -> None:
+    def tps(run: tuple[float, int]) -> float:
+        return run[1] / run[0]
+
+    b, m = max(base, key=tps), max(measured, key=tps)
+    paired = [tps(x) / tps(o) for o, x in zip(base, measured)]
+    print(f"\n{args.prompts} prompts x {args.max_tokens} tokens at once, bind={args.bind}, "
+          f"best of {args.rounds} alternating rounds")
+    print(f"{'mode':<26} {'tokens/s':>10} {'ratio':>7}")
+    for name, run in (("engine statistics off", b), ("engine statistics on", m)):
+        print(f"{name:<26} {tps(run):>10.0f} {tps(run) / tps(b):>7.2f}")
+    print(f"paired rounds on/off: median {statistics.median(paired):.2f}, in order "
+          f"{[round(r, 2) for r in paired]}; goal: ratio {GOAL}; TTFT seconds recorded with stats on: {ttft_sum:.1f}")
+    if args.json:
+        args.json.write_text(json.dumps({"off_tokens_per_s": tps(b), "on_tokens_per_s": tps(m),
+                                         "paired_ratios": paired, "goal": GOAL}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
