@@ -50,7 +50,7 @@ API_ROLES: dict[tuple[str, str], Role] = {
     ("POST", "/api/pause"): Role.ADMIN,
     ("POST", "/api/resume"): Role.ADMIN,
 }
-PUBLIC = {"/health", "/metrics", "/openapi.json"}
+PUBLIC = {"/health", "/livez", "/readyz", "/metrics", "/openapi.json"}
 
 
 def checkpoint(version: int, parent: int | None) -> dict[str, Any]:

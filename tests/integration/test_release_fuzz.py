@@ -130,6 +130,8 @@ ANSWERS = [
     ("POST", "/api/resume", {}, {"reason": "done"}, AUTH, 200),
     ("POST", "/api/resume", {}, {"reason": "two\nlines"}, AUTH, 400),
     ("GET", "/health", {}, None, {}, 200),
+    ("GET", "/livez", {}, None, {}, 200),
+    ("GET", "/readyz", {}, None, {}, 200),
     ("GET", "/metrics", {}, None, {}, 200),
 ]
 
