@@ -25,7 +25,6 @@ PASS is false; with ``lift`` the canary's users accept that much more often.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import random
 from bisect import bisect_right
@@ -34,7 +33,14 @@ from dataclasses import dataclass, replace
 from statistics import NormalDist
 from typing import Any
 
-from flywheel.contracts import EpisodeEvent, GenerationEvent, RewardEvent, SamplingParams, encode
+from flywheel.contracts import (
+    EpisodeEvent,
+    GenerationEvent,
+    RewardEvent,
+    SamplingParams,
+    decode,
+    encode,
+)
 from flywheel.settings import ReleaseSettings, RewardSettings
 from release.judge import CanaryMeasurement, CanaryPolicy, Outcome, judge_canary
 from release.measure import Tally
@@ -47,34 +53,36 @@ _GEN = GenerationEvent(generation_id="g", group_id="g", model_name="flywheel", m
                        endpoint="completions", created_at=0.0, completed_at=0.0, latency_ms=0.0, prompt_text="p",
                        prompt_token_ids=(1, 2), completion_text="c", completion_token_ids=(5, 6, 7, 8),
                        logprobs=(-1.0, -1.0, -1.0, -1.0), sampling=_SAMPLING, finish_reason="stop")
-#: The contract's own encodings, read back as the controller reads them; records are copies.
-EPISODE = json.loads(encode(EpisodeEvent(generation=_GEN, signal="accept", feedback_ids=("f",), resolved_at=0.0)))
-REWARD = json.loads(encode(RewardEvent(generation_id="g", group_id="g", user_id="u", model_version=0, signal="accept",
-                                       prompt_token_ids=(1, 2), completion_token_ids=(5, 6, 7, 8),
-                                       logprobs=(-1.0, -1.0, -1.0, -1.0), sampling=_SAMPLING, reward=1.0,
-                                       generated_at=0.0, labeled_at=0.0)))
+#: The contract's own records, decoded from their encodings as the controller decodes them;
+#: records are copies (``model_copy``: a fold of millions of records would spend most of its
+#: time validating again what these templates were validated for).
+EPISODE = decode(EpisodeEvent, encode(EpisodeEvent(generation=_GEN, signal="accept", feedback_ids=("f",),
+                                                   resolved_at=0.0)))
+REWARD = decode(RewardEvent, encode(RewardEvent(generation_id="g", group_id="g", user_id="u", model_version=0,
+                                                signal="accept", prompt_token_ids=(1, 2),
+                                                completion_token_ids=(5, 6, 7, 8), logprobs=(-1.0, -1.0, -1.0, -1.0),
+                                                sampling=_SAMPLING, reward=1.0, generated_at=0.0, labeled_at=0.0)))
 
 
 def episode_record(gid: str, version: int, user: str, created_at: float, latency_s: float, route: str,
-                   signal: str, resolved_at: float) -> dict[str, Any]:
+                   signal: str, resolved_at: float) -> EpisodeEvent:
     """An episode as ingest writes it: the template with this generation's fields."""
-    gen = {**EPISODE["generation"], "generation_id": gid, "group_id": gid, "model_version": version,
-           "user_id": user, "created_at": created_at, "completed_at": created_at + latency_s,
-           "latency_ms": 1000.0 * latency_s, "route": route}
+    gen = EPISODE.generation.model_copy(update={
+        "generation_id": gid, "group_id": gid, "model_version": version, "user_id": user, "created_at": created_at,
+        "completed_at": created_at + latency_s, "latency_ms": 1000.0 * latency_s, "route": route})
     ignored = signal == "ignore"
-    return {**EPISODE, "generation": gen, "signal": signal, "feedback_ids": [] if ignored else [f"f-{gid}"],
-            "timed_out": ignored, "resolved_at": resolved_at}
+    return EPISODE.model_copy(update={"generation": gen, "signal": signal,
+                                      "feedback_ids": () if ignored else (f"f-{gid}",), "timed_out": ignored,
+                                      "resolved_at": resolved_at})
 
 
 def reward_record(gid: str, version: int, user: str, signal: str, flags: tuple[str, ...], generated_at: float,
-                  labeled_at: float) -> dict[str, Any]:
-    """A reward as reward's stage writes it (``flags`` only when there are some, as the contract)."""
-    out = {**REWARD, "generation_id": gid, "group_id": gid, "user_id": user, "model_version": version,
-           "signal": signal, "reward": float(signal == "accept"), "generated_at": generated_at,
-           "labeled_at": labeled_at}
-    if flags:
-        out["flags"] = list(flags)
-    return out
+                  labeled_at: float) -> RewardEvent:
+    """A reward as reward's stage writes it."""
+    return REWARD.model_copy(update={
+        "generation_id": gid, "group_id": gid, "user_id": user, "model_version": version, "signal": signal,
+        "reward": float(signal == "accept"), "flags": flags, "generated_at": generated_at,
+        "labeled_at": labeled_at})
 
 
 class Guards:
@@ -263,7 +271,7 @@ class Run:
                 break
             self._clock(at)
             rec = self._episode(i, at) if kind == "episode" else self._reward(i, at)
-            if kind == "episode" and rec["signal"] != "ignore":
+            if isinstance(rec, EpisodeEvent) and rec.signal != "ignore":
                 seq += 1
                 heapq.heappush(heap, (at + self.rng.uniform(0.2, 2.0), seq, "reward", i))
             if self.live is not None:
@@ -271,7 +279,7 @@ class Run:
         self._clock(self.sc.horizon_s)  # a canary still live when the run ends had no verdict: not counted
         return self.verdicts
 
-    def _episode(self, i: int, at: float) -> dict[str, Any]:
+    def _episode(self, i: int, at: float) -> EpisodeEvent:
         r = self.reqs[i]
         stable, canary, salt = self.routing(r.t)
         on_canary = canary is not None and arm_of(r.user, self.sc.canary_share, salt) == "canary"
@@ -283,7 +291,7 @@ class Run:
         return episode_record(f"g{self.run}-{i}", version, r.user, r.t, r.latency_s,
                               "canary" if on_canary else "stable", signal, at)
 
-    def _reward(self, i: int, at: float) -> dict[str, Any]:
+    def _reward(self, i: int, at: float) -> RewardEvent:
         r = self.reqs[i]
         version, signal = self.signals.pop(i)
         return reward_record(f"g{self.run}-{i}", version, r.user, signal, self.guards.judge(r.user, signal), r.t, at)
@@ -310,7 +318,7 @@ class Run:
                                                      alpha=level), policy)
         self.routes.append((at, stable, k, salt))
 
-    def _fold(self, kind: str, rec: dict[str, Any], at: float) -> None:
+    def _fold(self, kind: str, rec: EpisodeEvent | RewardEvent, at: float) -> None:
         live = self.live
         t = live.tally
         (t.add_episode if kind == "episode" else t.add_reward)(rec)

@@ -46,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS
+from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, EpisodeEvent, RewardEvent
 from flywheel.degeneracy import TextProfile
 from release.judge import ArmStats, CanaryMeasurement
 from release.sequential import PairCount, Pairing
@@ -155,25 +155,25 @@ class Tally:
         return True
 
     # -- the fold ----------------------------------------------------------------------------
-    def add_episode(self, ep: dict[str, Any]) -> None:
-        """Fold one episode record (decoded JSON) in."""
-        g = ep["generation"]
-        if g["created_at"] < self.started_at or g.get("route") == "pinned":
+    def add_episode(self, ep: EpisodeEvent) -> None:
+        """Fold one episode record (decoded through the contract: release/streams.py) in."""
+        g = ep.generation
+        if g.created_at < self.started_at or g.route == "pinned":
             return  # before the canary, or evaluation traffic that named its version: no user's arm
-        arm_name = self.arm_of(int(g["model_version"]))
-        if arm_name is None or not self._first("episodes", g["generation_id"]):
+        arm_name = self.arm_of(g.model_version)
+        if arm_name is None or not self._first("episodes", g.generation_id):
             return
         arm = self.arms[arm_name]
         arm.requests += 1
-        arm.errors += g.get("finish_reason") == "abort"
-        arm.latencies_ms.append(float(g.get("latency_ms", 0.0)))
+        arm.errors += g.finish_reason == "abort"
+        arm.latencies_ms.append(g.latency_ms)
         del arm.latencies_ms[:-LATENCY_SAMPLE]
-        arm.tokens += len(g.get("completion_token_ids", ()))
-        if g.get("finish_reason") != "abort":
-            arm.text = arm.text.add(g.get("completion_text", ""))
-        gid, signal = g["generation_id"], ep.get("signal")
+        arm.tokens += len(g.completion_token_ids)
+        if g.finish_reason != "abort":
+            arm.text = arm.text.add(g.completion_text)
+        gid, signal = g.generation_id, ep.signal
         judged = self.early.pop(gid, None)  # reward's judgement, when it came first
-        user = ep.get("rater_id") or g["user_id"]
+        user = ep.rater_id or g.user_id
         if signal not in ("accept", "reject", "edit") or self.users.get(user) in (EXCLUDED, FLAGGED_LATE):
             return
         arm.rejects += signal == "reject"
@@ -189,15 +189,15 @@ class Tally:
             oldest = next(iter(self.pending))
             self._set(self.pending.pop(oldest)[2], None)
 
-    def add_reward(self, rw: dict[str, Any]) -> None:
-        gid = rw["generation_id"]
+    def add_reward(self, rw: RewardEvent) -> None:
+        """Fold one reward record (decoded through the contract: release/streams.py) in."""
+        gid = rw.generation_id
         if not self._first("rewards", gid):
             return
-        abusive = any(f in ABUSE_FLAGS for f in rw.get("flags") or ())
+        abusive = any(f in ABUSE_FLAGS for f in rw.flags)
         if abusive:  # whatever the version or time: it says who the user is
-            self._exclude(rw.get("rater_id") or rw["user_id"])
-        generated_at = float(rw.get("generated_at", self.started_at))
-        arm_name = self.arm_of(int(rw["model_version"])) if generated_at >= self.started_at else None
+            self._exclude(rw.rater_id or rw.user_id)
+        arm_name = self.arm_of(rw.model_version) if rw.generated_at >= self.started_at else None
         if gid in self.pending:
             self._settle(self.pending.pop(gid), abusive)
         elif arm_name is not None and gid not in self._seen["episodes"]:
@@ -209,7 +209,7 @@ class Tally:
         arm = self.arms[arm_name]
         arm.rewards += 1
         # only flags about the answer count against a version: abuse flags describe the user
-        arm.flagged += any(f in HACKING_FLAGS for f in rw.get("flags") or ())
+        arm.flagged += any(f in HACKING_FLAGS for f in rw.flags)
 
     def _exclude(self, user: str) -> None:
         state = self.users.get(user)

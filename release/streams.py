@@ -16,7 +16,6 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -27,9 +26,12 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import (
+    MAX_EPISODE_BYTES,
     CheckpointEvent,
     ContractError,
+    EpisodeEvent,
     ReleaseEvent,
+    RewardEvent,
     Topics,
     VersionRef,
     decode,
@@ -153,13 +155,14 @@ class Streams:
     def _fold(self, tally: Tally, topic: str, value: bytes | None) -> None:
         # Ingest and reward validated these at their edges; a record this reader cannot use is
         # theirs to dead-letter, not a measurement (it is skipped and counted in the log).
+        # Decoded through the contract, as those stages wrote them: a renamed field fails here,
+        # loudly, instead of reading as absent and zeroing a guardrail's count.
         try:
-            record = json.loads(value or b"")
             if topic == self.topics.episodes:
-                tally.add_episode(record)
+                tally.add_episode(decode(EpisodeEvent, value, max_bytes=MAX_EPISODE_BYTES))
             else:
-                tally.add_reward(record)
-        except (ValueError, KeyError, TypeError) as exc:
+                tally.add_reward(decode(RewardEvent, value))
+        except ContractError as exc:
             log.warning("skipped an unreadable %s record while measuring: %s", topic, exc)
 
     # -- routing ----------------------------------------------------------------------------

@@ -11,14 +11,20 @@ about 0.1%. The seeds are fixed, so a run is reproducible.
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
 
-from flywheel.contracts import EpisodeEvent, GenerationEvent, RewardEvent, SamplingParams, encode
+from flywheel.contracts import (
+    EpisodeEvent,
+    GenerationEvent,
+    RewardEvent,
+    SamplingParams,
+    decode,
+    encode,
+)
 from flywheel.settings import RewardSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +52,14 @@ def test_episode_and_reward_records_are_the_contracts_own_encoding():
                               finish_reason="stop", route=route)
         ep = EpisodeEvent(generation=gen, signal=signal, timed_out=signal == "ignore",
                           feedback_ids=() if signal == "ignore" else ("f-g7",), resolved_at=104.0)
-        assert fold.episode_record("g7", 3, "u1", 100.0, 0.5, route, signal, 104.0) == json.loads(encode(ep))
+        record = fold.episode_record("g7", 3, "u1", 100.0, 0.5, route, signal, 104.0)
+        assert record == decode(EpisodeEvent, encode(ep)) and encode(record) == encode(ep)
     for flags in ((), ("constant_user",)):
         rw = RewardEvent(generation_id="g7", group_id="g7", user_id="u1", model_version=3, signal="reject",
                          prompt_token_ids=(1, 2), completion_token_ids=(5, 6, 7, 8), logprobs=(-1.0,) * 4,
                          sampling=sampling, reward=0.0, flags=flags, generated_at=100.0, labeled_at=105.0)
-        assert fold.reward_record("g7", 3, "u1", "reject", flags, 100.0, 105.0) == json.loads(encode(rw))
+        record = fold.reward_record("g7", 3, "u1", "reject", flags, 100.0, 105.0)
+        assert record == decode(RewardEvent, encode(rw)) and encode(record) == encode(rw)
 
 
 def test_the_guards_flag_an_accept_everything_user_as_rewards_would():

@@ -2,7 +2,8 @@
 paired, and that a saved tally resumes exactly where it stopped.
 
 Every record is built through flywheel/contracts.py and read back as the controller reads it
-(``json.loads`` of the encoded bytes), so a renamed field fails here instead of zeroing a count.
+(``decode`` of the encoded bytes: release/streams.py), so a renamed field fails here instead of
+zeroing a count.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import random
 
 import pytest
 
-from flywheel.contracts import EpisodeEvent, GenerationEvent, RewardEvent, SamplingParams, encode
+from flywheel.contracts import (
+    EpisodeEvent,
+    GenerationEvent,
+    RewardEvent,
+    SamplingParams,
+    decode,
+    encode,
+)
 from release import measure
 from release.measure import Tally
 from release.sequential import PairCount
@@ -24,7 +32,7 @@ SAMPLING = SamplingParams(temperature=1, top_p=1, max_tokens=4)
 
 def episode(gid: str, version: int, t: float, signal: str, user: str = "", latency: float = 10.0,
             finish: str = "stop", tokens: int = 4, route: str = "stable", rater: str | None = None,
-            text: str = "c") -> dict:
+            text: str = "c") -> EpisodeEvent:
     gen = GenerationEvent(generation_id=gid, group_id=gid, model_name="m", model_version=version,
                           user_id=user or gid, endpoint="chat", created_at=t, completed_at=t, latency_ms=latency,
                           prompt_text="p", prompt_token_ids=(1,), completion_text=text,
@@ -33,15 +41,15 @@ def episode(gid: str, version: int, t: float, signal: str, user: str = "", laten
     ep = EpisodeEvent(generation=gen, signal=signal, timed_out=signal == "ignore",
                       feedback_ids=() if signal == "ignore" else (f"f-{gid}",), rater_id=rater,
                       edited_text="e" if signal == "edit" else None, resolved_at=t + 1)
-    return json.loads(encode(ep))
+    return decode(EpisodeEvent, encode(ep))
 
 
 def reward(gid: str, version: int, t: float, user: str = "", flags: tuple[str, ...] = (),
-           signal: str = "accept", rater: str | None = None) -> dict:
+           signal: str = "accept", rater: str | None = None) -> RewardEvent:
     rw = RewardEvent(generation_id=gid, group_id=gid, user_id=user or gid, rater_id=rater, model_version=version,
                      signal=signal, prompt_token_ids=(1,), completion_token_ids=(1,), logprobs=(-0.5,),
                      sampling=SAMPLING, reward=1.0, flags=flags, generated_at=t, labeled_at=t + 2)
-    return json.loads(encode(rw))
+    return decode(RewardEvent, encode(rw))
 
 
 def judged(t: Tally, gid: str, version: int, at: float, signal: str, user: str = "", flags=()) -> None:
@@ -166,9 +174,7 @@ def test_the_rater_is_the_user_who_counts():
     # one account rating other users' generations is one user: its rater id, as reward judges it
     t = tally()
     for i in range(3):
-        ep = episode(f"g{i}", 7, T0 + i, "accept", user=f"owner{i}", rater=None)
-        ep["rater_id"] = "rater"
-        t.add_episode(ep)
+        t.add_episode(episode(f"g{i}", 7, T0 + i, "accept", user=f"owner{i}", rater="rater"))
         t.add_reward(reward(f"g{i}", 7, T0 + i, user=f"owner{i}", rater="rater"))
     assert outcomes(t)["canary"] == (1, 1, 0)
 
@@ -222,7 +228,7 @@ def test_pairing_never_looks_at_the_outcomes():
     assert t.pairs() == PairCount(pairs=4, wins=2, losses=2)
 
 
-def random_records(seed: int, n: int) -> list[tuple[str, dict]]:
+def random_records(seed: int, n: int) -> list[tuple[str, EpisodeEvent | RewardEvent]]:
     """Episodes and rewards of 40 users in a shuffled arrival order, one abusive."""
     rnd = random.Random(seed)
     recs = []
@@ -238,7 +244,7 @@ def random_records(seed: int, n: int) -> list[tuple[str, dict]]:
     return recs
 
 
-def fold(t: Tally, rec: tuple[str, dict]) -> None:
+def fold(t: Tally, rec: tuple[str, EpisodeEvent | RewardEvent]) -> None:
     (t.add_episode if rec[0] == "e" else t.add_reward)(rec[1])
 
 
