@@ -110,8 +110,10 @@ def check_commands(venv_dir: Path, env: dict[str, str], cwd: Path) -> None:
 
 
 def check_up(venv_dir: Path, env: dict[str, str], cwd: Path) -> None:
-    """A short ``flywheel up``: every role answers its health check, then one SIGTERM stops them
-    all. Each child runs the venv's own interpreter (``python -m cli <role>``)."""
+    """A short ``flywheel up``: every role answers ``/readyz`` (serving once its engines answered a
+    warm-up: stopped before that, it finishes the warm-up first and up's 30 s run out), then one
+    SIGTERM stops them all, and no process of the venv outlives it. Each child runs the venv's own
+    interpreter (``python -m cli <role>``)."""
     from local.broker import free_port
 
     ports = {var: free_port() for var in ROLE_PORTS}
@@ -122,7 +124,7 @@ def check_up(venv_dir: Path, env: dict[str, str], cwd: Path) -> None:
     pids: list[int] = []
     try:
         for var, port in ports.items():
-            _until_healthy(f"http://127.0.0.1:{port}/health", up, cwd / "data" / "logs", var)
+            _until_healthy(f"http://127.0.0.1:{port}/readyz", up, cwd / "data" / "logs", var)
         status = json.loads((cwd / "data" / "up" / "status.json").read_text())
         pids = [stage["pid"] for stage in status["stages"]]
         for pid in pids:
@@ -139,8 +141,32 @@ def check_up(venv_dir: Path, env: dict[str, str], cwd: Path) -> None:
     for pid in pids:  # no role outlived it
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    _until_gone(venv_dir)  # nor anything a role started (vLLM's engine and its helpers)
     logs = "".join(p.read_text(errors="replace") for p in (cwd / "data" / "logs").glob("*.log"))
     assert "Traceback" not in logs, logs[-5000:]
+
+
+def _until_gone(venv_dir: Path, timeout_s: float = 60) -> None:
+    """Until no process runs the venv's interpreter; a helper that closes once its parent is gone
+    may take a moment."""
+    deadline = time.monotonic() + timeout_s
+    while left := _running_from(venv_dir):
+        assert time.monotonic() < deadline, f"still running from the venv after flywheel up stopped: {left}"
+        time.sleep(0.5)
+
+
+def _running_from(venv_dir: Path) -> list[str]:
+    prefix = str(venv_dir).encode()
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes()
+        except OSError:  # ended meanwhile
+            continue
+        if argv.startswith(prefix):
+            command = argv.replace(b"\0", b" ").decode(errors="replace")[:200]
+            left.append(f"{cmdline.parent.name}: {command}")
+    return left
 
 
 def _until_healthy(url: str, up: subprocess.Popen, logs: Path, what: str, timeout_s: float = 300) -> None:
