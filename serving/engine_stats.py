@@ -85,6 +85,9 @@ class EngineStats:
                     gauge.remove(self._last)
                 except KeyError:  # no step reported scheduler stats under that version
                     pass
+        # the histograms exist at zero from the version's first step, so its first request's
+        # observation is an increase a rate() sees, not the birth of a series
+        self.ttft.labels(version), self.itl.labels(version)
         self._last = version
 
     def metrics(self) -> tuple[Histogram | Gauge, ...]:
