@@ -7,7 +7,11 @@ It starts the embedded Kafka-protocol broker, creates the topics, then runs ``fl
 ``ingest``, ``reward``, ``train`` and ``release serve`` as child processes, exactly the commands
 production runs on their own (against an external Kafka and database instead). Each child logs to
 ``<data_dir>/logs/<stage>.log``. A child that exits is started again after a backoff (1 s doubling
-to 60 s; reset once it has run for a minute), and the restart is printed. Ctrl-C or SIGTERM stops
+to 60 s; reset once it has run for a minute), and the restart is printed. Each child runs in its
+own process group: whatever of it is still running once it exited (read from ``/proc``) is killed
+with SIGKILL, and said, before it is started again or when ``up`` stops, so a restart never runs
+beside what the dead one left (a killed serving's vLLM engines die with it anyway:
+serving/tether.py). Ctrl-C or SIGTERM stops
 the children in order (serving first, so no request arrives at a pipeline being stopped, the
 broker last), each with SIGTERM and up to 30 s to finish, and only then exits.
 
@@ -40,6 +44,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from flywheel.processes import kill_group
 
 #: The stages ``up`` runs, in start order (stopped in reverse, then the broker), and the setting
 #: that holds each one's port.
@@ -97,6 +103,21 @@ class Child:
         self.started_at = time.monotonic()
         self.due_at = None
 
+    def reap(self) -> list[int]:
+        """Kill what the exited child left running in its process group (its own session: see
+        :meth:`spawn`) and wait until the process table shows none; the pids killed.
+
+        Serving's engines die with serving by themselves (serving/tether.py); this holds for any
+        child and any version of it, before its replacement starts beside what is left."""
+        if self.proc is None:
+            return []
+        left = kill_group(self.proc.pid)
+        if left and self._log is not None:
+            self._log.write(f"--- flywheel up killed what {self.name} left running: pids "
+                            f"{' '.join(map(str, left))} ---\n".encode())
+            self._log.flush()
+        return left
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -108,6 +129,7 @@ class Child:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.reap()
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -152,6 +174,9 @@ class Supervisor:
         for child in self.children:
             if child.proc is not None and not child.alive() and child.due_at is None:
                 child.last_exit = child.proc.returncode
+                if left := child.reap():
+                    self.say(f"!! {child.name} left {len(left)} process(es) running (pids {' '.join(map(str, left))}): "
+                             "killed before it restarts")
                 ran = now - child.started_at
                 child.failures = 1 if ran >= self.backoff.stable_s else child.failures + 1
                 child.due_at = now + self.backoff.delay(child.failures)

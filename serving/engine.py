@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from flywheel.checkpoints import manifest
 from flywheel.settings import ServeSettings
 from serving.engine_stats import EngineStats, stat_logger
+from serving.tether import tether_engines
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class VllmEngine:
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        tether_engines()  # the engine's processes die with this one, however it dies
         model_dir = Path(model_dir)
         self.model_version = int(manifest.read(model_dir)["version"])
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -214,8 +216,8 @@ class VllmEngine:
         t0 = time.perf_counter()
         await self._llm.pause_generation(mode="keep", clear_cache=True)
         try:
-            await self._llm.collective_rpc("reload_weights", kwargs={
-                "weights_path": str(model_dir), "is_checkpoint_format": True})
+            # vLLM's reload_weights, tying a tied output head again (serving/vllm_worker.py)
+            await self._llm.collective_rpc("reload_weights_tied", kwargs={"weights_path": str(model_dir)})
             await self._llm.update_weight_version(str(version))
             self.model_version = version
         finally:

@@ -92,6 +92,52 @@ def test_stop_sends_sigterm_in_reverse_start_order_and_waits_for_each(tmp_path):
     assert not any(c.alive() for c in children)
 
 
+#: A child that starts a grandchild in its process group which ignores SIGTERM, as vLLM's engine
+#: processes do, writes its pid to a file, then waits.
+PARENT_OF_STUBBORN = """
+import subprocess, sys, time
+path = sys.argv[1]
+kid = subprocess.Popen([sys.executable, "-c",
+                        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+with open(path, "a") as f:
+    f.write(f"{kid.pid}\\n")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _live(pid: int) -> bool:
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in ("Z", "X")  # a zombie holds nothing but its exit status
+
+
+def test_what_a_killed_stage_left_running_is_killed_before_it_restarts(tmp_path):
+    said: list[str] = []
+    kids = tmp_path / "kids"
+    child = _child(tmp_path, "serve", PARENT_OF_STUBBORN, str(kids))
+    sup = Supervisor([child], tmp_path / "status.json", backoff=Backoff(base=0.2, cap=0.2, stable_s=30),
+                     say=said.append)
+    t = _run(sup)
+    try:
+        _until(lambda: kids.exists() and len(kids.read_text().split()) == 1)
+        first = int(kids.read_text().split()[0])
+        assert _live(first)
+        os.kill(child.proc.pid, signal.SIGKILL)  # its grandchild is orphaned, still running
+        _until(lambda: child.restarts == 1)
+        # reaped before the restart, read from the process table
+        assert not _live(first)
+        assert any(s.startswith("!! serve left 1 process(es) running") and str(first) in s for s in said)
+        _until(lambda: len(kids.read_text().split()) == 2)
+        second = int(kids.read_text().split()[1])
+    finally:
+        sup.request_stop()
+        t.join(30)
+    assert not _live(second)  # and a stop leaves nothing of the stage either (it ignored SIGTERM)
+
+
 def test_a_dead_broker_is_announced_as_lost_data_and_replaced_on_its_port(tmp_path):
     from local.broker import EmbeddedBroker
 
