@@ -52,9 +52,13 @@ from flywheel.kafka.producers import make_output_producer
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, KafkaSettings, RewardSettings
 from flywheel.stream.archive import ParquetArchive
-from flywheel.stream.deadletters import DeadLetters
 from flywheel.stream.outbox import Outbox
-from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, StreamRunner, decode_keyed
+from flywheel.stream.runner import (
+    KEYED_DECODE_REASONS,
+    OutboxDeadLetters,
+    StreamRunner,
+    decode_keyed,
+)
 from flywheel.stream.store import StateStore
 from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, IngestStage
@@ -145,12 +149,10 @@ class PassThrough:
 
     def __init__(self, store: StateStore, registry, out: str, topics: Topics, validate: bool) -> None:
         self.store, self.out, self.validate = store, out, validate
-        self.sink = OutboxSink(store)
-        self.dead = DeadLetters(self.sink, topics.deadletter, "bench", registry, KEYED_DECODE_REASONS)
+        self.dead = OutboxDeadLetters(store, topics.deadletter, "bench", registry, KEYED_DECODE_REASONS)
 
     def process(self, records, now: float) -> None:
         for rec in records:
-            self.sink.shard = rec.partition
             if not self.validate or decode_keyed(EpisodeEvent, rec, self.dead) is not None:
                 self.store.append(rec.partition, self.out, rec.key.decode(), rec.value)
 

@@ -39,8 +39,7 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import IngestSettings
-from flywheel.stream.deadletters import DeadLetters
-from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
+from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxDeadLetters, decode_keyed
 from flywheel.stream.store import StateStore
 from ingest.join import (
     Resolution,
@@ -93,8 +92,7 @@ class IngestStage:
     def __init__(self, cfg: IngestSettings, topics: Topics, store: StateStore,
                  registry: CollectorRegistry) -> None:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
-        self.sink = OutboxSink(store)
-        self.dead = DeadLetters(self.sink, topics.deadletter, "ingest", registry, DEADLETTER_REASONS)
+        self.dead = OutboxDeadLetters(store, topics.deadletter, "ingest", registry, DEADLETTER_REASONS)
         self.m = IngestMetrics(registry)
         self._last_prune = 0.0
         _migrate(store, cfg)
@@ -117,7 +115,6 @@ class IngestStage:
                 try:
                     canonical = encode(decode(GenerationEvent, raw))
                 except ContractError as exc:
-                    self.sink.shard = shard
                     self.dead.send(exc.reason, f"{exc.detail} (stored by an earlier version)",
                                    source_topic=self.topics.generations, value=raw, key=gid.encode(),
                                    partition=shard, offset=off)
@@ -130,7 +127,6 @@ class IngestStage:
                 try:
                     decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES)
                 except ContractError as exc:
-                    self.sink.shard = shard
                     self.dead.send(exc.reason, f"{exc.detail} (stored by an earlier version)",
                                    source_topic=topic, value=raw, key=key, partition=part, offset=off)
                     db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
@@ -141,7 +137,6 @@ class IngestStage:
         events: list[tuple[ConsumerRecord, Any]] = []
         gens = 0
         for rec in records:
-            self.sink.shard = rec.partition
             is_gen = rec.topic == self.topics.generations
             gens += is_gen
             event = (decode_keyed(GenerationEvent, rec, self.dead) if is_gen
@@ -154,7 +149,6 @@ class IngestStage:
         # of several statements per record; the rules below run against this in-memory view.
         view = _BatchView(self.db, [ev for _, ev in events])
         for rec, event in events:
-            self.sink.shard = rec.partition
             if isinstance(event, GenerationEvent):
                 self._on_generation(rec, event, view, now)
             else:
@@ -250,7 +244,6 @@ class IngestStage:
     def tick(self, shards: set[int], now: float) -> bool:
         more = False
         for shard in sorted(shards):
-            self.sink.shard = shard
             more |= self._close_due(shard, now)
             more |= self._orphans(shard, now)
         if now - self._last_prune > 10:

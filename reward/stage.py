@@ -31,8 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, MAX_EPISODE_BYTES, EpisodeEvent, Topics
 from flywheel.settings import RewardSettings
-from flywheel.stream.deadletters import DeadLetters
-from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxSink, decode_keyed
+from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxDeadLetters, decode_keyed
 from flywheel.stream.store import StateStore
 from reward.guards import (
     UserWindow,
@@ -92,8 +91,7 @@ class RewardStage:
                  registry: CollectorRegistry) -> None:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
         self.label = build_labeler(cfg)
-        self.sink = OutboxSink(store)
-        self.dead = DeadLetters(self.sink, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
+        self.dead = OutboxDeadLetters(store, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
         self.m = RewardMetrics(registry)
         self._last_prune = 0.0
         self._children: dict[tuple[Counter, str], Counter] = {}
@@ -131,9 +129,7 @@ class RewardStage:
         episodes = []
         latest: dict[int, float] = {}  # shard -> latest generation time in this batch
         for rec in records:
-            # the shard before the decode: a dead letter for this record is owed by its shard,
-            # and only that shard's process delivers (and after a crash recovers) its outbox rows
-            self.sink.shard = rec.partition
+            # (a dead letter for this record is a row of its partition's outbox: OutboxDeadLetters)
             if (ep := decode_keyed(EpisodeEvent, rec, self.dead, MAX_EPISODE_BYTES)) is not None:
                 episodes.append((rec, ep))
                 latest[rec.partition] = max(latest.get(rec.partition, 0.0), ep.generation.created_at)
@@ -141,7 +137,6 @@ class RewardStage:
         seen = self._seen_of([ep.generation_id for _, ep in episodes])
         fresh: list[tuple[str, float]] = []
         for rec, ep in episodes:
-            self.sink.shard = rec.partition
             if ep.generation_id in seen:
                 self.m.duplicates.inc()
                 continue

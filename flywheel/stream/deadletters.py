@@ -38,8 +38,10 @@ class DeadLetters:
     other reason is still counted, from its first record.
     """
 
-    def __init__(self, sink: EventSink, topic: str, stage: str, registry: CollectorRegistry,
+    def __init__(self, sink: EventSink | None, topic: str, stage: str, registry: CollectorRegistry,
                  reasons: Iterable[str] = ()) -> None:
+        """``sink``: where letters are written; None only for a subclass that writes them itself
+        (:meth:`_write`: flywheel/stream/runner.py ``OutboxDeadLetters``)."""
         self.sink = sink
         self.topic = topic
         self.stage = stage
@@ -94,9 +96,16 @@ class DeadLetters:
             dl_key = f"{source_topic}[{partition}]@{offset}"
         else:
             dl_key = None
-        self.sink.write(self.topic, dl_key, encode(event))
+        self._write(partition, dl_key, encode(event))
         self.counter.labels(reason).inc()
         return event
+
+    def _write(self, partition: int | None, key: str | None, value: bytes) -> None:
+        """Write one letter about a record of source ``partition``. To a producer, the letter's
+        key alone places it (above); an outbox keeps it as a row of that partition."""
+        if self.sink is None:
+            raise TypeError("DeadLetters(None, ...) is for subclasses that write their letters themselves")
+        self.sink.write(self.topic, key, value)
 
     def send_unreadable(self, record: ConsumerRecord, marker: UnreadableBatch) -> DeadLetterEvent:
         """Dead-letter the stand-in for a batch that could not be read (flywheel/kafka/batches.py):

@@ -22,7 +22,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol, TypeVar
 
@@ -31,6 +31,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 from kafka.consumer.subscription_state import ConsumerRebalanceListener
 from kafka.errors import KafkaError
 from kafka.structs import OffsetAndMetadata
+from prometheus_client import CollectorRegistry
 
 from flywheel.contracts import (
     CONTRACT_REASONS,
@@ -134,21 +135,25 @@ class Stage(Protocol):
     # neither ends its waits at once (forward) nor stretches them by hours (back).
 
 
-class OutboxSink:
-    """An ``EventSink`` that appends to the outbox, so dead letters ride the same transaction."""
+class OutboxDeadLetters(DeadLetters):
+    """Dead letters appended to the stage's outbox, so they ride the turn's transaction.
 
-    def __init__(self, store: StateStore) -> None:
+    Each is a row of the partition of the record it is about (the ``partition`` every letter
+    names): only the process that owns that partition delivers the row, and after a crash
+    recovers it, with the rest of that partition's output. Taken from the letter, not from a
+    cursor the stage sets before each record, so a letter raised after other partitions' records
+    were handled still goes with its own.
+    """
+
+    def __init__(self, store: StateStore, topic: str, stage: str, registry: CollectorRegistry,
+                 reasons: Iterable[str] = ()) -> None:
+        super().__init__(None, topic, stage, registry, reasons)
         self.store = store
-        self.shard = 0  # set by the stage to the partition of the record being handled
 
-    def write(self, topic: str, key: str | None, value: bytes) -> None:
-        self.store.append(self.shard, topic, key, value)
-
-    def flush(self, timeout_s: float | None = None) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
+    def _write(self, partition: int | None, key: str | None, value: bytes) -> None:
+        if partition is None:
+            raise ValueError("a stage's dead letter names its record's partition: its outbox row is that partition's")
+        self.store.append(partition, self.topic, key, value)
 
 
 class StreamRunner(ConsumerRebalanceListener):
