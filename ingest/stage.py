@@ -346,8 +346,8 @@ def episode_bytes(generation: bytes, res: Resolution, resolved_at: float) -> byt
 
     The generation was validated when it arrived and stored as its canonical encoding, so
     rebuilding and re-serialising the nested model per episode would only repeat that work. The
-    field order is EpisodeEvent's; tests/unit/test_ingest_join.py checks the bytes decode to the
-    same episode as the model-built record.
+    field order is EpisodeEvent's; tests/unit/test_ingest_join.py holds the bytes equal to the
+    model-built record's ``encode``.
     """
     rest = _encode_json({
         "signal": res.signal, "edited_text": res.edited_text, "decision_ms": res.decision_ms,
