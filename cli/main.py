@@ -386,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("version", type=int)
     cr.add_argument("out", type=Path)
     cr.set_defaults(func=_role("flywheel.checkpoints.cli"), action="reconstruct")
+    cm = ck.add_parser("merge", help="write a LoRA version merged into its base as a full-weight HF directory")
+    cm.add_argument("version", type=int)
+    cm.add_argument("out", type=Path)
+    cm.set_defaults(func=_role("flywheel.checkpoints.cli"), action="merge")
 
     _add_release(sub)
 

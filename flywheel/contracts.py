@@ -278,6 +278,18 @@ ABUSE_FLAGS: tuple[str, ...] = ("user_cap", "constant_user", "rate_anomaly")
 HACKING_FLAGS: tuple[str, ...] = ("long", "repetition")
 
 
+class BaseModelRef(BaseModel):
+    """The base model an adapter version applies to (LoRA training: docs/trainer.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    #: The base's name (its directory's, as the trainer loaded it): for people and logs.
+    name: str = Field(min_length=1, max_length=256)
+    #: sha256 of the base directory's ``flywheel-manifest.json``: a reader loads the adapter only
+    #: on a base whose manifest hashes to this (flywheel.checkpoints.verify_base).
+    manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 # trainer -> serving, release
 class CheckpointEvent(_Event):
     """A published policy version in the checkpoint store."""
@@ -297,6 +309,8 @@ class CheckpointEvent(_Event):
     samples: int = Field(ge=0)
     metrics: dict[str, float] = Field(default_factory=dict)
     created_at: EpochSeconds
+    #: Set when the version is a LoRA adapter (a PEFT directory) on this base, not full weights.
+    base: BaseModelRef | None = _extra(None)
 
 
 class VersionRef(BaseModel):
@@ -307,6 +321,8 @@ class VersionRef(BaseModel):
     version: int = Field(ge=1)
     uri: str = Field(min_length=1, max_length=4096)
     manifest_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    #: Set when the version is a LoRA adapter on this base (its checkpoint event's ``base``).
+    base: BaseModelRef | None = _extra(None)
 
 
 # release -> serving

@@ -313,6 +313,17 @@ class TrainerSettings(_Section):
     """Newest versions that keep the DeepSpeed checkpoint (optimizer state for resume)."""
     served_dtype: str = "auto"
     """Dtype of published weights: ``auto`` (the model directory's), ``bfloat16``, ``float32``..."""
+    lora_rank: int = Field(default=0, ge=0, le=1024)
+    """LoRA rank (docs/trainer.md, "LoRA"): above 0 the trainer trains a PEFT LoRA adapter on the
+    frozen ``model_dir`` and every version it publishes is that adapter (PEFT's
+    ``adapter_config.json`` and ``adapter_model.safetensors``), its manifest naming the base by
+    the sha256 of the base's manifest. 0: full-weight training and versions."""
+    lora_alpha: float = Field(default=16.0, gt=0)
+    """LoRA scaling numerator: the adapter adds ``lora_alpha / lora_rank * B @ A`` to each target
+    weight."""
+    lora_target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names the adapter wraps (``q_proj``, ``v_proj``, ...), or ``all-linear``: every linear
+    layer but the output head, as PEFT resolves it (vLLM serves adapters on those)."""
     store: str = ""
     """Checkpoint store: a local directory or an fsspec URL; empty means ``<data_dir>/checkpoints``."""
     seed: int = 0
@@ -330,6 +341,15 @@ class TrainerSettings(_Section):
     """Interface for ``/metrics`` and ``/health``."""
     port: int = Field(default=9103, ge=0, le=65535)
     """Ops port; 0 picks a free one."""
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _targets(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v or any(not m for m in v):
+            raise ValueError("name at least one module (or all-linear), and no empty name")
+        if "all-linear" in v and len(v) > 1:
+            raise ValueError("all-linear already names every linear layer; give it alone or list modules")
+        return v
 
     @field_validator("loss")
     @classmethod

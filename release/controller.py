@@ -191,7 +191,8 @@ class Controller:
             cand_dir = self._verified_dir(cand.version, cand.manifest_sha256, Path(tmp) / "candidate")
             stable_dir = self._stable_dir(stable, Path(tmp) / "stable")
             m = measure_gate(stable_dir, cand_dir, self.prompts, max_new_tokens=self.cfg.gate_max_new_tokens,
-                             trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers)
+                             trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers,
+                             base_dir=Path(self.settings.model_dir))
         return judge_gate(m, self.gate_policy), asdict(m)
 
     def verify(self, cand: Candidate) -> None:
@@ -341,8 +342,9 @@ class Controller:
 
     def _ref(self, version: int) -> VersionRef | None:
         cand = self.store.get(version)
-        return None if cand is None else VersionRef(version=version, uri=cand.uri,
-                                                     manifest_sha256=cand.manifest_sha256)
+        # an adapter version names its base (the checkpoint event's), so serving can tell
+        return None if cand is None else VersionRef(version=version, uri=cand.uri, manifest_sha256=cand.manifest_sha256,
+                                                     base=cand.checkpoint.get("base"))
 
 
 def verified_dir(checkpoints: CheckpointStore | None, version: int, manifest_sha256: str, out: Path) -> Path:

@@ -1,7 +1,9 @@
 """The offline gate: candidate against stable on held-out prompts, before any user sees it.
 
 Which engine generates: Hugging Face transformers on the controller's own CPU (or GPU), loading
-both versions from verified model directories. Not serving's vLLM engines: the gate must not take
+both versions from verified model directories (a LoRA version: its adapter applied on the base
+model, ``model_dir``, once the base's hash is the one the adapter names: flywheel/adapters.py).
+Not serving's vLLM engines: the gate must not take
 capacity from users, nor depend on serving being up, and it needs the full next-token
 distribution of both models on the same tokens (for KL and entropy), which a transformers forward
 gives directly while vLLM returns only top-k logprobs. The held-out set is small (dozens of
@@ -100,17 +102,21 @@ def _verifier_scorer(fn: Any) -> Scorer:
 
 def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, max_new_tokens: int,
                  trainer_metrics: dict[str, float], seed: int = 0,
-                 scorers: dict[str, Scorer] | None = None) -> GateMeasurement:
-    """Sample each prompt from both models and compare them (module docstring)."""
+                 scorers: dict[str, Scorer] | None = None, base_dir: Path | None = None) -> GateMeasurement:
+    """Sample each prompt from both models and compare them (module docstring). ``base_dir``: the
+    base model that adapter versions apply to (needed only when one of them is an adapter)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from flywheel.adapters import load_causal_lm, model_home
 
     # the controller's own accelerator when it has one, else its CPU; float32 either way, so
     # entropies and KL compare versions, not precisions
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok = AutoTokenizer.from_pretrained(str(stable_dir))
-    stable = AutoModelForCausalLM.from_pretrained(str(stable_dir), dtype=torch.float32).to(device).eval()
-    cand = AutoModelForCausalLM.from_pretrained(str(candidate_dir), dtype=torch.float32).to(device).eval()
+    base = Path(base_dir) if base_dir is not None else Path(stable_dir)
+    tok = AutoTokenizer.from_pretrained(str(model_home(stable_dir, base)))
+    stable = load_causal_lm(stable_dir, base).to(device).eval()
+    cand = load_causal_lm(candidate_dir, base).to(device).eval()
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos or 0)
     # every prompt at once, in one batch per model: prompt by prompt, the gate took ~30 s of a

@@ -17,8 +17,8 @@ import logging
 import os
 from pathlib import Path
 
-from flywheel.checkpoints import CheckpointStore, manifest, mirror
-from flywheel.contracts import CheckpointEvent, now
+from flywheel.checkpoints import CheckpointStore, adapter_of, manifest, mirror
+from flywheel.contracts import BaseModelRef, CheckpointEvent, now
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,16 @@ def checkpoint_event(store: CheckpointStore, version: int, mirror_url: str | Non
         version=version, parent=man.get("parent"), step=man.get("step", 0), uri=uri,
         manifest_sha256=manifest.sha256_file(path / manifest.MANIFEST_NAME), dtype=_dtype(man, path),
         full_snapshot=man["full_snapshot"], samples=man.get("samples", 0), metrics=man.get("metrics", {}),
-        created_at=now(),
+        created_at=now(), base=_base(man),
     )
+
+
+def _base(man: dict) -> BaseModelRef | None:
+    """The base an adapter version needs, as readers of the announcement check it."""
+    adapter = adapter_of(man)
+    if adapter is None:
+        return None
+    return BaseModelRef(name=adapter.base_name, manifest_sha256=adapter.base_manifest_sha256)
 
 
 #: safetensors dtype names (what the manifest records of the weights) as torch names them

@@ -18,6 +18,10 @@ and a version that settles offsets of dead-lettered records is committed only on
 acked those letters (a commit before would lose them in a crash). Announcements follow versions
 as the broker allows (trainer/announce.py). ``trainer_stalled_seconds`` says how long records
 have been owed to Kafka with no ack.
+
+In LoRA mode (``trainer.lora_rank`` above 0) every version is an adapter on ``model_dir``, whose
+manifest hash each version records: the trainer refuses to start on a base that is not the one
+the store's versions were trained on, or on a store of the other kind (docs/trainer.md, "LoRA").
 """
 
 from __future__ import annotations
@@ -35,7 +39,15 @@ import torch
 from kafka import ConsumerRebalanceListener, OffsetAndMetadata, TopicPartition
 from safetensors.torch import save_file
 
-from flywheel.checkpoints import WEIGHTS, CheckpointStore
+from flywheel.checkpoints import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    WEIGHTS,
+    Adapter,
+    CheckpointStore,
+    adapter_of,
+)
+from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError, sha256_file, verify_dir
 from flywheel.contracts import (
     ContractError,
     RewardEvent,
@@ -172,11 +184,15 @@ class Trainer:
         self.signer = Signer.load(self.cfg.signing_key, setting="trainer.signing_key") if sink is not None else Signer()
         metrics.stalled.set_function(self.stalled_s)
         self.heartbeat = Heartbeat()
+        #: the base an adapter version names (LoRA), taken from model_dir at start
+        self.base: tuple[str, str] | None = None
 
     # ------------------------------------------------------------ start / resume
     def start(self) -> None:
         """Resume from the newest durable version, or publish version 0 (the initial model)."""
         latest = dist.broadcast(self.store.latest() if self.rank == 0 else None, self.rank, self.world)
+        if self.rank == 0:
+            self._check_kind(latest)
         if self.rank == 0 and self.sink is not None:
             # versions a previous run committed but could not announce go out first
             self._announcing = self._announced = announced(self.store)
@@ -194,6 +210,33 @@ class Trainer:
             self.seen_ids.update(self.store.ledger(v)["trained"])
         self.m.version.set(self.version)
         log.info("resumed from version %d (step %d, %d samples)", latest, self.step, self.samples)
+
+    def _check_kind(self, latest: int | None) -> None:
+        """In LoRA mode: the model directory is verified, and is the base of the store's versions.
+        Either mode: the store's newest version is of this trainer's kind. Raises
+        :class:`~flywheel.checkpoints.ManifestError` saying what to change."""
+        theirs = adapter_of(self.store.manifest(latest)) if latest is not None else None
+        if self.policy.lora is None:
+            if theirs is not None:
+                raise ManifestError(f"the store's latest version {latest} is a LoRA adapter, and trainer.lora_rank is 0: "
+                                    "set the LoRA settings it was trained with, or start a new store")
+            return
+        model_dir = Path(self.s.model_dir)
+        if not (model_dir / MANIFEST_NAME).is_file():
+            raise ManifestError(f"LoRA versions name their base by its manifest's hash; {model_dir} has none "
+                                "(flywheel model import writes one)")
+        verify_dir(model_dir)
+        self.base = (model_dir.resolve().name, sha256_file(model_dir / MANIFEST_NAME))
+        if latest is None:
+            return
+        if theirs is None:
+            raise ManifestError(f"the store's latest version {latest} holds full weights, and trainer.lora_rank is "
+                                f"{self.policy.lora.rank}: LoRA trains on model_dir, so start a new store (to train "
+                                "on that version, export it and make it the model directory)")
+        if theirs.base_manifest_sha256 != self.base[1]:
+            raise ManifestError(f"the store's versions are adapters on base {theirs.base_name!r} (manifest "
+                                f"{theirs.base_manifest_sha256[:12]}…); model_dir {model_dir} is another model "
+                                f"(manifest {self.base[1][:12]}…)")
 
     def subscribe(self) -> None:
         self.consumer.subscribe([self.topics.rewards], listener=_Seek(self))
@@ -428,8 +471,10 @@ class Trainer:
 
     def _commit(self, tmp: Path, version: int) -> None:
         dtype = served_dtype(self.cfg.served_dtype, self.s.model_dir)
-        save_file(self.policy.publish_weights(dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
-        _write_config(self.s.model_dir, tmp, dtype)
+        adapter = self._stage_adapter(tmp, dtype) if self.policy.lora is not None else None
+        if adapter is None:
+            save_file(self.policy.publish_weights(dtype), str(tmp / WEIGHTS), metadata={"format": "pt"})
+            _write_config(self.s.model_dir, tmp, dtype)
         parent = self.version if self.version >= 0 else None
         extra = {
             "step": self.step,
@@ -439,7 +484,8 @@ class Trainer:
             "metrics": {k: float(v) for k, v in self.last_stats.items() if math.isfinite(v)},
             "offsets": self.book.to_json(),
         }
-        _, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra, ledger=self.ledger.to_json())
+        _, man = self.store.commit(tmp, version=version, parent=parent, source_dir=self.s.model_dir, extra=extra,
+                                   ledger=self.ledger.to_json(), adapter=adapter)
         self._owed.append(version)  # announced from the next loop turn on
         self.m.version.set(version)
         if "delta_bytes" in man:
@@ -448,6 +494,15 @@ class Trainer:
         self._commit_offsets()
         self.ledger = Ledger()
         log.info("published version %d (step %d, %d samples, %s)", version, self.step, extra["samples"], "full" if man["full_snapshot"] else f"delta {man.get('delta_ratio', 0):.1f}x")
+
+    def _stage_adapter(self, tmp: Path, dtype: torch.dtype) -> Adapter:
+        """Write the adapter (PEFT's two files) into ``tmp``; what its manifest says of it."""
+        assert self.base is not None and self.policy.lora is not None  # set by start (_check_kind)
+        save_file(self.policy.publish_weights(dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        config = self.policy.adapter_config(self.base[0])
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
+        return Adapter(self.base[0], self.base[1], self.policy.lora.rank, self.policy.lora.alpha,
+                       tuple(config["target_modules"]))
 
     def _commit_offsets(self) -> None:
         """Commit the durable floors to the group: for lag monitoring only (restarts resume from

@@ -57,13 +57,14 @@ def build(settings: Settings):
     from trainer.loop import Trainer
     from trainer.losses import LossConfig
     from trainer.metrics import TrainerMetrics
-    from trainer.policy import Policy
+    from trainer.policy import LoraSpec, Policy
 
     rank, world = dist.init()
     cfg = settings.trainer
     dist.cpu_threads(cfg.cpu_threads)
     loss_cfg = LossConfig(cfg.loss, cfg.clip_low, cfg.clip_high, cfg.tis_cap, cfg.entropy_coef, cfg.kl_coef)
-    policy = Policy.load(settings.model_dir, ds_config(settings, world), loss_cfg, lr=cfg.lr, reference_dir=cfg.reference_dir)
+    policy = Policy.load(settings.model_dir, ds_config(settings, world), loss_cfg, lr=cfg.lr,
+                         reference_dir=cfg.reference_dir, lora=LoraSpec.of(cfg))
     registry = new_registry()
     kw: dict[str, Any] = {}
     if rank == 0:

@@ -13,6 +13,14 @@ sample's sampling temperature so they are comparable with the behaviour logprobs
 recorded in "processed" mode; truncation (top-p/top-k/min-p, min_tokens' mask) is not replayed, and
 what remains of the gap is reported as ``trainer_logprob_gap_nats``. ZeRO stages 0-2 keep full parameters on every rank,
 which :meth:`publish_weights` relies on; stage 3 would need a gather and is rejected up front.
+
+With a :class:`LoraSpec` (``trainer.lora_rank`` above 0) the model is wrapped by PEFT before
+DeepSpeed sees it: the base weights are frozen, only the adapter's A and B matrices have gradients
+and optimizer state, :meth:`publish_weights` returns the adapter in PEFT's names and
+:meth:`save` keeps the adapter and its optimizer state only. Logprobs, sampling and the losses go
+through the wrapped model unchanged (base plus adapter), and the KL reference, unless
+``reference_dir`` names another model, is the base itself with the adapter switched off: no
+second copy of the model.
 """
 
 from __future__ import annotations
@@ -63,6 +71,29 @@ def without_aliases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t
     return out
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA training as the ``trainer.lora_*`` settings give it (flywheel/settings.py)."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, cfg: Any) -> LoraSpec | None:
+        """From :class:`~flywheel.settings.TrainerSettings`; None when ``lora_rank`` is 0."""
+        return cls(cfg.lora_rank, cfg.lora_alpha, tuple(cfg.lora_target_modules)) if cfg.lora_rank else None
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        targets = "all-linear" if self.target_modules == ("all-linear",) else list(self.target_modules)
+        # No dropout: in train mode it would make the recomputed logprobs random, so the ratio
+        # to the sampler's logprobs would measure the dropout mask, not the policy's change.
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
+                          bias="none", task_type="CAUSAL_LM")
 
 
 class ModelRefused(ValueError):
@@ -176,11 +207,13 @@ def token_logprobs(model: torch.nn.Module, b: Batch, with_entropy: bool) -> tupl
 class Policy:
     """The trainable policy on a DeepSpeed engine plus an optional frozen reference for the KL term."""
 
-    def __init__(self, engine: Any, tokenizer_pad: int, loss_cfg: LossConfig, reference: torch.nn.Module | None) -> None:
+    def __init__(self, engine: Any, tokenizer_pad: int, loss_cfg: LossConfig, reference: torch.nn.Module | None,
+                 lora: LoraSpec | None = None) -> None:
         self.engine = engine
         self.pad_id = tokenizer_pad
         self.loss_cfg = loss_cfg
         self.reference = reference
+        self.lora = lora
         self.steps = 0
 
     @classmethod
@@ -192,6 +225,7 @@ class Policy:
         *,
         lr: float,
         reference_dir: Path | None = None,
+        lora: LoraSpec | None = None,
     ) -> Policy:
         import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -199,15 +233,19 @@ class Policy:
         if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
             raise ValueError("ZeRO stage 3 is not supported for publishing; use stage 0, 1 or 2")
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        if lora is not None:
+            from peft import get_peft_model
+
+            model = get_peft_model(model, lora.peft_config())  # the base frozen, B = 0: version 0 is the base
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         reference = None
-        if loss_cfg.kl_coef > 0:
+        if loss_cfg.kl_coef > 0 and (lora is None or reference_dir is not None):
             reference = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
             reference.eval().requires_grad_(False).to(engine.device)
         pad = AutoConfig.from_pretrained(model_dir).pad_token_id
-        return cls(engine, 0 if pad is None else int(pad), loss_cfg, reference)
+        return cls(engine, 0 if pad is None else int(pad), loss_cfg, reference, lora)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -234,6 +272,9 @@ class Policy:
         if self.reference is not None:
             with torch.no_grad():
                 ref, _ = token_logprobs(self.reference, b, with_entropy=False)
+        elif self.lora is not None and self.loss_cfg.kl_coef > 0:
+            with torch.no_grad(), self.module.disable_adapter():  # the frozen base is the reference
+                ref, _ = token_logprobs(self.module, b, with_entropy=False)
         inputs = LossInputs(
             logp=logp, old_logp=b.old_logp, mask=b.mask, rewards=b.rewards, group_ids=b.group_ids,
             weights=b.weights, entropy=entropy, ref_logp=ref,
@@ -304,15 +345,31 @@ class Policy:
 
     def publish_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The policy's parameters in the served dtype, contiguous on the CPU (safetensors-ready),
-        each stored tensor once (:func:`without_aliases`)."""
-        state = without_aliases(self.module.state_dict())
+        each stored tensor once (:func:`without_aliases`). With LoRA: the adapter's tensors only,
+        named as PEFT's ``save_pretrained`` names them (what vLLM and PEFT load)."""
+        if self.lora is not None:
+            from peft import get_peft_model_state_dict
+
+            state = get_peft_model_state_dict(self.module)
+        else:
+            state = without_aliases(self.module.state_dict())
         return {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
 
+    def adapter_config(self, base_name: str) -> dict[str, Any]:
+        """PEFT's ``adapter_config.json`` of the adapter, naming its base, for inference."""
+        cfg = self.module.peft_config["default"].to_dict()
+        cfg.update(base_model_name_or_path=base_name, inference_mode=True)
+        # sets (target_modules, resolved from all-linear) as sorted lists, as PEFT writes them
+        return {k: sorted(v) if isinstance(v, (set, frozenset)) else v for k, v in cfg.items()}
+
     def save(self, directory: Path, client_state: dict[str, Any] | None = None) -> None:
-        """DeepSpeed checkpoint (weights + optimizer state) under ``directory/ds``; all ranks call it."""
-        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state or {}, save_latest=False)
+        """DeepSpeed checkpoint (weights + optimizer state) under ``directory/ds``; all ranks call it.
+        With LoRA the frozen base is left out: it is the model directory, checked by hash on restore."""
+        self.engine.save_checkpoint(str(directory), tag="ds", client_state=client_state or {}, save_latest=False,
+                                    exclude_frozen_parameters=self.lora is not None)
 
     def restore(self, directory: Path) -> dict[str, Any]:
         """Load weights and optimizer state saved by :meth:`save`; returns the client state."""
-        _, client = self.engine.load_checkpoint(str(directory), tag="ds")
+        # with LoRA the checkpoint holds the adapter only; the base comes from the model directory
+        _, client = self.engine.load_checkpoint(str(directory), tag="ds", load_module_strict=self.lora is None)
         return client or {}

@@ -3,6 +3,8 @@
 
 A published version is a Hugging Face model directory under the store root plus a manifest of
 per-file and per-tensor sha256 hashes; old versions keep only a lossless delta from their parent.
+In LoRA mode a version is a PEFT adapter directory instead, on a base model its manifest names by
+hash (``adapter_of(manifest)``, ``verify_base(base_dir, adapter)``).
 
     store = open_store(settings)          # or CheckpointStore(root) for a directory at hand
     store.versions(), store.latest()      # published versions, oldest first
@@ -17,8 +19,17 @@ Modules: :mod:`.store` (layout, atomic publish, pruning, reconstruction, fsspec 
 """
 
 from flywheel.checkpoints.delta import DeltaError
-from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError, verify_dir
+from flywheel.checkpoints.manifest import (
+    ADAPTER_CONFIG,
+    MANIFEST_NAME,
+    Adapter,
+    ManifestError,
+    adapter_of,
+    verify_base,
+    verify_dir,
+)
 from flywheel.checkpoints.store import (
+    ADAPTER_WEIGHTS,
     DELTA,
     LEDGER,
     WEIGHTS,
@@ -30,15 +41,20 @@ from flywheel.checkpoints.store import (
 )
 
 __all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
     "DELTA",
     "LEDGER",
     "MANIFEST_NAME",
     "WEIGHTS",
+    "Adapter",
     "CheckpointStore",
     "DeltaError",
     "ManifestError",
+    "adapter_of",
     "mirror",
     "open_store",
+    "verify_base",
     "verify_dir",
     "verify_tensors",
     "vname",

@@ -1,9 +1,13 @@
-"""``flywheel checkpoint verify [VERSION]`` and ``flywheel checkpoint reconstruct VERSION OUT``.
+"""``flywheel checkpoint verify [VERSION]``, ``reconstruct VERSION OUT`` and ``merge VERSION OUT``.
 
-Both rebuild the version from its chain (nearest full weights + deltas) and check every file and
+Each rebuilds the version from its chain (nearest full weights + deltas) and checks every file and
 tensor hash on the way; a corrupted or tampered file fails with the version and file named.
 The store is the one the settings name (:func:`~flywheel.checkpoints.store.open_store`), so these
-run wherever the store is readable, without the trainer or its dependencies.
+run wherever the store is readable, without the trainer. ``verify`` and ``reconstruct`` need
+neither torch nor a model; ``merge`` takes a LoRA version, checks the base model (``model_dir``)
+is the one its manifest names by hash, and writes the two merged into a full-weight Hugging Face
+directory with a manifest (flywheel/adapters.py): what a deployment serves without LoRA, or a new
+base to train on.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from flywheel.checkpoints.manifest import ManifestError
+from flywheel.checkpoints.manifest import ManifestError, adapter_of
 from flywheel.checkpoints.store import open_store
 from flywheel.settings import Settings
 
@@ -25,7 +29,13 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     try:
         if args.action == "verify":
             data = store.materialize_bytes(version)
-            print(f"version {version}: OK ({len(data)} weight bytes verified)")
+            kind = f"adapter on base {a.base_name!r}, " if (a := adapter_of(store.manifest(version))) else ""
+            print(f"version {version}: OK ({kind}{len(data)} weight bytes verified)")
+        elif args.action == "merge":
+            from flywheel.adapters import merge_version
+
+            merge_version(store.materialize(version), settings.model_dir, args.out)
+            print(f"version {version} merged into its base {settings.model_dir}: full weights in {args.out}")
         else:
             out = store.export(version, args.out)
             print(f"version {version} written to {out}")

@@ -19,7 +19,11 @@ than reading the full weights. :func:`naive_xor` is the dense XOR + zstd baselin
 (bench/delta_compression.py) compares against. The container also carries the child's safetensors
 header, so reconstruction reproduces the child *file* byte for byte and its manifest hash holds.
 A delta is between two single files: the store keeps every version's weights as one
-``model.safetensors``, also for a model imported in shards (flywheel/checkpoints/store.py says why).
+``model.safetensors``, also for a model imported in shards (flywheel/checkpoints/store.py says why),
+or, for a LoRA version, one ``adapter_model.safetensors``: the codec reads any safetensors file,
+and two adapters of one rank and target modules share a layout as two full versions do. An
+adapter moves most of its values every step (no frozen bulk), so its delta is smaller mostly
+because the adapter is.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ sha256 its checkpoint event announced for N's manifest:
    byte of weights is copied), then every file it lists is copied into ``<cache>/.tmp-*``.
    A version whose full weights were pruned keeps a delta from its parent: the parent is fetched
    the same way from beside it (its own manifest need not be announced, because the child's final
-   hash check covers every byte it contributes). Weights in several files (the shards of an
+   hash check covers every byte it contributes). An adapter version (manifest.py) is fetched the
+   same way, its ``adapter_model.safetensors`` pruned and rebuilt like a full version's weights;
+   the base it names is the reader's to check (:func:`~flywheel.checkpoints.manifest.verify_base`). Weights in several files (the shards of an
    imported model) are files of the manifest like any other: each is copied and checked; only
    the trainer's single ``model.safetensors`` is ever pruned to a delta (the store's docstring
    says why versions are consolidated).
@@ -40,7 +42,6 @@ from flywheel.checkpoints.delta import DeltaError
 from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError
 from flywheel.checkpoints.store import (
     DELTA,
-    WEIGHTS,
     CheckpointStore,
     pruned,
     verify_tensors,
@@ -119,7 +120,7 @@ def _copy_chain(uri: str, version: int, want_sha: str | None, cache: CheckpointS
             try:
                 fs.get_file(f"{base}/{name}", str(tmp / name))
             except FileNotFoundError:
-                if name == WEIGHTS and DELTA in man["files"]:
+                if name == manifest.weights_name(man) and DELTA in man["files"]:
                     continue  # pruned: rebuilt from the parent below (no other file ever is)
                 raise VersionRefused(version, "absent", f"{name}, listed in its manifest, is missing at {uri}") from None
             except OSError as exc:

@@ -8,6 +8,13 @@ directory whose bytes do not match, or that holds a file the manifest does not l
 writes manifests when it publishes a version and the delta codec checks tensor hashes after
 reconstructing a version from its chain.
 
+A version the trainer published in LoRA mode (``trainer.lora_rank`` above 0) is an *adapter*
+instead: PEFT's ``adapter_config.json`` and ``adapter_model.safetensors`` (the layout vLLM's LoRA
+support and ``PeftModel.from_pretrained`` load), with the same manifest. Its ``adapter`` entry
+names the base model the adapter applies to and the sha256 of that base's own manifest, so a
+reader refuses an adapter on any other base (:func:`verify_base`); :func:`adapter_of` tells the
+two kinds apart.
+
 Tensor hashes are computed from the safetensors byte layout directly (8-byte header length, JSON
 header, raw data), so they need neither torch nor a dtype numpy understands (bf16).
 """
@@ -19,6 +26,7 @@ import json
 import struct
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +34,64 @@ MANIFEST_NAME = "flywheel-manifest.json"
 FORMAT = "flywheel-manifest/1"
 
 
+#: A full version's weights (the store consolidates them into this one file) ...
+WEIGHTS = "model.safetensors"
+#: ... and an adapter version's, with its PEFT config beside them.
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
 class ManifestError(ValueError):
     """A directory that is not exactly what its manifest says."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """What an adapter version's manifest says of it: the base it applies to and its shape."""
+
+    base_name: str
+    #: sha256 of the base model directory's ``flywheel-manifest.json``: the base's identity
+    base_manifest_sha256: str
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"base_name": self.base_name, "base_manifest_sha256": self.base_manifest_sha256,
+                "rank": self.rank, "alpha": self.alpha, "target_modules": list(self.target_modules)}
+
+
+def adapter_of(manifest: dict[str, Any]) -> Adapter | None:
+    """The adapter a version's manifest describes; None for a full-weight version."""
+    a = manifest.get("adapter")
+    if a is None:
+        return None
+    try:
+        return Adapter(str(a["base_name"]), str(a["base_manifest_sha256"]), int(a["rank"]), float(a["alpha"]),
+                       tuple(a["target_modules"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"version {manifest.get('version')}: malformed adapter entry ({exc!r})") from None
+
+
+def weights_name(manifest: dict[str, Any]) -> str:
+    """The one weights file a store version keeps (and may prune to a delta)."""
+    return ADAPTER_WEIGHTS if manifest.get("adapter") is not None else WEIGHTS
+
+
+def verify_base(base_dir: Path, adapter: Adapter) -> dict[str, Any]:
+    """Check that ``base_dir`` is the base ``adapter`` was trained on, every file against its
+    manifest and that manifest against the hash the adapter's manifest recorded. Returns the
+    base's manifest; raises :class:`ManifestError` naming both hashes otherwise."""
+    base_dir = Path(base_dir)
+    path = base_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise ManifestError(f"the adapter needs base {adapter.base_name!r}; {base_dir} has no {MANIFEST_NAME} "
+                            "to prove it is that base")
+    got = sha256_file(path)
+    if got != adapter.base_manifest_sha256:
+        raise ManifestError(f"the adapter needs base {adapter.base_name!r} (manifest "
+                            f"{adapter.base_manifest_sha256[:12]}…); {base_dir} is another model (manifest {got[:12]}…)")
+    return verify_dir(base_dir, expect_manifest_sha256=adapter.base_manifest_sha256)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -10,6 +10,14 @@ Layout under the store root (``<data_dir>/checkpoints`` by default)::
       flywheel-manifest.json         version, parent, step, samples, hashes, metrics, data offsets
       ds/                            DeepSpeed checkpoint (optimizer state), newest few versions only
 
+An adapter version (LoRA training, ``trainer.lora_rank`` > 0) holds ``adapter_config.json`` and
+``adapter_model.safetensors`` instead of a model's config, tokenizer and weights: a PEFT adapter
+directory, which vLLM's LoRA support loads as it is. The rest is the same: ``delta.fwd`` from the
+parent's adapter file (pruned the same way), the ledger, the manifest (its ``adapter`` entry names
+the base model and the sha256 of the base's manifest: manifest.py), ``ds/`` (the adapter's
+parameters and optimizer state only). A chain never mixes kinds or bases: a version whose parent
+is of another kind or on another base is a full snapshot of its own kind.
+
 Every published version holds its weights as one file, ``model.safetensors``, also when the model
 it started from is sharded (``model-0000N-of-0000M.safetensors`` with an index, as ``flywheel model
 import`` keeps a Hugging Face directory). The consolidation is deliberate: the trainer holds every
@@ -57,7 +65,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = manifest.WEIGHTS
+ADAPTER_WEIGHTS = manifest.ADAPTER_WEIGHTS
 DELTA = "delta.fwd"
 LEDGER = "ledger.json"
 DS_DIR = "ds"
@@ -121,21 +130,29 @@ class CheckpointStore:
         source_dir: Path,
         extra: dict[str, Any],
         ledger: dict[str, Any],
+        adapter: manifest.Adapter | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """Finish a staged version (``tmp`` already holds model.safetensors) and publish it.
+        """Finish a staged version (``tmp`` already holds model.safetensors, or for an ``adapter``
+        adapter_model.safetensors and adapter_config.json) and publish it.
 
         Returns ``(manifest sha256, manifest)``.
         """
+        name = ADAPTER_WEIGHTS if adapter is not None else WEIGHTS
         weights = sorted(p.name for p in tmp.iterdir() if p.name.endswith(_SKIP_SUFFIXES))
-        if weights != [WEIGHTS]:
-            raise ManifestError(f"a staged version holds its weights as one {WEIGHTS} (module docstring), "
+        if weights != [name]:
+            raise ManifestError(f"a staged version holds its weights as one {name} (module docstring), "
                                 f"{tmp.name} holds {weights or 'none'}")
-        _copy_model_files(source_dir, tmp)
-        full = self.is_snapshot(version, parent)
+        if adapter is None:
+            _copy_model_files(source_dir, tmp)
+        elif not (tmp / manifest.ADAPTER_CONFIG).is_file():
+            raise ManifestError(f"a staged adapter version needs its {manifest.ADAPTER_CONFIG}")
+        full = self.is_snapshot(version, parent) or not self._same_kind(parent, adapter)
         info: dict[str, Any] = {"full_snapshot": full}
+        if adapter is not None:
+            info["adapter"] = adapter.to_json()
         if not full:
             parent_bytes = self.materialize_bytes(parent)
-            child = (tmp / WEIGHTS).read_bytes()
+            child = (tmp / name).read_bytes()
             blob = deltas.make_delta(parent_bytes, child, parent_version=parent)
             (tmp / DELTA).write_bytes(blob)
             info.update(delta_bytes=len(blob), weight_bytes=len(child), delta_ratio=len(child) / max(1, len(blob)))
@@ -151,13 +168,24 @@ class CheckpointStore:
         self.prune()
         return sha, man
 
+    def _same_kind(self, parent: int | None, adapter: manifest.Adapter | None) -> bool:
+        """Whether a delta from ``parent`` can hold the new version: both full, or adapters of
+        one shape on one base (a delta between others would not even share a layout)."""
+        if parent is None:
+            return False
+        theirs = manifest.adapter_of(self.manifest(parent))
+        if adapter is None or theirs is None:
+            return adapter is None and theirs is None
+        return (theirs.base_manifest_sha256, theirs.rank, theirs.target_modules) == \
+            (adapter.base_manifest_sha256, adapter.rank, adapter.target_modules)
+
     def prune(self) -> None:
         """Drop full weights of old non-snapshot versions and old optimizer states (never the chain)."""
         versions = self.versions()
         for v in versions[: -self.keep_full]:
             p = self.path(v)
-            if (p / DELTA).exists() and (p / WEIGHTS).exists():
-                (p / WEIGHTS).unlink()
+            if (p / DELTA).exists():
+                (p / manifest.weights_name(self.manifest(v))).unlink(missing_ok=True)
         for v in versions[: -self.keep_optimizer]:
             shutil.rmtree(self.path(v) / DS_DIR, ignore_errors=True)
         for p in self.root.glob(".tmp-*"):
@@ -168,15 +196,16 @@ class CheckpointStore:
     # ------------------------------------------------------------ reconstruction
     def materialize_bytes(self, version: int) -> bytes:
         """The verified weights file of ``version``, rebuilt from its chain when pruned."""
+        name = manifest.weights_name(self.manifest(version))  # a chain holds one kind (commit)
         chain = [version]
-        while not (self.path(chain[-1]) / WEIGHTS).exists():
+        while not (self.path(chain[-1]) / name).exists():
             man = self.manifest(chain[-1])
             if man.get("parent") is None:
                 raise ManifestError(f"version {chain[-1]} has neither weights nor a parent to rebuild from")
             chain.append(man["parent"])
         base = chain.pop()
-        data = (self.path(base) / WEIGHTS).read_bytes()
-        _check_file(self.manifest(base), WEIGHTS, data, base)
+        data = (self.path(base) / name).read_bytes()
+        _check_file(self.manifest(base), name, data, base)
         for v in reversed(chain):
             man = self.manifest(v)
             blob = (self.path(v) / DELTA).read_bytes()
@@ -185,7 +214,7 @@ class CheckpointStore:
                 data = deltas.apply_delta(data, blob, check_parent=False)  # parent verified above
             except deltas.DeltaError as exc:
                 raise ManifestError(f"version {v}: delta does not apply: {exc}") from None
-            _check_file(man, WEIGHTS, data, v)
+            _check_file(man, name, data, v)
         return data
 
     def materialize(self, version: int) -> Path:
@@ -208,7 +237,7 @@ class CheckpointStore:
         part = self.root / f"{REBUILD_PREFIX}{vname(version)}-{uuid.uuid4().hex[:8]}"
         try:
             part.write_bytes(data)
-            os.replace(part, self.path(version) / WEIGHTS)
+            os.replace(part, self.path(version) / manifest.weights_name(self.manifest(version)))
         finally:
             part.unlink(missing_ok=True)
 
@@ -244,7 +273,7 @@ def pruned(directory: Path, man: dict[str, Any]) -> bool:
     """Whether a version's weights must be rebuilt from its delta chain: it keeps a delta and its
     weights file is gone. A version without a delta holds all its weights, one file or shards;
     a missing one is a missing file, not something to rebuild."""
-    return DELTA in man["files"] and not (Path(directory) / WEIGHTS).exists()
+    return DELTA in man["files"] and not (Path(directory) / manifest.weights_name(man)).exists()
 
 
 def _check_file(man: dict[str, Any], name: str, data: bytes, version: int) -> None:

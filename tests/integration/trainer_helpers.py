@@ -85,12 +85,12 @@ def make_trainer(model_dir: Path, data_dir: Path, trainer_kw: dict | None = None
     from trainer.losses import LossConfig
     from trainer.main import ds_config
     from trainer.metrics import TrainerMetrics
-    from trainer.policy import Policy
+    from trainer.policy import LoraSpec, Policy
 
     dist.init()
     settings = Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=topic_prefix,
                         trainer=TrainerSettings(**cfg))
     t = settings.trainer
     loss = LossConfig(t.loss, t.clip_low, t.clip_high, t.tis_cap, t.entropy_coef, t.kl_coef)
-    policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr)
+    policy = Policy.load(model_dir, ds_config(settings, 1), loss, lr=t.lr, lora=LoraSpec.of(t))
     return Trainer(settings, policy, open_store(settings), TrainerMetrics(new_registry()), **(trainer_kw or {}))
