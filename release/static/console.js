@@ -2,12 +2,13 @@
 //
 // Polls the release controller's JSON API every 2 s with the bearer token typed in the header and
 // draws what it answers: the routing, the candidates, the focused candidate's analysis (charts,
-// guardrails, verdict, reasons), the audit log, and Approve / Reject for a version a person must
-// decide on. Rules kept throughout:
+// guardrails, verdict, reasons), the audit log, Approve / Reject for a version a person must
+// decide on, and Undo: stable back to an earlier promoted version (POST /api/undo, after a second
+// click that says what will happen). Rules kept throughout:
 // - every string from the API reaches the page as text (textContent, text nodes, SVG <text>),
 //   never as markup, so a reason or actor name cannot inject anything;
 // - a section is rebuilt only when its data changed, so a poll never steals focus or wipes what a
-//   person is typing (the reason field is never rebuilt at all);
+//   person is typing (the reason fields are never rebuilt at all);
 // - a refused action (401, 403, 409, ...) is shown with the server's own words, never swallowed.
 "use strict";
 
@@ -26,6 +27,8 @@ const ui = {
   busy: false,
   again: false,
   drawn: {},       // section -> JSON of the data it was last drawn from
+  stable: null,    // the stable version, as last polled
+  undoTo: null,    // the version an Undo waits to be confirmed for
 };
 
 const $ = (id) => document.getElementById(id);
@@ -200,11 +203,24 @@ function render(status, candidates, audit, detail) {
   if (changed("candidates", [candidates, ui.selected, ui.live, detail && detail.version])) renderCandidates(candidates, detail);
   if (changed("audit", audit)) renderAudit(audit);
   if (changed("detail", detail)) renderDetail(detail);
+  const promoted = candidates.filter((c) => c.state === "promoted").map((c) => c.version);
+  if (changed("undo", [promoted, status.stable_version])) renderUndo(promoted, status.stable_version);
+}
+
+/** The versions undo can go back to, as suggestions: the form's own fields are never rebuilt. */
+function renderUndo(promoted, stable) {
+  const newest = [...promoted].sort((a, b) => b - a);
+  const label = (v) => (v === stable ? `v${v} (stable now)` : `v${v}`);
+  fill("undo-versions", newest.filter((v) => v !== stable).map((v) => el("option", { value: String(v) })));
+  $("undo-hint").textContent = newest.length ? `Promoted before: ${newest.map(label).join(", ")}. ` +
+    "The version is verified against its manifest again before serving loads it; refused while a canary is live."
+    : "No version has been promoted yet.";
 }
 
 // -- status line, candidates, audit -------------------------------------------------------------
 
 function renderStatus(s) {
+  ui.stable = typeof s.stable_version === "number" ? s.stable_version : null;
   const items = [el("span", { class: "item" }, "Stable ", el("strong", {}, `v${s.stable_version}`),
     s.stable_version === 0 ? el("span", { class: "muted" }, " (the model serving started on)") : null)];
   if (s.canary) {
@@ -511,12 +527,69 @@ async function act(kind) {
   }
 }
 
+/** The first click of Undo: check the form, then ask to confirm, saying what will happen. */
+function askUndo() {
+  const raw = $("undo-to").value.trim();
+  const reason = $("undo-reason").value.trim();
+  $("undo-confirm").hidden = true;
+  if (!/^[0-9]{1,18}$/.test(raw)) {
+    undoMessage("error", "Give the number of the version stable goes back to (for v3, 3).");
+    return;
+  }
+  if (!reason) {
+    undoMessage("error", "Give a reason for the audit log.");
+    return;
+  }
+  ui.undoTo = Number(raw);
+  $("undo-msg").hidden = true;
+  const stable = ui.stable === null ? "" : ` from v${ui.stable}`;
+  $("undo-question").textContent = `Every user goes back${stable} to v${ui.undoTo}, once it is verified again.`;
+  $("undo-yes").textContent = `Confirm: stable back to v${ui.undoTo}`;
+  $("undo-confirm").hidden = false;
+  $("undo-yes").focus();
+}
+
+async function undo() {
+  const v = ui.undoTo;
+  if (v === null) return;
+  const reason = $("undo-reason").value.trim();
+  for (const id of ["undo-yes", "undo-no", "undo-ask"]) $(id).disabled = true;
+  undoMessage("pending", `Verifying v${v} and sending stable back to it…`);
+  try {
+    const done = await api("api/undo", {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ to: v, reason }),
+    });
+    const rev = done && done.revision && done.revision.revision;
+    undoMessage("ok", `Stable is v${v} again${rev === undefined ? "" : ` (revision ${rev})`}.`);
+    $("undo-reason").value = "";
+    $("undo-to").value = "";
+  } catch (err) {
+    undoMessage("error", explain(err, `Undo to v${v}`));
+  } finally {
+    for (const id of ["undo-yes", "undo-no", "undo-ask"]) $(id).disabled = false;
+    $("undo-confirm").hidden = true;
+    ui.undoTo = null;
+    ui.drawn = {};
+    poll();
+  }
+}
+
+function undoMessage(kind, text) {
+  const node = $("undo-msg");
+  node.className = `msg msg-${kind}`;
+  node.textContent = text;
+  node.hidden = false;
+}
+
 // -- the token ------------------------------------------------------------------------------------------
 
 function useToken(value) {
   clearTimeout(ui.timer);
   ui.drawn = {};
   hideMessage();
+  $("undo-msg").hidden = true;
+  $("undo-confirm").hidden = true;
+  ui.undoTo = null;
   if (value) {
     sessionStorage.setItem(TOKEN_KEY, value);
     setConn("pending", "Connecting…");
@@ -540,6 +613,13 @@ function start() {
   $("reason").addEventListener("input", () => { if (ui.focus !== null) ui.selected = ui.focus; });
   $("approve").addEventListener("click", () => act("approve"));
   $("reject").addEventListener("click", () => act("reject"));
+  $("undo").addEventListener("submit", (ev) => { ev.preventDefault(); askUndo(); });
+  $("undo-yes").addEventListener("click", undo);
+  $("undo-no").addEventListener("click", () => { $("undo-confirm").hidden = true; ui.undoTo = null; $("undo-to").focus(); });
+  // a changed version or reason must be confirmed again
+  for (const id of ["undo-to", "undo-reason"]) {
+    $(id).addEventListener("input", () => { $("undo-confirm").hidden = true; ui.undoTo = null; });
+  }
   // Charts are drawn to their box's width: draw them again when it changes.
   let resized = null;
   window.addEventListener("resize", () => {

@@ -6,7 +6,10 @@ a version the gate rejected, one rolled back for a breached guardrail, one super
 that passed its analysis and awaits approval, its accept-rate history and always-valid band
 computed by release/sequential.py from simulated outcomes. A person then looks at it, is refused as
 a viewer (403, nothing changes), approves as an approver (promoted: the page and the store agree),
-and is refused a second promotion inside the promotion interval (409, the reason shown).
+and is refused a second promotion inside the promotion interval (409, the reason shown). Then undo:
+stable back to an earlier promoted version, confirmed in a second click, refused in the server's
+words for a version never promoted, the version already stable, under a live canary and for a
+version whose checkpoint fails verification, and done for one a real checkpoint store verifies.
 
 Skipped, saying why, where chromium or chromedriver is not installed (``apt-get install chromium
 chromium-driver``; .ci/run installs both). Run alone with
@@ -21,11 +24,13 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from test_release_ops import commit_versions
 
 from flywheel.settings import ReleaseSettings
 from release.judge import ArmStats, CanaryMeasurement, CanaryPolicy, judge_canary
@@ -132,7 +137,11 @@ def seed(store: ReleaseStore, canary: int = 4) -> None:
 
 @pytest.fixture
 def console(tmp_path: Path) -> Iterator[tuple[str, ReleaseStore]]:
+    """The API on a loopback port over the seeded store, verifying undo targets against a real
+    checkpoint store at ``<tmp_path>/checkpoints`` (empty: the test commits what it needs)."""
+    from flywheel.checkpoints import CheckpointStore
     from release.api import make_app
+    from release.controller import verify_version
     from release.main import ApiServer
 
     url = f"sqlite:///{tmp_path / 'release.sqlite3'}"
@@ -141,7 +150,8 @@ def console(tmp_path: Path) -> Iterator[tuple[str, ReleaseStore]]:
     seeding.close()
     app_store, check_store = ReleaseStore(url), ReleaseStore(url)  # the app's own connection, and ours
     settings = ReleaseSettings(tokens=TOKENS, promotion_interval_s=3600.0)
-    server = ApiServer(make_app(app_store, settings), "127.0.0.1", 0).start()
+    checkpoints = CheckpointStore(tmp_path / "checkpoints")
+    server = ApiServer(make_app(app_store, settings, verify=partial(verify_version, checkpoints)), "127.0.0.1", 0).start()
     try:
         yield f"http://127.0.0.1:{server.port}", check_store
     finally:
@@ -239,7 +249,7 @@ def action_message(browser, code: str) -> str:
                     and d.find_element("id", "action-msg").text)
 
 
-def test_console_shows_the_canary_and_approves_it(browser, console) -> None:
+def test_console_shows_the_canary_approves_it_and_undoes(browser, console, tmp_path, tiny_model_dir) -> None:
     url, store = console
     page = httpx.get(url + "/")
     assert page.status_code == 200 and "default-src 'none'" in page.headers["content-security-policy"]
@@ -286,5 +296,74 @@ def test_console_shows_the_canary_and_approves_it(browser, console) -> None:
     assert "the next promotion is allowed in" in action_message(browser, "409")
     assert store.get(5).state == State.HELD and store.stable_version() == 4
 
+    undoes(browser, store, tmp_path, tiny_model_dir)
+
     csp = [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
     assert not csp, csp
+
+
+def ask_undo(browser, version: int | str, reason: str) -> None:
+    """Fill in the undo form and give its first click; the second is the caller's."""
+    for field, text in (("undo-to", str(version)), ("undo-reason", reason)):
+        box = browser.find_element("id", field)
+        box.clear()
+        box.send_keys(text)
+    browser.find_element("id", "undo-ask").click()
+
+
+def undo_refused(browser, version: int, words: str) -> None:
+    ask_undo(browser, version, "trying the way back")
+    wait_for(browser, "the confirmation", lambda d: d.find_element("id", "undo-yes").is_displayed())
+    browser.find_element("id", "undo-yes").click()
+    said = wait_for(browser, f"undo to v{version} refused", lambda d: "refused" in d.find_element("id", "undo-msg").text
+                    and d.find_element("id", "undo-msg").text)
+    assert said.startswith(f"Undo to v{version} refused (409, not possible now): ") and words in said, said
+
+
+def undoes(browser, store: ReleaseStore, tmp_path: Path, model_dir: Path) -> None:
+    """Stable v4, v5 held. v5 is rolled back; v6 (a real checkpoint) promoted and v7 (real) made
+    the live canary, later promoted; the console's undo is refused four ways and done once."""
+    from flywheel.checkpoints import CheckpointStore
+
+    shas = commit_versions(CheckpointStore(tmp_path / "checkpoints"), model_dir, (6, 7))
+    store.transition(5, State.ROLLED_BACK, "controller", "rolled back for the undo test", routing=Routing(4, None, 0.0))
+    for v, parent in ((6, 4), (7, 6)):
+        store.add_candidate({**_event(v, parent), "manifest_sha256": shas[v]}, "controller:test")
+        store.transition(v, State.GATING, "controller", "gate started")
+        store.transition(v, State.CANARY, "controller", "gate passed", routing=Routing(store.stable_version(), v, 0.1))
+        if v == 6:  # v7 stays the live canary
+            store.transition(6, State.PROMOTED, "alice", "approved", routing=Routing(6, None, 0.0))
+    wait_for(browser, "the promoted versions offered", lambda d: d.find_element("id", "undo-hint").text.startswith(
+        "Promoted before: v6 (stable now), v4."))
+    assert [o.get_attribute("value") for o in browser.find_elements(BY_CSS, "#undo-versions option")] == ["4"]
+
+    # the form says what is missing before anything is sent; the first click only asks
+    ask_undo(browser, "", "no version given")
+    assert "Give the number of the version" in browser.find_element("id", "undo-msg").text
+    ask_undo(browser, 4, "<i id=undo-injected>v6 answers worse</i>")
+    assert browser.find_element("id", "undo-question").text == "Every user goes back from v6 to v4, once it is verified again."
+    browser.find_element("id", "undo-no").click()  # cancelled: nothing sent
+    assert not browser.find_element("id", "undo-confirm").is_displayed() and store.stable_version() == 6
+
+    undo_refused(browser, 3, "version 3 is superseded: only a version promoted before can be stable again")
+    undo_refused(browser, 6, "version 6 is already stable")
+    undo_refused(browser, 4, "a canary is live (v7): roll it back first, then undo")
+    store.transition(7, State.PROMOTED, "auto-promote policy", "analysis passed", routing=Routing(7, None, 0.0))
+    # v4's announcement named a manifest no checkpoint store holds: refused, stable stays
+    undo_refused(browser, 4, "version 4 failed verification, stable stays")
+    assert store.stable_version() == 7
+
+    # back to v6, which the checkpoint store verifies
+    reason = "<b id=undo-injected>v7</b> answers worse in French"
+    ask_undo(browser, 6, reason)
+    wait_for(browser, "the confirmation", lambda d: d.find_element("id", "undo-yes").text == "Confirm: stable back to v6")
+    browser.find_element("id", "undo-yes").click()
+    said = wait_for(browser, "the undo done", lambda d: "again" in d.find_element("id", "undo-msg").text
+                    and d.find_element("id", "undo-msg").text)
+    assert said.startswith("Stable is v6 again (revision ")
+    assert store.stable_version() == 6 and store.audit(6, limit=1)[0].actor == "alice"
+    wait_for(browser, "stable v6 in the status line", lambda d: "Stable v6" in d.find_element("id", "status").text)
+    wait_for(browser, "the undo in the audit log", lambda d: newest_audit(d) == (
+        "v6 note by alice", f"undo: stable back to v6 from v7: {reason}"))
+    assert not browser.find_elements(BY_CSS, "#undo-injected")  # the reason is text, never markup
+    assert browser.find_element("id", "undo-reason").get_attribute("value") == ""

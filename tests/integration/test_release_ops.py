@@ -113,6 +113,23 @@ def test_a_refused_action_is_no_decision_and_a_rollback_counts_once(api, store):
 
 # -- undo ---------------------------------------------------------------------------------------
 
+def commit_versions(st, model_dir: Path, versions: tuple[int, ...]) -> dict[int, str]:
+    """Versions of ``model_dir`` committed to checkpoint store ``st`` (the first a snapshot, each
+    next a delta on the one before, its weights differing in their last byte); each one's
+    manifest hash."""
+    shas = {}
+    base = (model_dir / "model.safetensors").read_bytes()
+    parent = None
+    for v in versions:
+        tmp = st.staging_dir(v)
+        data = bytearray(base)
+        data[-1] ^= v  # each version's weights differ in their last byte
+        (tmp / "model.safetensors").write_bytes(bytes(data))
+        shas[v], _ = st.commit(tmp, version=v, parent=parent, source_dir=model_dir, extra={}, ledger={})
+        parent = v
+    return shas
+
+
 @pytest.fixture
 def checkpoints(tmp_path, tiny_model_dir):
     """A real checkpoint store with versions 1 and 2 (1 a snapshot, 2 a delta on it), and each
@@ -120,16 +137,7 @@ def checkpoints(tmp_path, tiny_model_dir):
     from flywheel.checkpoints import CheckpointStore
 
     st = CheckpointStore(tmp_path / "checkpoints", full_every=10, keep_full=2)
-    shas = {}
-    base = (tiny_model_dir / "model.safetensors").read_bytes()
-    for v in (1, 2):
-        tmp = st.staging_dir(v)
-        data = bytearray(base)
-        data[-1] ^= v  # each version's weights differ in their last byte
-        (tmp / "model.safetensors").write_bytes(bytes(data))
-        shas[v], _ = st.commit(tmp, version=v, parent=v - 1 if v > 1 else None, source_dir=tiny_model_dir,
-                               extra={}, ledger={})
-    return st, shas
+    return st, commit_versions(st, tiny_model_dir, (1, 2))
 
 
 def promote_real(store, version: int, sha: str, parent: int | None) -> None:
