@@ -2,12 +2,16 @@
 
 Prometheus loads the project's alert and recording rules (dashboards/prometheus/), with only the
 ``for:`` durations shortened, and scrapes every stage ``flywheel up`` started at the ports its
-status.json names. The test stops the trainer with SIGSTOP, so its ops port accepts connections
-and answers nothing (a hung process, which a restart-on-exit supervisor does not notice), and
-follows the alert it pages with: ``pending``, then ``firing`` through Prometheus' HTTP API, then
-delivered by Alertmanager, routed as deploy/alertmanager.yml routes a page, to a webhook receiver
-on loopback. The delivered alert carries the runbook link built from the deployment's
-``runbooks_url`` external label. Needs ``prometheus`` and ``prometheus-alertmanager`` (Debian
+status.json names. Two faults, each followed from Prometheus' HTTP API (``firing``) to a webhook
+receiver on loopback that Alertmanager delivers to, routed as deploy/alertmanager.yml routes:
+
+- the trainer stopped with SIGSTOP, so its ops port accepts connections and answers nothing (a
+  hung process, which a restart-on-exit supervisor does not notice): FlywheelProcessDown, a page;
+- a signed release naming a canary, which serving under ``flywheel up`` (one engine) refuses:
+  FlywheelVersionRefused, a ticket.
+
+Each delivered alert carries the runbook link built from the deployment's ``runbooks_url``
+external label. Needs ``prometheus`` and ``prometheus-alertmanager`` (Debian
 packages; .ci/run installs them). Slow: ``flywheel up`` starts a vLLM engine and the trainer.
 """
 
@@ -69,17 +73,18 @@ class Receiver:
         self.url = f"http://127.0.0.1:{self.server.server_port}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def wait_for(self, alertname: str, job: str, deadline: float) -> dict:
+    def wait_for(self, alertname: str, deadline: float, **labels: str) -> dict:
         while True:
             left = deadline - time.monotonic()
-            assert left > 0, f"Alertmanager delivered no firing {alertname} for {job}"
+            assert left > 0, f"Alertmanager delivered no firing {alertname} {labels}"
             try:
                 note = self.got.get(timeout=left)
             except queue.Empty:
                 continue
             for alert in note["alerts"]:
-                labels = alert["labels"]
-                if alert["status"] == "firing" and labels.get("alertname") == alertname and labels.get("job") == job:
+                got = alert["labels"]
+                if (alert["status"] == "firing" and got.get("alertname") == alertname
+                        and all(got.get(k) == v for k, v in labels.items())):
                     return {**alert, "receiver": note["receiver"]}
 
 
@@ -126,12 +131,13 @@ def _alertmanager_config(out: Path, receiver_url: str) -> Path:
     return path
 
 
-def _firing(prom: str, alertname: str, job: str) -> str | None:
+def _firing(prom: str, alertname: str, **labels: str) -> str | None:
     try:
         alerts = httpx.get(prom + "/api/v1/alerts", timeout=5).json()["data"]["alerts"]
     except (httpx.HTTPError, ValueError):
         return None
-    states = [a["state"] for a in alerts if a["labels"].get("alertname") == alertname and a["labels"].get("job") == job]
+    states = [a["state"] for a in alerts if a["labels"].get("alertname") == alertname
+              and all(a["labels"].get(k) == v for k, v in labels.items())]
     return "firing" if "firing" in states else ("pending" if states else None)
 
 
@@ -143,7 +149,37 @@ def _up(prom: str, job: str) -> bool:
     return any(r["value"][1] == "1" for r in result["data"]["result"])
 
 
-def test_a_hung_trainer_pages_through_prometheus_and_alertmanager(tmp_path, tiny_model_dir):
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _announce_canary(bootstrap: str, keys: Path) -> None:
+    """A canary release on flywheel up's releases topic, signed with the key up made for the
+    release controller (a revision above any the controller has published)."""
+    from kafka import KafkaProducer
+
+    from flywheel.contracts import ReleaseEvent, Topics, VersionRef, encode
+    from flywheel.settings import Settings
+    from flywheel.signing import Signer
+
+    settings = Settings()
+    ev = ReleaseEvent(revision=1_000_000, deployment=settings.release.deployment, stable_version=0,
+                      canary_version=7, canary_share=0.5, reason="alert test",
+                      canary_ref=VersionRef(version=7, uri="file:///nowhere/7", manifest_sha256="0" * 64),
+                      updated_at=time.time())
+    value = encode(ev)
+    producer = KafkaProducer(bootstrap_servers=bootstrap)
+    try:
+        producer.send(Topics(settings.topic_prefix).releases, key=ev.deployment.encode(), value=value,
+                      headers=Signer.load(keys / "release-local.key").headers(value)).get(timeout=30)
+    finally:
+        producer.close()
+
+
+def test_a_hung_trainer_and_a_refused_release_alert_through_prometheus_and_alertmanager(tmp_path, tiny_model_dir):
     from local.broker import free_port
 
     prometheus = _binary("prometheus")
@@ -187,19 +223,31 @@ def test_a_hung_trainer_pages_through_prometheus_and_alertmanager(tmp_path, tiny
 
         # the trainer is scraped, and nothing pages about it, before the fault
         _until(lambda: _up(prom, "flywheel-trainer"), 240, "Prometheus to scrape the trainer")
-        assert _firing(prom, "FlywheelProcessDown", "flywheel-trainer") is None
+        assert _firing(prom, "FlywheelProcessDown", job="flywheel-trainer") is None
 
         trainer = next(s for s in json.loads(status.read_text())["stages"] if s["name"] == "train")
         os.kill(trainer["pid"], signal.SIGSTOP)
         stopped_pid = trainer["pid"]
 
-        state = _until(lambda: _firing(prom, "FlywheelProcessDown", "flywheel-trainer") == "firing", 120,
+        state = _until(lambda: _firing(prom, "FlywheelProcessDown", job="flywheel-trainer") == "firing", 120,
                        "FlywheelProcessDown to fire in Prometheus")
         assert state
-        alert = receiver.wait_for("FlywheelProcessDown", "flywheel-trainer", time.monotonic() + 120)
+        alert = receiver.wait_for("FlywheelProcessDown", time.monotonic() + 120, job="flywheel-trainer")
         assert alert["labels"]["severity"] == "page" and alert["receiver"] == "page"
         assert alert["annotations"]["runbook_url"] == f"{RUNBOOKS}/process-down.md"
         assert "flywheel-trainer" in alert["annotations"]["summary"]
+
+        # a release serving cannot apply, signed as the controller signs: flywheel up serves with
+        # one engine, so a canary is refused (no_canary_engine), and the ticket reaches its receiver
+        serve = next(s for s in stages if s["name"] == "serve")
+        _until(lambda: _ready(f"http://127.0.0.1:{serve['port']}/readyz"), 300, "serving to be ready")
+        assert _firing(prom, "FlywheelVersionRefused", reason="no_canary_engine") is None
+        _announce_canary(json.loads(status.read_text())["broker"]["bootstrap"], tmp_path / "up" / "keys")
+        _until(lambda: _firing(prom, "FlywheelVersionRefused", reason="no_canary_engine") == "firing", 120,
+               "FlywheelVersionRefused to fire in Prometheus")
+        alert = receiver.wait_for("FlywheelVersionRefused", time.monotonic() + 120, reason="no_canary_engine")
+        assert alert["labels"]["severity"] == "ticket" and alert["receiver"] == "ticket"
+        assert alert["annotations"]["runbook_url"] == f"{RUNBOOKS}/version-refused.md"
     finally:
         if stopped_pid is not None:
             os.kill(stopped_pid, signal.SIGCONT)  # so flywheel up can stop it
