@@ -39,6 +39,8 @@ EPISODE_SCHEMA = pa.schema([
     pa.field("prompt_token_ids", pa.list_(pa.int32())),
     pa.field("completion_token_ids", pa.list_(pa.int32())),
     pa.field("logprobs", pa.list_(pa.float32())),
+    # added later (read older files with read_schema: they read as nulls): the API key's id
+    pa.field("api_key_id", pa.string()),
 ])
 
 
@@ -49,7 +51,7 @@ def episode_row(value: bytes) -> tuple[float, dict[str, Any]]:
     row = {k: g.get(k) for k in (
         "generation_id", "group_id", "choice_index", "user_id", "model_name", "model_version",
         "endpoint", "created_at", "completed_at", "latency_ms", "finish_reason", "prompt_text",
-        "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")}
+        "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs", "api_key_id")}
     row.update({k: ep.get(k) for k in (
         "signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted", "rater_id",
         "resolved_at")})
@@ -58,7 +60,7 @@ def episode_row(value: bytes) -> tuple[float, dict[str, Any]]:
 
 _GEN_COLUMNS = ("generation_id", "group_id", "choice_index", "user_id", "model_name", "model_version",
                 "endpoint", "created_at", "completed_at", "latency_ms", "finish_reason", "prompt_text",
-                "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs")
+                "completion_text", "prompt_token_ids", "completion_token_ids", "logprobs", "api_key_id")
 _EPISODE_COLUMNS = ("signal", "edited_text", "decision_ms", "feedback_ids", "timed_out", "conflicted",
                     "rater_id", "resolved_at")
 # Logprobs are read as doubles and rounded to float32 by a cast, as the row path's conversion of

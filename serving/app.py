@@ -71,6 +71,7 @@ from serving.protocol import (
 )
 from serving.readiness import Readiness
 from serving.recorder import Recorder
+from serving.usage import TokenCounters
 from serving.versions import Fleet
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback")
@@ -83,8 +84,7 @@ class AppMetrics:
         self.latency = Histogram("serving_request_latency_seconds", "Time to the full response (or stream end)",
                                  ["route", "model_version"], registry=registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.tokens = Counter("serving_generated_tokens_total", "Completion tokens sampled",
-                              ["model_version"], registry=registry)
+        self.tokens = TokenCounters.register(registry)
         self.feedback = Counter("serving_feedback_total", "Feedback events accepted (202), by signal",
                                 ["signal"], registry=registry)
         self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429, by the bucket that was empty",

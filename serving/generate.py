@@ -32,9 +32,11 @@ from pydantic import ValidationError
 from flywheel.contracts import GenerationEvent, SamplingParams, Topics, VersionSpan
 from flywheel.settings import ServeSettings
 from serving.engine import Delta, GenRequest, TopLogprobs
+from serving.identity import key_id
 from serving.logprobs import LogprobsFormat, Pieces
 from serving.protocol import ApiError, ChatRequest, CompletionRequest
 from serving.recorder import Recorder
+from serving.usage import TokenCounters
 from serving.versions import Fleet, Slot
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class Ctx:
     fleet: Fleet
     recorder: Recorder
     topics: Topics
-    tokens_counter: Any
+    tokens: TokenCounters
     pieces: Pieces = field(init=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +78,8 @@ class Prepared:
     slot: Slot | None = None
     route: str = "stable"
     version: int = 0
+    #: The id of the API key that asked (serving/identity.py ``key_id``); None without keys.
+    api_key_id: str | None = None
 
     def generation_id(self, i: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{i}"
@@ -205,7 +209,9 @@ def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
     the fleet's routing changes, and as late as possible: a slot picked before a long tokenization
     could be loading another version by the time the request reaches it."""
     slot, how, version = route(ctx, model, prep.user_id, key)
-    return dataclasses.replace(prep, slot=slot, route=how, version=version)
+    # a deployment without keys takes any bearer string: accounting it would name arbitrary keys
+    api_key_id = key_id(key) if ctx.serve.api_keys else None
+    return dataclasses.replace(prep, slot=slot, route=how, version=version, api_key_id=api_key_id)
 
 
 def _chat_prompt(tok: Any, messages: list[dict[str, str]], body: ChatRequest) -> str:
@@ -273,13 +279,13 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
             completion_text="".join(c.text), completion_token_ids=tuple(c.token_ids),
             logprobs=tuple(c.logprobs),
             sampling=sampling_record(g, prep.request_for(c.index).seed, ctx.fleet.logprobs_mode),
-            finish_reason=c.finish_reason or "abort",
+            finish_reason=c.finish_reason or "abort", api_key_id=prep.api_key_id,
         )
     except ValidationError as exc:  # an engine output we cannot vouch for is not training data
         log.error("generation %s not recorded: %s", c.generation_id, exc)
         ctx.recorder.metrics.dropped.labels("generation", "invalid").inc()
         return
-    ctx.tokens_counter.labels(str(prep.version)).inc(len(c.token_ids))
+    ctx.tokens.count(event)
     ctx.recorder.record_generation(ctx.topics.generations, event)
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 PSEUDONYM_HEX = 32
+#: Hex digits of a key's fingerprint in its id: 48 bits, no collision among any deployment's keys.
+KEY_ID_HEX = 12
 
 
 def pseudonymise(salt: str, raw: str) -> str:
@@ -31,6 +33,13 @@ def bearer_key(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not key.strip():
         return None
     return key.strip()
+
+
+def key_id(key: str | None) -> str | None:
+    """The name a product key is accounted under in records, metrics and ``flywheel usage``: its
+    SHA-256 fingerprint, so the key itself is never written anywhere (an operator finds a key's
+    id with ``printf %s "$KEY" | sha256sum | cut -c1-12``). None without a key."""
+    return None if key is None else "key-" + _digest(key).hex()[:KEY_ID_HEX]
 
 
 def key_allowed(key: str | None, api_keys: tuple[str, ...], allow_anonymous: bool) -> bool:

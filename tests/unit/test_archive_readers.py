@@ -24,7 +24,8 @@ SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
 GEN = GenerationEvent(generation_id="g1", group_id="grp", choice_index=2, model_name="m", model_version=5,
                       user_id="u", endpoint="chat", created_at=1000.25, completed_at=1001.5, latency_ms=1250.0,
                       prompt_text="p é", prompt_token_ids=(3, 4), completion_text="c", completion_token_ids=(7, 8, 9),
-                      logprobs=(-0.5, -1.25, -2.0), sampling=SAMPLING, finish_reason="length")
+                      logprobs=(-0.5, -1.25, -2.0), sampling=SAMPLING, finish_reason="length",
+                      api_key_id="key-0123456789ab")
 EPISODE = EpisodeEvent(generation=GEN, signal="edit", edited_text="new", decision_ms=42.5, feedback_ids=("a", "b"),
                        conflicted=True, rater_id="r", resolved_at=1005.75)
 REWARD = RewardEvent(generation_id="g1", group_id="grp", user_id="u", rater_id="r", model_version=5, signal="edit",
@@ -73,3 +74,15 @@ def test_every_reward_column_is_the_decoded_events_field():
         want = derived[name] if name in derived else _field(rw, name)
         got = dict(row[name]) if name == "components" else row[name]
         assert _same(got, want), name
+
+
+@pytest.mark.parametrize("path", ["row", "table"])
+def test_an_episode_recorded_before_api_key_id_archives_it_as_null(path):
+    import json
+
+    old = json.loads(encode(EPISODE))
+    del old["generation"]["api_key_id"]
+    raw = json.dumps(old, separators=(",", ":")).encode()
+    row = episode_row(raw)[1] if path == "row" else episode_table([raw])[1].to_pylist()[0]
+    assert row["api_key_id"] is None and row["generation_id"] == "g1" and row["prompt_token_ids"] == [3, 4]
+

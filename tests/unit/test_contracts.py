@@ -46,6 +46,18 @@ def test_generation_round_trip():
     assert decode(GenerationEvent, encode(g)) == g
 
 
+def test_a_generation_recorded_before_api_key_id_still_decodes():
+    g = _generation(api_key_id="key-0123456789ab")
+    assert decode(GenerationEvent, encode(g)).api_key_id == "key-0123456789ab"
+    old = json.loads(encode(g))
+    del old["api_key_id"]  # as serving wrote it before the field existed
+    got = decode(GenerationEvent, json.dumps(old).encode())
+    assert got.api_key_id is None and got == g.model_copy(update={"api_key_id": None})
+    episode = decode(EpisodeEvent, json.dumps({"kind": "episode", "generation": old, "signal": "accept",
+                                               "resolved_at": 3.0}).encode())
+    assert episode.generation.api_key_id is None
+
+
 def test_logprobs_must_match_tokens():
     with pytest.raises(ValueError, match="logprobs has 2 entries for 3"):
         _generation(logprobs=(-0.1, -0.2))
