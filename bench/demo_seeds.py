@@ -57,7 +57,7 @@ def _f(x: float | None, spec: str = ".2f") -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     goals = next((list(r["goals"]) for r in runs if r["ok"]), [])
-    lines = ["| seed | start | last 60 s | ratio | held 2x from | last live z | taste z | promoted | goals met | load (5 min) |",
+    lines = ["| seed | start | last 60 s | ratio | held 2x from (s) | last live z | taste z | promoted | goals met | load (5 min) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in runs:
         if not r["ok"]:
@@ -65,7 +65,7 @@ def table(runs: list[dict[str, Any]]) -> str:
             continue
         ratio = r["held"] / r["start"] if r["held"] is not None and r["start"] else None
         met = sum(r["goals"].values())
-        lines.append(f"| {r['seed']} | {_f(r['start'])} | {_f(r['held'])} | {_f(ratio)} | {_f(r['held_2x_from_s'], '.0f')} s "
+        lines.append(f"| {r['seed']} | {_f(r['start'])} | {_f(r['held'])} | {_f(ratio)} | {_f(r['held_2x_from_s'], '.0f')} "
                      f"| {_f(r['last_live_z'], '.1f')} | {_f(r['taste_z'], '.1f')} "
                      f"| {', '.join(f'v{v}' for v in r['promoted']) or 'none'} | {met} of {len(r['goals'])} | {r['load5']:.1f} |")
     lines += ["", "| goal | met in |", "| --- | --- |"]
