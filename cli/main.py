@@ -353,6 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("--top", type=_count, default=10, help="report: how many flagged users to list")
     rw.set_defaults(func=_role("reward.main"))
 
+    us = sub.add_parser("usage", help="tokens served by API key and version, and trained by version, from the archives",
+                        description=importlib.import_module("cli.usage").__doc__,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    us.add_argument("--since", type=_age, default=24 * 3600.0, help="the last AGE (90s, 30m, 2h, 7d; default 24h)")
+    us.add_argument("--archive", type=Path, action="append", default=None,
+                    help="an episode archive (default <data_dir>/archive/episodes; repeatable: one per ingest shard)")
+    us.add_argument("--checkpoints", type=Path, default=None,
+                    help="the trainer's checkpoint store (default: trainer.store, else <data_dir>/checkpoints)")
+    us.add_argument("-o", "--output", choices=("table", "json"), default="table", help="table (default) or json")
+    us.set_defaults(func=_role("cli.usage", announce=False))
+
     dl = sub.add_parser("deadletters", help="summarise, show or replay the dead-letter topic")
     dl.add_argument("action", choices=["summary", "show", "replay"])
     dl.add_argument("--reason", action="append", help="only this reason (repeatable)")

@@ -82,6 +82,9 @@ class Ledger:
     trained: list[str] = field(default_factory=list)
     dropped: dict[str, list[str]] = field(default_factory=dict)
     steps: int = 0
+    #: Tokens of the trained samples (``flywheel usage``): prompt and completion, each sample's own.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
     #: monotonic time of its first entry: ``publish_every_s`` counts from there, so a version
     #: published after an idle spell holds that many seconds of work, not the first batch's
     since: float | None = None
@@ -98,7 +101,8 @@ class Ledger:
         return not self.trained and not self.dropped
 
     def to_json(self) -> dict[str, Any]:
-        return {"trained": self.trained, "dropped": self.dropped, "steps": self.steps}
+        return {"trained": self.trained, "dropped": self.dropped, "steps": self.steps,
+                "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens}}
 
 
 def publish_due(ledger: Ledger, now: float, every_steps: int, every_s: float) -> bool:
@@ -434,6 +438,11 @@ class Trainer:
         for e, p in zip(events, pos):
             self.ledger.trained.append(e.generation_id)
             self.book.settle(*p)
+        prompt, completion = (sum(len(e.prompt_token_ids) for e in events),
+                              sum(len(e.completion_token_ids) for e in events))
+        self.ledger.prompt_tokens += prompt
+        self.ledger.completion_tokens += completion
+        self.m.record_trained_tokens(self.version + 1, prompt, completion)  # the version these go into
 
     def _reject_batch(self, events: list[RewardEvent], pos: list[tuple[str, int, int]]) -> None:
         """Dead-letter a batch whose loss was not finite: none of its records is trained on, and

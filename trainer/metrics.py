@@ -39,6 +39,9 @@ class TrainerMetrics:
         self.stalled = Gauge("trainer_stalled_seconds", "Seconds records have been owed to Kafka (dead letters, "
                              "announcements) with no ack; 0 while it is fine", registry=r)
         self.delta_bytes = Gauge("trainer_delta_bytes", "Size of the last published delta", registry=r)
+        self.trained_tokens = Counter("trainer_trained_tokens_total", "Tokens of the samples trained on, by the "
+                                      "version they go into and kind (prompt, completion)", ["version", "kind"],
+                                      registry=r)
         self.delta_ratio = Gauge("trainer_delta_compression_ratio", "Full weight bytes / delta bytes, last version", registry=r)
 
     def record_step(self, stats: dict[str, float], seconds: float, samples: int) -> None:
@@ -55,3 +58,7 @@ class TrainerMetrics:
         self.clip.set(stats.get("clip_frac", 0.0))
         self.tis.set(stats.get("tis_frac", 0.0))
         self.gap.set(stats.get("logprob_gap", 0.0))
+
+    def record_trained_tokens(self, version: int, prompt: int, completion: int) -> None:
+        self.trained_tokens.labels(str(version), "prompt").inc(prompt)
+        self.trained_tokens.labels(str(version), "completion").inc(completion)

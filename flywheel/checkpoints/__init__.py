@@ -36,6 +36,7 @@ from flywheel.checkpoints.store import (
     CheckpointStore,
     mirror,
     open_store,
+    store_root,
     verify_tensors,
     vname,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "adapter_of",
     "mirror",
     "open_store",
+    "store_root",
     "verify_base",
     "verify_dir",
     "verify_tensors",

@@ -261,12 +261,19 @@ class CheckpointStore:
         return out
 
 
-def open_store(settings: Settings) -> CheckpointStore:
-    """The local store ``settings`` name: the trainer's ``store`` when it is a directory, else
-    ``<data_dir>/checkpoints`` (an fsspec URL there is a mirror the trainer uploads to)."""
+def store_root(settings: Settings) -> Path:
+    """Where the local store ``settings`` name lives: the trainer's ``store`` when it is a
+    directory, else ``<data_dir>/checkpoints`` (an fsspec URL there is a mirror the trainer uploads
+    to). A reader that must not create it (``flywheel usage``) checks it exists first."""
     cfg = settings.trainer
-    local = cfg.store if cfg.store and "://" not in cfg.store else str(settings.data_dir / "checkpoints")
-    return CheckpointStore(Path(local), full_every=cfg.full_every, keep_full=cfg.keep_full, keep_optimizer=cfg.keep_optimizer)
+    return Path(cfg.store) if cfg.store and "://" not in cfg.store else settings.data_dir / "checkpoints"
+
+
+def open_store(settings: Settings) -> CheckpointStore:
+    """The local store ``settings`` name (:func:`store_root`), created if missing."""
+    cfg = settings.trainer
+    return CheckpointStore(store_root(settings), full_every=cfg.full_every, keep_full=cfg.keep_full,
+                           keep_optimizer=cfg.keep_optimizer)
 
 
 def pruned(directory: Path, man: dict[str, Any]) -> bool:

@@ -161,3 +161,33 @@ def test_mirror_to_an_fsspec_url(chain):
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(uri.removeprefix("memory:/"), detail=False)}
     assert {"flywheel-manifest.json", "model.safetensors", "config.json", "ledger.json"} <= names
     assert fs.cat(f"{uri.removeprefix('memory:/')}/model.safetensors") == (chain.store.path(6) / "model.safetensors").read_bytes()
+
+
+def _counted(counter, **labels: str) -> float:
+    return sum(s.value for m in counter.collect() for s in m.samples
+               if s.name.endswith("_total") and s.labels == labels)
+
+
+def test_usage_counts_the_tokens_each_version_trained_on(chain, capsys):
+    """``flywheel usage`` reads each version's ledger: its samples and their tokens, the same
+    numbers the trainer counted in ``trainer_trained_tokens_total`` as it trained them."""
+    from cli.main import main
+
+    want = {}
+    for v in range(1, 7):  # the fixture trained 8 records into each version after v0
+        events = [reward_event(i) for i in range(8 * (v - 1), 8 * v)]
+        want[v] = (8, sum(len(e.prompt_token_ids) for e in events), sum(len(e.completion_token_ids) for e in events))
+    root = chain.store.root
+    assert main(["usage", "--checkpoints", str(root), "--archive", str(root / "no-archive"), "-o", "json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert {r["version"]: (r["samples"], r["prompt_tokens"], r["completion_tokens"]) for r in got["trained"]} == want
+    assert got["trained_total"] == {"samples": 48, "prompt_tokens": sum(w[1] for w in want.values()),
+                                    "completion_tokens": sum(w[2] for w in want.values())}
+    for v, (_, prompt, completion) in want.items():
+        assert _counted(chain.m.trained_tokens, version=str(v), kind="prompt") == prompt
+        assert _counted(chain.m.trained_tokens, version=str(v), kind="completion") == completion
+    assert main(["usage", "--checkpoints", str(root), "--archive", str(root / "no-archive")]) == 0
+    table = capsys.readouterr().out
+    tot = got["trained_total"]
+    assert table.splitlines()[-1].split() == ["total", "48", f"{tot['prompt_tokens']:,}", f"{tot['completion_tokens']:,}"]
+    assert table.splitlines()[-2].split()[0] == "v6"
