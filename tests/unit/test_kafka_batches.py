@@ -18,11 +18,14 @@ from cli.deadletters import Letter, plan_replay
 from flywheel.contracts import DeadLetterEvent, GenerationEvent, decode
 from flywheel.kafka import batches as kafka_batches
 from flywheel.kafka.batches import UnreadableBatch, require_codecs, unreadable_batch
+from flywheel.kafka.patches import install_client_patches
 from flywheel.metrics import new_registry
 from flywheel.stream.deadletters import DeadLetters
 from flywheel.stream.runner import decode_keyed
 
-# (importing flywheel.bus installed the tolerant reader, as in every flywheel process)
+# the tolerant reader, as every factory that makes a consumer installs it (this module makes none:
+# alone, before any test that does, it read kafka-python's unpatched fetcher)
+install_client_patches()
 TP = TopicPartition("t", 0)
 RECORDS = [(b"k%d" % i, b"v%d" % i) for i in range(3)]
 
