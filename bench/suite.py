@@ -111,8 +111,8 @@ def _serving_rows(d: dict[str, Any]) -> list[Row]:
 
 
 def _engine_stats_rows(d: dict[str, Any]) -> list[Row]:
-    return [Row("engine statistics on vs off", d["on_tokens_per_s"], d["off_tokens_per_s"], "tokens/s", d["goal"],
-                "vLLM's TTFT, ITL, queue and KV-cache statistics exported per engine (serve.engine_stats)")]
+    return [Row("engine statistics on vs off", d["on_tokens_per_cpu_s"], d["off_tokens_per_cpu_s"], "tokens/CPU-s",
+                d["goal"], "vLLM's TTFT, ITL, queue and KV-cache statistics exported per engine (serve.engine_stats)")]
 
 
 def _swap_rows(d: dict[str, Any]) -> list[Row]:

@@ -133,7 +133,7 @@ def test_flywheel_bench_quick_runs_every_row(tmp_path):
                      "pipelined vs synchronous trainer", "API serving vs raw vLLM",
                      "full loop time-to-double vs bare in-process loop", "feedback to checkpoint, p95",
                      "checkpoint to canary, p95", "trainer vs vLLM logprob gap per token",
-                     "weight swap: p95 latency while swapping in place"):
+                     "weight swap: p95 latency while swapping in place", "engine statistics on vs off"):
         assert expected in names, names
     measured = {r["name"]: r["value"] for r in got["rows"]}
     # a 45 s demo need not double the accept rate; every other row is measured
