@@ -309,8 +309,13 @@ def wait_delivered(ports: dict[str, int], timeout_s: float = 60.0) -> None:
 
 
 def outbox_rows(store: Path) -> int:
-    """The rows in a stopped stage's outbox: what its next start sends (again, where they landed)."""
-    db = sqlite3.connect(str(store), timeout=30.0)
+    """The rows in a stopped stage's outbox: what its next start sends (again, where they landed).
+
+    Zero for a stage killed before it made its store (it opens its probes first, then waits for
+    the broker and its shards): it owes nothing."""
+    if not store.exists():
+        return 0
+    db = sqlite3.connect(f"file:{store}?mode=rw", uri=True, timeout=30.0)
     try:
         return db.execute("SELECT count(*) FROM outbox").fetchone()[0]
     finally:
