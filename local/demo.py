@@ -87,6 +87,12 @@ def run(settings: Settings, args: Any) -> int:
     if "FLYWHEEL_KAFKA_BOOTSTRAP" not in os.environ:
         tansu_binary()
     require_plot()
+    # transformers imports DeepSpeed (through accelerate) when it saves or loads a model here, and
+    # DeepSpeed prints a warning to stdout when it has to detect the accelerator itself: named, it
+    # stays quiet, and the demo's stdout stays its progress lines
+    import torch
+
+    os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
     config = Path(args.config) if getattr(args, "config", None) else DEMO_CONFIG
     root = Path(settings.data_dir) / "demo"
     shutil.rmtree(root, ignore_errors=True)
