@@ -80,6 +80,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return init_model(tmp_path_factory.mktemp("model"), ModelSpec())
 
 
+@pytest.fixture(scope="session")
+def sharded_hf_dir(tmp_path_factory) -> Path:
+    """The tiny model as a user's Hugging Face directory: six safetensors shards with their index,
+    tied embeddings, tokenizer and chat template, no Flywheel manifest (tests/hf_helpers.py).
+    Read-only: a test that breaks it works on a copy."""
+    from hf_helpers import build_sharded_hf_dir
+
+    return build_sharded_hf_dir(tmp_path_factory.mktemp("hf") / "model")
+
+
 def small_generation(gid: str, t: float):
     """A two-token generation by user ``u1``, created and completed at ``t``."""
     from flywheel.contracts import GenerationEvent, SamplingParams

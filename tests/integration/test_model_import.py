@@ -25,7 +25,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_helpers import build_sharded_hf_dir, shards
+from hf_helpers import shards
 
 from cli.main import main as flywheel
 from flywheel.checkpoints import manifest
@@ -40,9 +40,9 @@ pytestmark = pytest.mark.integration
 
 
 # -- a Hugging Face directory ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hf_source(tmp_path_factory) -> Path:
-    return build_sharded_hf_dir(tmp_path_factory.mktemp("hf") / "model")
+@pytest.fixture
+def hf_source(sharded_hf_dir) -> Path:
+    return sharded_hf_dir
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_helpers import build_sharded_hf_dir, shards
+from hf_helpers import shards
 
 from flywheel.checkpoints import (
     MANIFEST_NAME,
@@ -34,11 +34,11 @@ from flywheel.hfimport import import_hf_dir
 
 
 @pytest.fixture(scope="module")
-def imported(tmp_path_factory) -> Path:
+def imported(sharded_hf_dir, tmp_path_factory) -> Path:
     """A sharded, tied model directory as ``flywheel model import`` writes it (version 0)."""
-    root = tmp_path_factory.mktemp("sharded")
-    import_hf_dir(build_sharded_hf_dir(root / "src"), root / "model")
-    return root / "model"
+    out = tmp_path_factory.mktemp("sharded") / "model"
+    import_hf_dir(sharded_hf_dir, out)
+    return out
 
 
 def _flip_last_byte(path: Path) -> None:

@@ -21,15 +21,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_helpers import build_sharded_hf_dir, shards
+from hf_helpers import shards
 
 from flywheel.checkpoints import MANIFEST_NAME, manifest
 from flywheel.hfimport import HfImportError, import_hf_dir, read_hf_dir
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    return build_sharded_hf_dir(tmp_path_factory.mktemp("hf") / "model")
+@pytest.fixture
+def source(sharded_hf_dir) -> Path:
+    return sharded_hf_dir
 
 
 @pytest.fixture
