@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -105,6 +106,9 @@ def main() -> None:
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args()
+    # OpenMP threads that sleep rather than spin while they wait, so CPU time counts work: spinning
+    # burns whatever the round's wall time was, which other load on the machine decides
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     from transformers import AutoTokenizer
 
