@@ -43,8 +43,11 @@ def test_rows_are_read_from_each_scripts_json():
         ("delta apply time vs full load", pytest.approx(2 / 3), "<= 1.0", True)]
     serving = jobs["serving"].rows({"api_tokens_per_s": 750.0, "offline_tokens_per_s": 1000.0, "goal": ">= 0.80"})
     assert [(r.goal, r.met) for r in serving] == [(">= 0.80", False)]  # 0.75 would have passed at 0.7
-    stats = jobs["engine_stats"].rows({"on_tokens_per_cpu_s": 930.0, "off_tokens_per_cpu_s": 1000.0, "goal": ">= 0.95"})
-    assert [(r.ratio, r.goal, r.met) for r in stats] == [(pytest.approx(0.93), ">= 0.95", False)]
+    stats = jobs["engine_stats"].rows({"on_tokens_per_cpu_s": 930.0, "off_tokens_per_cpu_s": 1000.0, "goal": ">= 0.95",
+                                       "logger_us_per_token": 2.0, "off_cpu_us_per_token": 400.0,
+                                       "logger_goal": "<= 0.01"})
+    assert [(r.ratio, r.goal, r.met) for r in stats] == [(pytest.approx(0.93), ">= 0.95", False),
+                                                         (pytest.approx(0.005), "<= 0.01", True)]
     pipeline = jobs["pipeline"].rows({"rows": [
         {"name": "pipelined vs synchronous trainer", "value": 11.0, "baseline": 10.0, "unit": "samples/s",
          "goal": ">= 1.2", "note": ""}]})
