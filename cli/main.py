@@ -465,6 +465,11 @@ def _bench(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # a shell starts a background command with SIGINT ignored, and Python then installs no
+    # KeyboardInterrupt: Ctrl-C, or a supervisor's SIGINT, would do nothing to any command here
+    # (`release status --watch` ran on after one)
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
     args = build_parser().parse_args(argv)

@@ -322,9 +322,15 @@ def test_every_read_command_prints_the_apis_json_with_o_json(api, store, capsys,
 def test_status_watch_prints_again_when_the_status_changes(api, store):
     seed(store, 1, State.PROMOTED)
     a = api()
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "release", "status", "--watch", "-o", "json",
-                             "--interval", "0.05", "--url", a.url, "--token", TOKENS["vera"]],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # started as a shell starts a background command, SIGINT ignored (inherited through exec):
+    # the watch must still stop on it
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "release", "status", "--watch", "-o", "json",
+                                 "--interval", "0.05", "--url", a.url, "--token", TOKENS["vera"]],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, before)
     try:
         first = json.loads(proc.stdout.readline())
         assert (first["stable_version"], first["paused"]) == (1, False)

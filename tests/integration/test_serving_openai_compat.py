@@ -190,7 +190,8 @@ def test_openapi_schema_is_published_and_valid(serve):
     schema.validate()  # against the OpenAPI 3.1 meta-schema
     ops = [op.ok() for op in schema.get_all_operations()]  # every operation resolves
     assert {op.label for op in ops} == {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
-                                        "POST /v1/feedback", "GET /health", "GET /metrics"}
+                                        "POST /v1/feedback", "GET /health", "GET /livez", "GET /readyz",
+                                        "GET /metrics"}
     assert raw["openapi"].startswith("3.")
     assert raw["components"]["securitySchemes"]["bearerAuth"] == {**raw["components"]["securitySchemes"]["bearerAuth"],
                                                                   "type": "http", "scheme": "bearer"}
