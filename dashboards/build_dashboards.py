@@ -107,8 +107,10 @@ ROWS = [
         ("Gate: p95 duration and verdicts per hour", "short", [
             ('histogram_quantile(0.95, sum by (le) (rate(release_gate_seconds_bucket[6h])))', "p95 seconds"),
             ('sum by (outcome) (increase(release_gate_verdicts_total[1h]))', "{{outcome}}")]),
-        ("Routing revision: decided and published (broker-acked)", "short", [
-            ('max by (phase) (release_routing_revision)', "{{phase}}")]),
+        ("Routing revision: decided, published (broker-acked), applied by serving; serving's refusals", "short", [
+            ('max by (phase) (release_routing_revision)', "{{phase}}"),
+            ('max(release_serving_revision_applied)', "applied by serving"),
+            ('sum by (action) (increase(release_serving_refusals_total[1h]))', "refused: {{action}}/h")]),
         ("Lease held (1 per deployment), database up, webhooks", "short", [
             ('sum(release_lease_held)', "replicas holding the lease"),
             ('min(release_database_up)', "database up"),

@@ -374,6 +374,45 @@ class ReleaseEvent(_Event):
         return self
 
 
+#: What serving did with one release record (:class:`ServingStatusEvent`).
+ServingOutcome = Literal["applied", "refused"]
+
+
+# serving -> release
+class ServingStatusEvent(_Event):
+    """What one serving instance did with a release record: applied it, or refused it and why.
+
+    Serving writes one per release it acts on (``flywheel.serving-status``, keyed by deployment);
+    the release controller reads them each turn, rolls back a canary serving refused and takes
+    back a promotion serving refused, so its view of stable stays what serving serves."""
+
+    kind: Literal["serving_status"] = "serving_status"
+    deployment: str = Field(min_length=1, max_length=128)
+    #: Which serving process this is (host and pid): several serve one deployment, each says.
+    instance: str = Field(min_length=1, max_length=256)
+    #: The release record's revision, and what it asked for.
+    revision: int = Field(ge=0)
+    outcome: ServingOutcome
+    stable_version: int = Field(ge=0)
+    canary_version: int | None = Field(default=None, ge=1)
+    #: After this record: the version serving's stable route serves (a refusal keeps the one it had).
+    serving_stable_version: int = Field(ge=0)
+    #: For ``refused``: the version that failed, and serving's reason code and words
+    #: (serving/follow.py: the checkpoint fetch's refusals, ``load_failed``, ``no_canary_engine``...).
+    refused_version: int | None = Field(default=None, ge=0)
+    reason: str = Field(default="", max_length=64)
+    detail: str = Field(default="", max_length=4096)
+    at: EpochSeconds
+
+    @model_validator(mode="after")
+    def _refusals_say_why(self) -> ServingStatusEvent:
+        if (self.outcome == "refused") != bool(self.reason):
+            raise ValueError("a refusal, and only a refusal, carries a reason")
+        if self.outcome == "refused" and self.refused_version is None:
+            raise ValueError("a refusal names the version refused")
+        return self
+
+
 # any stage -> deadletter
 class DeadLetterEvent(_Event):
     """A record a stage could not use, with the original bytes and where they came from."""
@@ -414,6 +453,7 @@ Event = Annotated[
     | RewardEvent
     | CheckpointEvent
     | ReleaseEvent
+    | ServingStatusEvent
     | DeadLetterEvent,
     Field(discriminator="kind"),
 ]
@@ -428,6 +468,7 @@ SUPPORTED_VERSIONS: dict[str, frozenset[int]] = {
     "reward": frozenset({1}),
     "checkpoint": frozenset({1}),
     "release": frozenset({1}),
+    "serving_status": frozenset({1}),
     "deadletter": frozenset({1}),
 }
 
@@ -587,6 +628,10 @@ class Topics:
         return f"{self.prefix}releases"
 
     @property
+    def serving_status(self) -> str:
+        return f"{self.prefix}serving-status"
+
+    @property
     def deadletter(self) -> str:
         return f"{self.prefix}deadletter"
 
@@ -598,6 +643,7 @@ class Topics:
             self.rewards,
             self.checkpoints,
             self.releases,
+            self.serving_status,
             self.deadletter,
         )
 

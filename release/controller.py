@@ -6,15 +6,18 @@ database; another takes over when the lease lapses):
 
 1. read new ``CheckpointEvent`` records and record each version as a candidate (malformed ones are
    dead-lettered; the topic is at least once and a known version is a no-op);
-2. with no canary live and the pipeline not paused: take the newest candidate (older waiting ones
+2. read what serving reported on ``flywheel.serving-status`` and act on its refusals
+   (release/serving_state.py): a refused canary is rolled back at once with serving's reason; a
+   refused promotion is taken back, so that stable is what serving serves;
+3. with no canary live and the pipeline not paused: take the newest candidate (older waiting ones
    are superseded), gate it offline (release/gate.py) and either start its canary (publishing the
    routing) or reject it;
-3. with a canary live: measure it from the episodes and rewards (release/measure.py), judge it
+4. with a canary live: measure it from the episodes and rewards (release/measure.py), judge it
    (release/judge.py; its PASS at the level the deployment's budget across canaries gives it,
    release/sequential.py ``canary_alpha``) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
    the state; PASS promotes under the auto-promote policy, else awaits an approver;
    INCONCLUSIVE past the deadline holds it for a person;
-4. publish every routing revision not yet acked.
+5. publish every routing revision not yet acked.
 
 Each action is one transaction of the store (state, audit entry, routing revision); a ``kill -9``
 between two of them leaves a state the next turn picks up from: a candidate left in ``gating`` is
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from flywheel.contracts import VersionRef
+from flywheel.contracts import ServingStatusEvent, VersionRef
 from flywheel.degeneracy import compare
 from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
@@ -54,9 +57,11 @@ from release.judge import (
 from release.measure import Tally
 from release.metrics import ControllerMetrics
 from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
+from release.serving_state import Act, respond
 from release.states import LIVE, State
 from release.store import (
     AUTO_POLICY,
+    SERVING_REFUSED,
     Candidate,
     LeaseLost,
     ReleaseStore,
@@ -97,6 +102,8 @@ class Controller:
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
         self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
+        #: The newest revision a serving instance reported applied (-1: none heard yet).
+        self.serving_applied = -1
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -121,6 +128,7 @@ class Controller:
             if self.store.add_candidate(event, self.actor):
                 log.info("version %d is a candidate", event["version"])
         self.streams.commit_checkpoints()  # only once every one of them is stored
+        self._follow_serving()
         live = self.store.candidates(set(LIVE))
         if live:
             self._measure(live[-1], now)
@@ -134,6 +142,38 @@ class Controller:
         transaction of this loop's) is not for them: the API reads the lease through its own."""
         return {"controller": self.holder, "active": self.active,
                 "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None}
+
+    # -- serving's reports ------------------------------------------------------------------
+    def _follow_serving(self) -> None:
+        saved = self.store.serving_status_offsets()
+        try:
+            statuses, offsets = self.streams.serving_statuses(saved, self.cfg.deployment)
+        except Exception as exc:  # noqa: BLE001 - read again next turn; gating, measuring and publishing go on
+            log.warning("serving's reports not read this turn: %r", exc)
+            return
+        for status in statuses:
+            self._heard(status)
+        if offsets != (saved or {}):  # after the actions: a crash between reads them again (acts once)
+            self.store.save_serving_status_offsets(offsets)
+
+    def _heard(self, status: ServingStatusEvent) -> None:
+        if status.outcome == "applied":
+            self.serving_applied = max(self.serving_applied, status.revision)
+            self.metrics.serving_applied.set(self.serving_applied)
+            return
+        live = self.store.candidates(set(LIVE))
+        response = respond(status, live[-1].version if live else None, self.store.latest_revision(),
+                           self.store.was_stable)
+        self.metrics.serving_refusals.labels(response.act.value).inc()
+        log.warning("%s (%s)", response.reason, response.act.value)
+        evidence = {SERVING_REFUSED: status.model_dump(mode="json")}
+        if response.act == Act.ROLL_BACK_CANARY:
+            try:
+                actions.rollback(self.store, self.actor, response.reason, evidence, response.version)
+            except actions.ActionRefused as exc:  # a person ended it meanwhile: theirs stands
+                log.info("canary v%s not rolled back after serving's refusal: %s", response.version, exc)
+        elif response.act == Act.KEEP_SERVING_STABLE and response.version is not None:
+            self.store.keep_serving_stable(response.version, status.revision, self.actor, response.reason, evidence)
 
     # -- gate -------------------------------------------------------------------------------
     def _next_candidate(self) -> None:

@@ -3,7 +3,8 @@
 
 A decision is an audit entry (release/store.py) that moves a candidate (a canary started, a version
 superseded, held, rejected, rolled back, awaiting approval or promoted) or returns stable to an
-earlier version (``undo``). The store hands every audit entry to its listeners once its transaction
+earlier version (``undo``) or takes back a routing to stable that serving refused
+(``serving_refused``: release/serving_state.py). The store hands every audit entry to its listeners once its transaction
 has committed, so a decision is told exactly when it is durable, by the process that made it: the
 controller loop's store for its own decisions and its policy's, the API's store for a person's.
 Entries that decide nothing (a note, a pause, a lease taken over, a candidate recorded, a gate
@@ -29,10 +30,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from release.states import State
-from release.store import UNDO, ActorKind, AuditEntry, actor_kind
+from release.store import SERVING_REFUSED, UNDO, ActorKind, AuditEntry, actor_kind
 
 #: ``outcome`` of an undo (stable returned to an earlier version); the others are the target state.
 UNDONE = "undone"
+#: ``outcome`` of a stable routing serving refused, taken back to the version serving serves.
+STABLE_KEPT = "serving_refused"
 #: Transitions that are no decision: a candidate recorded, a gate started.
 NOT_DECIDED = frozenset({State.CANDIDATE.value, State.GATING.value})
 
@@ -58,6 +61,8 @@ class Decision:
             outcome = entry.to_state
         elif entry.evidence and UNDO in entry.evidence:
             outcome = UNDONE
+        elif entry.evidence and SERVING_REFUSED in entry.evidence:
+            outcome = STABLE_KEPT  # a routing serving refused, taken back (release/serving_state.py)
         else:
             return None
         return cls(entry.id, entry.version, outcome, entry.from_state, entry.to_state, entry.actor,
@@ -67,7 +72,8 @@ class Decision:
         """One line a person reads in a chat: what happened to which version, who did it, why."""
         what = {"canary": "started as a canary", "awaiting_approval": "passed its canary and awaits approval",
                 "held": "held for a person", "promoted": "promoted to stable", "rejected": "rejected",
-                "rolled_back": "rolled back", "superseded": "superseded", UNDONE: "made stable again (undo)"}
+                "rolled_back": "rolled back", "superseded": "superseded", UNDONE: "made stable again (undo)",
+                STABLE_KEPT: "not made stable: serving refused it"}
         return f"v{self.version} {what.get(self.outcome, self.outcome)} by {self.actor}: {self.reason}"
 
     def body(self, deployment: str) -> dict[str, Any]:
@@ -92,4 +98,4 @@ class DecisionCounter:
             self.total.labels(decision.outcome, decision.actor_kind.value).inc()
 
 
-__all__ = ["UNDONE", "Decision", "DecisionCounter"]
+__all__ = ["STABLE_KEPT", "UNDONE", "Decision", "DecisionCounter"]

@@ -5,7 +5,8 @@ Two kinds:
 
 - :class:`ControllerMetrics`: what this process's controller loop does, kept in memory: whether
   it holds the lease (``release_lease_held``, 1 on exactly one replica of a healthy deployment),
-  and each gate's duration and verdict.
+  each gate's duration and verdict, and what serving reported (release/serving_state.py):
+  refusals by what the controller did about them, and the newest revision serving applied.
 - :class:`StoreCollector`: what the database says, read at every scrape (a handful of small
   queries): candidates by state, the live canary's evidence (e-values, confidence band, each
   arm's accept rate and counts), how long the live candidate has been in its state, and the
@@ -26,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from release.serving_state import Act
 from release.states import LIVE, State
 from release.store import Candidate, ReleaseStore
 
@@ -47,6 +49,17 @@ class ControllerMetrics:
         self.gate_verdicts = Counter("release_gate_verdicts_total",
                                      "Offline gate verdicts: pass, fail, or error (the gate could not be measured)",
                                      ["outcome"], registry=registry)
+        self.serving_refusals = Counter(
+            "release_serving_refusals_total",
+            "Releases serving reported it refused, by what this controller did: rolled_back (the canary), "
+            "stable_kept (a promotion taken back to what serving serves), nothing (overtaken by a newer decision)",
+            ["action"], registry=registry)
+        for act in Act:
+            self.serving_refusals.labels(act.value)
+        self.serving_applied = Gauge("release_serving_revision_applied",
+                                     "Newest routing revision a serving instance reported applied (-1: none heard "
+                                     "by this replica)", registry=registry)
+        self.serving_applied.set(-1)
 
 
 class StoreCollector(Collector):

@@ -223,6 +223,8 @@ def actor_kind(actor: str) -> ActorKind:
 
 #: The evidence key of an audit entry that returned stable to an earlier version (:meth:`ReleaseStore.undo`).
 UNDO = "undo"
+#: The evidence key of an audit entry that takes back a routing serving refused (release/serving_state.py).
+SERVING_REFUSED = "serving_refused"
 
 
 class LeaseLost(RuntimeError):
@@ -448,6 +450,43 @@ class ReleaseStore:
             self._route(Routing(version, None, 0.0), f"undo to v{version} from v{stable}: {reason}", now)
             return self.latest_revision()
 
+    def keep_serving_stable(self, version: int, refused_revision: int, actor: str, reason: str,
+                            evidence: dict[str, Any]) -> Revision | None:
+        """Serving refused revision ``refused_revision``, which moved stable, and still serves
+        ``version``: a new revision routing every user to ``version``, and its audit entry
+        (evidence ``{"serving_refused": ...}``, filed under the version refused), in one
+        transaction; the new revision. None when another routing was decided since the refused
+        one (checked under the revisions lock): that newer decision is what serving acts on next.
+        Candidates' states do not change, as with :meth:`undo`."""
+        now = time.time()
+        with self._txn():
+            self._check_fence(now)
+            self._lock_revisions()
+            rev = self.latest_revision()
+            if rev is None or rev.revision != refused_revision or rev.canary_version is not None:
+                return None
+            self._audit(rev.stable_version, None, None, actor, f"{reason}; stable stays v{version}, as serving serves",
+                        evidence, now)
+            self._route(Routing(version, None, 0.0), f"serving kept v{version}: {reason}", now)
+            return self.latest_revision()
+
+    def was_stable(self, version: int) -> bool:
+        """Whether any routing of this store made ``version`` stable (version 0 always was)."""
+        return version == 0 or self.db.execute(
+            "SELECT 1 FROM release_revisions WHERE stable_version=? LIMIT 1", (version,)).fetchone() is not None
+
+    def serving_status_offsets(self) -> dict[int, int] | None:
+        """Where reading ``flywheel.serving-status`` resumes, per partition (None: never read)."""
+        raw = self._get("serving_status_offsets")
+        return None if raw is None else {int(p): int(o) for p, o in json.loads(raw).items()}
+
+    def save_serving_status_offsets(self, offsets: dict[int, int]) -> None:
+        """Saved once the statuses before them were acted on (each action its own transaction):
+        a crash between the two reads them again, and :mod:`release.serving_state` acts once."""
+        with self._txn():
+            self._check_fence()
+            self._set("serving_status_offsets", json.dumps({str(p): o for p, o in sorted(offsets.items())}))
+
     def stable_version(self) -> int:
         """The version stable users get: the newest revision's, or 0 (the model serving started on)."""
         rev = self.latest_revision()
@@ -577,5 +616,5 @@ def _revision(r: Any) -> Revision:
     return Revision(r[0], r[1], r[2], r[3], r[4], r[5], r[6] == PUBLISHED, r[6] == SKIPPED)
 
 
-__all__ = ["AUTO_POLICY", "FINAL", "UNDO", "ActorKind", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "actor_kind",
+__all__ = ["AUTO_POLICY", "FINAL", "SERVING_REFUSED", "UNDO", "ActorKind", "AuditEntry", "BackToStable", "Candidate", "LeaseLost", "ReleaseStore", "Revision", "Routing", "actor_kind",
            "controller_actor", "database_url"]

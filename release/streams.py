@@ -8,6 +8,9 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
   the reason (``unsigned``, ``bad_signature``, ``unknown_key``: flywheel/signing.py).
 - Episodes and rewards are read without a group, from the offsets saved with the canary's tally
   (release/measure.py), at most ``MAX_READ`` records a turn so a backlog does not stall the loop.
+- Serving's reports (``flywheel.serving-status``: what each instance applied or refused) are read
+  without a group, from the offsets the store saved, at most ``MAX_STATUSES`` a turn; the
+  controller acts on them (release/serving_state.py) and then saves the new offsets.
 - Revisions are sent keyed by the deployment, signed with ``release.signing_key`` (serving
   verifies them), and counted published only once Kafka acked them; the store keeps the rest
   for the next turn. A canary's revisions carry its salt (:func:`canary_salt`), which picks the
@@ -26,12 +29,14 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import (
+    CONTRACT_REASONS,
     MAX_EPISODE_BYTES,
     CheckpointEvent,
     ContractError,
     EpisodeEvent,
     ReleaseEvent,
     RewardEvent,
+    ServingStatusEvent,
     Topics,
     VersionRef,
     decode,
@@ -55,7 +60,10 @@ log = logging.getLogger(__name__)
 
 #: Most episode and reward records folded into a canary's tally per turn.
 MAX_READ = 20_000
-DEADLETTER_REASONS = ("undecodable", "invalid", "unknown_version", "too_large", *REFUSALS)
+#: Most serving status records read per turn: one per release per serving instance, so a turn
+#: takes a fleet's reports of several releases at once.
+MAX_STATUSES = 1000
+DEADLETTER_REASONS = tuple(dict.fromkeys((*CONTRACT_REASONS, "too_large", *REFUSALS)))
 
 
 class Streams:
@@ -72,6 +80,22 @@ class Streams:
         self._uncommitted = False
         self.reader = make_consumer(self.kafka, "release-measure", None)
         self.measured = [self.topics.episodes, self.topics.rewards]
+        # Serving's reports are read by assignment, in no consumer group, from offsets the store
+        # keeps. Why not a second consumer in the controller's group: kafka-python finishes a
+        # join only inside that consumer's own poll, and a group's rebalance answers all its
+        # members at once, when the last of them has joined. Two members polled in turn by this
+        # one thread, each joining while the other is not polling, ask each other's answers at
+        # the wrong moment: every join of the one starts a rebalance the other must rejoin, the
+        # checkpoint consumer's join is answered while the status consumer polls, is never
+        # finished, and it holds no partition, turn after turn (new_checkpoints' comment: a join
+        # answered while no poll ran never completed). A group of its own would still add a join
+        # held for half the session timeout to a turn at every start and rebalance. Nothing here
+        # needs a group: one controller acts at a time (the lease), and the offsets are saved in
+        # the store after the actions they lead to, as the canary's measurement saves its own.
+        # An empty fetch is answered at once (5 ms, not 500), and a turn with no report waits for
+        # one round trip, not a whole poll: kafka-python's poll waits out its timeout when what
+        # comes back is empty, and this read runs every turn.
+        self.status_reader = make_consumer(self.kafka, "release-serving-status", None, fetch_max_wait_ms=5)
         self.producer = make_producer(self.kafka, "release", max_block_ms=5000)
         self.sink = KafkaSink(lambda: make_producer(self.kafka, "release-deadletters", max_block_ms=5000))
         self.dead = DeadLetters(self.sink, self.topics.deadletter, "release", registry, DEADLETTER_REASONS)
@@ -80,6 +104,7 @@ class Streams:
         self.sink.close()
         self.producer.close(timeout=5)
         self.reader.close()
+        self.status_reader.close()
         self.checkpoints.close(autocommit=False)
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -112,6 +137,48 @@ class Streams:
             self.checkpoints.commit()
             self._uncommitted = False
 
+    # -- serving's reports -------------------------------------------------------------------
+    def serving_statuses(self, offsets: dict[int, int] | None, deployment: str,
+                         timeout_s: float = 2.0) -> tuple[list[ServingStatusEvent], dict[int, int]]:
+        """The deployment's status records after ``offsets`` (None: from the topic's beginning;
+        every rule acting on one reads the store's present state, so an old one acts on nothing),
+        and the offsets after them, to save once they were acted on. A record that is not a
+        valid ``ServingStatusEvent`` is dead-lettered with the reason, and settled before the
+        caller saves an offset past it."""
+        topic = self.topics.serving_status
+        tps = [TopicPartition(topic, p) for p in sorted(partitions_of(self.status_reader, topic))]
+        if set(self.status_reader.assignment()) != set(tps):
+            self.status_reader.assign(tps)
+        after = dict(offsets or {})
+        for tp in tps:
+            # only where the reader is not already there: a seek drops what it has fetched ahead
+            want = after.get(tp.partition, 0)
+            if self.status_reader.position(tp, timeout_ms=5000) != want:
+                self.status_reader.seek(tp, want)
+        # to the partitions' ends as the turn finds them: a report acked before the turn is acted
+        # on in this turn, not the next one's (a fetch is in flight when the first poll returns)
+        out, read, deadline = [], 0, time.monotonic() + timeout_s
+        while read < MAX_STATUSES and time.monotonic() < deadline:
+            batches = self.status_reader.poll(timeout_ms=20, max_records=MAX_STATUSES - read)
+            if not batches:
+                if self._caught_up(self.status_reader, tps):
+                    break
+                continue
+            for tp, recs in batches.items():
+                for rec in recs:
+                    try:
+                        status = decode(ServingStatusEvent, rec.value)
+                    except ContractError as exc:
+                        self.dead.send_record(rec, exc.reason, exc.detail)
+                        continue
+                    if status.deployment == deployment:
+                        out.append(status)
+                after[tp.partition] = recs[-1].offset + 1
+                read += len(recs)
+        if not self.sink.settle(10.0):
+            raise TimeoutError("dead letters of serving status records not acked yet")
+        return out, after
+
     # -- measuring --------------------------------------------------------------------------
     def ends(self) -> dict[str, dict[int, int]]:
         tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
@@ -135,7 +202,7 @@ class Streams:
         while read < MAX_READ and time.monotonic() < deadline:
             batches = self.reader.poll(timeout_ms=100, max_records=5000)
             if not batches:
-                if self._caught_up(tps):
+                if self._caught_up(self.reader, tps):
                     break
                 continue
             for tp, recs in batches.items():
@@ -145,10 +212,11 @@ class Streams:
                 read += len(recs)
         return read
 
-    def _caught_up(self, tps: list[TopicPartition]) -> bool:
+    @staticmethod
+    def _caught_up(reader: Any, tps: list[TopicPartition]) -> bool:
         for tp in tps:
-            high = self.reader.highwater(tp)
-            if high is None or self.reader.position(tp, timeout_ms=1000) < high:
+            high = reader.highwater(tp)
+            if high is None or reader.position(tp, timeout_ms=1000) < high:
                 return False
         return True
 

@@ -20,10 +20,16 @@ A version that fails any check refuses the whole release, and so does one whose 
 way nothing foresaw (``fetch_failed``: a URI the store's client chokes on): no record, however
 made, stops serving from starting or ends the follower. Serving keeps what it serves, logs the
 reason, counts it (``serving_versions_refused_total``), shows it on ``/health`` and sends a dead
-letter (``stage=serving``, ``reason=version_refused``) quoting the release, where the release
-controller and ``flywheel deadletters`` see it. A store that does not answer is retried with
-backoff while serving keeps answering on what it has; a newer release arriving meanwhile
-replaces the one being retried.
+letter (``stage=serving``, ``reason=version_refused``) quoting the release, where
+``flywheel deadletters`` sees it.
+
+Every release serving applies or refuses is also reported on ``flywheel.serving-status`` (a
+``ServingStatusEvent``: the revision, applied or refused with the reason, the version its stable
+route serves, this instance): the release controller reads it each turn and rolls back a canary
+serving refused, or takes back a promotion serving refused (docs/serving-releases.md).
+
+A store that does not answer is retried with backoff while serving keeps answering on what it
+has; a newer release arriving meanwhile replaces the one being retried.
 
 The applied release is written to ``<data_dir>/serving/release.json``: a restart that cannot
 reach the broker, or finds the newest release refused, comes back on it from the local cache
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -51,7 +58,16 @@ from flywheel.checkpoints.fetch import (
     fetch_version,
     prune_cache,
 )
-from flywheel.contracts import ContractError, ReleaseEvent, Topics, VersionRef, decode
+from flywheel.contracts import (
+    ContractError,
+    ReleaseEvent,
+    ServingOutcome,
+    ServingStatusEvent,
+    Topics,
+    VersionRef,
+    decode,
+    encode,
+)
 from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
@@ -98,6 +114,9 @@ class ReleaseFollower:
         self.settings, self.fleet, self.run_on_loop = settings, fleet, run_on_loop
         self.deployment = settings.release.deployment
         self.topic = Topics(settings.topic_prefix).releases
+        self.status_topic = Topics(settings.topic_prefix).serving_status
+        #: Names this process in its status records: a pod's host name, and the pid beside it.
+        self.instance = f"{socket.gethostname()}:{os.getpid()}"
         self.cache = CheckpointStore(Path(settings.data_dir) / "serving" / "versions")
         self.state_file = Path(settings.data_dir) / "serving" / "release.json"
         self.metrics = FollowerMetrics(registry)
@@ -114,6 +133,8 @@ class ReleaseFollower:
                                 (VERSION_REFUSED, "invalid", "undecodable", "unknown_version", "wrong_kind", "empty",
                                  *REFUSALS))
         self._consumer: Any = None
+        #: Reports held back while :meth:`catch_up` runs (None: sent as they happen).
+        self._held_reports: list[tuple[Any, ...]] | None = None
         #: The newest release not applied yet because the store did not answer in time at start.
         self._pending: tuple[ReleaseEvent, Any] | None = None
         self._stop = threading.Event()
@@ -122,6 +143,18 @@ class ReleaseFollower:
     # -- start-up ---------------------------------------------------------------------------------
     def catch_up(self, wait_s: float) -> None:
         """Apply the newest release before serving answers; fall back to the last one applied."""
+        # reported once the start is over: a refusal at start may be followed by the saved
+        # release, and the controller is told the stable serving ends up serving, not the
+        # model directory it held for a moment
+        self._held_reports = []
+        try:
+            self._catch_up(wait_s)
+        finally:
+            held, self._held_reports = self._held_reports, None
+            for report in held:
+                self._report(*report)
+
+    def _catch_up(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         newest = None
         try:
@@ -277,6 +310,7 @@ class ReleaseFollower:
         self.metrics.revision.set(ev.revision)
         if not restoring:
             self._save(ev)
+        self._report(ev, "applied")
         prune_cache(self.cache, {s.version for s in self.fleet.slots})
         log.info("release %d applied: %s (%s)", ev.revision, self.fleet.served_versions(), ev.reason or "no reason given")
         return "applied"
@@ -339,7 +373,22 @@ class ReleaseFollower:
         else:  # the saved release at a restart: not a record of the topic
             self.dead.send(VERSION_REFUSED, message, source_topic=self.topic,
                            value=ev.model_dump_json().encode())
+        self._report(ev, "refused", version, reason, detail)
         self.sink.settle(0)
+
+    def _report(self, ev: ReleaseEvent, outcome: ServingOutcome, version: int | None = None,
+                reason: str = "", detail: str = "") -> None:
+        """Tell the release controller what became of ``ev`` (flywheel.serving-status). Through the
+        dead letters' sink, which keeps a record until Kafka acks it: a broker away now gets it later."""
+        if self._held_reports is not None:
+            self._held_reports.append((ev, outcome, version, reason, detail))
+            return
+        status = ServingStatusEvent(
+            deployment=self.deployment, instance=self.instance, revision=ev.revision, outcome=outcome,
+            stable_version=ev.stable_version, canary_version=ev.canary_version,
+            serving_stable_version=self.applied.stable_version if self.applied else self.fleet.slots[0].version,
+            refused_version=version, reason=reason[:64], detail=detail[:4096], at=time.time())
+        self.sink.write(self.status_topic, self.deployment, encode(status))
 
     # -- what /health shows, and the saved release ------------------------------------------------
     def state(self) -> dict[str, Any]:

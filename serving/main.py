@@ -68,7 +68,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
     topics = Topics(settings.topic_prefix)
     try:
-        ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.deadletter])
+        ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.serving_status,
+                                       topics.deadletter])
     except Exception as exc:  # noqa: BLE001 - serving still starts: events wait in the journal for the broker
         log.warning("could not ensure topics (%r); events will be journaled until the broker is back", exc)
 

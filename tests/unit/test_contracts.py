@@ -250,7 +250,8 @@ def test_topics_follow_prefix():
     t = Topics("x.")
     assert t.generations == "x.generations"
     assert t.deadletter == "x.deadletter"
-    assert len(set(t.all())) == 7
+    assert t.serving_status == "x.serving-status"
+    assert len(set(t.all())) == 8
 
 
 @pytest.mark.parametrize("version, reason", [(1, None), (2, "unknown_version"), (0, "unknown_version"),
