@@ -81,17 +81,21 @@ class Streams:
         self.reader = make_consumer(self.kafka, "release-measure", None)
         self.measured = [self.topics.episodes, self.topics.rewards]
         # Serving's reports are read by assignment, in no consumer group, from offsets the store
-        # keeps. Why not a second consumer in the controller's group: kafka-python finishes a
-        # join only inside that consumer's own poll, and a group's rebalance answers all its
-        # members at once, when the last of them has joined. Two members polled in turn by this
-        # one thread, each joining while the other is not polling, ask each other's answers at
-        # the wrong moment: every join of the one starts a rebalance the other must rejoin, the
-        # checkpoint consumer's join is answered while the status consumer polls, is never
-        # finished, and it holds no partition, turn after turn (new_checkpoints' comment: a join
-        # answered while no poll ran never completed). A group of its own would still add a join
-        # held for half the session timeout to a turn at every start and rebalance. Nothing here
-        # needs a group: one controller acts at a time (the lease), and the offsets are saved in
-        # the store after the actions they lead to, as the canary's measurement saves its own.
+        # keeps. Why not a second consumer in the controller's group (the attempt that stalled
+        # the checkpoints): a rebalance completes only once every member has joined, and
+        # kafka-python drives a member's join only inside that member's own poll. This one thread
+        # polls its consumers in turn, so while one waits in its poll for the join to be answered
+        # (the embedded broker holds it for half the session timeout; new_checkpoints polls
+        # through the whole hold) the other cannot join, and the answer each needs never comes
+        # while it polls. Measured on the embedded broker, a turn polling the checkpoint consumer
+        # as new_checkpoints does and a second member of its group for 100 ms: with the second
+        # one polled first, the checkpoint consumer was never assigned in 11 turns, each turn
+        # 10 s, no checkpoint read; with it polled first, it kept its partition but the second
+        # member was never assigned in 40 turns. A group of its own is no cure: polled 100 ms a
+        # turn, it was not assigned in 6 turns either (its join is held 5 s), and polling through
+        # the hold costs every turn at every start and rebalance. Nothing here needs a group: one
+        # controller acts at a time (the lease), and the offsets are saved in the store after the
+        # actions they lead to, as the canary's measurement saves its own.
         # An empty fetch is answered at once (5 ms, not 500), and a turn with no report waits for
         # one round trip, not a whole poll: kafka-python's poll waits out its timeout when what
         # comes back is empty, and this read runs every turn.
