@@ -30,7 +30,7 @@ demo: install
 	$(VENV)/bin/flywheel demo
 
 test: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow" --durations=25 $(PYTEST_ARGS)
 
 test-slow: install
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
