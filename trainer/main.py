@@ -88,10 +88,17 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     from flywheel.metrics import serve_ops
     from flywheel.probes import Probes, alive
 
+    # SIGTERM and SIGINT are blocked while the process group and the engine start, so every
+    # thread started then (gloo's among them) inherits the block and only this thread takes them:
+    # delivered to a gloo thread, a handled signal interrupted its socket call, and a worker of a
+    # two-process run aborted ("terminate called without an active exception")
+    stop_signals = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     trainer, registry = build(settings)
     signal.signal(signal.SIGTERM, lambda *_: trainer.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: trainer.stop_event.set())
     trainer.start()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # one sent meanwhile arrives now
     if trainer.rank == 0:
         # opens once the model is loaded and resumed (minutes for a large one): the manifest's
         # startupProbe waits for it (deploy/k8s/base/trainer.yaml)

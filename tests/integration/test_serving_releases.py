@@ -366,6 +366,7 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow  # a serving restart with its engines: 90 s of the default suite's 15 minutes
 def test_a_restart_comes_back_on_the_released_versions_before_it_answers(engine, rig):
     """A new follower on the same engines (set back to the model directory, as a new process's
     would be) applies the newest release in ``catch_up``, before any port opens; with the broker
