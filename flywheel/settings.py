@@ -506,6 +506,25 @@ class ArchiveSettings(_Section):
     the topics by up to this much; larger values mean fewer, larger files."""
 
 
+class StreamSettings(_Section):
+    """Where the stream stages (ingest, reward) keep their state (docs/shared-state.md)."""
+
+    database_url: str = ""
+    """A database shared by every replica of a stage (``FLYWHEEL_STREAM_DATABASE_URL``):
+    ``postgresql://...`` in production, or ``sqlite:///<folder>`` for replicas on one host. The
+    replicas then share the input partitions through the consumer group, with no ``shards``, and
+    a partition's state moves with it. Empty: each process keeps its state in
+    ``<data_dir>/<stage>/state.sqlite3``."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_database(cls, v: str) -> str:
+        if v and not v.startswith(("postgresql://", "postgres://", "sqlite:///")):
+            raise ValueError("must be postgresql://..., or sqlite:///<folder> (replicas on one host), or empty "
+                             "for a state store in each process's data_dir")
+        return v
+
+
 class ReleaseSettings(_Section):
     """The release controller (``flywheel release serve``, release/README.md)."""
 
@@ -679,6 +698,8 @@ class Settings(_Section):
     """The reward stage (``flywheel reward``)."""
     archive: ArchiveSettings = Field(default_factory=ArchiveSettings)
     """The stages' Parquet archives of episodes and rewards."""
+    stream: StreamSettings = Field(default_factory=StreamSettings)
+    """Where the ingest and reward stages keep their state."""
     release: ReleaseSettings = Field(default_factory=ReleaseSettings)
     """The release controller (``flywheel release serve``)."""
     probes: ProbeSettings = Field(default_factory=ProbeSettings)
@@ -688,6 +709,17 @@ class Settings(_Section):
     @classmethod
     def _log_level_in_any_case(cls, v: Any) -> Any:
         return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _shards_or_shared_state(self) -> Settings:
+        # Shards are a stage's static split, each with a store of its own; a shared store splits
+        # through the consumer group, and a shard list beside it would only leave partitions out.
+        for stage in ("ingest", "reward"):
+            if getattr(self, stage).shards and self.stream.database_url:
+                raise ValueError(f"{stage}.shards and stream.database_url exclude each other: with a shared "
+                                 "database the replicas share the partitions through the consumer group; "
+                                 f"unset {stage}.shards (docs/shared-state.md)")
+        return self
 
 
 #: Environment names kept short because operators type them most.
@@ -811,6 +843,9 @@ def describe(settings: Settings) -> str:
         release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]
     if release.get("database_url"):
         release["database_url"] = redact_database_url(release["database_url"])
+    stream = data.get("stream", {})
+    if stream.get("database_url"):
+        stream["database_url"] = redact_database_url(stream["database_url"])
     if release.get("webhooks"):  # a chat tool's webhook URL holds its secret in the path
         release["webhooks"] = [u.split("://", 1)[0] + "://" + u.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1] + "/***"
                                for u in release["webhooks"]]
