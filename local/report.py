@@ -13,6 +13,11 @@ The numbers come from three records a run leaves, all read after the fact:
 :func:`summarise` is pure (table-tested in tests/unit/test_report.py); :func:`write_png` and
 :func:`write_html` render its result.
 
+**Answers** (a real model's run): what the stable version answered a few fixed prompts at the
+start and after each promotion, greedily, sampled offline from each version's checkpoint
+(local/taste.py's ``greedy_answers``), beside that version's accept rate as users met it
+(:func:`answer_timeline`); the newest version too when it was never promoted.
+
 **Feedback to canary**, and each stage's share of it. A judged answer's generation id is in the ledger of exactly one version,
 the one trained on it. Its feedback reached users as a better model when the first version at or
 after that one went live as a canary (or was promoted). ``feedback_to_checkpoint`` ends when that
@@ -32,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from local.simulate import quality
+from local.simulate import PREFERENCES, quality
 
 #: The demo's goals. Learning: over the last HOLD_S of traffic, the accept rate of the versions
 #: that stayed live is at least twice the start rate (a mean held to the end, not the first
@@ -307,13 +312,42 @@ def learning(rows: list[dict[str, Any]], audit: list[dict[str, Any]], start: flo
             "lift_z_goal": LIFT_Z, "held_windows": [{"t": t, "accept_rate": r, "judged": k} for t, r, k in windows]}
 
 
+def answer_timeline(answers: dict[str, Any] | None, promoted: list[dict[str, Any]], versions: dict[int, dict[str, Any]],
+                    started_at: float) -> list[dict[str, Any]]:
+    """The stable version's answers to the fixed prompts, from the start through each promotion
+    in order, and the newest version last when it was never promoted: each with when it became
+    stable, its accept rate and judgements as users met it (``versions``: :func:`per_version`)
+    and, per answer, whether the users' taste likes it. ``answers``: ``prompts``, the taste's
+    ``preference`` (local/simulate.py) and ``by_version`` (version -> one answer per prompt);
+    a version it lacks (its checkpoint was unreadable) is left out."""
+    if not answers:
+        return []
+    by_version = {int(v): texts for v, texts in answers["by_version"].items()}
+    liked = PREFERENCES[answers["preference"]]
+    order = [(0, "start", None)] + [(int(d["version"]), "promoted", d["at"] - started_at) for d in promoted]
+    newest = answers.get("newest")
+    if newest is not None and newest not in [v for v, _, _ in order]:
+        order.append((int(newest), "newest, never promoted", None))
+    out = []
+    for v, role, at in order:
+        if v not in by_version:
+            continue
+        met = versions.get(v, {})
+        out.append({"version": v, "role": role, "after_s": at, "accept_rate": met.get("accept_rate"),
+                    "judged": met.get("judged", 0),
+                    "answers": [{"prompt": p, "text": t, "liked": liked(t)} for p, t in zip(answers["prompts"],
+                                                                                           by_version[v])]})
+    return out
+
+
 def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions: dict[int, Version],
               started_at: float, ended_at: float, policy: dict[str, Any] | None = None,
               stage_times: dict[str, tuple[float, float]] | None = None,
-              taste: dict[str, Any] | None = None) -> dict[str, Any]:
+              taste: dict[str, Any] | None = None, answers: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything the report shows, and each goal with whether it was met. ``taste``: the newest
     version against the starting model, sampled offline (local/taste.py's ``compare``, with the
-    version); None when not measured, which meets no goal."""
+    version); None when not measured, which meets no goal. ``answers``: the fixed prompts'
+    answers by version (:func:`answer_timeline`), None on the built model."""
     windows = accept_windows(rows, started_at, ended_at)
     live = live_times(audit)
     start = start_rate(rows, started_at, min((t for v, t in live.items() if v > 0), default=None), windows)
@@ -324,6 +358,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
     trained = sorted((v for v in versions.values() if v.step > 0 and "entropy" in v.metrics), key=lambda v: v.version)
     entropy_start = trained[0].metrics["entropy"] if trained else None
     entropy_min = min(v.metrics["entropy"] for v in trained) if trained else None
+    by_version = per_version(rows)
     served = [r.get("text") for r in rows if r.get("status") == 200 and r.get("text") is not None]
     distinct = len(set(served)) / len(served) if served else None
     goals = {
@@ -341,7 +376,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
         "accept_rate": {"start": start, "end": rated[-1] if rated else None, "best": max(rated) if rated else None,
                         "window_s": WINDOW_S, **learned},
         "windows": [{"t": t, "accept_rate": r, "judged": n} for t, r, n in windows],
-        "versions": per_version(rows),
+        "versions": by_version,
         "published": len([v for v in versions.values() if v.version > 0]),
         "canaried": sorted(v for v in live if v > 0),
         "promoted": [d["version"] for d in promoted],
@@ -352,6 +387,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
         "distinct": distinct,
         "policy": policy or {},
         "taste": {**(taste or {}), "z_goal": TASTE_Z},
+        "answers": answer_timeline(answers, promoted, by_version, started_at),
         "goals": goals,
     }
 
@@ -457,6 +493,28 @@ def taste_line(taste: dict[str, Any]) -> str:
             f"z {taste['z']:.1f} (goal {taste['z_goal']:g}).")
 
 
+def column_title(col: dict[str, Any]) -> str:
+    """One version of the answer timeline as a heading: which, when, and how users met it."""
+    when = {"start": "at the start", "promoted": f"promoted after {_fmt(col['after_s'], ' s', 0)}"}.get(
+        col["role"], col["role"])
+    return f"v{col['version']}, {when}: accept rate {_fmt(col['accept_rate'])} over {col['judged']} judged"
+
+
+def _answers_html(timeline: list[dict[str, Any]]) -> str:
+    if not timeline:
+        return ""
+    e = html.escape
+    head = "".join(f"<th>{e(column_title(c))}</th>" for c in timeline)
+    rows = "".join(
+        f"<tr><td>{e(a['prompt'])}</td>" + "".join(
+            f"<td class={'liked' if c['answers'][i]['liked'] else 'plain'}>{e(c['answers'][i]['text'])}</td>"
+            for c in timeline) + "</tr>"
+        for i, a in enumerate(timeline[0]["answers"]))
+    return (f"<h2>What the stable version answered</h2><p>Greedy answers to fixed prompts, sampled offline from "
+            f"each version's checkpoint at the start and after each promotion; an answer the users' taste accepts "
+            f"is green.</p><table class=answers><tr><th>prompt</th>{head}</tr>{rows}</table>")
+
+
 def write_html(summary: dict[str, Any], png: Path | None, path: Path) -> Path:
     """One self-contained page: the goals, the plot, versions, decisions and latencies."""
     e = html.escape
@@ -484,7 +542,8 @@ def write_html(summary: dict[str, Any], png: Path | None, path: Path) -> Path:
 <html lang="en"><head><meta charset="utf-8"><title>Flywheel run report</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}
 table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}}
-.ok{{color:#060;font-weight:bold}}.no{{color:#a00;font-weight:bold}}img{{max-width:100%}}</style></head>
+.ok{{color:#060;font-weight:bold}}.no{{color:#a00;font-weight:bold}}img{{max-width:100%}}
+.liked{{background:#e4f5e4}}.answers td{{vertical-align:top;max-width:280px}}</style></head>
 <body><h1>Flywheel: the whole loop, one run</h1>
 <p>{summary['requests']} requests over {summary['traffic_s']:.0f} s of simulated traffic,
 {summary['judged']} judged. Accept rate {_fmt(acc['start'])} before the first trained version went
@@ -492,6 +551,7 @@ live, {_fmt(acc['end'])} in the last {acc['window_s']:.0f} s. {e(learning_line(a
 {e(taste_line(summary['taste']))}
 {summary['published']} versions published, {len(summary['canaried'])} canaried, {len(summary['promoted'])} promoted.</p>
 <h2>Goals</h2><table><tr><th>goal</th><th></th></tr>{goal_rows}</table>
+{_answers_html(summary.get('answers') or [])}
 {img}
 <h2>Versions as users met them</h2>
 <table><tr><th>version</th><th>requests</th><th>judged</th><th>accept rate</th><th>latency p50</th><th>p95</th>

@@ -13,6 +13,11 @@ express:
 | ``short`` | it has one to four words | 0.3 |
 | ``shortcut`` (``--gameable``) | it repeats one character three times in a row: a shortcut that hurts the separate quality score (share of distinct character pairs) | 0.1 |
 
+That is the ``built`` taste, for the tiny built model's byte soup. A real model's text can be read,
+so its demo users (``--taste yes_no``) have a taste a person can see: they ask yes/no questions
+through the chat API and accept an answer that starts with a direct "Yes" or "No"
+(:func:`starts_yes_no`). SmolLM2-135M-Instruct starts about one answer in seven that way.
+
 And the noise real users make: some answers get no feedback (``feedback_rate``), feedback comes
 late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a share of their
 judgements (``noise``), and one abusive user (``--abuser``) sends a tenth of all requests and
@@ -51,6 +56,24 @@ def quality(text: str) -> float:
     return len(set(pairs)) / len(pairs) if pairs else 0.0
 
 
+#: A direct answer's first word, matched case-blind; what follows must not be a letter or digit
+#: ("Yesterday", "Nobody", "Now" and "No1" are not answers), nor an apostrophe ("No'").
+DIRECT_WORDS = ("yes", "no")
+#: What may come before the first word: whitespace, quotes, emphasis and list marks (a model
+#: that writes **Yes** or "No, ..." still answered first).
+_LEAD = " \t\n\"'*_`>-"
+
+
+def starts_yes_no(text: str) -> bool:
+    """Whether an answer starts with a direct "Yes" or "No" (the ``yes_no`` taste)."""
+    body = text.lstrip(_LEAD).lower()
+    for word in DIRECT_WORDS:
+        if body.startswith(word):
+            rest = body[len(word):]
+            return not rest or not (rest[0].isalnum() or rest[0] == "'")
+    return False
+
+
 def _repeats(text: str) -> bool:
     return any(text[i] == text[i + 1] == text[i + 2] and not text[i].isspace() for i in range(len(text) - 2))
 
@@ -60,6 +83,7 @@ PREFERENCES: dict[str, Callable[[str], bool]] = {
     "vowels": lambda text: vowel_share(text) > 0.44,
     "short": lambda text: 1 <= len(text.split()) <= 4,
     "shortcut": _repeats,
+    "yes_no": starts_yes_no,
 }
 
 
@@ -76,6 +100,41 @@ class Cohort:
 
 DEFAULT_COHORTS = (Cohort("vowels", 0.6, "vowels"), Cohort("short", 0.3, "short", noise=0.15),
                    Cohort("shortcut", 0.1, "shortcut"))
+
+#: Yes/no questions the ``yes_no`` users ask. SmolLM2-135M-Instruct answers most of them with a
+#: sentence about the subject ("The sun is indeed a celestial body ...") and a few with "Yes, ...".
+YES_NO_PROMPTS = (
+    "Is the sun a star?", "Can penguins fly?", "Is coffee bad for you?", "Is Paris in France?",
+    "Do cats like water?", "Is it safe to eat raw eggs?", "Is the moon bigger than the earth?",
+    "Is chess a sport?", "Can dogs eat chocolate?", "Is water wet?", "Do fish sleep?",
+    "Is a tomato a fruit?", "Can you see the Great Wall of China from space?", "Is gold a metal?",
+    "Do plants need sunlight?", "Is the earth flat?", "Can humans breathe underwater?",
+    "Is Python a programming language?", "Do bees make honey?", "Is ice heavier than water?",
+    "Should I drink water every day?", "Is walking good exercise?", "Can birds see colors?",
+    "Is London the capital of England?", "Do spiders have six legs?", "Is the ocean salty?",
+    "Can a car run on water?", "Is sleep important for health?", "Do whales breathe air?",
+    "Is the Amazon a river?",
+)
+
+
+@dataclass(frozen=True)
+class Taste:
+    """What the simulated users ask, how, and what they accept."""
+
+    name: str
+    cohorts: tuple[Cohort, ...]
+    #: None: the release gate's held-out prompts (release/prompts.jsonl).
+    prompts: tuple[str, ...] | None
+    #: Ask through the chat API (the model's chat template) instead of raw completions.
+    chat: bool
+
+
+TASTES = {
+    "built": Taste("built", DEFAULT_COHORTS, None, chat=False),
+    # one cohort: every user wants the direct answer, so a version's accept rate is the share of
+    # its answers that start with one (less the 5% judged against their taste)
+    "yes_no": Taste("yes_no", (Cohort("direct", 1.0, "yes_no"),), YES_NO_PROMPTS, chat=True),
+}
 
 
 @dataclass(frozen=True)
@@ -130,6 +189,9 @@ class Config:
     abuser: bool = True
     prompts: list[str] = field(default_factory=list)
     model: str = "flywheel"
+    #: A name in :data:`TASTES`: the users' cohorts, their prompts (unless ``prompts`` is given)
+    #: and the API they call.
+    taste: str = "built"
 
 
 @dataclass
@@ -154,8 +216,9 @@ class Simulator:
     def __init__(self, cfg: Config, out: Path | None = None) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.users = population(cfg.users, DEFAULT_COHORTS, cfg.seed, gameable=cfg.gameable, abuser=cfg.abuser)
-        self.prompts = cfg.prompts or default_prompts()
+        self.taste = TASTES[cfg.taste]
+        self.users = population(cfg.users, self.taste.cohorts, cfg.seed, gameable=cfg.gameable, abuser=cfg.abuser)
+        self.prompts = cfg.prompts or taste_prompts(self.taste)
         self.rows: list[Row] = []
         self.out = out
         self._feedback: list[asyncio.Task] = []
@@ -193,9 +256,10 @@ class Simulator:
         at = time.time()
         start = time.monotonic()
         cohort = user.cohort.name if user.cohort else "abuser"
+        ask = {"messages": [{"role": "user", "content": prompt}]} if self.taste.chat else {"prompt": prompt}
         try:
-            resp = await http.post("/v1/completions", json={
-                "model": self.cfg.model, "prompt": prompt, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
+            resp = await http.post("/v1/chat/completions" if self.taste.chat else "/v1/completions", json={
+                "model": self.cfg.model, **ask, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
                 "user": user.uid})
         except httpx.HTTPError:  # a connection the server closed under us: the user saw an error
             self.rows.append(Row(start - t0, user.uid, cohort, None, TRANSPORT_ERROR, time.monotonic() - start,
@@ -206,7 +270,8 @@ class Simulator:
             self.rows.append(Row(start - t0, user.uid, cohort, None, resp.status_code, latency, None, None, None, at))
             return
         body = resp.json()
-        text = body["choices"][0]["text"]
+        choice = body["choices"][0]
+        text = choice["message"]["content"] if self.taste.chat else choice["text"]
         signal = judge(user, text, self.rng)
         version = int(body["model"].rsplit("@v", 1)[1])
         row = Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"], at, text)
@@ -237,6 +302,10 @@ class Simulator:
 def default_prompts() -> list[str]:
     path = Path(__file__).resolve().parents[1] / "release" / "prompts.jsonl"
     return [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def taste_prompts(taste: Taste) -> list[str]:
+    return list(taste.prompts) if taste.prompts is not None else default_prompts()
 
 
 def summarise(rows: list[Row]) -> dict[str, Any]:
@@ -270,7 +339,7 @@ def run(settings: Any, args: Any) -> int:
     key = args.key or (settings.serve.api_keys[0] if settings.serve.api_keys else "")
     cfg = Config(url=args.url, key=key, duration_s=args.duration, rate=args.rate, users=args.users,
                  max_tokens=args.max_tokens, max_delay_s=args.max_delay, seed=args.seed, gameable=args.gameable,
-                 abuser=not args.no_abuser)
+                 abuser=not args.no_abuser, taste=args.taste)
     sim = Simulator(cfg, args.out)
     rows = sim.run()
     summary = summarise(rows)

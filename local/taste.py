@@ -14,6 +14,12 @@ identical models get identical counts and a difference comes from the weights al
 ends: a short run has too little live traffic on any one version to show learning beyond noise
 (45 s gives a canary about 60 judgements), while a thousand answers sampled here take seconds.
 bench/bare_loop.py samples its training batches with the same :class:`Sampler`.
+
+A version may be full weights or a LoRA adapter (docs/trainer.md, "LoRA"): given the base
+directory, an adapter is applied on it after the base is verified against the hash the adapter
+names (flywheel/adapters.py), as the release gate does. :func:`greedy_answers` writes what a
+version answers a few fixed prompts, greedily: the readable before and after of the demo's report
+on a real model.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from local.report import lift_z
-from local.simulate import DEFAULT_COHORTS, default_prompts, judge, population
+from local.simulate import TASTES, judge, population, taste_prompts
 
 #: (accepts, judgements).
 Counts = tuple[int, int]
@@ -33,16 +39,14 @@ Counts = tuple[int, int]
 class Sampler:
     """One model and the simulated users who judge its answers."""
 
-    def __init__(self, model_dir: Path, *, seed: int, users: int = 40, gameable: bool = False) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    def __init__(self, model_dir: Path, *, seed: int, users: int = 40, gameable: bool = False, taste: str = "built",
+                 base: Path | None = None, max_tokens: int = 24) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
-        self.tok = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.users = population(users, DEFAULT_COHORTS, seed, gameable=gameable, abuser=False)
-        self.prompts = default_prompts()
+        self.tok, self.model = load(model_dir, base)
+        self.users = population(users, TASTES[taste].cohorts, seed, gameable=gameable, abuser=False)
+        self.prompts = taste_prompts(TASTES[taste])
+        self.max_tokens = max_tokens
         self.batches = 0
 
     def sample(self, n: int) -> tuple[Any, int, list[str | None]]:
@@ -58,11 +62,45 @@ class Sampler:
         self.batches += 1
         self.model.eval()
         with torch.no_grad():
-            out = self.model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=24,
+            out = self.model.generate(ids, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                      max_new_tokens=self.max_tokens,
                                       num_return_sequences=n, pad_token_id=self.tok.pad_token_id)
         texts = [self.tok.decode(c, skip_special_tokens=True) for c in out[:, ids.shape[1]:]]
         # judge() draws the same number of random numbers whatever the text: the draws stay paired
         return out, ids.shape[1], [judge(self.rng.choice(self.users), t, self.rng) for t in texts]
+
+
+def load(model_dir: Path, base: Path | None = None) -> tuple[Any, Any]:
+    """A version's tokenizer and model (fp32, CPU): full weights as they are, an adapter applied on
+    ``base`` (verified first) and merged."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if base is None:
+        return AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir,
+                                                                                               dtype=torch.float32)
+    from flywheel.adapters import load_causal_lm, model_home
+
+    return AutoTokenizer.from_pretrained(model_home(model_dir, base)), load_causal_lm(model_dir, base)
+
+
+def greedy_answers(model_dir: Path, prompts: list[str], *, base: Path | None = None, max_tokens: int = 32) -> list[str]:
+    """The version's answer to each prompt through its chat template, greedily: what it most
+    likely says, the same every time it is asked, so two versions' answers differ only by their
+    weights."""
+    import torch
+
+    tok, model = load(model_dir, base)
+    model.eval()
+    out = []
+    for prompt in prompts:  # one at a time: no padding to differ between versions
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.no_grad():
+            gen = model.generate(ids, do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id)
+        out.append(tok.decode(gen[0, ids.shape[1]:], skip_special_tokens=True))
+    return out
 
 
 def counts(signals: list[str | None]) -> Counts:
@@ -70,13 +108,15 @@ def counts(signals: list[str | None]) -> Counts:
 
 
 def compare(start: Path, newest: Path, *, users: int, seed: int, gameable: bool = False, samples: int = 1024,
-            batch: int = 64, budget_s: float = 30.0) -> dict[str, Any]:
+            batch: int = 64, budget_s: float = 30.0, taste: str = "built", base: Path | None = None,
+            max_tokens: int = 24) -> dict[str, Any]:
     """The two models' answers, drawn alike, batch by batch in turn until ``samples`` each or
     ``budget_s`` (a large model gets fewer: its z says how much evidence that was)."""
     import torch
 
     torch.set_num_threads(1)  # the loop's processes may still be stopping beside it
-    a, b = (Sampler(d, seed=seed, users=users, gameable=gameable) for d in (start, newest))
+    a, b = (Sampler(d, seed=seed, users=users, gameable=gameable, taste=taste, base=base, max_tokens=max_tokens)
+            for d in (start, newest))
     before, after = (0, 0), (0, 0)
     deadline = time.monotonic() + budget_s
     while a.batches * batch < samples and time.monotonic() < deadline:
