@@ -20,6 +20,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel simulate                      simulated users with hidden preferences, against the API
     flywheel demo                          the whole loop with simulated users for minutes, then a report
     flywheel bench [--quick]               every performance claim measured: one table of ratios and goals
+    flywheel chaos [--duration 600]        the whole loop under injected faults; fails on a broken invariant
     flywheel --version                     the installed package's version
 
 ``--config FILE`` and ``--log-level LEVEL`` are global: given before the subcommand or after it.
@@ -456,14 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)
     sub.add_parser("bench", help="every performance claim measured in one run: ratios, goals, JSON", add_help=False)
+    sub.add_parser("chaos", help="the whole loop under faults across every role, then its invariants checked",
+                   add_help=False)
     return p
 
 
-def _bench(argv: list[str]) -> int:
-    """``flywheel bench``: bench/suite.py, which lives beside the packages in a checkout."""
-    suite = Path(__file__).resolve().parents[1] / "bench" / "suite.py"
+def _bench(argv: list[str], script: str = "suite.py") -> int:
+    """``flywheel bench`` (bench/suite.py) or ``flywheel chaos`` (bench/chaos.py): scripts that
+    live beside the packages in a checkout."""
+    suite = Path(__file__).resolve().parents[1] / "bench" / script
     if not suite.is_file():
-        print("flywheel bench runs from a source checkout (bench/ is not part of an installed wheel): "
+        print("flywheel bench and chaos run from a source checkout (bench/ is not part of an installed wheel): "
               "pip install -e . from the repository", file=sys.stderr)
         return 2
     import runpy
@@ -480,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if argv[:1] == ["bench"]:
         return _bench(argv[1:])
+    if argv[:1] == ["chaos"]:
+        return _bench(argv[1:], "chaos.py")
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
