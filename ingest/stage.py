@@ -1,7 +1,9 @@
 """The ingest stage's stream logic: validate, dedupe, join generations with feedback, close windows.
 
-Join state lives in the stage's SQLite store (flywheel/stream/store.py) so that it commits in the
-same transaction as the input offsets and the outbox:
+Join state lives in the stage's state store (flywheel/stream/store.py) so that it commits in the
+same transaction as the input offsets and the outbox. Every row carries its shard (the input
+partition number): a store shared by several replicas holds every shard, and each replica reads
+and changes the rows of its own (``store.scoped()``; a generation id's rows are its shard's):
 
 - ``gens``   open generations (canonical bytes, window deadline, when the window closes, source
              offset), one row per generation_id;
@@ -130,7 +132,7 @@ class IngestStage:
                     self.dead.send(exc.reason, f"{exc.detail} (stored by an earlier version)",
                                    source_topic=topic, value=raw, key=key, partition=part, offset=off)
                     db.execute("DELETE FROM fbs WHERE fid=?", (fid,))
-            db.execute("INSERT INTO meta VALUES ('ingest_rows_checked', '1')")
+            db.execute("INSERT INTO meta VALUES ('ingest_rows_checked', '1') ON CONFLICT (k) DO NOTHING")
 
     # -- records --------------------------------------------------------------------------
     def process(self, records: list[ConsumerRecord], now: float) -> None:
@@ -235,22 +237,25 @@ class IngestStage:
         before feedback given in time could arrive (it became ``late_feedback``), and a step back
         held them open for the whole step. (A step while the stage is down looks like downtime:
         nothing tells them apart.)"""
-        self.db.execute("UPDATE gens SET close_at = close_at + ?", (by,))
-        self.db.execute("UPDATE fbs SET deadline = deadline + ?", (by,))
-        self.db.execute("UPDATE closed SET closed_at = closed_at + ?", (by,))
+        cond, mine = self.store.scoped()  # (this machine's clock: its shards of a shared store)
+        self.db.execute(f"UPDATE gens SET close_at = close_at + ? WHERE 1=1{cond}", (by, *mine))
+        self.db.execute(f"UPDATE fbs SET deadline = deadline + ? WHERE 1=1{cond}", (by, *mine))
+        self.db.execute(f"UPDATE closed SET closed_at = closed_at + ? WHERE 1=1{cond}", (by, *mine))
         self._last_prune += by
 
     # -- windows --------------------------------------------------------------------------
     def tick(self, shards: set[int], now: float) -> bool:
         more = False
-        for shard in sorted(shards):
+        for shard in sorted(self.store.mine(shards)):
             more |= self._close_due(shard, now)
             more |= self._orphans(shard, now)
         if now - self._last_prune > 10:
             self._last_prune = now
-            self.db.execute("DELETE FROM closed WHERE closed_at<?", (now - self.cfg.closed_retention_s,))
+            cond, mine = self.store.scoped()
+            self.db.execute(f"DELETE FROM closed WHERE closed_at<?{cond}", (now - self.cfg.closed_retention_s, *mine))
             for kind, table in (("generation", "gens"), ("feedback", "fbs")):
-                self.m.window.labels(kind).set(self.db.execute(f"SELECT count(*) FROM {table}").fetchone()[0])
+                self.m.window.labels(kind).set(
+                    self.db.execute(f"SELECT count(*) FROM {table} WHERE 1=1{cond}", mine).fetchone()[0])
         return more
 
     def _close_due(self, shard: int, now: float) -> bool:
@@ -433,7 +438,7 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     Generations stored before ``gens.off`` have no source offset (a dead letter of one names none).
     """
     db = store.db
-    columns = {row[1] for row in db.execute("PRAGMA table_info(gens)")}
+    columns = store.columns("gens")
     if "close_at" not in columns:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN close_at REAL NOT NULL DEFAULT 0")
@@ -442,7 +447,7 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     if "off" not in columns:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
-    db.execute("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
+    db.executescript("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 
 def _rows_of(db: Any, select: str, chunk: int = 1000) -> Iterator[tuple]:

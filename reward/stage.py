@@ -1,9 +1,11 @@
 """The reward stage's stream logic: episodes -> labeled, guarded rewards, exactly once.
 
-It runs on the stream runtime (flywheel/stream/): per batch, one SQLite transaction holds the
-dedupe set, the per-user guard counts, the input offsets and the outbox of rewards and dead
+It runs on the stream runtime (flywheel/stream/): per batch, one state-store transaction holds
+the dedupe set, the per-user guard counts, the input offsets and the outbox of rewards and dead
 letters; a restart resumes from the stored offsets and sends what the outbox still owes. The
 dedupe set is what makes an episode delivered twice (ingest's outbox is at least once) count once.
+Both are kept per shard (the episodes partition: a repeat of an episode lands on its original's),
+so that in a store shared by several replicas a shard's dedupe ids and counts move with it.
 
 What becomes of each episode:
 
@@ -43,15 +45,18 @@ from reward.guards import (
 )
 from reward.labelers import LabelerError, build_labeler
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS seen (gid TEXT PRIMARY KEY, at REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS seen_age ON seen (at);
-CREATE TABLE IF NOT EXISTS user_win (win INTEGER NOT NULL, user TEXT NOT NULL, n INTEGER NOT NULL,
-    kept INTEGER NOT NULL, accept INTEGER NOT NULL, reject INTEGER NOT NULL, edit INTEGER NOT NULL, ignore INTEGER NOT NULL,
-    PRIMARY KEY (win, user));
-CREATE TABLE IF NOT EXISTS win_tot (win INTEGER PRIMARY KEY, n INTEGER NOT NULL, users INTEGER NOT NULL);
-CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT NULL);
+# A user's counts per shard and guard window; a window's totals are sums over them ("user" is
+# quoted: a reserved word in PostgreSQL).
+_USER_WIN = """
+CREATE TABLE IF NOT EXISTS user_win (shard INTEGER NOT NULL, win INTEGER NOT NULL, "user" TEXT NOT NULL,
+    n INTEGER NOT NULL, kept INTEGER NOT NULL, accept INTEGER NOT NULL, reject INTEGER NOT NULL,
+    edit INTEGER NOT NULL, ignore INTEGER NOT NULL, PRIMARY KEY (shard, win, "user"));
 """
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS seen (gid TEXT PRIMARY KEY, at REAL NOT NULL, shard INTEGER);
+CREATE INDEX IF NOT EXISTS seen_age ON seen (at);
+CREATE TABLE IF NOT EXISTS reached (shard INTEGER PRIMARY KEY, win INTEGER NOT NULL);
+""" + _USER_WIN
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +103,17 @@ class RewardStage:
         #: (signal, sample flags, user flags) -> samples of the batch in hand (_export_tally)
         self._tally: dict[tuple[str, tuple[str, ...], tuple[str, ...]], int] = {}
         self._rewards: list[tuple[str, float]] = []  # (signal, reward) of the batch in hand
+        _migrate(store)
         self._check_guard_window()
         self._load_counts()
         store.on_rollback(self._load_counts)
+
+    def shards_changed(self, owned: set[int]) -> None:
+        """The runner's hook: in a shared store, count over the shards owned now (their counts
+        are loaded, those of shards gone are dropped); a store of its own holds only this
+        process's counts, all loaded already."""
+        if self.store.shared:
+            self._load_counts()
 
     def _check_guard_window(self) -> None:
         """Start the guard counts afresh when ``reward.guard_window_s`` changed since they were kept.
@@ -118,7 +131,7 @@ class RewardStage:
         with self.store.txn():
             if row is not None:
                 log.warning("reward.guard_window_s changed from %s to %s s: guard counts start afresh", row[0], want)
-                for table in ("reached", "user_win", "win_tot"):
+                for table in ("reached", "user_win"):
                     self.db.execute(f"DELETE FROM {table}")
             self.db.execute("INSERT INTO meta VALUES ('guard_window_s', ?) ON CONFLICT (k) DO UPDATE SET v=excluded.v",
                             (want,))
@@ -144,7 +157,7 @@ class RewardStage:
                 self.m.skipped.labels("no_signal").inc()
             else:
                 try:
-                    reward = self.label_episode(ep, now)
+                    reward = self.label_episode(ep, now, rec.partition)
                 except LabelerError as exc:
                     # not marked seen: a replay, once the labeler is fixed, is labeled
                     self.dead.send_record(rec, "labeler_error", str(exc))
@@ -152,8 +165,8 @@ class RewardStage:
                 self.store.append(rec.partition, self.topics.rewards, ep.generation_id, reward,
                                   archive=REWARDS_ARCHIVE)
             seen.add(ep.generation_id)
-            fresh.append((ep.generation_id, now))
-        self.db.executemany("INSERT INTO seen VALUES (?, ?)", fresh)
+            fresh.append((ep.generation_id, now, rec.partition))
+        self.db.executemany("INSERT INTO seen (gid, at, shard) VALUES (?, ?, ?)", fresh)
         self._write_counts()
         self._export_tally()
 
@@ -166,14 +179,14 @@ class RewardStage:
             found.update(r[0] for r in self.db.execute(f"SELECT gid FROM seen WHERE gid IN ({marks})", chunk))
         return found
 
-    def label_episode(self, ep: EpisodeEvent, now: float) -> bytes:
-        """The episode's reward record, encoded (see :func:`reward_bytes`)."""
+    def label_episode(self, ep: EpisodeEvent, now: float, shard: int) -> bytes:
+        """The episode's reward record, encoded (see :func:`reward_bytes`); ``shard``: its partition."""
         g = ep.generation
         components = self.label(ep)
         extra, sample_flags = judge_sample(g.completion_token_ids, self.cfg, g.completion_text)
         components.update(extra)  # (labelers may not use these names: reward/labelers.py)
         reward = self._total(components, extra)  # before the guards count it: failed, it counts nowhere
-        verdict = self._judge_unrated(ep) if ep.timed_out else self._judge_rater(ep)
+        verdict = self._judge_unrated(ep, shard) if ep.timed_out else self._judge_rater(ep, shard)
         key = (ep.signal, sample_flags, verdict.flags)
         self._tally[key] = self._tally.get(key, 0) + 1
         self._rewards.append((ep.signal, reward))
@@ -209,17 +222,17 @@ class RewardStage:
                                f"components add up to {reward}, not a finite reward")
         return reward
 
-    def _judge_rater(self, ep: EpisodeEvent) -> Verdict:
+    def _judge_rater(self, ep: EpisodeEvent, shard: int) -> Verdict:
         """Count the episode's signal against whoever sent it, and judge them (reward/guards.py)."""
         g = ep.generation
         win = window_of(g.created_at, self.cfg)
         rater = ep.rater_id or g.user_id
-        verdict = judge_user(self._count_user(rater, win, ep.signal), self.cfg)
+        verdict = judge_user(self._count_user(shard, rater, win, ep.signal), self.cfg)
         if "user_cap" not in verdict.flags:
-            self._keep(win, rater)
+            self._keep(shard, win, rater)
         return verdict
 
-    def _judge_unrated(self, ep: EpisodeEvent) -> Verdict:
+    def _judge_unrated(self, ep: EpisodeEvent, shard: int) -> Verdict:
         """A timed-out episode: only its generation user's share cap (reward/guards.py). Counted
         as a signal, a user whose generations time out would be flagged ``constant_user``, and
         their real signals judged, for signals they never gave."""
@@ -228,14 +241,15 @@ class RewardStage:
         counts = self._users.get((win, user))
         verdict = judge_unrated(counts[1] if counts else 0, self._wins.setdefault(win, [0, 0, 0])[2], self.cfg)
         if not verdict.flags:
-            self._keep(win, user)  # a kept sample, no signal: not one of the window's signalling users
+            self._keep(shard, win, user)  # a kept sample, no signal: not one of the window's signalling users
         return verdict
 
-    def _keep(self, win: int, user: str) -> None:
+    def _keep(self, shard: int, win: int, user: str) -> None:
         """Count a sample that reaches training toward its user's and its window's kept samples."""
         self._users.setdefault((win, user), [0, 0, 0, 0, 0, 0])[1] += 1
+        self._by_shard.setdefault((shard, win, user), [0, 0, 0, 0, 0, 0])[1] += 1
         self._wins[win][2] += 1
-        self._dirty.add((win, user))
+        self._dirty.add((shard, win, user))
 
     def _child(self, metric: Any, label: str) -> Any:
         """``metric.labels(label)``, cached: labels() takes a lock and builds a key per call."""
@@ -245,25 +259,37 @@ class RewardStage:
         return child
 
     # -- guard counts -----------------------------------------------------------------------
-    # The counts live in user_win/win_tot (the truth, committed with the batch) and in these dicts
-    # (a cache, so judging a sample costs no SQL). The cache is loaded from the tables at start and
-    # after a rolled-back batch, and the rows a batch changed are written back in its transaction,
-    # so a restart or a failed batch sees exactly the committed counts.
+    # The counts live in user_win, per shard (the truth, committed with the batch), and in these
+    # dicts (a cache, so judging a sample costs no SQL): per shard, to write back, and summed over
+    # the process's shards, which the guards judge. The cache is loaded from the table at start,
+    # after a rolled-back batch and when the process's shards change, and the rows a batch changed
+    # are written back in its transaction, so a restart or a failed batch sees exactly the
+    # committed counts.
     def _load_counts(self) -> None:
+        cond, mine = self.store.scoped()
         #: shard -> (latest guard window its episodes reached, when; None: not since loading).
         #: See :meth:`_prune_counts`.
         self._reached: dict[int, tuple[int, float | None]] = {
-            shard: (win, None) for shard, win in self.db.execute("SELECT shard, win FROM reached")}
-        self._users: dict[tuple[int, str], list[int]] = {
-            (w, u): list(rest) for w, u, *rest in self.db.execute(
-                "SELECT win, user, n, kept, accept, reject, edit, ignore FROM user_win")}
-        # [samples, users, kept samples]; the kept total is the sum of the users' kept counts
-        kept = dict(self.db.execute("SELECT win, sum(kept) FROM user_win GROUP BY win"))
-        self._wins: dict[int, list[int]] = {
-            w: [n, users, kept.get(w, 0)] for w, n, users in self.db.execute("SELECT win, n, users FROM win_tot")}
-        self._dirty: set[tuple[int, str]] = set()
+            shard: (win, None) for shard, win in self.db.execute(f"SELECT shard, win FROM reached WHERE 1=1{cond}",
+                                                                 mine)}
+        self._by_shard: dict[tuple[int, int, str], list[int]] = {
+            (s, w, u): list(rest) for s, w, u, *rest in self.db.execute(
+                f'SELECT shard, win, "user", n, kept, accept, reject, edit, ignore FROM user_win WHERE 1=1{cond}', mine)}
+        self._users: dict[tuple[int, str], list[int]] = {}
+        for (_, w, u), counts in self._by_shard.items():
+            total = self._users.setdefault((w, u), [0, 0, 0, 0, 0, 0])
+            for i, c in enumerate(counts):
+                total[i] += c
+        # [samples, users with a signal, kept samples] of each window
+        self._wins: dict[int, list[int]] = {}
+        for (w, _), (n, kept, *_) in self._users.items():
+            tot = self._wins.setdefault(w, [0, 0, 0])
+            tot[0] += n
+            tot[1] += n > 0
+            tot[2] += kept
+        self._dirty: set[tuple[int, int, str]] = set()
 
-    def _count_user(self, user: str, win: int, signal: str) -> UserWindow:
+    def _count_user(self, shard: int, user: str, win: int, signal: str) -> UserWindow:
         """Add this sample to the user's and the window's counts; return the counts after it."""
         col = _SIGNAL_COL.get(signal, _SIGNAL_COL["ignore"])
         counts = self._users.get((win, user))
@@ -275,7 +301,10 @@ class RewardStage:
         counts[0] += 1
         counts[col] += 1
         tot[0] += 1
-        self._dirty.add((win, user))
+        mine = self._by_shard.setdefault((shard, win, user), [0, 0, 0, 0, 0, 0])
+        mine[0] += 1
+        mine[col] += 1
+        self._dirty.add((shard, win, user))
         n, kept, a, r, e, i = counts
         return UserWindow(n, kept, tot[0], tot[1], {"accept": a, "reject": r, "edit": e, "ignore": i}, tot[2])
 
@@ -283,13 +312,10 @@ class RewardStage:
         if not self._dirty:
             return
         self.db.executemany(
-            "INSERT INTO user_win VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (win, user) DO UPDATE SET "
+            "INSERT INTO user_win VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (shard, win, \"user\") DO UPDATE SET "
             "n=excluded.n, kept=excluded.kept, accept=excluded.accept, reject=excluded.reject, "
             "edit=excluded.edit, ignore=excluded.ignore",
-            [(w, u, *self._users[(w, u)]) for w, u in self._dirty])
-        self.db.executemany(
-            "INSERT INTO win_tot VALUES (?, ?, ?) ON CONFLICT (win) DO UPDATE SET n=excluded.n, users=excluded.users",
-            [(w, *self._wins[w][:2]) for w in {w for w, _ in self._dirty}])
+            [(s, w, u, *self._by_shard[(s, w, u)]) for s, w, u in self._dirty])
         self._dirty.clear()
 
     def _note_reached(self, latest: dict[int, float], now: float) -> None:
@@ -308,7 +334,8 @@ class RewardStage:
         if now - self._last_prune < 60:
             return
         self._last_prune = now
-        self.db.execute("DELETE FROM seen WHERE at<?", (now - self.cfg.dedupe_retention_s,))
+        cond, mine = self.store.scoped()
+        self.db.execute(f"DELETE FROM seen WHERE at<?{cond}", (now - self.cfg.dedupe_retention_s, *mine))
         self._prune_counts(now)
 
     def _prune_counts(self, now: float) -> None:
@@ -334,13 +361,33 @@ class RewardStage:
         # never past the wall clock's window either: a shard that reached a window while the clock
         # ran ahead (a wrong clock, corrected since) must not prune the window filling now
         oldest = min(window_of(now, self.cfg), *(win for win, _ in self._reached.values())) - 2
-        self.db.execute("DELETE FROM user_win WHERE win<?", (oldest,))
-        self.db.execute("DELETE FROM win_tot WHERE win<?", (oldest,))
+        cond, mine = self.store.scoped()
+        self.db.execute(f"DELETE FROM user_win WHERE win<?{cond}", (oldest, *mine))
         self._users = {k: v for k, v in self._users.items() if k[0] >= oldest}
+        self._by_shard = {k: v for k, v in self._by_shard.items() if k[1] >= oldest}
         self._wins = {w: v for w, v in self._wins.items() if w >= oldest}
 
 
 _encode_json = msgspec.json.Encoder().encode
+
+
+def _migrate(store: StateStore) -> None:
+    """Bring a store written by an earlier version up to this one's tables.
+
+    Guard counts from before they were kept per shard were the process's over all its shards:
+    they move to shard -1, counted with the rest (a store of its own loads every shard's);
+    ``win_tot`` is now summed from them. Dedupe ids from before have no shard: pruned by age alike.
+    """
+    if "shard" not in store.columns("user_win"):
+        with store.txn():
+            store.db.execute("ALTER TABLE user_win RENAME TO user_win_unsharded")
+            store.db.execute(_USER_WIN.strip().rstrip(";"))
+            store.db.execute('INSERT INTO user_win SELECT -1, win, "user", n, kept, accept, reject, edit, ignore '
+                             "FROM user_win_unsharded")
+            store.db.execute("DROP TABLE user_win_unsharded")
+            store.db.execute("DROP TABLE IF EXISTS win_tot")
+    if "shard" not in store.columns("seen"):
+        store.db.execute("ALTER TABLE seen ADD COLUMN shard INTEGER")
 
 
 def reward_bytes(ep: EpisodeEvent, reward: float, components: dict[str, float], weight: float,

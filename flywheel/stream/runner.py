@@ -52,7 +52,7 @@ from flywheel.probes import Heartbeat
 from flywheel.settings import SettingsError
 from flywheel.stream.deadletters import DeadLetters
 from flywheel.stream.outbox import Outbox
-from flywheel.stream.store import StateStore
+from flywheel.stream.store import LeaseLost, StateStore
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,10 @@ class Stage(Protocol):
     # turn after the wall clock stepped ``by`` seconds while the stage ran. A stage that stores
     # times of the wall clock to wait for (ingest's windows) moves them by as much, so that a step
     # neither ends its waits at once (forward) nor stretches them by hours (back).
+    #
+    # Optional: ``shards_changed(owned: set[int]) -> None``, called between turns when the shards
+    # this process owns changed (assigned, revoked, or their leases lost): a stage that caches
+    # state in memory (reward's guard counts) loads the owned shards' from a shared store there.
 
 
 class OutboxDeadLetters(DeadLetters):
@@ -245,23 +249,51 @@ class StreamRunner(ConsumerRebalanceListener):
         if revoked:
             self.delivered += self.outbox.flush()  # settle what is in flight while these shards are still ours
             self.outbox.release(revoked)
+            self.store.release(revoked)
+        before = set(self.owned)
         self.owned -= revoked
         self._committed = {tp: n for tp, n in self._committed.items() if tp.partition not in revoked}
         assigned = {tp for tp in assigned if tp in self.consumer.assignment()}
         if not assigned:
+            self._shards_changed(before)
             return
+        shards = {tp.partition for tp in assigned}
+        if self.store.shared:
+            # Leases first: whoever held these shards fails its next transaction from here on, and
+            # (on PostgreSQL) one in progress has committed before take() returns, so the offsets
+            # and state read below are all it left. The sends it had in flight are drained, so
+            # that what it left in the outbox, with lower seqs, is read by deliver() below.
+            self.store.take(shards)
+            self.delivered += self.outbox.flush()
         stored = self._restart_recreated(assigned, self.store.offsets())
         if new := {tp: (tp.topic, tp.partition) for tp in assigned if (tp.topic, tp.partition) not in stored}:
             stored.update(self._store_starts(new))
         for tp in assigned:
             self.consumer.seek(tp, stored[(tp.topic, tp.partition)])
-        shards = {tp.partition for tp in assigned}
         # what a previous owner stored and did not see acked is sent again (at least once)
         self.delivered += self.outbox.deliver(shards)
         self.owned |= shards
+        self._shards_changed(before)
         self.consumer.resume(*assigned)
         log.info("assigned shards %s; resuming at %s", sorted(shards),
                  {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
+
+    def _shards_changed(self, before: set[int]) -> None:
+        if self.owned != before and (hook := getattr(self.stage, "shards_changed", None)):
+            hook(set(self.owned))
+
+    def _lose(self, lost: LeaseLost) -> None:
+        """Another process took the leases of ``lost.shards`` (the group moved their partitions and
+        this process has not heard yet: a stall, a slow rebalance): stop processing them at once.
+        The turn that found out was rolled back; the group's next assignment settles the rest."""
+        log.warning("%s: dropping them until the group assigns them here again", lost)
+        before = set(self.owned)
+        self.owned -= lost.shards
+        self.outbox.release(lost.shards)
+        self.store.release(lost.shards)
+        self._committed = {tp: n for tp, n in self._committed.items() if tp.partition not in lost.shards}
+        self.consumer.pause(*[tp for tp in self.consumer.assignment() if tp.partition in lost.shards])
+        self._shards_changed(before)
 
     def _restart_recreated(self, assigned: set[TopicPartition],
                            stored: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
@@ -272,11 +304,14 @@ class StreamRunner(ConsumerRebalanceListener):
         Stored offsets of the old topic point past records of the new one, all of them once it
         has grown past them: read from there, they were lost without a trace.
         """
+        parts = {(tp.topic, tp.partition) for tp in assigned}
         changed, recreated = self.store.changed_ids(
-            topic_ids(self.connection, {tp.topic for tp in assigned}, client_id="flywheel-inputs"))
+            topic_ids(self.connection, {tp.topic for tp in assigned}, client_id="flywheel-inputs"), parts)
         if not changed:
             return stored
-        restart = {key: 0 for key in [*stored, *((tp.topic, tp.partition) for tp in assigned)] if key[0] in recreated}
+        # a shared store's other partitions are other processes' to restart, when they see it
+        mine = parts if self.store.shared else [*stored, *parts]
+        restart = {key: 0 for key in mine if key[0] in recreated}
         with self.store.txn():
             self.store.set_offsets(restart)
             self.store.note_topic_ids(changed)
@@ -349,6 +384,13 @@ class StreamRunner(ConsumerRebalanceListener):
             self.consumer.pause(*[tp for tp in self.consumer.assignment() if tp.partition in self.owned])
 
     def step(self) -> int:
+        try:
+            return self._step()
+        except LeaseLost as lost:
+            self._lose(lost)
+            return 0
+
+    def _step(self) -> int:
         self._settle_rebalance()
         self._hold_input()
         # While sends await their acks, poll briefly: an idle input must not hold delivered
@@ -459,7 +501,10 @@ class StreamRunner(ConsumerRebalanceListener):
             except BROKER_ERRORS as exc:
                 log.warning("stopping with %d sends unacknowledged (%s); the next start sends them again",
                             self.outbox.in_flight, exc)
-            self.outbox.archive(force=True)
+            try:
+                self.outbox.archive(force=True)
+            except LeaseLost as lost:  # their new owner writes them
+                log.warning("stopping with archive rows of shards moved away unwritten: %s", lost)
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
         """Ready: a turn finished, and progress made with the broker, within ``stale_s``

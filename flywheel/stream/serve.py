@@ -4,7 +4,8 @@
 Start-up, in order: open the ops server (``/livez`` answers 200 from here on, ``/readyz`` and
 ``/health`` 503 until the loop runs), create the topics (waiting for a broker that does not
 answer yet), lock the data_dir, open the state store, claim the shards
-(flywheel/stream/claims.py), run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
+(flywheel/stream/claims.py; with ``stream.database_url`` neither lock nor claims: the shared
+store's leases fence each shard), run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
 (:func:`stop_on_signals`). Every step holds only what the ones before it opened, and is released
 in reverse on any exit, a refused start included. The ops server opens first so that a stage
 waiting for its broker or its shards is seen alive and not ready, never restarted for waiting.
@@ -104,9 +105,7 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
             log.info("%s: stopped before the broker answered", name)
             return  # nothing but the ops server was opened yet
         probes.phase = "opening the state store"
-        held.enter_context(lock_data_dir(settings.data_dir / name, name))
-        store = StateStore(settings.data_dir / name / "state.sqlite3", spec.tables)
-        held.callback(store.close)
+        store = open_store(settings, spec, held)
         stage = spec.rules(store, registry)
         archive_queue_gauge(name, store, registry)
         outbox_gauge(name, store, registry)
@@ -123,16 +122,34 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
         runner = StreamRunner(stage, store, outbox, consumer, spec.inputs,
                               LagGauge(name, registry), spec.max_batch, spec.poll_ms, spec.shards)
         stalled_gauge(name, runner, registry)
-        # nothing is processed before the claims group grants this process its shards
-        claims = ShardClaims(settings.kafka, name, spec.group_id, spec.inputs, store.epoch, tuple(spec.shards))
-        held.callback(claims.close)
-        probes.phase = "waiting for its shards to be granted"
-        if not claims.wait_granted(stop):
-            return  # stopped before the shards were granted: nothing was processed
+        claims = None
+        if not store.shared:  # a shared store's leases fence its shards instead (docs/shared-state.md)
+            # nothing is processed before the claims group grants this process its shards
+            claims = ShardClaims(settings.kafka, name, spec.group_id, spec.inputs, store.epoch, tuple(spec.shards))
+            held.callback(claims.close)
+            probes.phase = "waiting for its shards to be granted"
+            if not claims.wait_granted(stop):
+                return  # stopped before the shards were granted: nothing was processed
         probes.running(runner, claims)
         log.info("%s running: inputs %s, outputs %s, shards %s, state %s", name, spec.inputs,
-                 spec.outputs, list(spec.shards) or "all (consumer group)", settings.data_dir / name)
-        runner.run(stop, claims.check)
+                 spec.outputs, list(spec.shards) or "all (consumer group)", store.where)
+        runner.run(stop, claims.check if claims is not None else None)
+
+
+def open_store(settings: Settings, spec: StageSpec, held: ExitStack) -> StateStore:
+    """The stage's state store, closed on exit: in ``stream.database_url`` when set, shared with
+    the stage's other replicas (no data_dir lock: the leases fence each shard), else
+    ``<data_dir>/<stage>/state.sqlite3``, locked to this process."""
+    from flywheel.stream.sql import namespace
+
+    url = settings.stream.database_url
+    if url:
+        store = StateStore.shared_store(url, namespace(spec.group_id), spec.tables)
+    else:
+        held.enter_context(lock_data_dir(settings.data_dir / spec.name, spec.name))
+        store = StateStore(settings.data_dir / spec.name / "state.sqlite3", spec.tables)
+    held.callback(store.close)
+    return store
 
 
 class StageProbes:
@@ -146,7 +163,7 @@ class StageProbes:
         self._runner: StreamRunner | None = None
         self._claims: ShardClaims | None = None
 
-    def running(self, runner: StreamRunner, claims: ShardClaims) -> None:
+    def running(self, runner: StreamRunner, claims: ShardClaims | None) -> None:
         self._claims, self._runner = claims, runner
 
     def live(self) -> tuple[bool, dict[str, object]]:
@@ -155,10 +172,10 @@ class StageProbes:
         return alive(self._runner.heartbeat, self.settings.hung_s)()
 
     def ready(self) -> tuple[bool, dict[str, object]]:
-        if self._runner is None or self._claims is None:
+        if self._runner is None:
             return False, {"starting": self.phase}
         ok, detail = self._runner.healthy(self.settings.stale_s)
-        return ok, {**detail, "claims": self._claims.state}
+        return ok, {**detail, "claims": self._claims.state if self._claims is not None else "leases"}
 
 
 def until_the_broker_answers(call: Callable[[], None], stop: StopFlag, name: str) -> bool:

@@ -19,17 +19,21 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
+import os
+import socket
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
-from flywheel.settings import SettingsError
+from flywheel.settings import SettingsError, redact_database_url
+from flywheel.stream.sql import PgConnection, is_postgres, sqlite_columns, sqlite_path
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -42,12 +46,30 @@ CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard, seq);
 -- one entry per processed batch (per QUEUE_ENTRY_BYTES of a larger one): its archive rows,
 -- msgpack [[seq, archive, value], ...]. A row per record cost three times as much to insert,
 -- read back and delete.
+-- its shard in a shared store, whose entries are each of one shard: they move with it
 CREATE TABLE IF NOT EXISTS archive_queue (
-    first INTEGER PRIMARY KEY, last INTEGER NOT NULL, rows INTEGER NOT NULL, data BLOB NOT NULL);
+    first INTEGER PRIMARY KEY, last INTEGER NOT NULL, rows INTEGER NOT NULL, data BLOB NOT NULL, shard INTEGER);
 -- the id of each input topic as this store last read it: one deleted and created again under
 -- its name has another, and the offsets kept for the old one point past the new one's records
 CREATE TABLE IF NOT EXISTS topic_ids (topic TEXT PRIMARY KEY, id TEXT NOT NULL);
 """
+
+#: The tables of a shared store (``stream.database_url``) besides those of every store.
+_SHARED_SCHEMA = """
+-- who processes each shard: taken with the next term by the process the group assigned it to;
+-- every transaction of a shard's state checks its term first (StateStore.take)
+CREATE TABLE IF NOT EXISTS leases (shard INTEGER PRIMARY KEY, holder TEXT NOT NULL, term INTEGER NOT NULL);
+-- 'seq': the next outbox sequence number no process has reserved
+CREATE TABLE IF NOT EXISTS counters (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+-- topic_ids per input partition: each replica notes the partitions it reads
+CREATE TABLE IF NOT EXISTS part_ids (topic TEXT NOT NULL, part INTEGER NOT NULL, id TEXT NOT NULL,
+    PRIMARY KEY (topic, part));
+CREATE INDEX IF NOT EXISTS archive_queue_shard ON archive_queue (shard, first);
+"""
+
+#: Outbox sequence numbers a shared store's process reserves at a time, in a statement of its
+#: own: replicas number their rows from disjoint blocks without serialising on a counter.
+SEQ_BLOCK = 10_000
 
 
 #: An archive-queue entry holds at most about this many bytes of values (a batch's rows may take
@@ -83,60 +105,117 @@ class ShardMismatch(SettingsError):
     """A state store started for shards other than those it holds the state of."""
 
 
-class StateStore:
-    """A stage's durable state: SQLite in WAL mode holding offsets, outbox and the stage's tables."""
+class LeaseLost(Exception):
+    """Another process took the lease of ``shards`` (the group gave it their partitions): this
+    one must not write their state any more. Raised inside a transaction, which rolls back."""
 
-    def __init__(self, path: Path, stage_schema: str = "") -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+    def __init__(self, shards: set[int]) -> None:
+        super().__init__(f"the leases of shards {sorted(shards)} were taken by another process")
+        self.shards = shards
+
+
+class StateStore:
+    """A stage's durable state: offsets, outbox, archive queue and the stage's tables.
+
+    ``StateStore(path, tables)``: an SQLite file in WAL mode, all of it this process's.
+    :meth:`shared`: one namespace of a database shared by the stage's replicas, in which this
+    process reads and writes only the shards whose leases it holds (:attr:`leases`).
+    """
+
+    def __init__(self, path: Path | None, stage_schema: str = "", *, url: str = "", ns: str = "") -> None:
+        #: A database shared by the stage's replicas: the shards' leases fence every write.
+        self.shared = bool(url)
+        self.url, self.ns = url, ns
+        self.postgres = is_postgres(url)
+        #: This process, as the leases name their holder.
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        #: shard -> term of each lease this process holds (shared stores only)
+        self.leases: dict[int, int] = {}
         # rows of the open transaction, inserted in one executemany per table just before COMMIT
         self._appends: list[tuple[int, int, str, str | None, bytes]] = []
-        self._queue: list[tuple[int, str, bytes]] = []
+        self._queue: dict[int | None, list[tuple[int, str, bytes]]] = {}
         self._on_rollback: list[Callable[[], None]] = []
         self.owed = 0
         self._owed_change = 0  # of the open transaction
         self.queued = 0
         self._in_txn = False
         self._next_seq = 1  # set from the database below, once the schema exists
-        # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
-        self.db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a committed transaction survives power loss too, not just a process crash.
-        self.db.execute("PRAGMA synchronous=FULL")
-        # Some builds (Debian's among them) default to ON, which rewrites every freed page with
-        # zeros: the outbox frees a batch's pages as soon as Kafka acks it, so that doubled the
-        # cost of each delete. FAST zeroes only what costs no extra I/O.
-        self.db.execute("PRAGMA secure_delete=FAST")
-        self.db.executescript(_SCHEMA + stage_schema)
+        self._block_end: float = math.inf  # a shared store's seqs come in blocks (_reserve)
+        if self.postgres:
+            self.path: Path | None = None
+            self.where = f"{redact_database_url(url)} (schema {ns})"
+            self.db: Any = PgConnection(url, ns)
+            self.db.executescript(_SCHEMA + _SHARED_SCHEMA)
+            self.db.executescript(stage_schema, rowid=True)
+            # block reservations commit on their own, never inside a batch's transaction: one
+            # replica's batch must not hold the counter the others need
+            self._seq_db: Any = PgConnection(url, ns)
+            self._begin, self._for_update = "BEGIN", " FOR UPDATE"
+        else:
+            path = path if path is not None else sqlite_path(url, ns)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.path, self.where = path, str(path)
+            self._begin, self._for_update = "BEGIN IMMEDIATE", ""  # IMMEDIATE: one writer at a time
+            self.db = self._seq_db = self._open_sqlite(path, stage_schema)
         with self.txn():
-            if self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone() is None:
-                self.db.execute("INSERT INTO meta VALUES ('epoch', ?)", (uuid.uuid4().hex[:12],))
+            self.db.execute("INSERT INTO meta VALUES ('epoch', ?) ON CONFLICT (k) DO NOTHING", (uuid.uuid4().hex[:12],))
+            if self.shared:
+                self.db.execute("INSERT INTO counters VALUES ('seq', 1) ON CONFLICT (k) DO NOTHING")
         #: Names this store's archive files (with the rows' sequence numbers) and its shard claims.
         self.epoch: str = self.db.execute("SELECT v FROM meta WHERE k='epoch'").fetchone()[0]
+        #: Rows in the archive queue, and when (monotonic) the oldest of them was queued: a queue
+        #: found at start counts as due at once.
+        self.queued_since: float = float("-inf")
+        if self.shared:  # nothing is this process's until it takes a lease
+            self._next_seq = 0
+            self._block_end = 0
+            return
         # Sequence numbers are given here rather than by SQLite, so an output and its archive
         # row share one; sqlite_sequence still records the highest ever used, so none is reused.
         row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
         self._next_seq = (row[0] if row else 0) + 1
-        #: Rows in the archive queue, and when (monotonic) the oldest of them was queued: a queue
-        #: found at start counts as due at once.
-        self.queued: int = self.db.execute("SELECT coalesce(sum(rows), 0) FROM archive_queue").fetchone()[0]
-        self.queued_since: float = float("-inf")
+        self.queued = self.db.execute("SELECT coalesce(sum(rows), 0) FROM archive_queue").fetchone()[0]
         #: Rows in the outbox, owed to Kafka (kept by the transactions that add and delete them).
-        self.owed: int = self.db.execute("SELECT count(*) FROM outbox").fetchone()[0]
+        self.owed = self.db.execute("SELECT count(*) FROM outbox").fetchone()[0]
+
+    @classmethod
+    def shared_store(cls, url: str, ns: str, stage_schema: str = "") -> StateStore:
+        """Namespace ``ns`` (flywheel/stream/sql.py ``namespace``) of the shared database ``url``."""
+        return cls(None, stage_schema, url=url, ns=ns)
+
+    def _open_sqlite(self, path: Path, stage_schema: str) -> sqlite3.Connection:
+        # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
+        db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
+        db.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed transaction survives power loss too, not just a process crash.
+        db.execute("PRAGMA synchronous=FULL")
+        # Some builds (Debian's among them) default to ON, which rewrites every freed page with
+        # zeros: the outbox frees a batch's pages as soon as Kafka acks it, so that doubled the
+        # cost of each delete. FAST zeroes only what costs no extra I/O.
+        db.execute("PRAGMA secure_delete=FAST")
+        db.executescript(_SCHEMA)
+        if "shard" not in sqlite_columns(db, "archive_queue"):  # a store from before shards moved
+            db.execute("ALTER TABLE archive_queue ADD COLUMN shard INTEGER")
+        db.executescript((_SHARED_SCHEMA if self.shared else "") + stage_schema)
+        return db
 
     @contextmanager
-    def txn(self) -> Iterator[sqlite3.Connection]:
-        self.db.execute("BEGIN IMMEDIATE")
+    def txn(self, fenced: bool = True) -> Iterator[Any]:
+        """One transaction; in a shared store it first checks (``fenced``) that every lease this
+        process holds is still its own, and raises :class:`LeaseLost` for those that are not."""
+        self.db.execute(self._begin)
         self._in_txn = True
-        first_seq = self._next_seq
+        first_seq, block_end = self._next_seq, self._block_end
         try:
+            if fenced and self.leases:
+                self._check_leases()
             yield self.db
             self._write_appends()
         except BaseException:
             self._appends.clear()
             self._queue.clear()
             self._owed_change = 0
-            self._next_seq = first_seq
+            self._next_seq, self._block_end = first_seq, block_end
             self.db.execute("ROLLBACK")
             for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
                 fn()
@@ -148,18 +227,87 @@ class StateStore:
             if self._queue:
                 if not self.queued:
                     self.queued_since = time.monotonic()
-                self.queued += len(self._queue)
+                self.queued += sum(len(rows) for rows in self._queue.values())
                 self._queue.clear()
         finally:
             self._in_txn = False
+
+    # -- leases (shared stores) ------------------------------------------------------------
+    def take(self, shards: Iterable[int]) -> None:
+        """Take the leases of ``shards`` (the group assigned their partitions to this process):
+        each with the next term, so that whoever held it before fails its next transaction.
+
+        On PostgreSQL a transaction of the previous holder in progress holds the lease rows
+        (``FOR UPDATE``): this waits for it, and what it committed is there to read after.
+        """
+        want = sorted(set(shards))
+        if not self.shared or not want:
+            return
+        with self.txn(fenced=False):
+            self.db.executemany("INSERT INTO leases VALUES (?, ?, 1) ON CONFLICT (shard) DO UPDATE "
+                                "SET holder=excluded.holder, term=leases.term+1", [(s, self.holder) for s in want])
+            terms = dict(self.db.execute(f"SELECT shard, term FROM leases WHERE shard IN ({_marks(want)})", want))
+        self.leases.update(terms)
+        # a fresh block: this process's rows of the shards taken follow their previous owner's
+        self._block_end = self._next_seq
+        self._rescope()
+
+    def release(self, shards: Iterable[int]) -> None:
+        """Forget the leases of ``shards`` (revoked, or lost): their next owner takes them."""
+        if self.shared:
+            for shard in shards:
+                self.leases.pop(shard, None)
+            self._rescope()
+
+    def _check_leases(self) -> None:
+        held = sorted(self.leases)
+        rows = self.db.execute(f"SELECT shard, holder, term FROM leases WHERE shard IN ({_marks(held)}) "
+                               f"ORDER BY shard{self._for_update}", held).fetchall()
+        mine = {shard: term for shard, holder, term in rows if holder == self.holder}
+        lost = {shard for shard, term in self.leases.items() if mine.get(shard) != term}
+        if lost:
+            raise LeaseLost(lost)
+
+    def scoped(self, column: str = "shard") -> tuple[str, tuple[int, ...]]:
+        """``(" AND <column> IN (...)", shards)``: the condition that keeps a statement to this
+        process's shards in a shared store; nothing in a store of its own, all of it this process's."""
+        if not self.shared:
+            return "", ()
+        if not self.leases:
+            return " AND 0=1", ()
+        held = tuple(sorted(self.leases))
+        return f" AND {column} IN ({_marks(held)})", held
+
+    def mine(self, shards: Iterable[int]) -> set[int]:
+        """Those of ``shards`` this process may touch: in a shared store, those it holds the lease of."""
+        return set(shards) & self.leases.keys() if self.shared else set(shards)
+
+    def _rescope(self) -> None:
+        """Count what this process owes of its shards now (they changed)."""
+        cond, args = self.scoped()
+        self.owed = self.db.execute(f"SELECT count(*) FROM outbox WHERE 1=1{cond}", args).fetchone()[0]
+        self.queued = int(self.db.execute(f"SELECT coalesce(sum(rows), 0) FROM archive_queue WHERE 1=1{cond}",
+                                          args).fetchone()[0])
+        self.queued_since = float("-inf")  # a previous owner's queue is due at once
+
+    def _reserve(self) -> None:
+        """The next block of SEQ_BLOCK sequence numbers. On PostgreSQL in a statement of its own;
+        on SQLite in the open transaction (it holds the only write lock anyway), whose rollback
+        gives the block back (``txn`` then restores the block it had)."""
+        end = self._seq_db.execute("UPDATE counters SET v = v + ? WHERE k='seq' RETURNING v",
+                                   (SEQ_BLOCK,)).fetchone()[0]
+        self._next_seq, self._block_end = end - SEQ_BLOCK, end
 
     def bind_shards(self, shards: Sequence[int]) -> None:
         """Tie the store to the shards it serves (``()``: all, through the consumer group).
 
         A shard's join state and undelivered outputs live only in the store that processed it.
         A store started for other shards would strand them here, and its new shards would start
-        with no state from wherever the group's offsets point: refused, with the reason.
+        with no state from wherever the group's offsets point: refused, with the reason. (A
+        shared store holds every shard: its leases say whose each is.)
         """
+        if self.shared:
+            return
         want = _shards_label(shards)
         with self.txn():
             row = self.db.execute("SELECT v FROM meta WHERE k='shards'").fetchone()
@@ -180,7 +328,13 @@ class StateStore:
         """Call ``fn`` after a rolled-back transaction (a stage rebuilds its caches there)."""
         self._on_rollback.append(fn)
 
+    def columns(self, table: str) -> set[str]:
+        """The column names of ``table`` (a stage's migrations ask)."""
+        return self.db.columns(table) if self.postgres else sqlite_columns(self.db, table)
+
     def close(self) -> None:
+        if self._seq_db is not self.db:
+            self._seq_db.close()
         self.db.close()
 
     # -- inside a transaction -------------------------------------------------------------
@@ -194,16 +348,25 @@ class StateStore:
         """Owe ``value`` to ``topic`` (and to ``archive`` when named). Call inside :meth:`txn`."""
         assert self._in_txn, "outbox rows must be appended inside the processing transaction"
         seq = self._next_seq
+        if seq >= self._block_end:
+            self._reserve()
+            seq = self._next_seq
         self._next_seq = seq + 1
         self._appends.append((seq, shard, topic, key, value))
         if archive is not None:
-            self._queue.append((seq, archive, value))
+            # a shared store queues each shard's rows apart, to move with it; one of its own, a
+            # batch's rows as one entry
+            self._queue.setdefault(shard if self.shared else None, []).append((seq, archive, value))
 
-    def note_topic_ids(self, ids: dict[str, str]) -> None:
-        """Remember input topics' ids (topic -> id). Call inside :meth:`txn`: in the same
-        transaction as the offsets a recreated topic resets, or a crash between the two would
-        leave the reset undone under an id that no longer tells."""
+    def note_topic_ids(self, ids: dict[Any, str]) -> None:
+        """Remember input topics' ids (as :meth:`changed_ids` gave them). Call inside :meth:`txn`:
+        in the same transaction as the offsets a recreated topic resets, or a crash between the
+        two would leave the reset undone under an id that no longer tells."""
         assert self._in_txn, "topic ids are noted in the transaction that acts on them"
+        if self.shared:
+            self.db.executemany("INSERT INTO part_ids VALUES (?, ?, ?) ON CONFLICT (topic, part) DO UPDATE "
+                                "SET id=excluded.id", [(t, p, i) for (t, p), i in ids.items()])
+            return
         self.db.executemany("INSERT INTO topic_ids VALUES (?, ?) ON CONFLICT (topic) DO UPDATE SET id=excluded.id",
                             list(ids.items()))
 
@@ -214,16 +377,17 @@ class StateStore:
                                 self._appends)
             self._owed_change += len(self._appends)
             self._appends.clear()
-        # and one queue entry per QUEUE_ENTRY_BYTES of values: SQLite stores no blob over 1 GB,
-        # and a transaction closing a backlog of large episodes could pass that
-        start, size = 0, 0
-        for i, row in enumerate(self._queue):
-            size += len(row[2])
-            if size >= QUEUE_ENTRY_BYTES or i == len(self._queue) - 1:
-                entry = self._queue[start:i + 1]
-                self.db.execute("INSERT INTO archive_queue VALUES (?, ?, ?, ?)",
-                                (entry[0][0], entry[-1][0], len(entry), _encode_queue(entry)))
-                start, size = i + 1, 0
+        # and one queue entry per QUEUE_ENTRY_BYTES of values (and shard, in a shared store): SQLite
+        # stores no blob over 1 GB, and a transaction closing a backlog of large episodes could pass that
+        for shard, rows in self._queue.items():
+            start, size = 0, 0
+            for i, row in enumerate(rows):
+                size += len(row[2])
+                if size >= QUEUE_ENTRY_BYTES or i == len(rows) - 1:
+                    entry = rows[start:i + 1]
+                    self.db.execute("INSERT INTO archive_queue (first, last, rows, data, shard) VALUES (?, ?, ?, ?, ?)",
+                                    (entry[0][0], entry[-1][0], len(entry), _encode_queue(entry), shard))
+                    start, size = i + 1, 0
 
     # -- reads and bookkeeping ------------------------------------------------------------
     def offsets(self) -> dict[tuple[str, int], int]:
@@ -238,7 +402,9 @@ class StateStore:
         # the merge reads about ``limit`` rows in all, not ``limit`` per shard.
         cursors = [self.db.execute("SELECT seq, shard, topic, key, value FROM outbox "
                                    "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit))
-                   for shard in sorted(set(shards))]
+                   for shard in sorted(self.mine(shards))]
+        if not cursors:
+            return []
         try:
             rows = cursors[0].fetchall() if len(cursors) == 1 else list(itertools.islice(heapq.merge(*cursors), limit))
         finally:
@@ -247,19 +413,24 @@ class StateStore:
         return [OutRow(s, sh, t, k, bytes(v)) for s, sh, t, k, v in rows]
 
     def delivered(self, seqs: Iterable[int]) -> None:
-        """Delete rows Kafka acked."""
-        with self.txn():
+        """Delete rows Kafka acked (not fenced: a row delivered may go, whoever's it is now)."""
+        seqs = set(seqs)
+        with self.txn(fenced=False):
             # acks come back mostly in seq order: one range delete per run of consecutive seqs
             # costs about half of a delete per row
-            self._owed_change -= self.db.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?",
-                                                     seq_runs(seqs)).rowcount
+            gone = self.db.executemany("DELETE FROM outbox WHERE seq BETWEEN ? AND ?", seq_runs(seqs)).rowcount
+            self._owed_change -= gone
+        if self.shared and gone != len(seqs):
+            # another process deleted some (a previous owner whose acks came late): count again
+            self._rescope()
 
     def queued_batches(self, rows: int) -> list[tuple[int, list[ArchiveRow]]]:
         """The oldest queued batches, whole, until they hold at least ``rows`` rows or
         ``ARCHIVE_WRITE_BYTES`` bytes (or all of them): ``(first seq, its rows in seq order)`` each."""
         out: list[tuple[int, list[ArchiveRow]]] = []
         total = size = 0
-        cursor = self.db.execute("SELECT first, rows, data FROM archive_queue ORDER BY first")
+        cond, args = self.scoped()
+        cursor = self.db.execute(f"SELECT first, rows, data FROM archive_queue WHERE 1=1{cond} ORDER BY first", args)
         try:
             for first, n, data in cursor:
                 out.append((first, [ArchiveRow(*r) for r in _decode_queue(data)]))
@@ -273,20 +444,31 @@ class StateStore:
 
     def queued_span(self) -> tuple[int, int] | None:
         """The lowest and highest seq in the archive queue; None when it is empty."""
-        lo, hi = self.db.execute("SELECT min(first), max(last) FROM archive_queue").fetchone()
+        cond, args = self.scoped()
+        lo, hi = self.db.execute(f"SELECT min(first), max(last) FROM archive_queue WHERE 1=1{cond}", args).fetchone()
         return None if lo is None else (lo, hi)
 
     def archived(self, firsts: Iterable[int]) -> None:
         """Take whole batches (by first seq) out of the archive queue: their rows are in files."""
         keys = [(first,) for first in firsts]
         with self.txn():
-            gone = sum(self.db.execute("SELECT rows FROM archive_queue WHERE first=?", k).fetchone()[0] for k in keys)
+            gone = 0
+            for k in keys:
+                row = self.db.execute("SELECT rows FROM archive_queue WHERE first=?", k).fetchone()
+                gone += row[0] if row is not None else 0
             self.db.executemany("DELETE FROM archive_queue WHERE first=?", keys)
         self.queued -= gone
 
-    def changed_ids(self, ids: dict[str, str]) -> tuple[dict[str, str], set[str]]:
+    def changed_ids(self, ids: dict[str, str],
+                    parts: Iterable[tuple[str, int]] = ()) -> tuple[dict[Any, str], set[str]]:
         """Of topics' ids now (topic -> id): those this store has not noted yet, and the topics
-        among them it knew under another id (deleted and created again since)."""
+        among them it knew under another id (deleted and created again since). A shared store
+        notes them per partition (``parts``: the ones being assigned), each replica its own."""
+        if self.shared:
+            parts = sorted(set(parts))
+            known = {(t, p): i for t, p, i in self.db.execute("SELECT topic, part, id FROM part_ids")}
+            changed_parts = {(t, p): ids[t] for t, p in parts if t in ids and known.get((t, p)) != ids[t]}
+            return changed_parts, {t for t, p in changed_parts if (t, p) in known}
         known = dict(self.db.execute("SELECT topic, id FROM topic_ids"))
         changed = {t: i for t, i in ids.items() if known.get(t) != i}
         return changed, {t for t in changed if t in known}
@@ -314,3 +496,25 @@ def seq_runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
 
 def _shards_label(shards: Sequence[int]) -> str:
     return ",".join(map(str, sorted(shards))) or "all (consumer group)"
+
+
+def owed_in(url: str, group_id: str, shards: Iterable[int]) -> int:
+    """Outbox rows of ``shards`` in the shared store of consumer group ``group_id`` at ``url``:
+    what their next owner sends (again, where a dead owner's sends had landed). For operators and
+    tests; reads beside the running replicas."""
+    from flywheel.stream.sql import namespace
+
+    ns, want = namespace(group_id), sorted(set(shards))
+    if not want:
+        return 0
+    if not is_postgres(url) and not sqlite_path(url, ns).exists():
+        return 0  # no replica made it yet: none owes anything
+    db: Any = PgConnection(url, ns) if is_postgres(url) else sqlite3.connect(str(sqlite_path(url, ns)), timeout=30.0)
+    try:
+        return db.execute(f"SELECT count(*) FROM outbox WHERE shard IN ({_marks(want)})", want).fetchone()[0]
+    finally:
+        db.close()
+
+
+def _marks(items: Sequence[Any]) -> str:
+    return ",".join("?" * len(items))

@@ -1,0 +1,127 @@
+"""One SQL text for a stage's state on SQLite and on PostgreSQL (``stream.database_url``).
+
+The stages write their SQL for SQLite (``?`` parameters, ``BLOB``/``REAL``/``INTEGER``, the
+implicit ``rowid``, two-argument ``MIN``). :class:`PgConnection` runs that same text on
+PostgreSQL with the sqlite3 calls the stages use (``execute``, ``executemany``,
+``executescript``, cursors that iterate and ``fetchone``), translating each statement once:
+
+- ``?`` becomes ``%s``; ``MIN(a, b)`` becomes ``LEAST(a, b)``;
+- in DDL, ``BLOB`` is ``BYTEA``, ``REAL`` is ``DOUBLE PRECISION``, ``INTEGER`` is ``BIGINT`` and
+  ``AUTOINCREMENT`` goes (sequence numbers are given by the store, never by the database); every
+  table a stage declares gets a ``rowid BIGSERIAL`` column last, so that ``ORDER BY rowid`` and
+  ``rowid>?`` mean what they mean on SQLite (insertion order), and positional inserts, which
+  give the declared columns only, leave it to its default.
+
+Each stage's consumer group has a PostgreSQL schema of its own (:func:`namespace`, set as the
+connection's ``search_path``), so one database holds every stage of several deployments; on
+SQLite (replicas on one host) each has a file of its own beside the one the URL names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+_TYPES = [(re.compile(r"\bBLOB\b"), "BYTEA"), (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
+          (re.compile(r"\bINTEGER\b"), "BIGINT"), (re.compile(r"\s*\bAUTOINCREMENT\b"), "")]
+#: ``MIN(x, y)``, SQLite's two-argument scalar min (the aggregate takes one argument)
+_MIN2 = re.compile(r"\bMIN\(([^,()]+),")
+
+
+def is_postgres(url: str) -> bool:
+    return url.startswith(("postgresql://", "postgres://"))
+
+
+def namespace(group_id: str) -> str:
+    """The schema (PostgreSQL) or file (SQLite) of a stage's state in a shared database: one per
+    consumer group (each stage has its own, ``ingest.group_id`` and ``reward.group_id``), a valid
+    identifier of at most 63 characters."""
+    name = re.sub(r"[^a-z0-9_]", "_", group_id.lower())
+    if len(name) > 63 or not name[:1].isalpha():
+        name = f"g{name[:50]}_{hashlib.sha256(group_id.encode()).hexdigest()[:10]}"
+    return name
+
+
+def sqlite_path(url: str, ns: str) -> Path:
+    """The SQLite file of namespace ``ns`` for ``sqlite:///<dir>/<name>.sqlite3``:
+    ``<dir>/<name>.<ns>.sqlite3``, so that one URL serves every stage."""
+    named = Path(url.removeprefix("sqlite:///"))
+    return named.with_name(f"{named.stem}.{ns}{named.suffix or '.sqlite3'}")
+
+
+def translate(sql: str) -> str:
+    """A statement written for SQLite, for PostgreSQL (see the module docstring)."""
+    return _MIN2.sub(r"LEAST(\1,", sql.replace("?", "%s"))
+
+
+def translate_ddl(script: str, rowid: bool) -> list[str]:
+    """A schema script's statements for PostgreSQL; ``rowid``: give each table a ``rowid`` column."""
+    lines = [line.split("--", 1)[0] for line in script.splitlines()]
+    out = []
+    for stmt in filter(str.strip, "\n".join(lines).split(";")):
+        for pattern, repl in _TYPES:
+            stmt = pattern.sub(repl, stmt)
+        if rowid and stmt.lstrip().upper().startswith("CREATE TABLE"):
+            stmt = stmt[:stmt.rindex(")")] + ", rowid BIGSERIAL)"
+        out.append(stmt.strip())
+    return out
+
+
+class PgConnection:
+    """A PostgreSQL connection with the sqlite3 calls the stages make (autocommit; a transaction
+    is opened with ``BEGIN``, as on SQLite), inside schema ``ns``."""
+
+    def __init__(self, url: str, ns: str) -> None:
+        import psycopg  # only a deployment on PostgreSQL needs it
+
+        self.url, self.ns = url, ns
+        self.conn: Any = psycopg.connect(url, autocommit=True)
+        self._sql: dict[str, str] = {}
+        # several replicas start at once: CREATE ... IF NOT EXISTS is not safe against a
+        # concurrent twin (a unique violation in the catalog), so the schema is made under a lock
+        self.conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (ns,))
+        try:
+            self.conn.execute(f'CREATE SCHEMA IF NOT EXISTS "{ns}"')
+        finally:
+            self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (ns,))
+        self.conn.execute(f'SET search_path TO "{ns}"')
+
+    def _t(self, sql: str) -> str:
+        pg = self._sql.get(sql)
+        if pg is None:
+            pg = self._sql[sql] = translate(sql)
+        return pg
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
+        params = tuple(params)
+        return self.conn.execute(self._t(sql), params or None)
+
+    def executemany(self, sql: str, rows: Iterable[Iterable[Any]]) -> Any:
+        cursor = self.conn.cursor()
+        rows = list(rows)
+        if rows:
+            cursor.executemany(self._t(sql), rows)
+        return cursor
+
+    def executescript(self, script: str, rowid: bool = False) -> None:
+        self.conn.execute("SELECT pg_advisory_lock(hashtext(%s))", (self.ns,))
+        try:
+            for stmt in translate_ddl(script, rowid):
+                self.conn.execute(stmt)
+        finally:
+            self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (self.ns,))
+
+    def columns(self, table: str) -> set[str]:
+        return {r[0] for r in self.conn.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_schema=%s AND table_name=%s",
+            (self.ns, table))}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def sqlite_columns(db: Any, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
