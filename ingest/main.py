@@ -5,7 +5,8 @@ Consumes ``<prefix>generations`` and ``<prefix>feedback`` in the consumer group
 emits one episode per generation to ``<prefix>episodes``, archives episodes to Parquet under
 ``<data_dir>/archive/episodes`` and dead-letters every unusable record to ``<prefix>deadletter``.
 It runs on the stream runtime (flywheel/stream/, docs/exactly-once.md): state and offsets live
-in ``<data_dir>/ingest/state.sqlite3``. With ``ingest.shards`` set it owns those input
+in ``<data_dir>/ingest/state.sqlite3``, or with ``stream.database_url`` in a database shared by
+any number of replicas in the group (docs/shared-state.md). With ``ingest.shards`` set it owns those input
 partitions outright instead of joining the group: one of several processes of the stage, each
 with a data_dir of its own (docs/exactly-once.md, Scaling out). ``/metrics`` and ``/health`` on
 ``ingest.host:ingest.port``. SIGTERM or Ctrl-C stops it cleanly; ``kill -9`` is safe too.

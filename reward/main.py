@@ -5,7 +5,9 @@ Consumes ``<prefix>episodes`` in the consumer group ``reward.group_id``, labels 
 the configured labelers (reward/labelers.py) behind the guards (reward/guards.py), emits one
 reward per episode with a user signal to ``<prefix>rewards`` and archives it to Parquet under
 ``<data_dir>/archive/rewards``. It runs on the stream runtime (flywheel/stream/,
-docs/exactly-once.md): state and offsets live in ``<data_dir>/reward/state.sqlite3``.
+docs/exactly-once.md): state and offsets live in ``<data_dir>/reward/state.sqlite3``, or with
+``stream.database_url`` in a database shared by any number of replicas in the group
+(docs/shared-state.md).
 With ``reward.shards`` set it owns those input partitions outright instead of joining the
 group: one of several processes of the stage, each with a data_dir of its own
 (docs/exactly-once.md, Scaling out). ``/metrics`` and ``/health`` on ``reward.host:reward.port``.

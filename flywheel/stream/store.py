@@ -511,6 +511,8 @@ def owed_in(url: str, group_id: str, shards: Iterable[int]) -> int:
         return 0  # no replica made it yet: none owes anything
     db: Any = PgConnection(url, ns) if is_postgres(url) else sqlite3.connect(str(sqlite_path(url, ns)), timeout=30.0)
     try:
+        if is_postgres(url) and not db.columns("outbox"):
+            return 0  # no replica made it yet
         return db.execute(f"SELECT count(*) FROM outbox WHERE shard IN ({_marks(want)})", want).fetchone()[0]
     finally:
         db.close()
