@@ -80,12 +80,16 @@ INPUT_TOPICS = {"generations": "ingest", "feedback": "ingest", "episodes": "rewa
 KIND_OF_TOPIC = {"generations": "generation", "feedback": "feedback", "episodes": "episode", "rewards": "reward",
                  "checkpoints": "checkpoint", "serving_status": "serving_status", "releases": "release"}
 #: No fault in the first LEAD_S of traffic (the loop's first turns), none in the last TAIL_S (what
-#: it broke is recovered from before the users stop); a serving kill not in the last quarter.
+#: it broke is recovered from before the users stop). Serving is killed only between these shares
+#: of the run: before, the loop has had traffic to learn from (a restart with the users unanswered
+#: took 108 s on two cores at load 10, 315 s at load 28: a kill early in a 5-minute run left no
+#: traffic to promote a version on); after, it has time to come back before the users stop.
 LEAD_S, TAIL_S = 15.0, 30.0
+SERVE_KILLS_BETWEEN = (0.5, 0.8)
 #: Seconds within which every process of a killed instance must be gone from the process table.
 ORPHAN_WAIT_S = 10.0
-#: Longest wait for a killed role to answer /readyz again.
-RECOVERY_WAIT_S = 300.0
+#: Longest wait for a killed role to answer /readyz again (serving took 315 s on a loaded machine).
+RECOVERY_WAIT_S = 600.0
 
 
 def _say(msg: str) -> None:
@@ -110,8 +114,10 @@ def plan(duration_s: float, seed: int) -> list[Fault]:
     counts.update({f"malformed:{t}": rounds for t in INPUT_TOPICS})
     faults = []
     for kind, n in counts.items():
-        end = duration_s * 0.75 if kind == "kill:serve" else duration_s - TAIL_S
-        start = min(LEAD_S, end)
+        start, end = LEAD_S, duration_s - TAIL_S
+        if kind == "kill:serve":
+            start, end = (duration_s * share for share in SERVE_KILLS_BETWEEN)
+        start = min(start, end)
         width = (end - start) / n
         for i in range(n):
             seconds = rng.uniform(5, 30) if kind == "broker_stop" else rng.uniform(10, 30) \
@@ -608,14 +614,90 @@ def last_promoted(store: Any) -> int | None:
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from flywheel.checkpoints.store import CheckpointStore, store_root
+@dataclass
+class Facts:
+    """What the run read from the loop while it still ran (its topics live in the broker's memory)."""
+
+    started: float
+    ended: float
+    rows: list[dict[str, Any]]
+    judged: list[str]
+    recs: Records
+    served: dict[int, float]
+    store_rev: dict[str, Any] | None
+    topic_rev: dict[str, Any] | None
+    routed: dict[int, float]
+    announced: dict[int, str]
+
+
+def exercise(loop: Loop, inj: Injector, faults: list[Fault], settings: Any, args: argparse.Namespace) -> Facts:
+    """Start the loop, run the users with the faults, settle, and read the topics."""
     from flywheel.contracts import Topics
+    from local.simulate import Config, Simulator
+    from release.store import ReleaseStore, database_url
+
+    t_start = time.monotonic()
+    loop.start(args.start_timeout)
+    _say(f"serving ready after {time.monotonic() - t_start:.0f} s; {args.duration:.0f} s of users at {args.rate:g}/s")
+    kafka = settings.kafka.model_copy(update={"bootstrap": loop.status()["broker"]["bootstrap"]})
+    topics = Topics(settings.topic_prefix)
+    sim = Simulator(Config(url=loop.url("serve"), key=loop.key, duration_s=args.duration, rate=args.rate,
+                           users=args.users, seed=args.seed))
+    users = threading.Thread(target=sim.run, daemon=True)
+    started = time.time()
+    users.start()
+    for f in faults:
+        time.sleep(max(0.0, started + f.at - time.time()))
+        inj.start(f, started)
+    users.join()
+    ended = time.time()
+    inj.finish()
+    rows = [asdict(r) for r in sim.rows]
+    (loop.root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    judged = judged_ids(rows)
+    _say(f"traffic over: {len(rows)} requests, {len(judged)} judged; settling (at most {args.settle:.0f} s)")
+    recs = settle(kafka, topics, judged, args.settle)
+    store = ReleaseStore(database_url(settings.release.database_url, loop.root))
+    try:
+        store_rev, topic_rev, routed, announced = routing_facts(kafka, topics, store)
+    finally:
+        store.close()
+    return Facts(started, ended, rows, judged, recs, served_versions(kafka, topics, rows), store_rev, topic_rev,
+                 routed, announced)
+
+
+def verdict(facts: Facts, settings: Any, inj: Injector,
+            faults: list[Fault]) -> tuple[list[judge.Invariant], dict[str, Any]]:
+    """Every invariant, from the facts read while the loop ran and what it left once stopped; and
+    the numbers behind them (accounting counts, accept rate by version, the last promoted)."""
+    from flywheel.checkpoints.store import CheckpointStore, store_root
+    from local.simulate import Row, summarise
+    from release.store import ReleaseStore, database_url
+
+    procs_at_end = [asdict(p) for p in inj.seen if alive(p)]
+    ckpts = CheckpointStore(store_root(settings))
+    store = ReleaseStore(database_url(settings.release.database_url, inj.loop.root))
+    try:
+        checks = check_versions(facts.served, facts.routed, facts.announced, store, ckpts)
+        promoted = last_promoted(store)
+    finally:
+        store.close()
+    accept = summarise([Row(**r) for r in facts.rows])["versions"]
+    lost, double, counts = judge.judged_accounted(facts.judged, facts.recs.rewards, facts.recs.dead)
+    orphaned = [p for f in faults for p in f.outcome.get("left_running", [])] + \
+               [{**p, "at": "after flywheel up stopped"} for p in procs_at_end]
+    invariants = [lost, double, judge.double_trained(ledgers(ckpts)), judge.unverified(checks),
+                  judge.routing_agrees(facts.store_rev, facts.topic_rev), judge.unanswered(facts.rows, inj.restarts),
+                  judge.orphans(orphaned), judge.malformed_dead_lettered(inj.injected, facts.recs.dead_keys),
+                  judge.still_learns(accept, promoted)]
+    return invariants, {"counts": counts, "accept_rate": {str(k): v for k, v in accept.items()},
+                        "last_promoted": promoted}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     from flywheel.kafka.patches import install_client_patches
     from flywheel.settings import load_settings
     from local.demo import ensure_model
-    from local.simulate import Config, Simulator, summarise
-    from release.store import ReleaseStore, database_url
 
     install_client_patches()
     if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
@@ -624,63 +706,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or ensure_model(root / "model")
     pg = pg_schema(args.pg_url) if args.pg_url else None
-    loop = Loop(root, model_dir, pg[0] if pg else None)
-    settings = load_settings(env=loop.env, config_file=loop.config)
-    topics = Topics(settings.topic_prefix)
-    faults = plan(args.duration, args.seed)
-    _say(f"{len(faults)} faults over {args.duration:.0f} s (seed {args.seed}); data in {root}; release store "
-         f"{'PostgreSQL schema ' + pg[1] if pg else 'SQLite'}")
-    inj = Injector(loop, settings, random.Random(args.seed + 1))
-    t_start = time.monotonic()
     try:
-        loop.start(args.start_timeout)
-        _say(f"serving ready after {time.monotonic() - t_start:.0f} s; {args.duration:.0f} s of users at "
-             f"{args.rate:g}/s")
-        kafka = settings.kafka.model_copy(update={"bootstrap": loop.status()["broker"]["bootstrap"]})
-        sim = Simulator(Config(url=loop.url("serve"), key=loop.key, duration_s=args.duration, rate=args.rate,
-                               users=args.users, seed=args.seed))
-        users = threading.Thread(target=sim.run, daemon=True)
-        started = time.time()
-        users.start()
-        for f in faults:
-            time.sleep(max(0.0, started + f.at - time.time()))
-            inj.start(f, started)
-        users.join()
-        ended = time.time()
-        inj.finish()
-        rows = [asdict(r) for r in sim.rows]
-        (root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        judged = judged_ids(rows)
-        _say(f"traffic over: {len(rows)} requests, {len(judged)} judged; settling (at most {args.settle:.0f} s)")
-        recs = settle(kafka, topics, judged, args.settle)
-        store = ReleaseStore(database_url(settings.release.database_url, root))
-        served = served_versions(kafka, topics, rows)
-        store_rev, topic_rev, routed, announced = routing_facts(kafka, topics, store)
+        loop = Loop(root, model_dir, pg[0] if pg else None)
+        settings = load_settings(env=loop.env, config_file=loop.config)
+        faults = plan(args.duration, args.seed)
+        _say(f"{len(faults)} faults over {args.duration:.0f} s (seed {args.seed}); data in {root}; release store "
+             f"{'PostgreSQL schema ' + pg[1] if pg else 'SQLite'}")
+        inj = Injector(loop, settings, random.Random(args.seed + 1))
+        try:
+            facts = exercise(loop, inj, faults, settings, args)
+        finally:
+            inj.finish()
+            loop.stop()
+        invariants, numbers = verdict(facts, settings, inj, faults)
     finally:
-        inj.finish()
-        loop.stop()
-    procs_at_end = [asdict(p) for p in inj.seen if alive(p)]
-    ckpts = CheckpointStore(store_root(settings))
-    checks = check_versions(served, routed, announced, store, ckpts)
-    promoted = last_promoted(store)
-    store.close()
-    if pg:
-        drop_schema(args.pg_url, pg[1])
-    accept = summarise(sim.rows)["versions"]
-    lost, double, counts = judge.judged_accounted(judged, recs.rewards, recs.dead)
-    orphaned = [p for f in faults for p in f.outcome.get("left_running", [])] + \
-               [{**p, "at": "after flywheel up stopped"} for p in procs_at_end]
-    invariants = [lost, double, judge.double_trained(ledgers(ckpts)), judge.unverified(checks),
-                  judge.routing_agrees(store_rev, topic_rev), judge.unanswered(rows, inj.restarts),
-                  judge.orphans(orphaned), judge.malformed_dead_lettered(inj.injected, recs.dead_keys),
-                  judge.still_learns(accept, promoted)]
+        if pg:
+            drop_schema(args.pg_url, pg[1])
     return {"duration_s": args.duration, "seed": args.seed, "rate": args.rate, "data_dir": str(root),
-            "release_store": "postgresql" if pg else "sqlite", "traffic": [started, ended],
-            "faults": [asdict(f) for f in faults], "counts": counts, "served": {str(k): v for k, v in served.items()},
-            "accept_rate": {str(k): v for k, v in accept.items()}, "last_promoted": promoted,
+            "release_store": "postgresql" if pg else "sqlite", "traffic": [facts.started, facts.ended],
+            "faults": [asdict(f) for f in faults], **numbers, "served": {str(k): v for k, v in facts.served.items()},
             "recovery": recovery(faults), "reaped_by_up": reaped_by_up(root / "up.log", faults),
-            "invariants": [asdict(i) for i in invariants],
-            "ok": all(i.held for i in invariants)}
+            "invariants": [asdict(i) for i in invariants], "ok": all(i.held for i in invariants)}
 
 
 def reaped_by_up(up_log: Path, faults: list[Fault]) -> list[dict[str, Any]]:
