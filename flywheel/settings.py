@@ -240,6 +240,21 @@ class ServeSettings(_Section):
     """vLLM engines serving runs (``FLYWHEEL_SERVE_ENGINES``): 2 serves a canary beside stable
     and loads a new version into the idle engine without pausing anyone; 1 halves the memory,
     follows stable releases by reloading in place, and refuses releases that name a canary."""
+    lora: Literal["auto", "on", "off"] = "auto"
+    """Serve LoRA adapter versions (docs/serving-releases.md, "Adapter versions"): ``on`` runs ONE
+    engine of ``model_dir`` with vLLM's LoRA support, where stable and canary are adapters chosen
+    per request and a swap adds and removes an adapter (no second engine, no weight reload);
+    ``engines`` is then not used, and a full-weight version other than ``model_dir`` is refused
+    (``needs_full_engines``). ``off``: ``engines`` full-weight engines, an adapter version is refused
+    (``needs_lora_engine``). ``auto``: ``on`` when ``trainer.lora_rank`` is above 0."""
+    max_loras: int = Field(default=3, ge=1, le=64)
+    """Adapters one batch may mix (vLLM's ``max_loras``, also its cache of loaded adapters): stable,
+    canary, and the adapter a swap replaced while its last requests finish. Below 3 a swap makes the
+    new adapter's first requests wait for the old one's last."""
+    max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """Largest adapter rank served (vLLM's ``max_lora_rank``; these are the values it takes). It
+    sizes the engine's adapter buffers; an adapter of a higher rank is refused
+    (``lora_rank_too_high``): keep it at or above ``trainer.lora_rank``."""
     follow_releases: bool = True
     """Follow ``release.deployment``'s routing on the releases topic (docs/serving-releases.md);
     false serves the model directory only."""

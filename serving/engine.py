@@ -109,11 +109,19 @@ def configure_vllm_env(serve: ServeSettings) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def engine_args(serve: ServeSettings, model_dir: Path) -> Any:
-    """vLLM's engine arguments for ``model_dir`` under ``serve`` (call :func:`configure_vllm_env` first)."""
+def engine_args(serve: ServeSettings, model_dir: Path, lora: bool = False) -> Any:
+    """vLLM's engine arguments for ``model_dir`` under ``serve`` (call :func:`configure_vllm_env` first);
+    ``lora``: the one engine that serves adapter versions on its weights (serving/adapters.py)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    lora_args: dict[str, Any] = {}
+    if lora:
+        # max_cpu_loras (vLLM's cache of loaded adapters) defaults to max_loras: an adapter added
+        # beyond it evicts the least recently used one, which a request still running on it would
+        # load again from a directory serving may have pruned
+        lora_args = {"enable_lora": True, "max_loras": serve.max_loras, "max_lora_rank": serve.max_lora_rank}
     return AsyncEngineArgs(
+        **lora_args,
         model=str(model_dir),
         dtype=serve.dtype,
         max_model_len=serve.max_model_len,
@@ -121,7 +129,7 @@ def engine_args(serve: ServeSettings, model_dir: Path) -> Any:
         enforce_eager=serve.enforce_eager,
         # the share of the GPU this process may take, split between its engines (stable and
         # canary): each engine reserves its part at start
-        gpu_memory_utilization=serve.gpu_memory_utilization / serve.engines,
+        gpu_memory_utilization=serve.gpu_memory_utilization / (1 if lora else serve.engines),
         logprobs_mode="processed_logprobs",
         # vLLM's periodic log line stays off; its statistics reach /metrics through the stat
         # logger VllmEngine passes (serving/engine_stats.py), which turns their collection on
@@ -182,7 +190,7 @@ class VllmEngine:
     handler to the running loop on first use).
     """
 
-    def __init__(self, serve: ServeSettings, model_dir: Path) -> None:
+    def __init__(self, serve: ServeSettings, model_dir: Path, lora: bool = False) -> None:
         configure_vllm_env(serve)
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -195,7 +203,7 @@ class VllmEngine:
         #: vLLM's statistics of this engine by version, or None with ``serve.engine_stats`` off
         self.stats = EngineStats(lambda: self.model_version) if serve.engine_stats else None
         loggers = [stat_logger(self.stats)] if self.stats is not None else None
-        self._llm = AsyncLLM.from_engine_args(engine_args(serve, model_dir), stat_loggers=loggers)
+        self._llm = AsyncLLM.from_engine_args(engine_args(serve, model_dir, lora), stat_loggers=loggers)
         self.max_model_len = int(self._llm.model_config.max_model_len)
         self._version_labelled = False
 
@@ -224,17 +232,19 @@ class VllmEngine:
             await self._llm.resume_generation()
         return time.perf_counter() - t0
 
-    async def stream(self, req: GenRequest, request_id: str) -> AsyncIterator[Delta]:
+    async def stream(self, req: GenRequest, request_id: str, lora: Any = None) -> AsyncIterator[Delta]:
+        """``lora``: the ``LoRARequest`` of the adapter to run with (an engine started with ``lora``)."""
         await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
-        async for out in self._llm.generate(prompt, vllm_params(req), request_id):
+        async for out in self._llm.generate(prompt, vllm_params(req), request_id, lora_request=lora):
             yield _delta(out, req.top_logprobs)
 
-    async def complete(self, req: GenRequest, request_id: str) -> Delta:
+    async def complete(self, req: GenRequest, request_id: str, lora: Any = None) -> Delta:
         await self._label()
         prompt = {"prompt_token_ids": list(req.prompt_token_ids)}
         last = None
-        async for out in self._llm.generate(prompt, vllm_params(req, final_only=True), request_id):
+        async for out in self._llm.generate(prompt, vllm_params(req, final_only=True), request_id,
+                                            lora_request=lora):
             last = out
         if last is None:
             raise RuntimeError(f"engine returned nothing for {request_id}")
@@ -243,6 +253,15 @@ class VllmEngine:
             return delta
         text = self.tokenizer.decode(delta.token_ids, skip_special_tokens=True)
         return replace(delta, text=text)
+
+    async def add_adapter(self, lora: Any) -> None:
+        """Load the adapter of ``lora`` (a ``LoRARequest``) into the running engine; requests that
+        name it from then on run with it. Nothing running pauses."""
+        if not await self._llm.add_lora(lora):
+            raise RuntimeError(f"vLLM did not load adapter {lora.lora_name} ({lora.lora_path})")
+
+    async def remove_adapter(self, lora_id: int) -> None:
+        await self._llm.remove_lora(lora_id)
 
     def healthy(self) -> bool:
         return self._llm is not None and not self._llm.errored

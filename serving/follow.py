@@ -50,7 +50,8 @@ from typing import Any
 from kafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from flywheel.checkpoints import CheckpointStore
+from flywheel.adapters import adapter_in
+from flywheel.checkpoints import CheckpointStore, ManifestError, verify_base
 from flywheel.checkpoints.fetch import (
     REFUSAL_REASONS,
     StoreUnreachable,
@@ -58,6 +59,7 @@ from flywheel.checkpoints.fetch import (
     fetch_version,
     prune_cache,
 )
+from flywheel.checkpoints.manifest import MANIFEST_NAME, Adapter, sha256_file
 from flywheel.contracts import (
     ContractError,
     ReleaseEvent,
@@ -73,15 +75,17 @@ from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, SignatureRefused, Verifier
 from flywheel.stream.deadletters import DeadLetters
+from serving.adapters import LORA_REFUSALS, Refusal, judge_version, lora_on
 from serving.routing import Want, canary_unservable
 from serving.versions import Fleet
 
 log = logging.getLogger(__name__)
 
 #: Refusal reasons besides the checkpoint fetch's own: the engines failed to load verified
-#: weights, a canary was asked of a deployment with one engine, or the fetch raised an error that
-#: names no known cause (``http://:99999/x`` makes the HTTP client raise ValueError).
-SERVING_REFUSALS = ("load_failed", "no_canary_engine", "fetch_failed")
+#: weights, a canary was asked of a deployment with one engine, the fetch raised an error that
+#: names no known cause (``http://:99999/x`` makes the HTTP client raise ValueError), or a version
+#: is of a kind (adapter, full weights, another base) these engines cannot serve (serving/adapters.py).
+SERVING_REFUSALS = ("load_failed", "no_canary_engine", "fetch_failed", *LORA_REFUSALS)
 #: The dead-letter reason of a refused release; its detail reads "version V <reason>: <why>".
 VERSION_REFUSED = "version_refused"
 OUTCOMES = ("applied", "repeat", "older", "other_deployment", "invalid", "unverified", "refused")
@@ -118,6 +122,11 @@ class ReleaseFollower:
         #: Names this process in its status records: a pod's host name, and the pid beside it.
         self.instance = f"{socket.gethostname()}:{os.getpid()}"
         self.cache = CheckpointStore(Path(settings.data_dir) / "serving" / "versions")
+        #: One engine of model_dir serving adapter versions (serve.lora), or full-weight engines.
+        self.lora = lora_on(settings)
+        #: Bases whose every file was checked against an adapter's record, by manifest hash: the
+        #: engine holds the base it loaded at start, so one full check per base is enough.
+        self._bases_verified: set[str] = set()
         self.state_file = Path(settings.data_dir) / "serving" / "release.json"
         self.metrics = FollowerMetrics(registry)
         # only the release controller's key may say what serving runs (flywheel/signing.py)
@@ -289,9 +298,13 @@ class ReleaseFollower:
             if step.load is None or step.load[1] in dirs:
                 continue
             version = step.load[1]
+            if not self._admit(ev, rec, version, None):  # the release's word, before any byte moves
+                return "refused"
             got = self._fetch(ev, rec, version, deadline, seconds)
             if not isinstance(got, Path):
                 return got
+            if not self._admit(ev, rec, version, got):  # the verified manifest's word
+                return "refused"
             dirs[version] = got
         t_fetched = time.perf_counter()
         try:
@@ -311,7 +324,7 @@ class ReleaseFollower:
         if not restoring:
             self._save(ev)
         self._report(ev, "applied")
-        prune_cache(self.cache, {s.version for s in self.fleet.slots})
+        prune_cache(self.cache, self.fleet.resident_versions())
         log.info("release %d applied: %s (%s)", ev.revision, self.fleet.served_versions(), ev.reason or "no reason given")
         return "applied"
 
@@ -351,6 +364,39 @@ class ReleaseFollower:
             if (self.last_error or "").startswith("checkpoint store"):
                 self.last_error = None  # the store answers again
             return fetched.path
+
+    def _admit(self, ev: ReleaseEvent, rec: Any, version: int, fetched: Path | None) -> bool:
+        """Whether these engines can serve ``version``: an adapter on this serving's own base on the
+        adapter engine, full weights on full-weight engines (serving/adapters.py). Judged from the
+        release's ``base`` before the fetch, and from the verified manifest after it (None: not
+        fetched yet); a refusal is reported as any other."""
+        if version == 0:
+            return True  # the model directory itself
+        ref = _ref_for(ev, version) if fetched is None else None
+        if fetched is not None:
+            adapter = adapter_in(fetched)
+        elif ref is not None and ref.base is not None:
+            # rank 0: unknown until the manifest is read; the base and the kind are known now
+            adapter = Adapter(ref.base.name, ref.base.manifest_sha256, 0, 1.0, ())
+        else:
+            return True  # a release from before adapters says nothing of the kind: fetch and see
+        refusal = judge_version(version, adapter, is_base=False, lora_engine=self.lora,
+                                base_sha256=self._base_sha256(), max_rank=self.settings.serve.max_lora_rank)
+        if refusal is None and fetched is not None and adapter is not None \
+                and adapter.base_manifest_sha256 not in self._bases_verified:
+            try:
+                verify_base(Path(self.settings.model_dir), adapter)
+                self._bases_verified.add(adapter.base_manifest_sha256)
+            except ManifestError as exc:
+                refusal = Refusal("wrong_base", str(exc))
+        if refusal is None:
+            return True
+        self._refuse(ev, rec, version, refusal.reason, refusal.detail)
+        return False
+
+    def _base_sha256(self) -> str:
+        path = Path(self.settings.model_dir) / MANIFEST_NAME
+        return sha256_file(path) if path.is_file() else ""
 
     def _newest_than(self, ev: ReleaseEvent, timeout_ms: int) -> tuple[ReleaseEvent, Any] | None:
         newer = None

@@ -4,7 +4,8 @@
 
 Start-up order: the model directory is checked against its manifest (unverified weights are never
 served), the topics are created if missing, the recorder starts and replays any journal a previous
-process left under ``<data_dir>/serving/journal``, the engines start (``serve.engines``), the newest
+process left under ``<data_dir>/serving/journal``, the engines start (``serve.engines``; with
+adapter versions, ``serve.lora``, one engine of the model directory: serving/adapters.py), the newest
 release for ``release.deployment`` is fetched, verified and loaded (serving/follow.py), and only
 then uvicorn opens ``serve.host:serve.port``; ``/livez`` answers from then on, ``/readyz`` once
 every engine has answered a warm-up (serving/readiness.py). SIGTERM/SIGINT stop the server: its
@@ -30,6 +31,7 @@ from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
 from flywheel.signing import Verifier
+from serving.adapters import adapter_slots, lora_on
 from serving.follow import ReleaseFollower
 from serving.journal import Journal
 from serving.recorder import Recorder
@@ -82,9 +84,13 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     engines: list = []
     follower = None
     try:
-        for _ in range(settings.serve.engines):
-            engines.append(loop.call(lambda: _engine(VllmEngine, settings)))
-        fleet = Fleet(engines, registry)
+        if lora_on(settings):  # one engine; stable and canary are adapters on it
+            engines.append(loop.call(lambda: _engine(VllmEngine, settings, lora=True)))
+            fleet = Fleet(adapter_slots(engines[0], settings.model_dir), registry)
+        else:
+            for _ in range(settings.serve.engines):
+                engines.append(loop.call(lambda: _engine(VllmEngine, settings)))
+            fleet = Fleet(engines, registry)
         if settings.serve.follow_releases:
             follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=600), registry)
             follower.catch_up(settings.serve.release_wait_s)  # before the port opens
@@ -112,8 +118,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     return 0
 
 
-async def _engine(cls: type, settings: Settings):  # built on the loop that will serve it
-    return cls(settings.serve, settings.model_dir)
+async def _engine(cls: type, settings: Settings, lora: bool = False):  # built on the loop that will serve it
+    return cls(settings.serve, settings.model_dir, lora)
 
 
 async def _shutdown(engine) -> None:  # and shut down there, beside its output handler

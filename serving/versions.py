@@ -5,7 +5,8 @@ A :class:`Fleet` has one slot per engine (``serve.engines``, 1 or 2). Every requ
 arm (:func:`serving.routing.arm_of`). :meth:`Fleet.apply` moves the slots to a new release by
 the steps :func:`serving.routing.plan` gives: a routing change is one assignment on the event
 loop, so a request sees the old routing or the new one, never half of each; a load pauses only
-the slot it reloads.
+the slot it reloads. With adapter versions (``serve.lora``) both slots are views of one engine
+(serving/adapters.py) and a load is an adapter added to it, which pauses nothing.
 
 Everything here runs on the serving event loop (vLLM's ``AsyncLLM`` is bound to it).
 """
@@ -121,6 +122,14 @@ class Fleet:
 
     def healthy(self) -> bool:
         return all(s.engine.healthy() for s in self.slots)
+
+    def resident_versions(self) -> set[int]:
+        """Versions whose files an engine may still read: those the slots hold, and on the adapter
+        engine those replaced while requests still run on them (serving/adapters.py)."""
+        held = {s.version for s in self.slots}
+        for s in self.slots:
+            held |= getattr(s.engine, "resident_versions", lambda: set())()
+        return held
 
     # -- following releases --------------------------------------------------------------------
     def steps_for(self, want: Want) -> list[Step]:
