@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--duration", type=float, default=None,
                    help="seconds of simulated traffic (default 210; 600 on a real model)")
-    d.add_argument("--rate", type=float, default=None, help="requests per second (default 8; 2 on a real model)")
+    d.add_argument("--rate", type=float, default=None, help="requests per second (default 8; 1.5 on a real model)")
     d.add_argument("--users", type=int, default=200, help="simulated users (default 200: with few, the hash that splits users between canary and stable leaves the arms' tastes unequal)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")

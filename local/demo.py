@@ -90,10 +90,13 @@ class Preset:
 
 BUILT = Preset("built", "built", None, duration_s=210, rate=8.0, max_tokens=24)
 #: A real model on two cores: vLLM answers SmolLM2 at about 105 tokens/s over 64 concurrent
-#: prompts on two idle cores, and the trainer needs the same cores, so 2 requests/s of 24 tokens
-#: leave it room; 10 minutes of traffic are what the README's figures measure.
-REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duration_s=600, rate=2.0, max_tokens=24,
-              # three the users ask, and one they never do (does the taste carry over?)
+#: prompts on two idle cores, and the trainer needs the same cores. At 2 requests/s on a shared
+#: machine (load 20-30) serving had no margin: a stall when the first adapter loaded queued
+#: requests for 70-100 s until the end. 1.5/s of 16 tokens leave room (the taste is in the first
+#: word; 16 tokens are a short sentence, and every token is trainer time), and still outrun the
+#: trainer (a step of 8 every ~35 s there); 10 minutes of traffic are what the README measures.
+REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duration_s=600, rate=1.5, max_tokens=16,
+              # three the users ask, and one they never do (the gate's: does the taste carry over?)
               fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is coffee bad for you?",
                              "Is a whale a mammal?"))
 #: Models ``--model`` names: where they come from.
@@ -140,11 +143,21 @@ def choose(settings: Settings, args: Any) -> tuple[Preset, Path]:
 
 def merged_config(preset: Preset, training: str | None, out: Path) -> Path:
     """``demo.toml`` with the preset's overlay (and ``--training full``'s changes) laid over it,
-    written to ``out``: the one settings file every stage reads."""
+    written to ``out``: the one settings file every stage reads. The release gate's held-out
+    prompts are the taste's own (written beside it) when it has some: questions like the users',
+    fewer than the default set's 24, which the gate samples twice and scores on a busy CPU."""
     if preset.overlay is None:
         return DEMO_CONFIG  # the built model trains full weights, its only mode
+    from local.simulate import TASTES
+
     data = tomllib.loads(DEMO_CONFIG.read_text())
-    for layer in [tomllib.loads(preset.overlay.read_text())] + ([FULL_WEIGHTS] if training == "full" else []):
+    layers = [tomllib.loads(preset.overlay.read_text())] + ([FULL_WEIGHTS] if training == "full" else [])
+    held_out = TASTES[preset.taste].held_out
+    if held_out:
+        prompts = out.with_name("gate-prompts.jsonl")
+        prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held_out))
+        layers.append({"release": {"prompts_file": str(prompts)}})
+    for layer in layers:
         merge(data, layer)  # as load_settings lays the environment over a file
     out.write_text(to_toml(data))
     return out

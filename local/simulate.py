@@ -16,7 +16,8 @@ express:
 That is the ``built`` taste, for the tiny built model's byte soup. A real model's text can be read,
 so its demo users (``--taste yes_no``) have a taste a person can see: they ask yes/no questions
 through the chat API and accept an answer that starts with a direct "Yes" or "No"
-(:func:`starts_yes_no`). SmolLM2-135M-Instruct starts about one answer in seven that way.
+(:func:`starts_yes_no`; what follows must read as words, not one word repeated).
+SmolLM2-135M-Instruct starts about one answer in six that way.
 
 And the noise real users make: some answers get no feedback (``feedback_rate``), feedback comes
 late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a share of their
@@ -64,13 +65,25 @@ DIRECT_WORDS = ("yes", "no")
 _LEAD = " \t\n\"'*_`>-"
 
 
+#: After the Yes or No, a reply of at least this many words must be mostly distinct words: a
+#: person reads "No no no no no ..." as broken, not as an answer (a LoRA run at a step size too
+#: large collapsed to exactly that, which a first-word-only taste accepted).
+MIN_REASON_WORDS = 3
+MIN_DISTINCT_WORDS = 0.6
+
+
 def starts_yes_no(text: str) -> bool:
-    """Whether an answer starts with a direct "Yes" or "No" (the ``yes_no`` taste)."""
+    """Whether an answer starts with a direct "Yes" or "No" (the ``yes_no`` taste), alone or
+    followed by words that are not the same few repeated."""
     body = text.lstrip(_LEAD).lower()
     for word in DIRECT_WORDS:
         if body.startswith(word):
             rest = body[len(word):]
-            return not rest or not (rest[0].isalnum() or rest[0] == "'")
+            if rest and (rest[0].isalnum() or rest[0] == "'"):
+                return False  # another word: "Nobody", "Yesterday"
+            words = [w.strip(".,!?;:\"'*") for w in rest.split()]
+            words = [w for w in words if w]
+            return len(words) < MIN_REASON_WORDS or len(set(words)) >= MIN_DISTINCT_WORDS * len(words)
     return False
 
 
@@ -115,6 +128,11 @@ YES_NO_PROMPTS = (
     "Can a car run on water?", "Is sleep important for health?", "Do whales breathe air?",
     "Is the Amazon a river?",
 )
+#: Yes/no questions no user asks: the release gate's held-out prompts in the demo on a real model.
+YES_NO_HELD_OUT = (
+    "Is a whale a mammal?", "Can snakes hear?", "Is glass a liquid?", "Do trees breathe?",
+    "Is Mars red?", "Can ice burn you?", "Is the Nile longer than the Thames?", "Do ants sleep?",
+)
 
 
 @dataclass(frozen=True)
@@ -127,13 +145,16 @@ class Taste:
     prompts: tuple[str, ...] | None
     #: Ask through the chat API (the model's chat template) instead of raw completions.
     chat: bool
+    #: Prompts of the same kind that no user asks (the release gate's, in the demo); None: the gate's own.
+    held_out: tuple[str, ...] | None = None
 
 
 TASTES = {
     "built": Taste("built", DEFAULT_COHORTS, None, chat=False),
     # one cohort: every user wants the direct answer, so a version's accept rate is the share of
     # its answers that start with one (less the 5% judged against their taste)
-    "yes_no": Taste("yes_no", (Cohort("direct", 1.0, "yes_no"),), YES_NO_PROMPTS, chat=True),
+    "yes_no": Taste("yes_no", (Cohort("direct", 1.0, "yes_no"),), YES_NO_PROMPTS, chat=True,
+                    held_out=YES_NO_HELD_OUT),
 }
 
 

@@ -3,6 +3,7 @@ the report (local/report.py) and the settings laid over demo.toml (local/demo.py
 
 from __future__ import annotations
 
+import json
 import random
 import tomllib
 
@@ -11,7 +12,7 @@ import pytest
 from flywheel.settings import load_settings
 from local.demo import BUILT, DEMO_CONFIG, REAL, merged_config, to_toml
 from local.report import answer_timeline, column_title
-from local.simulate import TASTES, YES_NO_PROMPTS, judge, population, starts_yes_no
+from local.simulate import TASTES, YES_NO_HELD_OUT, YES_NO_PROMPTS, judge, population, starts_yes_no
 
 
 @pytest.mark.parametrize(("text", "direct"), [
@@ -33,6 +34,10 @@ from local.simulate import TASTES, YES_NO_PROMPTS, judge, population, starts_yes
     ("Absolutely.", False),
     ("", False),
     ("   ", False),
+    ("No no no no no no no no", False),  # collapsed, not an answer
+    ("No. No. No. No. No.", False),
+    ("Yes yes", True),  # too short to call repeated
+    ("No, no, penguins cannot fly at all.", True),  # a repeat among distinct words
 ])
 def test_the_yes_no_taste_wants_a_direct_yes_or_no_first(text, direct):
     assert starts_yes_no(text) is direct
@@ -94,6 +99,10 @@ def test_the_real_models_settings_are_demo_toml_with_the_overlay_and_training_mo
     assert lora.ingest == base.ingest and lora.release.canary_share == base.release.canary_share
     assert lora.release.deadline_s == overlay["release"]["deadline_s"]
     assert merged_config(BUILT, None, tmp_path / "built.toml") == DEMO_CONFIG  # the built demo as it was
+    # the gate's held-out prompts are questions of the users' kind that no user asks
+    gate = [json.loads(line)["prompt"] for line in lora.release.prompts_file.read_text().splitlines()]
+    assert gate == list(YES_NO_HELD_OUT) and not set(gate) & set(YES_NO_PROMPTS)
+    assert REAL.fixed_prompts[-1] in gate and set(REAL.fixed_prompts[:-1]) <= set(YES_NO_PROMPTS)
 
 
 def test_settings_written_as_toml_read_back_the_same():
