@@ -247,10 +247,10 @@ class ServeSettings(_Section):
     ``engines`` is then not used, and a full-weight version other than ``model_dir`` is refused
     (``needs_full_engines``). ``off``: ``engines`` full-weight engines, an adapter version is refused
     (``needs_lora_engine``). ``auto``: ``on`` when ``trainer.lora_rank`` is above 0."""
-    max_loras: int = Field(default=3, ge=1, le=64)
+    max_loras: int = Field(default=4, ge=1, le=64)
     """Adapters one batch may mix (vLLM's ``max_loras``, also its cache of loaded adapters): stable,
-    canary, and the adapter a swap replaced while its last requests finish. Below 3 a swap makes the
-    new adapter's first requests wait for the old one's last."""
+    canary, and the two a release that replaces both routes leaves finishing their last requests.
+    Fewer make a new adapter's first requests wait in the queue for an old one's last."""
     max_lora_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = 16
     """Largest adapter rank served (vLLM's ``max_lora_rank``; these are the values it takes). It
     sizes the engine's adapter buffers; an adapter of a higher rank is refused
