@@ -131,6 +131,21 @@ def _swap_rows(d: dict[str, Any]) -> list[Row]:
                 "fetch, rebuild, verify, load and the first answer")]
 
 
+def _adapter_rows(d: dict[str, Any]) -> list[Row]:
+    """bench/adapter_serving.py: adapter versions on one engine against two full-weight engines."""
+    full, ad, gap = d["full"], d["adapters"], d["gap"]
+    note = "stable + canary as LoRA adapters on one engine, against full weights on two"
+    return [Row("adapters on one engine: resident memory", ad["rss_gib"], full["rss_gib"], "GiB", "<= 0.7", note),
+            Row("adapters on one engine: throughput", ad["tokens_per_s"], full["tokens_per_s"], "tokens/s", ">= 1.0",
+                note),
+            Row("adapters on one engine: p95 latency during swaps", ad["p95_swaps_s"], full["p95_swaps_s"], "s",
+                "<= 1.0", "both routes replaced every 1.5 s: adapter add/remove against in-place reloads"),
+            Row("adapters on one engine: release to answering, p95", ad["answering_p95_s"], full["answering_p95_s"],
+                "s", "<= 1.0", "release record to the new version answering a pinned request"),
+            Row("trainer (PEFT) vs vLLM LoRA logprob gap, mean", gap["mean"], None, "nats",
+                f"<= {d['gap_goal_nats']}", f"fp32, {gap['tokens']} sampled tokens; max {gap['max']:.1e}")]
+
+
 def _p95(xs: list[float]) -> float | None:
     return xs[max(0, -(-95 * len(xs) // 100) - 1)] if xs else None
 
@@ -166,6 +181,7 @@ JOBS: tuple[Job, ...] = (
     Job("serving", "serving_throughput.py", (), ("--prompts", "32", "--rounds", "1"), _serving_rows),
     Job("engine_stats", "engine_stats.py", (), ("--prompts", "16", "--rounds", "1"), _engine_stats_rows),
     Job("swap", "weight_swap.py", (), ("--seconds", "3", "--versions", "3"), _swap_rows),
+    Job("adapters", "adapter_serving.py", (), ("--seconds", "3", "--gap-prompts", "4"), _adapter_rows),
     Job("gap", "logprob_gap.py", (), ("--quick",), _picked(
         ("trainer vs vLLM fp32 logprob gap, mean", "trainer vs vLLM logprob gap per token", "<= 0.01", True),
         ("trainer vs vLLM dtype=auto logprob gap, mean", "... with serving's default dtype (auto)", "<= 0.01", True))),

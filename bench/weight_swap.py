@@ -109,31 +109,24 @@ class Rig:
         from flywheel.metrics import new_registry
         from flywheel.settings import KafkaSettings, ServeSettings, Settings
         from serving.app import create_app
-        from serving.engine import VllmEngine
         from serving.follow import ReleaseFollower
         from serving.main import make_recorder
         from serving.server import AppServer, LoopThread
-        from serving.versions import Fleet
 
         serve = ServeSettings(api_keys=(KEY,), max_num_seqs=args.concurrency, rate_limit_burst=1_000_000,
                               rate_limit_per_minute=1e9, rate_limit_key_burst=1_000_000,
-                              rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind)
+                              rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind,
+                              **getattr(args, "serve_overrides", {}))
+        prefix = getattr(args, "topic_prefix", "bench.")
         self.settings = Settings(model_dir=model_dir, data_dir=Path(tempfile.mkdtemp(prefix="bench-swap-")),
-                                 topic_prefix="bench.", kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
-        self.topics = Topics("bench.")
+                                 topic_prefix=prefix, kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
+        self.topics = Topics(prefix)
         ensure_topics(self.settings.kafka, self.topics.all())
         self.registry = new_registry()
         self.recorder = make_recorder(self.settings, self.registry)
         self.loop = LoopThread()
 
-        async def build():
-            return VllmEngine(serve, model_dir)
-
-        self.engines = [self.loop.call(build)]
-        self.rss_one = tree_rss_gib()
-        self.engines.append(self.loop.call(build))
-        self.rss_two = tree_rss_gib()
-        self.fleet = Fleet(self.engines, self.registry)
+        self.fleet = self.build_fleet(serve, model_dir)
         self.follower = ReleaseFollower(self.settings, self.fleet, lambda fn: self.loop.call(fn, timeout_s=300),
                                         self.registry)
         self.follower.catch_up(10)
@@ -144,6 +137,20 @@ class Rig:
         self.producer = KafkaProducer(bootstrap_servers=bootstrap)
         self.revision = 0
         self.applies: list[dict] = []
+
+    def build_fleet(self, serve, model_dir: Path):
+        """Two full-weight engines (bench/adapter_serving.py's rig builds one adapter engine instead)."""
+        from serving.engine import VllmEngine
+        from serving.versions import Fleet
+
+        async def build():
+            return VllmEngine(serve, model_dir)
+
+        self.engines = [self.loop.call(build)]
+        self.rss_one = tree_rss_gib()
+        self.engines.append(self.loop.call(build))
+        self.rss_two = tree_rss_gib()
+        return Fleet(self.engines, self.registry)
 
     def ref(self, v: int):
         from flywheel.contracts import VersionRef
