@@ -325,12 +325,16 @@ def _answers(store: Path, preset: Preset, base: Path, audit: list[dict[str, Any]
 
 
 def _training(s: Settings) -> str:
-    """Which kind of version the trainer publishes, in words."""
+    """Which kind of version the trainer publishes and how serving runs them, in words."""
     t = s.trainer
+    # serve.lora's own rule (docs/serving-releases.md): auto is on when the trainer trains LoRA
+    one_engine = s.serve.lora == "on" or (s.serve.lora == "auto" and t.lora_rank > 0)
+    served = ("stable and canary served as adapters on one vLLM engine" if one_engine
+              else f"served by {s.serve.engines} full-weight vLLM engine(s), each swap a weight reload")
     if t.lora_rank:
         return (f"LoRA adapters (rank {t.lora_rank}, alpha {t.lora_alpha:g}, {', '.join(t.lora_target_modules)}) "
-                f"on the frozen base")
-    return "full weights (every parameter trained; each version a whole model)"
+                f"on the frozen base; {served}")
+    return f"full weights (every parameter trained; each version a whole model); {served}"
 
 
 def _policy(s: Settings) -> dict[str, Any]:
