@@ -54,8 +54,7 @@ def role(workload: dict[str, Any]) -> str:
 def test_every_rendered_resource_is_valid_kubernetes(overlay):
     for resources in (rendered(overlay), with_kafka_component(overlay)):
         kinds = sorted({r["kind"] for r in resources})
-        assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service",
-                         "StatefulSet"]
+        assert kinds == ["ConfigMap", "Deployment", "PersistentVolumeClaim", "PodDisruptionBudget", "Service"]
         for res in resources:
             kubernetes_validate.validate(res, "1.37.0", strict=True)
 
@@ -63,7 +62,7 @@ def test_every_rendered_resource_is_valid_kubernetes(overlay):
 def test_every_manifest_file_is_valid_kubernetes():
     files = sorted(K8S.glob("base/*.yaml")) + [K8S / "secrets.example.yaml"]
     files = [f for f in files if f.name != "kustomization.yaml"]
-    assert len(files) == 7
+    assert len(files) == 8
     for f in files:
         for doc in load_docs(f):
             kubernetes_validate.validate(doc, "1.37.0", strict=True)
@@ -101,13 +100,14 @@ def test_every_variable_names_a_setting():
                 assert setting_of(name) or (stem != name and setting_of(stem)), \
                     f"{w['metadata']['name']}: {name} names no setting (flywheel/settings.py)"
                 seen.add(name)
-    assert {"FLYWHEEL_API_KEYS_FILE", "FLYWHEEL_KAFKA_SASL_PASSWORD_FILE", "FLYWHEEL_INGEST_SHARDS"} <= seen
+    assert {"FLYWHEEL_API_KEYS_FILE", "FLYWHEEL_KAFKA_SASL_PASSWORD_FILE", "FLYWHEEL_STREAM_DATABASE_URL_FILE"} <= seen
     assert setting_of("FLYWHEEL_SERVE_DRAIN") is None  # the check can fail
 
 
 #: What the mounted secrets hold here, to load each role's settings.
 _FILES = {"api-keys": "sk-a,sk-b", "user-id-salt": "salt", "release-tokens": "ops:admin:t0ken",
-          "database-url": "postgresql://u:p@db:5432/flywheel", "username": "flywheel", "password": "pw"}
+          "database-url": "postgresql://u:p@db:5432/flywheel", "username": "flywheel", "password": "pw",
+          "stream-database-url": "postgresql://u:p@db:5432/flywheel"}
 
 
 def role_settings(workload: dict[str, Any], tmp_path: Path) -> Settings:
@@ -213,12 +213,25 @@ def test_pods_run_unprivileged_without_service_links_and_with_bounds():
         assert gpus == ({"flywheel-serving", "flywheel-trainer"} if overlay == "gpu" else set())
 
 
-def test_shard_pods_match_the_replicas_and_own_a_partition_each(tmp_path):
-    for w in workloads(rendered("cpu")):
-        if w["kind"] != "StatefulSet":
-            continue
-        env = {e["name"]: e["value"] for e in pod_spec(w)["containers"][0]["env"]}
-        assert int(env["SHARD_PODS"]) == w["spec"]["replicas"] <= int(env["FLYWHEEL_KAFKA_PARTITIONS"])
+def test_stream_stages_share_their_state_and_archive_so_their_pods_can_move(tmp_path):
+    """Ingest and reward run as Deployments: their state in the shared database (no shard list,
+    which settings refuse beside it), their archive on a volume every replica mounts, and no more
+    replicas than partitions (a replica beyond them would hold none)."""
+    resources = rendered("cpu")
+    claims = {r["metadata"]["name"]: r for r in resources if r["kind"] == "PersistentVolumeClaim"}
+    stages = [w for w in workloads(resources) if role(w) in ("ingest", "reward")]
+    assert sorted(role(w) for w in stages) == ["ingest", "reward"]
+    for w in stages:
+        assert w["kind"] == "Deployment"
+        settings = role_settings(w, tmp_path / w["metadata"]["name"])
+        assert settings.stream.database_url.startswith("postgresql://")
+        assert not getattr(settings, role(w)).shards
+        assert w["spec"]["replicas"] <= settings.kafka.partitions
+        spec = pod_spec(w)
+        mounts = {m["mountPath"]: m["name"] for m in spec["containers"][0]["volumeMounts"]}
+        archive = next(v for v in spec["volumes"] if v["name"] == mounts[str(settings.data_dir / "archive")])
+        claim = claims[archive["persistentVolumeClaim"]["claimName"]]
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
 
 
 def test_the_configmap_is_flywheel_config_example():
@@ -226,23 +239,3 @@ def test_the_configmap_is_flywheel_config_example():
 
     assert (K8S / "base" / "flywheel.toml").read_text() == example_toml(), \
         "regenerate it: flywheel config example > deploy/k8s/base/flywheel.toml"
-
-
-def test_the_shard_line_gives_pod_i_of_n_every_partition_p_with_p_mod_n_equal_i(tmp_path):
-    """The StatefulSets' shell line, run by sh with the pod's hostname; ``flywheel`` here is a
-    script that prints the shards it was started with."""
-    import os
-    import subprocess
-
-    (tmp_path / "flywheel").write_text('#!/bin/sh\necho "$1 $FLYWHEEL_INGEST_SHARDS$FLYWHEEL_REWARD_SHARDS"\n')
-    (tmp_path / "flywheel").chmod(0o755)
-    for w in workloads(rendered("cpu")):
-        if w["kind"] != "StatefulSet":
-            continue
-        c = pod_spec(w)["containers"][0]
-        env = {e["name"]: e["value"] for e in c["env"]}
-        for n, partitions, pod, want in ((2, 4, 1, "1,3"), (3, 8, 0, "0,3,6"), (1, 4, 0, "0,1,2,3")):
-            run_env = {**os.environ, **env, "SHARD_PODS": str(n), "FLYWHEEL_KAFKA_PARTITIONS": str(partitions),
-                       "HOSTNAME": f"{w['metadata']['name']}-{pod}", "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-            out = subprocess.run([*c["command"], *c["args"]], env=run_env, capture_output=True, text=True, check=True)
-            assert out.stdout.split() == [role(w), want]
