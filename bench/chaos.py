@@ -341,9 +341,15 @@ class Injector:
             fault.outcome = {"skipped": "the release store is SQLite (--pg-url '')"}
             return
         app = _app_name(self.loop.pg_url)
+        deadline = time.monotonic() + 30
         with psycopg.connect(_admin_url(self.loop.pg_url), autocommit=True, connect_timeout=5) as admin:
-            n = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                              "WHERE application_name = %s", (app,)).fetchone()[0]
+            # none while the controller restarts from an earlier kill: the fault waits for one
+            while not (n := admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                          "WHERE application_name = %s", (app,)).fetchone()[0]):
+                if time.monotonic() > deadline:
+                    fault.outcome = {"skipped": "the loop held no connection to PostgreSQL for 30 s"}
+                    return
+                time.sleep(1)
         fault.done_at = time.time()
         fault.outcome = {"backends_terminated": n}
 
@@ -472,7 +478,8 @@ class Records:
     rewards: dict[str, set[bytes]]
     dead: dict[str, set[str]]
     dead_keys: set[tuple[str, str]]
-    deadletters: list[Any]
+    #: generation id -> each dead letter about it, as ``stage:reason: detail``
+    details: dict[str, list[str]]
 
 
 def read_accounting(kafka: Any, topics: Any) -> Records:
@@ -488,15 +495,15 @@ def read_accounting(kafka: Any, topics: Any) -> Records:
             continue  # a malformed one of ours: the trainer's dead letter accounts for it
         rewards.setdefault(gid, set()).add(rec.value)
     dead: dict[str, set[str]] = {}
-    dead_keys, letters = set(), []
+    dead_keys, details = set(), {}
     for rec in read_topic(kafka, topics.deadletter):
         dl = decode(DeadLetterEvent, rec.value, max_bytes=len(rec.value) + 1)
-        letters.append(dl)
         if dl.key_b64:
             dead_keys.add((dl.source_topic, base64.b64decode(dl.key_b64).decode(errors="replace")))
         if (gid := about(dl)) is not None:
             dead.setdefault(gid, set()).add(f"{dl.stage}:{dl.reason}")
-    return Records(rewards, dead, dead_keys, letters)
+            details.setdefault(gid, []).append(f"{dl.stage}:{dl.reason}: {dl.detail[:200]}")
+    return Records(rewards, dead, dead_keys, details)
 
 
 def judged_ids(rows: list[dict[str, Any]]) -> list[str]:
@@ -690,8 +697,12 @@ def verdict(facts: Facts, settings: Any, inj: Injector,
                   judge.routing_agrees(facts.store_rev, facts.topic_rev), judge.unanswered(facts.rows, inj.restarts),
                   judge.orphans(orphaned), judge.malformed_dead_lettered(inj.injected, facts.recs.dead_keys),
                   judge.still_learns(accept, promoted)]
-    return invariants, {"counts": counts, "accept_rate": {str(k): v for k, v in accept.items()},
-                        "last_promoted": promoted}
+    # the judged generations a dead letter accounts for, with what it said (a late feedback:
+    # how late), for a reader to tell a fault's cost from a stage's mistake
+    unrewarded = [{"generation_id": g, "dead_letters": facts.recs.details[g]} for g in facts.judged
+                  if not facts.recs.rewards.get(g) and facts.recs.details.get(g)]
+    return invariants, {"counts": counts, "dead_lettered_judged": unrewarded[:judge.SHOWN],
+                        "accept_rate": {str(k): v for k, v in accept.items()}, "last_promoted": promoted}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -779,6 +790,8 @@ def print_table(res: dict[str, Any]) -> None:
     c = res["counts"]
     print(f"\njudged {c['judged']}: rewarded {c['rewarded']}, dead-lettered {c['dead_lettered']} "
           f"{c['dead_letter_reasons']}, lost {c['lost']}, double-counted {c['double_counted']}")
+    for d in res["dead_lettered_judged"][:3]:
+        print(f"  {d['generation_id']}: {'; '.join(d['dead_letters'])[:200]}")
     print(f"\n{'version':<9}{'requests':>9}{'judged':>8}{'accept rate':>13}")
     for v, a in res["accept_rate"].items():
         rate = "-" if a["accept_rate"] is None else f"{a['accept_rate']:.3f}"
