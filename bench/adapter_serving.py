@@ -121,7 +121,8 @@ def logprob_gap(rig: Rig, model_dir: Path, version: int, prompts: int, max_token
         for i in range(prompts):
             body = {"model": f"flywheel@v{version}", "prompt": f"score item {i}", "max_tokens": max_tokens,
                     "temperature": 1.0, "seed": i, "ignore_eos": True}
-            assert c.post("/v1/completions", json=body).status_code == 200
+            resp = c.post("/v1/completions", json=body)
+            assert resp.status_code == 200, resp.text
     base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(rig.follower.cache.path(version))).eval()
     gaps = []
@@ -189,6 +190,7 @@ def main() -> None:
             try:
                 out[mode] = run_rig(rig, args, n)
                 if mode == "adapters":
+                    rig.release(n, n - 1, 0.5)  # the swaps alternate: v{n} may be the one they left
                     out["gap"] = logprob_gap(rig, model_dir, n, args.gap_prompts, args.max_tokens)
             finally:
                 rig.close()
