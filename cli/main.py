@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     rw = sub.add_parser("reward", help="label episodes with rewards; `reward report` summarises the archive")
     rw.add_argument("action", nargs="?", choices=["run", "report"], default="run")
-    rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <data_dir>/archive/rewards)")
+    rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <archive.root>/rewards)")
     rw.add_argument("--top", type=_count, default=10, help="report: how many flagged users to list")
     rw.set_defaults(func=_role("reward.main"))
 
@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     us.add_argument("--since", type=_age, default=24 * 3600.0, help="the last AGE (90s, 30m, 2h, 7d; default 24h)")
     us.add_argument("--archive", type=Path, action="append", default=None,
-                    help="an episode archive (default <data_dir>/archive/episodes; repeatable: one per ingest shard)")
+                    help="an episode archive (default <archive.root>/episodes; repeatable: one per ingest shard)")
     us.add_argument("--checkpoints", type=Path, default=None,
                     help="the trainer's checkpoint store (default: trainer.store, else <data_dir>/checkpoints)")
     us.add_argument("-o", "--output", choices=("table", "json"), default="table", help="table (default) or json")

@@ -170,7 +170,7 @@ def render(s: dict[str, Any]) -> str:
 
 
 def run(settings: Settings, args: argparse.Namespace) -> int:
-    archives = args.archive or [settings.data_dir / "archive" / "episodes"]
+    archives = args.archive or [settings.archive_root / "episodes"]
     for root in archives:
         if not root.is_dir():
             print(f"flywheel usage: no episode archive at {root} (ingest writes it; --archive DIR for another)",

@@ -519,6 +519,12 @@ class ArchiveSettings(_Section):
     max_age_s: float = Field(default=300.0, ge=0)
     """... or when the oldest queued row has waited this long, and at shutdown. The archive lags
     the topics by up to this much; larger values mean fewer, larger files."""
+    root: Path | None = None
+    """Folder of the archives: ``<root>/episodes`` (ingest) and ``<root>/rewards`` (reward).
+    Unset: ``<data_dir>/archive``. With ``stream.database_url``, give every replica of a stage
+    the same root, a volume they all mount (docs/shared-state.md, Archives): a replica that takes
+    shards over then sees the files their previous owner wrote, and writes none of their rows
+    again."""
 
 
 class StreamSettings(_Section):
@@ -719,6 +725,11 @@ class Settings(_Section):
     """The release controller (``flywheel release serve``)."""
     probes: ProbeSettings = Field(default_factory=ProbeSettings)
     """``/livez`` and ``/readyz`` of every role but serving (docs/deploy.md, Probes)."""
+
+    @property
+    def archive_root(self) -> Path:
+        """Where the stages' archives are: ``archive.root``, else ``<data_dir>/archive``."""
+        return self.archive.root if self.archive.root is not None else self.data_dir / "archive"
 
     @field_validator("log_level", mode="before")
     @classmethod

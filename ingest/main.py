@@ -3,7 +3,7 @@
 Consumes ``<prefix>generations`` and ``<prefix>feedback`` in the consumer group
 ``ingest.group_id``, joins them by generation_id within ``ingest.window_s`` (ingest/join.py),
 emits one episode per generation to ``<prefix>episodes``, archives episodes to Parquet under
-``<data_dir>/archive/episodes`` and dead-letters every unusable record to ``<prefix>deadletter``.
+``<archive.root>/episodes`` (default ``<data_dir>/archive``) and dead-letters every unusable record to ``<prefix>deadletter``.
 It runs on the stream runtime (flywheel/stream/, docs/exactly-once.md): state and offsets live
 in ``<data_dir>/ingest/state.sqlite3``, or with ``stream.database_url`` in a database shared by
 any number of replicas in the group (docs/shared-state.md). With ``ingest.shards`` set it owns those input
@@ -29,7 +29,7 @@ from ingest.stage import EPISODES_ARCHIVE, SCHEMA, IngestStage
 def spec(settings: Settings) -> StageSpec:
     """The ingest stage as the stream runtime runs it."""
     cfg, topics = settings.ingest, Topics(settings.topic_prefix)
-    archive_root = settings.data_dir / "archive" / "episodes"
+    archive_root = settings.archive_root / "episodes"
     return StageSpec(
         name="ingest",
         group_id=cfg.group_id,

@@ -4,7 +4,7 @@
 Consumes ``<prefix>episodes`` in the consumer group ``reward.group_id``, labels each episode with
 the configured labelers (reward/labelers.py) behind the guards (reward/guards.py), emits one
 reward per episode with a user signal to ``<prefix>rewards`` and archives it to Parquet under
-``<data_dir>/archive/rewards``. It runs on the stream runtime (flywheel/stream/,
+``<archive.root>/rewards`` (default ``<data_dir>/archive``). It runs on the stream runtime (flywheel/stream/,
 docs/exactly-once.md): state and offsets live in ``<data_dir>/reward/state.sqlite3``, or with
 ``stream.database_url`` in a database shared by any number of replicas in the group
 (docs/shared-state.md).
@@ -30,7 +30,7 @@ from reward.stage import REWARDS_ARCHIVE, SCHEMA, RewardStage
 def spec(settings: Settings) -> StageSpec:
     """The reward stage as the stream runtime runs it."""
     cfg, topics = settings.reward, Topics(settings.topic_prefix)
-    archive_root = settings.data_dir / "archive" / "rewards"
+    archive_root = settings.archive_root / "rewards"
     return StageSpec(
         name="reward",
         group_id=cfg.group_id,
@@ -50,7 +50,7 @@ def spec(settings: Settings) -> StageSpec:
 def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
     """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     if args is not None and getattr(args, "action", "run") == "report":
-        print(report(args.archive or settings.data_dir / "archive" / "rewards", top=args.top))
+        print(report(args.archive or settings.archive_root / "rewards", top=args.top))
         return 0
     serve_stage(settings, spec(settings), stop)
     return 0

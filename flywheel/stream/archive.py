@@ -15,7 +15,9 @@ The stage writes its archive queue out in batches (``archive.max_rows`` rows, or
 ``archive.max_age_s``; flywheel/stream/outbox.py), so an hour holds a few large files rather than
 one per loop turn. The file name carries the outbox sequence range of its rows and every row
 carries its ``outbox_seq``, so a restarted stage can tell which queued rows a crashed run had
-already archived.
+already archived. Replicas of a stage on a shared database share one root (``archive.root``, a
+volume they all mount): names never collide there (the database's epoch and seqs unique across
+replicas), and a replica that takes shards over sees the files their previous owner wrote.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ RowFn = Callable[[bytes], tuple[float, dict[str, Any]]]
 TableFn = Callable[[list[bytes]], tuple[list[float], pa.Table]]
 #: Rows parsed per call of a batch ``table_fn``.
 TABLE_CHUNK = 4096
+#: A temp file untouched for this long is a dead write's (:meth:`ParquetArchive._sweep`): a write
+#: (at most about ``ARCHIVE_WRITE_BYTES`` of rows) renames its temp file seconds after creating it.
+STALE_TMP_S = 600.0
 _NAME = re.compile(r"part-(?P<epoch>[0-9a-f]+)-(?P<lo>\d+)-(?P<hi>\d+)\.parquet$")
 log = logging.getLogger(__name__)
 
@@ -86,11 +91,7 @@ class ParquetArchive:
         self.row_fn = row_fn
         self.table_fn = table_fn
         root.mkdir(parents=True, exist_ok=True)
-        # A kill -9 in the middle of a write leaves its temp file. Only the stage process that
-        # owns this root (under its locked data_dir) makes an archive of it, and it is starting:
-        # no write is in progress.
-        for partial in root.glob("hour=*/.part-*.tmp"):
-            partial.unlink(missing_ok=True)
+        self._sweep()
         # pyarrow imports pandas the first time it converts a Python list (about a second); do it
         # at start-up rather than inside the first batch the stage processes
         pa.array([0], pa.int64())
@@ -157,8 +158,33 @@ class ParquetArchive:
             items.append(cols)
         return stamps, pa.Table.from_pylist(items, schema=self.columns)
 
+    def _sweep(self) -> None:
+        """Delete the temp files of writes that died: those untouched for ``STALE_TMP_S``.
+
+        A kill -9 in the middle of a write leaves its temp file. The replicas of a stage on a shared
+        database share one root, so another live process may be writing the temp file next to
+        this one's: only age tells a dead write from a live one across machines (a per-process
+        token would still need the liveness of its process). A live write renames its temp file
+        seconds after creating it; and deleting one whose writer is only paused (SIGSTOPped) loses
+        nothing: its rename fails, its transaction rolls back, and its rows stay queued.
+        """
+        old = time.time() - STALE_TMP_S
+        for partial in self.root.glob("hour=*/.part-*.tmp"):
+            try:
+                if partial.stat().st_mtime < old:
+                    partial.unlink()
+            except FileNotFoundError:
+                pass  # renamed or swept by its writer, or by another replica's sweep
+
     def archived_seqs(self, epoch: str, lo: int, hi: int) -> set[int]:
-        """Outbox sequence numbers in ``[lo, hi]`` that some archive file of ``epoch`` holds."""
+        """Outbox sequence numbers in ``[lo, hi]`` that some archive file of ``epoch`` holds.
+
+        Files are picked by their names (epoch, first and last seq); only those whose seq range
+        meets ``[lo, hi]`` are opened, for their ``outbox_seq`` column. It also sweeps dead writes'
+        temp files (:meth:`_sweep`): it runs at a stage's start and whenever a replica on a shared
+        root takes shards over, often enough that a killed replica's leftovers do not pile up.
+        """
+        self._sweep()
         found: set[int] = set()
         for path in self.root.glob("hour=*/part-*.parquet"):
             m = _NAME.search(path.name)

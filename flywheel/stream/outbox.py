@@ -56,8 +56,9 @@ class Outbox:
         self.max_in_flight = max_in_flight
         self.archive_max_rows = archive_max_rows
         self.archive_max_age_s = archive_max_age_s
-        # queued rows found in the archive files at the first write since start (None: not yet
-        # asked); only a crash between a file's rename and its rows' dequeue leaves any
+        # queued rows found in the archive files at the first write since start or since shards
+        # were taken over (None: ask at the next write); only a crash between a file's rename
+        # and its rows' dequeue leaves any
         self._done: set[int] | None = None
         self._in_flight: dict[int, int] = {}  # seq -> shard, for rows sent and not yet reported
         # seq -> (shard, first failure) of rows whose sends failed and that have not landed since:
@@ -164,13 +165,26 @@ class Outbox:
             return len(done) + self._reap()
         return len(done)
 
+    def taken(self, shards: Iterable[int]) -> None:
+        """This process took over ``shards`` (a shared store's leases): their previous owner may
+        have renamed a file of their queued rows into the shared archive root and died before
+        taking them out of the queue, so the files are asked again before the next write."""
+        if set(shards):
+            self._done = None
+
     def archive(self, force: bool = False) -> int:
         """Write the archive queue out when it is due (or now, with ``force``); returns rows written.
 
         Due: ``archive_max_rows`` rows wait, or the oldest has waited ``archive_max_age_s``. Whole
         queued batches are written about ``archive_max_rows`` rows at a time, each time as one file
-        per archive and hour, and leave the queue in one transaction after their files are
-        renamed into place.
+        per archive and hour, and leave the queue in the transaction that read them, after their
+        files are renamed into place.
+
+        That transaction holds the leases of a shared store throughout (its fence locks them): a
+        takeover of one of this process's shards waits for the write to end, and finds its rows
+        either out of the queue or, had this process died before the commit, in the files
+        (:meth:`taken`). A write never overlaps a takeover, so no row is written by two owners.
+        On SQLite it holds the one write lock for as long: other replicas' turns wait seconds at most.
         """
         store = self.store
         if not store.queued or not self.archives:
@@ -182,28 +196,43 @@ class Outbox:
         try:
             if self._done is None:
                 self._done = self._archived_before()
-            while store.queued and (batches := store.queued_batches(self.archive_max_rows)):
-                by_archive: dict[str, list[ArchiveRow]] = {}
-                for _, rows in batches:
-                    for row in rows:
-                        if row.seq not in self._done:
-                            by_archive.setdefault(row.archive, []).append(row)
-                for name, todo in by_archive.items():
-                    self.archives[name].write(store.epoch, todo)
-                    written += len(todo)
-                store.archived(first for first, _ in batches)
-                if not force and store.queued < self.archive_max_rows:
+            while store.queued:
+                with store.txn():
+                    batches = store.queued_batches(self.archive_max_rows)
+                    written += self._write(batches)
+                    store.archived(first for first, _ in batches)
+                if not batches or (not force and store.queued < self.archive_max_rows):
                     break  # the rest are younger than the limit: they wait for the next turn
         except BaseException:
             self._done = None  # files may hold rows still queued: ask them again next time
             raise
         return written
 
-    def _archived_before(self) -> set[int]:
-        """Queued rows a previous run wrote to a file but did not take out of the queue.
+    def _write(self, batches: list[tuple[int, list[ArchiveRow]]]) -> int:
+        """Write the rows of ``batches`` that no file holds yet; returns how many."""
+        assert self._done is not None
+        by_archive: dict[str, list[ArchiveRow]] = {}
+        skipped = 0
+        for _, rows in batches:
+            for row in rows:
+                if row.seq in self._done:
+                    skipped += 1
+                else:
+                    by_archive.setdefault(row.archive, []).append(row)
+        if skipped:
+            log.info("archive queue: %d of %d rows were already in the archive files; not written again", skipped,
+                     skipped + sum(len(todo) for todo in by_archive.values()))
+        for name, todo in by_archive.items():
+            self.archives[name].write(self.store.epoch, todo)
+        return sum(len(todo) for todo in by_archive.values())
 
-        Batches leave the queue oldest first, so every row an archive file holds within the
-        queue's seq span is a queued row: no need to decode the queue to ask.
+    def _archived_before(self) -> set[int]:
+        """Queued rows a previous run (or owner) wrote to a file but did not take out of the queue.
+
+        Every queued row a file holds has its seq in the queue's span, so the files of that span
+        are asked, without decoding the queue. They may hold other rows of the span too (rows
+        already out of the queue; other replicas' rows, on a shared root): seqs never repeat, so
+        those match no queued row.
         """
         span = self.store.queued_span()
         if span is None:
@@ -211,5 +240,4 @@ class Outbox:
         found: set[int] = set()
         for archive in self.archives.values():
             found |= archive.archived_seqs(self.store.epoch, *span)
-        log.info("archive queue: %d of %d rows were already in the archive files", len(found), self.store.queued)
         return found

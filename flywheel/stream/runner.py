@@ -262,8 +262,11 @@ class StreamRunner(ConsumerRebalanceListener):
             # Leases first: whoever held these shards fails its next transaction from here on, and
             # (on PostgreSQL) one in progress has committed before take() returns, so the offsets
             # and state read below are all it left. The sends it had in flight are drained, so
-            # that what it left in the outbox, with lower seqs, is read by deliver() below.
+            # that what it left in the outbox, with lower seqs, is read by deliver() below. Its
+            # archive write in progress has ended too (it holds the leases): the files are asked
+            # again for the queued rows it renamed into place and did not dequeue.
             self.store.take(shards)
+            self.outbox.taken(shards)
             self.delivered += self.outbox.flush()
         stored = self._restart_recreated(assigned, self.store.offsets())
         if new := {tp: (tp.topic, tp.partition) for tp in assigned if (tp.topic, tp.partition) not in stored}:

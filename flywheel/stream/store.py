@@ -138,6 +138,7 @@ class StateStore:
         self.owed = 0
         self._owed_change = 0  # of the open transaction
         self.queued = 0
+        self._unqueued = 0  # rows the open transaction took out of the archive queue
         self._in_txn = False
         self._next_seq = 1  # set from the database below, once the schema exists
         self._block_end: float = math.inf  # a shared store's seqs come in blocks (_reserve)
@@ -214,7 +215,7 @@ class StateStore:
         except BaseException:
             self._appends.clear()
             self._queue.clear()
-            self._owed_change = 0
+            self._owed_change = self._unqueued = 0
             self._next_seq, self._block_end = first_seq, block_end
             self.db.execute("ROLLBACK")
             for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
@@ -223,7 +224,8 @@ class StateStore:
         else:
             self.db.execute("COMMIT")
             self.owed += self._owed_change
-            self._owed_change = 0
+            self.queued -= self._unqueued
+            self._owed_change = self._unqueued = 0
             if self._queue:
                 if not self.queued:
                     self.queued_since = time.monotonic()
@@ -449,15 +451,24 @@ class StateStore:
         return None if lo is None else (lo, hi)
 
     def archived(self, firsts: Iterable[int]) -> None:
-        """Take whole batches (by first seq) out of the archive queue: their rows are in files."""
+        """Take whole batches (by first seq) out of the archive queue: their rows are in files.
+
+        In the open transaction if there is one (the archive write's, which holds the leases
+        from before its files are written until they leave the queue: Outbox.archive), else in
+        one of its own.
+        """
+        if not self._in_txn:
+            with self.txn():
+                self._dequeue(firsts)
+        else:
+            self._dequeue(firsts)
+
+    def _dequeue(self, firsts: Iterable[int]) -> None:
         keys = [(first,) for first in firsts]
-        with self.txn():
-            gone = 0
-            for k in keys:
-                row = self.db.execute("SELECT rows FROM archive_queue WHERE first=?", k).fetchone()
-                gone += row[0] if row is not None else 0
-            self.db.executemany("DELETE FROM archive_queue WHERE first=?", keys)
-        self.queued -= gone
+        for k in keys:
+            row = self.db.execute("SELECT rows FROM archive_queue WHERE first=?", k).fetchone()
+            self._unqueued += row[0] if row is not None else 0
+        self.db.executemany("DELETE FROM archive_queue WHERE first=?", keys)
 
     def changed_ids(self, ids: dict[str, str],
                     parts: Iterable[tuple[str, int]] = ()) -> tuple[dict[Any, str], set[str]]:

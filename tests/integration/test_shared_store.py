@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
@@ -28,6 +30,8 @@ from flywheel.contracts import (
 )
 from flywheel.settings import IngestSettings, RewardSettings
 from flywheel.stream import store as store_module
+from flywheel.stream.archive import ParquetArchive
+from flywheel.stream.outbox import Outbox
 from flywheel.stream.store import LeaseLost, StateStore
 from ingest.stage import SCHEMA as INGEST_SCHEMA
 from ingest.stage import IngestStage
@@ -237,3 +241,106 @@ def test_reward_guard_counts_move_with_their_shard(shared):
     assert b._users[(win, "alice")][0] == 5
     rewards = [r for r in b_store.pending([0, 1], limit=100) if r.topic == T.rewards]
     assert sorted(r.key for r in rewards) == ["g1", "g2", "g3", "g4", "g5"]
+
+
+# -- one archive root shared by the replicas -----------------------------------------------------
+class Killed(BaseException):
+    """The process dies here (its open transaction is rolled back, as a dead connection's is)."""
+
+
+def _parquet(root) -> ParquetArchive:
+    return ParquetArchive(root, pa.schema([pa.field("v", pa.string())]), lambda v: (0.0, {"v": v.decode()}))
+
+
+def _archived_seqs(root) -> list[int]:
+    return sorted(s for f in _parquet(root).files() for s in pq.read_table(f).column("outbox_seq").to_pylist())
+
+
+def _queue(store: StateStore, shard: int, n: int) -> list[int]:
+    with store.txn():
+        for i in range(n):
+            store.append(shard, "out", f"{shard}-{i}", b"v%d" % i, archive="a")
+    return [r.seq for _, rows in store.queued_batches(10**6) for r in rows if r.value.startswith(b"v")]
+
+
+def test_a_takeover_writes_no_archive_row_its_dead_predecessor_renamed_into_the_shared_root(shared, tmp_path,
+                                                                                            monkeypatch):
+    """Replicas share one archive root. ``a`` renames a file of shard 0's rows into place and dies
+    before taking them out of the queue; ``b``, which already wrote files of its own shard (it
+    asked the files at its start, long before), takes shard 0 over: it asks the files again and
+    writes only what is missing. Each row is in the root once."""
+    root = tmp_path / "shared-archive"
+    a, b = shared(), shared()
+    a.take([0])
+    b.take([1])
+    box_a, box_b = Outbox(a, None, {"a": _parquet(root)}), Outbox(b, None, {"a": _parquet(root)})
+    queued_b = _queue(b, 1, 3)
+    assert box_b.archive(force=True) == 3  # b's files, and its look at the root, before a's crash
+    queued_a = _queue(a, 0, 5)
+
+    def die(*_):
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(a, "archived", die)
+        with pytest.raises(Killed):
+            box_a.archive(force=True)
+    assert _archived_seqs(root) == sorted(queued_b + queued_a) and a.queued == 5  # renamed, still queued
+    with a.txn():
+        a.append(0, "out", "0-late", b"late", archive="a")  # committed before the death, never written
+    late = max(r.seq for _, rows in a.queued_batches(100) for r in rows)
+    a.close()
+
+    b.take([0])
+    box_b.taken({0})  # what the runner does once the leases are taken
+    assert box_b.archive(force=True) == 1 and b.queued == 0
+    assert _archived_seqs(root) == sorted([*queued_b, *queued_a, late])
+
+
+def test_a_takeover_waits_for_the_archive_write_in_progress_and_fences_the_next(shared, tmp_path):
+    """``a``'s archive write holds its leases from before its file is written until its rows leave
+    the queue: ``b``'s takeover waits for it, then finds nothing left to write. A write ``a``
+    begins after the takeover (a zombie that has not heard) is fenced before it writes a file."""
+    root = tmp_path / "shared-archive"
+    a = shared()
+    a.take([0, 1])
+    url, ns = a.url, a.ns
+    queued = _queue(a, 0, 4)
+    taken: list[int] = []
+    writing = threading.Event()
+
+    def take_over() -> None:  # a store of its own thread (an SQLite connection is per thread)
+        b = StateStore.shared_store(url, ns, KV)
+        try:
+            writing.wait(10)
+            b.take([0])
+            box = Outbox(b, None, {"a": _parquet(root)})
+            box.taken({0})
+            taken.append(box.archive(force=True))
+        finally:
+            b.close()
+
+    class Slow(ParquetArchive):
+        def write(self, epoch, rows):
+            writing.set()
+            time.sleep(0.5)  # the takeover asks for the lease meanwhile, and waits
+            assert thread.is_alive() and not taken
+            super().write(epoch, rows)
+
+    thread = threading.Thread(target=take_over)
+    thread.start()
+    slow = Slow(root, pa.schema([pa.field("v", pa.string())]), lambda v: (0.0, {"v": v.decode()}))
+    assert Outbox(a, None, {"a": slow}).archive(force=True) == 4
+    thread.join(timeout=30)
+    assert taken == [0] and _archived_seqs(root) == queued
+
+    a.release([0])  # (the runner drops a shard it lost)
+    zombie = _queue(a, 1, 2)
+    b = shared()
+    b.take([1])  # a has not heard
+    with pytest.raises(LeaseLost):
+        Outbox(a, None, {"a": _parquet(root)}).archive(force=True)
+    assert _archived_seqs(root) == queued
+    box_b = Outbox(b, None, {"a": _parquet(root)})
+    box_b.taken({1})
+    assert box_b.archive(force=True) == 2 and _archived_seqs(root) == sorted(queued + zombie)

@@ -136,10 +136,13 @@ def test_an_archive_write_the_disk_refuses_leaves_no_partial_file_behind(tmp_pat
 
 def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(tmp_path):
     """A ``kill -9`` in the middle of a Parquet write leaves its hidden temporary file: the next
-    start of the archive's only writer removes it, and keeps every finished file."""
+    start removes it once it is stale, and keeps every finished file. A fresh one is kept: on a
+    root shared by replicas it is another live replica's write in progress."""
+    import os
+
     import pyarrow as pa
 
-    from flywheel.stream.archive import ParquetArchive
+    from flywheel.stream.archive import STALE_TMP_S, ParquetArchive
     from flywheel.stream.store import ArchiveRow
 
     def parquet() -> ParquetArchive:
@@ -150,7 +153,11 @@ def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(
     (finished,) = parquet().files()
     partial = finished.parent / f".{finished.name.replace('-000000000001.', '-000000000002.')}.0a1b2c3d.tmp"
     partial.write_bytes(b"PAR1" + b"\0" * 100)
+    written = partial.stat().st_mtime - STALE_TMP_S - 1  # a write that died that long ago
+    os.utime(partial, (written, written))
+    live = finished.parent / f".{finished.name.replace('-000000000001.', '-000000000003.')}.9f8e7d6c.tmp"
+    live.write_bytes(b"PAR1")  # another replica's, being written now
     other = finished.parent / "notes.txt"  # not the archive's: left alone
     other.write_text("kept")
     parquet()
-    assert not partial.exists() and finished.exists() and other.exists()
+    assert not partial.exists() and live.exists() and finished.exists() and other.exists()
