@@ -497,6 +497,8 @@ def column_title(col: dict[str, Any]) -> str:
     """One version of the answer timeline as a heading: which, when, and how users met it."""
     when = {"start": "at the start", "promoted": f"promoted after {_fmt(col['after_s'], ' s', 0)}"}.get(
         col["role"], col["role"])
+    if not col["judged"]:
+        return f"v{col['version']}, {when}: no user judged its answers"
     return f"v{col['version']}, {when}: accept rate {_fmt(col['accept_rate'])} over {col['judged']} judged"
 
 
@@ -510,9 +512,9 @@ def _answers_html(timeline: list[dict[str, Any]]) -> str:
             f"<td class={'liked' if c['answers'][i]['liked'] else 'plain'}>{e(c['answers'][i]['text'])}</td>"
             for c in timeline) + "</tr>"
         for i, a in enumerate(timeline[0]["answers"]))
-    return (f"<h2>What the stable version answered</h2><p>Greedy answers to fixed prompts, sampled offline from "
-            f"each version's checkpoint at the start and after each promotion; an answer the users' taste accepts "
-            f"is green.</p><table class=answers><tr><th>prompt</th>{head}</tr>{rows}</table>")
+    return (f"<h2>What the stable version answered</h2><p>Greedy answers to fixed prompts, generated offline "
+            f"from each version's checkpoint: at the start, after each promotion, and the newest version; an "
+            f"answer the users' taste accepts is green.</p><table class=answers><tr><th>prompt</th>{head}</tr>{rows}</table>")
 
 
 def write_html(summary: dict[str, Any], png: Path | None, path: Path) -> Path:

@@ -77,6 +77,7 @@ def test_the_timeline_shows_the_start_each_promotion_and_the_newest_with_accept_
     assert got[1]["answers"][0] == {"prompt": PROMPTS[0], "text": "Yes, the sun is a star.", "liked": True}
     assert column_title(got[1]) == "v2, promoted after 100 s: accept rate 0.40 over 120 judged"
     assert column_title(got[0]).startswith("v0, at the start: accept rate 0.15")
+    assert column_title(got[-1]) == "v5, newest, never promoted: no user judged its answers"
 
 
 def test_the_timeline_leaves_out_what_was_not_answered_and_repeats_no_version():
