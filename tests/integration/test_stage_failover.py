@@ -6,10 +6,12 @@ input offsets) lives in the shared database keyed by partition (docs/stream-runt
 out"). Three ingest and two reward replicas run on six partitions while the messy dataset of
 test_pipeline_exactly_once streams through; one replica at a time is SIGKILLed, the survivors'
 takeover of its partitions is timed from their ``/health``, and a replacement (with a fresh
-data_dir: another machine) joins. At the end the distinct episodes, rewards and dead letters are
+data_dir: another machine) joins. Every replica writes its archives under one ``archive.root``
+(a volume they all mount). At the end the distinct episodes, rewards and dead letters are
 exactly the expected ones, repeats on the topics are no more than the rows the killed replicas'
-partitions still owed, and the archives hold each row once. Run on the real PostgreSQL and on
-SQLite files the processes share.
+partitions still owed, and the shared archives hold each row once: a replica killed between an
+archive file's rename and its dequeue leaves rows its successor finds there. Run on the real
+PostgreSQL and on SQLite files the processes share.
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ class Replicas(Stages):
 @pytest.mark.slow  # about 2 minutes a database: kills, takeovers and a 16-chunk stream
 def test_replicas_take_over_killed_ones_with_nothing_lost(wide, database_url, tmp_path):
     kafka, topics = wide
+    shared = tmp_path / "shared"  # the volume every replica mounts: its archive/ is their archive.root
     env = stage_env(kafka, topics, tmp_path, FLYWHEEL_STREAM_DATABASE_URL=database_url,
-                    FLYWHEEL_KAFKA_PARTITIONS=str(PARTITIONS))
+                    FLYWHEEL_KAFKA_PARTITIONS=str(PARTITIONS), FLYWHEEL_ARCHIVE_ROOT=str(shared / "archive"))
     groups = {"ingest": env["FLYWHEEL_INGEST_GROUP_ID"], "reward": env["FLYWHEEL_REWARD_GROUP_ID"]}
     stages = Replicas(env, tmp_path, {"ingest": 3, "reward": 2})
     for name in sorted(stages.specs):
@@ -164,15 +167,23 @@ def test_replicas_take_over_killed_ones_with_nothing_lost(wide, database_url, tm
     try:
         produce(kafka, ds, t0)
         time.sleep(1.0)
+        # A kill and its takeover take about 5 s, so a fast run's 16 s stream sees three or four:
+        # the kills go on (open windows, outboxes and archive queues still move) until each stage
+        # has had two.
+        deadline = time.monotonic() + 60
+        while not failures and time.monotonic() < deadline and min(
+                sum(n for name, n in stages.kills.items() if stages.module(name) == stage) for stage in groups) < 2:
+            time.sleep(0.2)
         done.set()
         thread.join(timeout=120)
         assert not failures, failures
-        outcome = check_outcome(kafka, topics, ds, stages.dirs,
+        outcome = check_outcome(kafka, topics, ds, [shared],
                                 reward_shards="moving",
                                 settle=stages.wait_delivered, repeats_from={"ingest", "reward"})
     finally:
         done.set()
         stages.stop()
+    assert not [f for d in stages.dirs for f in d.rglob("*.parquet")]  # all of it in the shared root
     kills = {stage: sum(n for name, n in stages.kills.items() if stages.module(name) == stage) for stage in groups}
     log.info("kills %s; takeover s %s; leftovers %s; repeats %s", kills, takeovers, leftovers, dict(outcome.repeats))
     assert kills["ingest"] >= 2 and kills["reward"] >= 2, kills
