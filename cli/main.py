@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description=importlib.import_module("local.up").__doc__,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     up.add_argument("--broker-port", type=int, default=None, help="the embedded broker's port (default: a free one)")
+    up.add_argument("--replicas", type=int, default=1,
+                    help="processes each of ingest and reward, sharing partitions and state (default 1; "
+                         "more needs stream.database_url)")
     up.set_defaults(func=_role("local.up"))
     st = sub.add_parser("status", help="what `flywheel up` runs: each stage's pid, port and restarts")
     st.set_defaults(func=lambda a: importlib.import_module("local.up").print_status(_settings(a).data_dir))

@@ -21,6 +21,13 @@ weights in the checkpoint store, serving's journal and the stages' local state s
 says so loudly, starts a fresh broker on the same port and restarts every stage on it; use a real
 Kafka cluster (``FLYWHEEL_KAFKA_BOOTSTRAP``) wherever that loss matters.
 
+``flywheel up --replicas N`` runs N processes each of ingest and reward (``ingest-1`` ..
+``ingest-N``, ``reward-1`` .. ``reward-N``), all in their stage's consumer group, sharing the
+partitions, ``archive.root`` and their state in ``stream.database_url`` (docs/shared-state.md);
+the first of each keeps the stage's port, the others get free ones (``flywheel status`` lists
+them). It needs ``stream.database_url``: replicas on local stores would each keep a state of
+their own.
+
 The children get this process's environment (so ``FLYWHEEL_*`` settings and a config file apply
 to all of them) plus what ``up`` sets: the broker address, the data and model directories, an API
 key and a release-console token when none is configured (printed once at start), and signing
@@ -253,6 +260,8 @@ def run(settings: Any, args: Any) -> int:
     from local.demo import ensure_model
 
     data_dir = Path(settings.data_dir)
+    replicas = getattr(args, "replicas", None) or 1
+    check_replicas(settings, replicas)  # before a model is built or a broker started
     bootstrap = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
     if bootstrap is None:
         tansu_binary()  # an install without the embedded broker says so now, not after building a model
@@ -287,15 +296,43 @@ def run(settings: Any, args: Any) -> int:
         token = secrets.token_hex(12)
         env["FLYWHEEL_RELEASE_TOKENS"] = f"local:admin:{token}"
         print(f"release console token (admin) for this run: {token}", flush=True)
-    children = []
-    for name, role, port_var in STAGES:
-        port = int(env.get(port_var) or _default_port(settings, name))
-        children.append(Child(name, [sys.executable, "-m", "cli", *role], {**env, port_var: str(port)},
-                              data_dir / "logs" / f"{name}.log", port))
+    children = [Child(name, [sys.executable, "-m", "cli", *role], {**env, port_var: str(port)},
+                      data_dir / "logs" / f"{name}.log", port)
+                for name, role, port_var, port in plan_children(settings, env, replicas, free_port)]
     sup = Supervisor(children, status_path(data_dir), broker, topics=topics)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, sup.request_stop)
     return sup.run()
+
+
+#: The stages ``up --replicas N`` runs N processes of: the stream stages, whose replicas share
+#: their partitions through the consumer group and their state through ``stream.database_url``.
+REPLICATED = ("ingest", "reward")
+
+
+def check_replicas(settings: Any, replicas: int) -> None:
+    """Refuse ``--replicas`` above 1 without a shared state database (SystemExit, saying why)."""
+    if replicas < 1:
+        raise SystemExit(f"flywheel up: --replicas must be at least 1, not {replicas}")
+    if replicas > 1 and not settings.stream.database_url:
+        raise SystemExit(
+            f"flywheel up --replicas {replicas} needs stream.database_url (FLYWHEEL_STREAM_DATABASE_URL): "
+            "replicas on local stores would each keep a state of their own, and a partition's "
+            "join windows and dedupe ids would not move with it (docs/shared-state.md)")
+
+
+def plan_children(settings: Any, env: dict[str, str], replicas: int,
+                  free_port: Any) -> list[tuple[str, tuple[str, ...], str, int]]:
+    """(name, command, port setting, port) of each child, in start order: ``replicas`` of each
+    stage in :data:`REPLICATED` (named ``<stage>-<n>`` when more than one; the first keeps the
+    stage's port, the others get ``free_port()``), one of every other stage."""
+    out = []
+    for name, role, port_var in STAGES:
+        port = int(env.get(port_var) or _default_port(settings, name))
+        n = replicas if name in REPLICATED else 1
+        for i in range(1, n + 1):
+            out.append((f"{name}-{i}" if n > 1 else name, role, port_var, port if i == 1 else free_port()))
+    return out
 
 
 #: The records ``up`` signs, where neither side is configured: (key id, the writer's setting, the
@@ -348,7 +385,7 @@ def print_status(data_dir: Path) -> int:
         print(f"  broker   {b['bootstrap']:<22} pid {b['pid']}  restarts {b['restarts']} (in memory)")
     for s in status["stages"]:
         state = s["state"] if up else "stopped"
-        print(f"  {s['name']:<8} :{s['port'] or '-':<21} {state:<10} pid {s['pid'] or '-'}  restarts {s['restarts']}"
+        print(f"  {s['name']:<9}:{s['port'] or '-':<21} {state:<10} pid {s['pid'] or '-'}  restarts {s['restarts']}"
               f"  log {s['log']}")
     return 0 if up else 1
 

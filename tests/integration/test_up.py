@@ -165,6 +165,33 @@ def test_a_dead_broker_is_announced_as_lost_data_and_replaced_on_its_port(tmp_pa
     assert broker.exited() is None or broker.pid is None  # stopped by the supervisor
 
 
+def test_replicas_without_a_shared_state_database_are_refused_before_anything_starts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env["FLYWHEEL_DATA_DIR"] = str(tmp_path)
+    run = subprocess.run([sys.executable, "-m", "cli", "up", "--replicas", "2"], env=env, capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert run.returncode != 0 and "needs stream.database_url" in run.stderr, run.stderr[-2000:]
+    assert not list(tmp_path.iterdir())  # no model built, no broker, no status
+
+
+def test_replicas_of_the_stream_stages_are_named_and_get_ports_of_their_own():
+    from flywheel.settings import load_settings
+    from local.broker import free_port
+    from local.up import plan_children
+
+    settings = load_settings(env={"FLYWHEEL_STREAM_DATABASE_URL": "postgresql://postgres@127.0.0.1:5432/x"})
+    env = {"FLYWHEEL_INGEST_PORT": "9301"}
+    plan = plan_children(settings, env, 3, free_port)
+    names = [name for name, _, _, _ in plan]
+    assert names == ["ingest-1", "ingest-2", "ingest-3", "reward-1", "reward-2", "reward-3", "train", "release",
+                     "serve"]
+    ports = {name: port for name, _, _, port in plan}
+    assert ports["ingest-1"] == 9301 and ports["reward-1"] == settings.reward.port  # the first keeps the stage's
+    assert len(set(ports.values())) == len(plan)
+    assert {var for name, _, var, _ in plan if name.startswith("reward")} == {"FLYWHEEL_REWARD_PORT"}
+    assert [name for name, _, _, _ in plan_children(settings, env, 1, free_port)][:2] == ["ingest", "reward"]
+
+
 @pytest.mark.slow
 def test_flywheel_up_runs_every_stage_and_stops_them_all_on_sigterm(tmp_path, tiny_model_dir):
     from local.broker import free_port
