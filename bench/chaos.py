@@ -5,21 +5,30 @@ across every role, then the invariants checked from what the run left.
     python bench/chaos.py --duration 300 --out chaos.json   # the short form (the slow test's)
     flywheel chaos --duration 600 --seed 3 --out chaos.json
 
-The loop runs with the demo's settings (``local/demo.toml``), its release store in a throwaway
-PostgreSQL schema (``--pg-url``; ``--pg-url ''`` keeps SQLite and drops the database fault).
+The loop runs with the demo's settings (``local/demo.toml``) under ``flywheel up --replicas 2``:
+two processes each of ingest and reward sharing their stage's partitions, its state and one
+archive root, in a throwaway PostgreSQL database made for the run on ``--pg-url``'s server
+(``flywheel_chaos_<random>``, dropped at the end) that also holds the release store.
+``--stream-db sqlite`` keeps the stream state in SQLite files the replicas share, ``--stream-db
+local`` in each process's own store (one process a stage); ``--pg-url ''`` keeps every store on
+SQLite and drops the database fault.
 While the users are simulated (``flywheel simulate``'s population), faults land at random times
 drawn from ``--seed``, each kind spread over the run (one at a random moment of each equal slice),
 each logged with its time:
 
 - ``kill:<role>``: SIGKILL of serving, ingest, reward, the trainer or the release controller, by
-  the pid ``flywheel up``'s status names (a role's list of pids: several replicas are one more
-  entry). ``up`` restarts it; the time until its ``/readyz`` answers 200 again is its recovery.
+  the pid ``flywheel up``'s status names (of ingest and reward, a random live replica). ``up``
+  restarts it; the time until its ``/readyz`` answers 200 again is its recovery. Of a stream
+  stage's replica that held partitions, the time until the ``/health`` ``shards`` of the
+  stage's live replicas cover every partition again is the takeover.
   Every process of the killed instance (serving's vLLM engines above all) is read from ``/proc``
   before the kill and must be gone within :data:`ORPHAN_WAIT_S`.
 - ``broker_stop``: SIGSTOP of the embedded broker for 5-30 s, then SIGCONT.
-- ``pg_drop``: every connection of the loop to PostgreSQL ended by ``pg_terminate_backend``, which
-  is what a database restart or a failover looks like to a client. The server itself is shared
-  with other users of the machine and is not restarted.
+- ``pg_drop``: every connection of the loop to PostgreSQL (the release controller's and the
+  stream stages') ended by ``pg_terminate_backend``, which is what a database restart or a
+  failover looks like to a client. The server itself is shared with other users of the machine
+  and is not restarted. A stream stage whose connection died exits and ``up`` restarts it: the
+  fault's outcome names the replicas that restarted within :data:`PG_DROP_WATCH_S`.
 - ``store_unreadable``: the checkpoint store's directory ``chmod 000`` for 10-30 s, then restored.
   ``up`` runs without CAP_DAC_OVERRIDE (``setpriv``) when this runs as root, so the mode binds.
 - ``malformed:<topic>``: six malformed records (empty, not UTF-8, not an object, the wrong kind,
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import secrets
@@ -90,6 +100,12 @@ SERVE_KILLS_BETWEEN = (0.5, 0.8)
 ORPHAN_WAIT_S = 10.0
 #: Longest wait for a killed role to answer /readyz again (serving took 315 s on a loaded machine).
 RECOVERY_WAIT_S = 600.0
+#: Longest wait for a stream stage's live replicas to cover every partition after a kill.
+TAKEOVER_WAIT_S = 180.0
+#: Seconds after a ``pg_drop`` within which a stream stage replica's restart is put down to it.
+PG_DROP_WATCH_S = 20.0
+#: The stages ``flywheel up --replicas`` runs several processes of (local/up.py REPLICATED).
+STREAM_ROLES = ("ingest", "reward")
 
 
 def _say(msg: str) -> None:
@@ -180,11 +196,13 @@ def alive(proc: Proc) -> bool:
 class Loop:
     """``flywheel up`` started for the run: its ports, status file and pids."""
 
-    def __init__(self, root: Path, model_dir: Path, pg_url: str | None) -> None:
+    def __init__(self, root: Path, model_dir: Path, db: RunDatabase | None, stream_url: str,
+                 replicas: int) -> None:
         from local.broker import free_port
         from local.up import STAGES, status_path
 
-        self.root, self.model_dir, self.pg_url = root, model_dir, pg_url
+        self.root, self.model_dir, self.db, self.replicas = root, model_dir, db, replicas
+        self.stream_on_pg = stream_url.startswith("postgres")
         self.key, self.token = "sk-chaos-" + secrets.token_hex(8), secrets.token_hex(12)
         self.ports = {name: free_port() for name, _, _ in STAGES}
         self.status_file = status_path(root)
@@ -195,8 +213,10 @@ class Loop:
                         OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                         DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"),
                         **{var: str(self.ports[name]) for name, _, var in STAGES})
-        if pg_url:
-            self.env["FLYWHEEL_DATABASE_URL"] = pg_url
+        if db is not None:
+            self.env["FLYWHEEL_DATABASE_URL"] = db.release_url
+        if stream_url:
+            self.env["FLYWHEEL_STREAM_DATABASE_URL"] = stream_url
         self.proc: subprocess.Popen | None = None
         #: whether ``up`` runs without CAP_DAC_OVERRIDE, so a chmod binds it (always, as non-root)
         self.mode_binds = os.geteuid() != 0
@@ -204,7 +224,7 @@ class Loop:
     def start(self, timeout_s: float) -> None:
         from local.demo import _wait_healthy
 
-        argv = [sys.executable, "-m", "cli", "up"]
+        argv = [sys.executable, "-m", "cli", "up", "--replicas", str(self.replicas)]
         if os.geteuid() == 0 and shutil.which("setpriv"):
             drop = "-dac_override,-dac_read_search"
             argv = ["setpriv", "--bounding-set", drop, "--inh-caps", drop, "--", *argv]
@@ -227,26 +247,55 @@ class Loop:
     def status(self) -> dict[str, Any]:
         return json.loads(self.status_file.read_text())
 
+    def instances(self, role: str) -> list[dict[str, Any]]:
+        """``role``'s processes in ``up``'s status: itself, or its replicas ``<role>-<n>``."""
+        return [s for s in self.status()["stages"] if replica_of(s["name"]) == role]
+
     def pids(self, role: str) -> list[int]:
-        """The live pids of ``role`` (one per replica; ``flywheel up`` runs one)."""
-        return [s["pid"] for s in self.status()["stages"] if s["name"] == role and s["pid"]]
+        """The live pids of ``role``, one per replica."""
+        return [s["pid"] for s in self.instances(role) if s["pid"]]
+
+    def pid_of(self, name: str) -> int | None:
+        return next((s["pid"] for s in self.status()["stages"] if s["name"] == name), None)
 
     def broker_pid(self) -> int:
         return self.status()["broker"]["pid"]
 
-    def ready(self, role: str) -> bool:
-        import httpx
+    def ready(self, role: str, port: int | None = None) -> bool:
+        return _get(f"http://127.0.0.1:{port or self.ports[role]}/readyz") is not None
 
-        try:
-            return httpx.get(f"{self.url(role)}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
+    def shards(self, port: int) -> list[int] | None:
+        """The partitions a stream stage's process owns, from its ``/health``; None: no answer."""
+        h = _get(f"http://127.0.0.1:{port}/health")
+        return None if h is None else list(h.get("shards") or [])
+
+
+def replica_of(name: str) -> str:
+    """The role a process of ``up``'s status runs: ``ingest-2`` -> ``ingest``."""
+    role, _, n = name.rpartition("-")
+    return role if role and n.isdigit() else name
+
+
+def _get(url: str) -> dict[str, Any] | None:
+    """The JSON of a 200 answer, None for any other answer or none."""
+    import httpx
+
+    try:
+        r = httpx.get(url, timeout=2)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    try:
+        return r.json()
+    except ValueError:
+        return {}
 
 
 # -- faults -----------------------------------------------------------------------------------------
 class Injector:
-    def __init__(self, loop: Loop, settings: Any, rng: random.Random) -> None:
-        self.loop, self.settings, self.rng = loop, settings, rng
+    def __init__(self, loop: Loop, settings: Any, rng: random.Random, faults: list[Fault]) -> None:
+        self.loop, self.settings, self.rng, self.faults = loop, settings, rng, faults
         self.threads: list[threading.Thread] = []
         self.seen: list[Proc] = []  # every process of every killed instance
         self.injected: list[tuple[str, str]] = []  # (topic, key) of each malformed record
@@ -284,22 +333,44 @@ class Injector:
 
     def _kill(self, fault: Fault, role: str) -> None:
         deadline = time.monotonic() + 30
-        while not (pids := self.loop.pids(role)):  # restarting still from an earlier fault
+        while not (live := [s for s in self.loop.instances(role) if s["pid"]]):  # restarting from an earlier fault
             if time.monotonic() > deadline:
                 fault.outcome = {"skipped": f"{role} had no live process for 30 s"}
                 return
             time.sleep(1)
-        pid = self.rng.choice(pids)
+        victim = self.rng.choice(live)
+        pid, port = victim["pid"], victim["port"]
+        # the partitions the victim held, read just before the kill: those a takeover moves
+        held = self.loop.shards(port) if role in STREAM_ROLES else None
         leader, family = proc_of(pid), descendants(pid)
         os.kill(pid, signal.SIGKILL)
         fault.done_at = time.time()
-        fault.outcome = {"pid": pid, "processes": {p.pid: p.cmd[:80] for p in family},
+        fault.outcome = {"name": victim["name"], "pid": pid, "processes": {p.pid: p.cmd[:80] for p in family},
                          "engines": [p.pid for p in family if "VLLM" in p.cmd]}
+        if role in STREAM_ROLES:
+            fault.outcome["shards"] = held
+            if held:
+                self._later(self._takeover, fault, role, port)
         self.seen.extend([leader, *family] if leader else family)
-        self._later(self._watch, fault, role, pid, family)
+        self._later(self._watch, fault, role, victim["name"], pid, port, family)
 
-    def _watch(self, fault: Fault, role: str, pid: int, family: list[Proc]) -> None:
-        """How long the killed instance's processes lived on, and until the role was ready again."""
+    def _takeover(self, fault: Fault, role: str, dead_port: int) -> None:
+        """Seconds from the kill until the stage's live replicas own every partition again (the
+        killed one's replacement on its port counts once it answers: it joined the group)."""
+        t0, want = fault.done_at, list(range(self.settings.kafka.partitions))
+        while time.time() - t0 < TAKEOVER_WAIT_S:
+            owned: list[int] = []
+            for s in self.loop.instances(role):
+                if s["pid"] and (shards := self.loop.shards(s["port"])) is not None:
+                    owned += shards
+            if sorted(owned) == want:
+                fault.outcome["takeover_s"] = round(time.time() - t0, 2)
+                return
+            time.sleep(0.1)
+        fault.outcome["takeover_s"] = None
+
+    def _watch(self, fault: Fault, role: str, name: str, pid: int, port: int, family: list[Proc]) -> None:
+        """How long the killed instance's processes lived on, and until it was ready again."""
         t0 = fault.done_at
         left = list(family)
         while left and time.time() - t0 < ORPHAN_WAIT_S:
@@ -308,7 +379,7 @@ class Injector:
         fault.outcome["left_running"] = [asdict(p) for p in left if alive(p)]
         fault.outcome["family_gone_s"] = None if left else round(time.time() - t0, 2)
         while time.time() - t0 < RECOVERY_WAIT_S:
-            if (pids := self.loop.pids(role)) and pid not in pids and self.loop.ready(role):
+            if (now := self.loop.pid_of(name)) and now != pid and self.loop.ready(role, port):
                 fault.outcome["recovered_s"] = round(time.time() - t0, 1)
                 break
             time.sleep(0.25)
@@ -337,21 +408,46 @@ class Injector:
     def _pg_drop(self, fault: Fault) -> None:
         import psycopg
 
-        if not self.loop.pg_url:
-            fault.outcome = {"skipped": "the release store is SQLite (--pg-url '')"}
+        db = self.loop.db
+        if db is None:
+            fault.outcome = {"skipped": "every store is SQLite (--pg-url '')"}
             return
-        app = _app_name(self.loop.pg_url)
         deadline = time.monotonic() + 30
-        with psycopg.connect(_admin_url(self.loop.pg_url), autocommit=True, connect_timeout=5) as admin:
+        with psycopg.connect(db.admin_url, autocommit=True, connect_timeout=5) as admin:
             # none while the controller restarts from an earlier kill: the fault waits for one
-            while not (n := admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                          "WHERE application_name = %s", (app,)).fetchone()[0]):
-                if time.monotonic() > deadline:
-                    fault.outcome = {"skipped": "the loop held no connection to PostgreSQL for 30 s"}
-                    return
+            while True:
+                before = self._stream_restarts()
+                # the call in the select list: a WHERE clause may evaluate it before the filter,
+                # ending every connection on the server (other users' and this one)
+                ended = [(app,) for app, ok in admin.execute(
+                    "SELECT application_name, pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = %s AND pid <> pg_backend_pid()", (db.name,)).fetchall() if ok]
+                if ended or time.monotonic() > deadline:
+                    break
                 time.sleep(1)
+        if not ended:
+            fault.outcome = {"skipped": "the loop held no connection to PostgreSQL for 30 s"}
+            return
         fault.done_at = time.time()
-        fault.outcome = {"backends_terminated": n}
+        by_app: dict[str, int] = {}
+        for (app,) in ended:
+            by_app[app or "?"] = by_app.get(app or "?", 0) + 1
+        fault.outcome = {"backends_terminated": len(ended), "by_application": by_app}
+        if self.loop.stream_on_pg:
+            self._later(self._after_pg_drop, fault, before)
+
+    def _stream_restarts(self) -> dict[str, int]:
+        return {s["name"]: s["restarts"] for role in STREAM_ROLES for s in self.loop.instances(role)}
+
+    def _after_pg_drop(self, fault: Fault, before: dict[str, int]) -> None:
+        """The stream replicas ``up`` restarted within :data:`PG_DROP_WATCH_S` of the drop, and
+        those a kill fault hit meanwhile (whose restart is the kill's)."""
+        time.sleep(PG_DROP_WATCH_S)
+        after = self._stream_restarts()
+        fault.outcome["stream_restarted"] = sorted(n for n, r in after.items() if r > before.get(n, r))
+        fault.outcome["killed_meanwhile"] = sorted(
+            f.outcome.get("name") for f in self.faults if f.kind.startswith("kill:") and f.done_at
+            and 0 <= f.done_at - fault.done_at <= PG_DROP_WATCH_S and f.outcome.get("name"))
 
     def _store_unreadable(self, fault: Fault) -> None:
         from flywheel.checkpoints.store import store_root
@@ -408,37 +504,48 @@ class Injector:
             restore()
 
 
-def _app_name(url: str) -> str:
-    from urllib.parse import parse_qs, urlsplit
+@dataclass(frozen=True)
+class RunDatabase:
+    """The run's own PostgreSQL database: the release store's and the stream stages' state."""
 
-    return parse_qs(urlsplit(url).query)["application_name"][0]
+    admin_url: str  # the server's maintenance database, which creates and drops it
+    name: str
+
+    def url(self, app: str) -> str:
+        """The database's URL, its connections named ``app`` in ``pg_stat_activity``."""
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(self.admin_url)
+        return urlunsplit((parts.scheme, parts.netloc, f"/{self.name}", f"application_name={app}", ""))
+
+    @property
+    def release_url(self) -> str:
+        return self.url("flywheel-release")
+
+    @property
+    def stream_url(self) -> str:
+        return self.url("flywheel-stream")
 
 
-def _admin_url(url: str) -> str:
-    return url.split("?", 1)[0]
-
-
-def pg_schema(pg_url: str) -> tuple[str, str] | None:
-    """A throwaway schema for the run's release store: (its URL, its name), None when no server."""
+def create_database(admin_url: str) -> RunDatabase:
+    """A fresh database ``flywheel_chaos_<random>`` on ``admin_url``'s server."""
     import psycopg
 
+    db = RunDatabase(admin_url, f"flywheel_chaos_{uuid.uuid4().hex[:12]}")
     try:
-        with psycopg.connect(pg_url, autocommit=True, connect_timeout=5) as admin:
-            schema = f"chaos_{uuid.uuid4().hex[:12]}"
-            admin.execute(f'CREATE SCHEMA "{schema}"')
+        with psycopg.connect(admin_url, autocommit=True, connect_timeout=5) as admin:
+            admin.execute(f'CREATE DATABASE "{db.name}"')
     except psycopg.OperationalError as exc:
-        _say(f"no PostgreSQL at {pg_url} ({exc}): the release store stays SQLite, no database faults")
-        return None
-    sep = "&" if "?" in pg_url else "?"
-    return f"{pg_url}{sep}options=-csearch_path%3D{schema}&application_name={schema}", schema
+        raise SystemExit(f"chaos: no PostgreSQL at {admin_url} ({exc}); --pg-url '' runs every store on "
+                         "SQLite, without the database fault") from None
+    return db
 
 
-def drop_schema(pg_url: str, schema: str) -> None:
+def drop_database(db: RunDatabase) -> None:
     import psycopg
 
-    with psycopg.connect(pg_url, autocommit=True, connect_timeout=5) as admin:
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s", (schema,))
-        admin.execute(f'DROP SCHEMA "{schema}" CASCADE')
+    with psycopg.connect(db.admin_url, autocommit=True, connect_timeout=5) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{db.name}" WITH (FORCE)')
 
 
 # -- what the run left ------------------------------------------------------------------------------
@@ -713,17 +820,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     install_client_patches()
     if os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP"):
         raise SystemExit("chaos stalls the embedded broker: unset FLYWHEEL_KAFKA_BOOTSTRAP")
+    replicas = args.replicas or (1 if args.stream_db == "local" else 2)
+    if args.stream_db == "local" and replicas > 1:
+        raise SystemExit("chaos: --stream-db local keeps each process's state of its own: --replicas 1")
+    if args.stream_db == "postgresql" and not args.pg_url:
+        raise SystemExit("chaos: --stream-db postgresql needs a server (--pg-url)")
     root = Path(args.data_dir or tempfile.mkdtemp(prefix="flywheel-chaos-"))
     root.mkdir(parents=True, exist_ok=True)
     model_dir = args.model_dir or ensure_model(root / "model")
-    pg = pg_schema(args.pg_url) if args.pg_url else None
+    db = create_database(args.pg_url) if args.pg_url else None
     try:
-        loop = Loop(root, model_dir, pg[0] if pg else None)
+        stream_url = {"postgresql": db.stream_url if db else "", "sqlite": f"sqlite:///{root / 'stream-state'}",
+                      "local": ""}[args.stream_db]
+        loop = Loop(root, model_dir, db, stream_url, replicas)
         settings = load_settings(env=loop.env, config_file=loop.config)
         faults = plan(args.duration, args.seed)
-        _say(f"{len(faults)} faults over {args.duration:.0f} s (seed {args.seed}); data in {root}; release store "
-             f"{'PostgreSQL schema ' + pg[1] if pg else 'SQLite'}")
-        inj = Injector(loop, settings, random.Random(args.seed + 1))
+        _say(f"{len(faults)} faults over {args.duration:.0f} s (seed {args.seed}); data in {root}; "
+             f"{replicas} replica(s) each of ingest and reward, stream state {args.stream_db}; release store "
+             f"{'PostgreSQL database ' + db.name if db else 'SQLite'}")
+        inj = Injector(loop, settings, random.Random(args.seed + 1), faults)
         try:
             facts = exercise(loop, inj, faults, settings, args)
         finally:
@@ -731,12 +846,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             loop.stop()
         invariants, numbers = verdict(facts, settings, inj, faults)
     finally:
-        if pg:
-            drop_schema(args.pg_url, pg[1])
+        if db:
+            drop_database(db)
     return {"duration_s": args.duration, "seed": args.seed, "rate": args.rate, "data_dir": str(root),
-            "release_store": "postgresql" if pg else "sqlite", "traffic": [facts.started, facts.ended],
+            "release_store": "postgresql" if db else "sqlite", "stream_db": args.stream_db, "replicas": replicas,
+            "traffic": [facts.started, facts.ended],
             "faults": [asdict(f) for f in faults], **numbers, "served": {str(k): v for k, v in facts.served.items()},
-            "recovery": recovery(faults), "reaped_by_up": reaped_by_up(root / "up.log", faults),
+            "recovery": recovery(faults), "takeover": takeover(faults), "pg_drop": pg_drops(faults),
+            "reaped_by_up": reaped_by_up(root / "up.log", faults),
             "invariants": [asdict(i) for i in invariants], "ok": all(i.held for i in invariants)}
 
 
@@ -770,12 +887,55 @@ def recovery(faults: list[Fault]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def percentile(xs: list[float], q: float) -> float | None:
+    """The nearest-rank ``q`` quantile of ``xs`` (None when empty)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s), max(1, math.ceil(q * len(s)))) - 1]
+
+
+def takeover(faults: list[Fault]) -> dict[str, dict[str, Any]]:
+    """Per stream stage: seconds from a replica's kill until its live replicas owned every
+    partition again, over the kills of a replica that held partitions."""
+    out: dict[str, dict[str, Any]] = {}
+    for f in faults:
+        role = f.kind.split(":", 1)[1] if f.kind.startswith("kill:") else None
+        if role in STREAM_ROLES and f.done_at is not None:
+            row = out.setdefault(role, {"kills": 0, "held_none": 0, "takeover_s": [], "not_covered": 0})
+            row["kills"] += 1
+            if not f.outcome.get("shards"):
+                row["held_none"] += 1
+            elif (s := f.outcome.get("takeover_s")) is not None:
+                row["takeover_s"].append(s)
+            else:
+                row["not_covered"] += 1
+    for row in out.values():
+        row.update(p50=percentile(row["takeover_s"], 0.5), p95=percentile(row["takeover_s"], 0.95))
+    return out
+
+
+def pg_drops(faults: list[Fault]) -> dict[str, Any]:
+    """The database faults: connections ended by application, and the stream replicas that
+    restarted after each (other than those a kill fault hit)."""
+    drops = [f for f in faults if f.kind == "pg_drop" and f.done_at is not None]
+    ended: dict[str, int] = {}
+    restarted = []
+    for f in drops:
+        for app, n in f.outcome.get("by_application", {}).items():
+            ended[app] = ended.get(app, 0) + n
+        if "stream_restarted" in f.outcome:
+            restarted.append(sorted(set(f.outcome["stream_restarted"]) - set(f.outcome["killed_meanwhile"])))
+    return {"drops": len(drops), "connections_ended": ended, "stream_restarted_per_drop": restarted}
+
+
 def print_table(res: dict[str, Any]) -> None:
     kinds: dict[str, list[int]] = {}
     for f in res["faults"]:
         n = kinds.setdefault(f["kind"], [0, 0])
         n[0 if f["done_at"] is not None else 1] += 1
-    print(f"\nwhole-loop fault run: {res['duration_s']:.0f} s, seed {res['seed']}, release store {res['release_store']}")
+    print(f"\nwhole-loop fault run: {res['duration_s']:.0f} s, seed {res['seed']}, {res['replicas']} replica(s) "
+          f"each of ingest and reward, stream state {res['stream_db']}, release store {res['release_store']}")
     print(f"{'fault':<28}{'done':>6}{'skipped':>9}")
     for kind, (done, skipped) in sorted(kinds.items()):
         print(f"{kind:<28}{done:>6}{skipped:>9}")
@@ -785,6 +945,15 @@ def print_table(res: dict[str, Any]) -> None:
         p50 = "-" if r["p50"] is None else f"{r['p50']:.1f} s"
         mx = "-" if r["max"] is None else f"{r['max']:.1f} s"
         print(f"{role:<10}{r['kills']:>6}{p50:>17}{mx:>8}{r['not_recovered']:>7}")
+    if res["takeover"]:
+        print(f"\n{'takeover':<10}{'kills':>6}{'held none':>11}{'p50':>9}{'p95':>9}{'max':>9}{'never':>7}")
+    for role, t in sorted(res["takeover"].items()):
+        p50, p95 = ("-" if v is None else f"{v:.1f} s" for v in (t["p50"], t["p95"]))
+        mx = f"{max(t['takeover_s']):.1f} s" if t["takeover_s"] else "-"
+        print(f"{role:<10}{t['kills']:>6}{t['held_none']:>11}{p50:>9}{p95:>9}{mx:>9}{t['not_covered']:>7}")
+    if (d := res["pg_drop"])["drops"]:
+        print(f"\npg_drop x{d['drops']}: connections ended {d['connections_ended']}; stream replicas restarted "
+              f"after each (kills aside): {d['stream_restarted_per_drop']}")
     for r in res["reaped_by_up"]:
         print(f"flywheel up killed what {r['role']} left running: {r['processes']}")
     c = res["counts"]
@@ -814,8 +983,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=180.0,
                     help="longest wait after the traffic for every judged generation to be accounted for, s")
     ap.add_argument("--start-timeout", type=float, default=300.0, help="longest wait for serving to answer, s")
-    ap.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/test",
-                    help="PostgreSQL for the release store, in a throwaway schema ('' keeps SQLite)")
+    ap.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/postgres",
+                    help="a PostgreSQL server's maintenance database: the run makes a database of its own there "
+                         "for the release store and the stream state, and drops it at the end ('' keeps every "
+                         "store on SQLite)")
+    ap.add_argument("--stream-db", choices=("postgresql", "sqlite", "local"), default="postgresql",
+                    help="where ingest's and reward's replicas keep their state: the run's PostgreSQL database "
+                         "(default), SQLite files they share, or each process's own store (one replica)")
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="processes each of ingest and reward (default 2; 1 with --stream-db local)")
     ap.add_argument("--data-dir", type=Path, default=None, help="where the run's loop keeps its data (default: a temp dir)")
     ap.add_argument("--model-dir", type=Path, default=None, help="the model to start from (default: the small built one)")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")

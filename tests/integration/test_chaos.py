@@ -1,5 +1,6 @@
-"""The whole-loop fault run's short form (bench/chaos.py): ``flywheel up`` and simulated users for
-5 minutes with faults across every role, and every invariant held. The full run (10 minutes, at
+"""The whole-loop fault run's short form (bench/chaos.py): ``flywheel up`` (two replicas each of
+ingest and reward on a PostgreSQL database of the run's own) and simulated users for 5 minutes
+with faults across every role, and every invariant held. The full run (10 minutes, at
 least 50 faults) is a command in the README."""
 
 from __future__ import annotations
@@ -38,8 +39,14 @@ def test_the_loop_keeps_every_invariant_through_five_minutes_of_faults(tmp_path,
     assert {k for k in kinds if k.startswith("malformed:")} == {
         "malformed:generations", "malformed:feedback", "malformed:episodes", "malformed:rewards",
         "malformed:checkpoints", "malformed:serving_status", "malformed:releases"}, said
-    if res["release_store"] == "postgresql":
-        assert "pg_drop" in kinds, said
+    # ingest and reward ran as two replicas each on the run's PostgreSQL database, and the
+    # database fault hit them too
+    assert res["stream_db"] == "postgresql" and res["replicas"] == 2 and res["release_store"] == "postgresql", said
+    assert "pg_drop" in kinds, said
+    assert "flywheel-stream" in res["pg_drop"]["connections_ended"], said
+    # a killed replica's partitions were taken over by the stage's live replicas
+    takeovers = [s for t in res["takeover"].values() for s in t["takeover_s"]]
+    assert takeovers and not any(t["not_covered"] for t in res["takeover"].values()), said
     # every killed role answered /readyz again
     assert set(res["recovery"]) == set(ROLES) and not any(r["not_recovered"] for r in res["recovery"].values()), said
     assert res["counts"]["judged"] > 0 and res["counts"]["lost"] == 0 and res["counts"]["double_counted"] == 0, said
