@@ -125,6 +125,15 @@ class Outbox:
             self._failing = {seq: f for seq, f in self._failing.items() if f[0] not in gone}
             self._in_flight = {seq: sh for seq, sh in self._in_flight.items() if sh not in gone}
 
+    def restart(self) -> None:
+        """Forget every row in flight or failing, and what the archive files hold (the state
+        database came back after a connection error, which may have cut off the delete of acked
+        rows or the dequeue of archived ones): the next :meth:`deliver` reads the owed rows from
+        the database again and sends them, the acked ones too (at least once)."""
+        self._in_flight.clear()
+        self._failing.clear()
+        self._done = None
+
     def flush(self, timeout_s: float | None = None) -> int:
         """Wait for every send in flight and settle it (before shards move, and at shutdown), up
         to ``timeout_s`` (default ``flush_timeout_s``)."""

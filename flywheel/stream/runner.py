@@ -12,8 +12,13 @@ keeps turning instead of exiting: a failed turn is retried after a pause, output
 outbox, and ``<stage>_stalled_seconds`` and ``/health`` say how long nothing has moved. Nothing
 is skipped: broker calls happen outside the state-store transaction (poll before it, delivery
 after its commit), so a failed turn leaves the stored state as the last good turn left it.
-Errors that are not the broker's (the state store, a bug) still stop the process, whose restart
-resumes from the stored state.
+
+**When the state database does not answer** (PostgreSQL restarted, failed over, a connection
+ended) the same: the turn that failed is retried after the pause, once the store has
+reconnected and read again what the failed transaction may have left in memory
+(``StateStore.reconnect``), and every owned input partition is read again from its stored
+offset. Other errors (SQLite's, a bug) still stop the process, whose restart resumes from the
+stored state.
 """
 
 from __future__ import annotations
@@ -193,6 +198,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.records_in = 0
         self.delivered = 0
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
+        self._failing_on = ""  # what failed them: "the broker" or "the state database"
         self._more_due = False  # the last tick left due work: poll without waiting
         self._committed: dict[TopicPartition, int] = {}  # each position last committed to the group
         self._clock: tuple[float, float] | None = None  # (wall, monotonic) at the last committed turn
@@ -282,7 +288,8 @@ class StreamRunner(ConsumerRebalanceListener):
                  {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
 
     def _shards_changed(self, before: set[int]) -> None:
-        if self.owned != before and (hook := getattr(self.stage, "shards_changed", None)):
+        # a broken store cannot be read: _recover calls the hook once it is back
+        if self.owned != before and self.store.broken is None and (hook := getattr(self.stage, "shards_changed", None)):
             hook(set(self.owned))
 
     def _lose(self, lost: LeaseLost) -> None:
@@ -465,32 +472,57 @@ class StreamRunner(ConsumerRebalanceListener):
                 check()
             self.heartbeat.beat()
             try:
+                if self.store.broken is not None:
+                    self._recover()
                 self.step()
             except BROKER_ERRORS as exc:
-                self._failed_turn(exc, stop)
+                self._failed_turn(exc, stop, "the broker")
+            except self.store.lost_errors as exc:  # (none on SQLite)
+                self.store.lost(exc)
+                self._failed_turn(exc, stop, "the state database")
             else:
                 if self._failing_since is not None:
-                    log.info("the broker answers again after %.0fs", time.monotonic() - self._failing_since)
+                    log.info("%s answers again after %.0fs", self._failing_on, time.monotonic() - self._failing_since)
                 self._failing_since = None
             self.heartbeat.beat()
         self.finish()
 
-    def _failed_turn(self, exc: BaseException, stop: StopFlag) -> None:
+    def _recover(self) -> None:
+        """Before the next turn after the state database's connection was lost: reconnect, and
+        settle what the failed turn may have left half done. Its transaction may have committed
+        or not (a COMMIT whose answer was lost), so every owned partition is read again from its
+        stored offset; rows acked whose delete failed, or in flight, are sent again (readers drop
+        the repeats by key). Raises a connection error while the database does not answer."""
+        self.store.reconnect()
+        self.outbox.restart()
+        stored = self.store.offsets()
+        for tp in self.consumer.assignment():
+            if tp.partition in self.owned and (at := stored.get((tp.topic, tp.partition))) is not None:
+                self.consumer.seek(tp, at)
+        if hook := getattr(self.stage, "shards_changed", None):  # skipped while it was broken
+            hook(set(self.owned))
+
+    def _failed_turn(self, exc: BaseException, stop: StopFlag, on: str) -> None:
         now = time.monotonic()
-        if self._failing_since is None:
-            self._failing_since = now
-            log.warning("a turn failed on the broker (%s: %s); retrying every %.0fs until it answers",
-                        type(exc).__name__, exc, RETRY_PAUSE_S)
+        if self._failing_since is None or on != self._failing_on:
+            self._failing_since = self._failing_since if self._failing_since is not None else now
+            self._failing_on = on
+            if on == "the broker":
+                log.warning("a turn failed on the broker (%s: %s); retrying every %.0fs until it answers",
+                            type(exc).__name__, exc, RETRY_PAUSE_S)
+            else:
+                log.warning("the state database does not answer (%s: %s); reconnecting every %.0fs until it does",
+                            type(exc).__name__, exc, RETRY_PAUSE_S)
         else:
-            log.debug("still failing on the broker: %s: %s", type(exc).__name__, exc)
+            log.debug("still failing on %s: %s: %s", on, type(exc).__name__, exc)
         self.last_loop = now  # the loop is alive; stalled_s() says that it is not getting anywhere
         end = now + RETRY_PAUSE_S
         while not stop.is_set() and time.monotonic() < end:
             time.sleep(0.05)
 
     def stalled_s(self) -> float:
-        """Seconds the stage has made no progress with the broker: turns failing in a row, or
-        outputs owed with no ack (0 while it is fine)."""
+        """Seconds the stage has made no progress with the broker or the state database: turns
+        failing in a row, or outputs owed with no ack (0 while it is fine)."""
         failing = 0.0 if self._failing_since is None else time.monotonic() - self._failing_since
         return max(failing, self.outbox.stuck_s())
 
@@ -504,10 +536,16 @@ class StreamRunner(ConsumerRebalanceListener):
             except BROKER_ERRORS as exc:
                 log.warning("stopping with %d sends unacknowledged (%s); the next start sends them again",
                             self.outbox.in_flight, exc)
+            except self.store.lost_errors as exc:
+                log.warning("stopping with the state database not answering (%s): the owed rows and the "
+                            "archive queue wait in it for the next start", exc)
+                return
             try:
                 self.outbox.archive(force=True)
             except LeaseLost as lost:  # their new owner writes them
                 log.warning("stopping with archive rows of shards moved away unwritten: %s", lost)
+            except self.store.lost_errors as exc:
+                log.warning("stopping with the archive queue unwritten, the state database not answering (%s)", exc)
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
         """Ready: a turn finished, and progress made with the broker, within ``stale_s``

@@ -19,6 +19,7 @@ SQLite (replicas on one host) each has a file of its own beside the one the URL 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import re
 from collections.abc import Iterable
@@ -27,6 +28,10 @@ from typing import Any
 
 _TYPES = [(re.compile(r"\bBLOB\b"), "BYTEA"), (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
           (re.compile(r"\bINTEGER\b"), "BIGINT"), (re.compile(r"\s*\bAUTOINCREMENT\b"), "")]
+#: A reconnect waits at most this long for the server: one that does not answer is tried again
+#: after the stage's pause, which then keeps its loop turning (flywheel/stream/runner.py).
+RECONNECT_TIMEOUT_S = 10
+
 #: ``MIN(x, y)``, SQLite's two-argument scalar min (the aggregate takes one argument)
 _MIN2 = re.compile(r"\bMIN\(([^,()]+),")
 
@@ -88,6 +93,21 @@ class PgConnection:
         finally:
             self.conn.execute("SELECT pg_advisory_unlock(hashtext(%s))", (ns,))
         self.conn.execute(f'SET search_path TO "{ns}"')
+
+    def reconnect(self) -> None:
+        """A new connection in place of one that was lost (the schema exists already: it only
+        sets the search path). Raises, keeping the old one, while the server does not answer."""
+        import psycopg
+
+        conn = psycopg.connect(self.url, autocommit=True, connect_timeout=RECONNECT_TIMEOUT_S)
+        try:
+            conn.execute(f'SET search_path TO "{self.ns}"')
+        except BaseException:
+            conn.close()
+            raise
+        old, self.conn = self.conn, conn
+        with contextlib.suppress(psycopg.Error):
+            old.close()
 
     def _t(self, sql: str) -> str:
         pg = self._sql.get(sql)

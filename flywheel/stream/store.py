@@ -114,6 +114,11 @@ class LeaseLost(Exception):
         self.shards = shards
 
 
+class DatabaseLost(Exception):
+    """The connection to the state database was lost (or a transaction's outcome is unknown):
+    nothing may be read or written until :meth:`StateStore.reconnect` has succeeded."""
+
+
 class StateStore:
     """A stage's durable state: offsets, outbox, archive queue and the stage's tables.
 
@@ -140,11 +145,19 @@ class StateStore:
         self.queued = 0
         self._unqueued = 0  # rows the open transaction took out of the archive queue
         self._in_txn = False
+        #: The connection error that broke the store (None: it works): see :meth:`reconnect`.
+        self.broken: BaseException | None = None
+        #: Errors of a connection to the database that does not answer: a runner retries them
+        #: after :meth:`reconnect`. None on SQLite, a file of this machine: its errors stay fatal.
+        self.lost_errors: tuple[type[BaseException], ...] = ()
         self._next_seq = 1  # set from the database below, once the schema exists
         self._block_end: float = math.inf  # a shared store's seqs come in blocks (_reserve)
         if self.postgres:
             self.path: Path | None = None
             self.where = f"{redact_database_url(url)} (schema {ns})"
+            import psycopg
+
+            self.lost_errors = (psycopg.OperationalError, psycopg.InterfaceError, DatabaseLost)
             self.db: Any = PgConnection(url, ns)
             self.db.executescript(_SCHEMA + _SHARED_SCHEMA)
             self.db.executescript(stage_schema, rowid=True)
@@ -203,8 +216,18 @@ class StateStore:
     @contextmanager
     def txn(self, fenced: bool = True) -> Iterator[Any]:
         """One transaction; in a shared store it first checks (``fenced``) that every lease this
-        process holds is still its own, and raises :class:`LeaseLost` for those that are not."""
-        self.db.execute(self._begin)
+        process holds is still its own, and raises :class:`LeaseLost` for those that are not.
+
+        A connection error (:attr:`lost_errors`) breaks the store: the transaction may or may not
+        have committed (a COMMIT whose answer was lost), and the caches the ``on_rollback`` hooks
+        rebuild may hold the batch. Nothing runs until :meth:`reconnect` has read them again."""
+        if self.broken is not None:
+            raise DatabaseLost(f"the state database's connection was lost ({self.broken}): not reconnected yet")
+        try:
+            self.db.execute(self._begin)
+        except self.lost_errors as exc:
+            self.broken = exc
+            raise
         self._in_txn = True
         first_seq, block_end = self._next_seq, self._block_end
         try:
@@ -212,17 +235,20 @@ class StateStore:
                 self._check_leases()
             yield self.db
             self._write_appends()
-        except BaseException:
+            self.db.execute("COMMIT")
+        except BaseException as exc:
             self._appends.clear()
             self._queue.clear()
             self._owed_change = self._unqueued = 0
             self._next_seq, self._block_end = first_seq, block_end
-            self.db.execute("ROLLBACK")
-            for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
-                fn()
+            if isinstance(exc, self.lost_errors):
+                # no ROLLBACK on a dead connection (it would raise again, over this error):
+                # closing it rolls back whatever the server had open
+                self.broken = exc
+            else:
+                self._roll_back()
             raise
         else:
-            self.db.execute("COMMIT")
             self.owed += self._owed_change
             self.queued -= self._unqueued
             self._owed_change = self._unqueued = 0
@@ -233,6 +259,39 @@ class StateStore:
                 self._queue.clear()
         finally:
             self._in_txn = False
+
+    def _roll_back(self) -> None:
+        try:
+            self.db.execute("ROLLBACK")
+            for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
+                fn()
+        except self.lost_errors as exc:  # the hooks run on the next connection (reconnect)
+            self.broken = exc
+
+    def lost(self, exc: BaseException) -> None:
+        """A connection error raised outside a transaction (a read): broken until :meth:`reconnect`."""
+        if self.broken is None:
+            self.broken = exc
+
+    def reconnect(self) -> None:
+        """Open the store's connections again after a connection error (PostgreSQL), and read
+        again what the failed transaction may have left in memory: the ``on_rollback`` hooks'
+        caches, the rows owed and queued. Raises a connection error while the database does not
+        answer, and the store stays broken.
+
+        The failed transaction may have committed (its COMMIT's answer lost), so the sequence
+        numbers after ``_next_seq`` may be taken: a fresh block. The leases are not taken again:
+        another process may hold some since, which the next transaction's fence finds out.
+        """
+        assert self.postgres, "only a store on PostgreSQL reconnects; SQLite's errors are fatal"
+        self.db.reconnect()
+        if self._seq_db is not self.db:
+            self._seq_db.reconnect()
+        for fn in self._on_rollback:
+            fn()
+        self._block_end = self._next_seq
+        self._rescope()
+        self.broken = None
 
     # -- leases (shared stores) ------------------------------------------------------------
     def take(self, shards: Iterable[int]) -> None:
@@ -259,7 +318,8 @@ class StateStore:
         if self.shared:
             for shard in shards:
                 self.leases.pop(shard, None)
-            self._rescope()
+            if self.broken is None:  # else reconnect() counts
+                self._rescope()
 
     def _check_leases(self) -> None:
         held = sorted(self.leases)
