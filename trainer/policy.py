@@ -73,6 +73,12 @@ def without_aliases(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_zero_stage(ds_config: dict[str, Any]) -> None:
+    """ZeRO stage 3 shards the parameters, and :meth:`Policy.publish_weights` reads them whole."""
+    if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
+        raise ValueError("ZeRO stage 3 is not supported for publishing; use stage 0, 1 or 2")
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """LoRA training as the ``trainer.lora_*`` settings give it (flywheel/settings.py)."""
@@ -227,12 +233,29 @@ class Policy:
         reference_dir: Path | None = None,
         lora: LoraSpec | None = None,
     ) -> Policy:
-        import deepspeed
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        if ds_config.get("zero_optimization", {}).get("stage", 0) >= 3:
-            raise ValueError("ZeRO stage 3 is not supported for publishing; use stage 0, 1 or 2")
+        check_zero_stage(ds_config)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        pad = AutoConfig.from_pretrained(model_dir).pad_token_id
+        policy = cls.on_model(model, ds_config, loss_cfg, lr=lr, lora=lora, pad_id=0 if pad is None else int(pad))
+        if loss_cfg.kl_coef > 0 and (lora is None or reference_dir is not None):
+            reference = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
+            policy.reference = reference.eval().requires_grad_(False).to(policy.device)
+        return policy
+
+    @classmethod
+    def on_model(
+        cls, model: torch.nn.Module, ds_config: dict[str, Any], loss_cfg: LossConfig, *, lr: float,
+        lora: LoraSpec | None = None, pad_id: int = 0,
+    ) -> Policy:
+        """A policy on a model already in memory, as :meth:`load` builds it from there: wrapped by
+        PEFT with ``lora``, then handed to DeepSpeed with a torch AdamW over the trainable
+        parameters. No separate KL reference (with LoRA the base is one). bench/lora_step.py
+        builds a model from a config alone and times this policy's steps."""
+        import deepspeed
+
+        check_zero_stage(ds_config)
         if lora is not None:
             from peft import get_peft_model
 
@@ -240,12 +263,7 @@ class Policy:
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = None if "optimizer" in ds_config else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        reference = None
-        if loss_cfg.kl_coef > 0 and (lora is None or reference_dir is not None):
-            reference = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
-            reference.eval().requires_grad_(False).to(engine.device)
-        pad = AutoConfig.from_pretrained(model_dir).pad_token_id
-        return cls(engine, 0 if pad is None else int(pad), loss_cfg, reference, lora)
+        return cls(engine, pad_id, loss_cfg, None, lora)
 
     @property
     def module(self) -> torch.nn.Module:
