@@ -23,6 +23,7 @@ replicas), and a replica that takes shards over sees the files their previous ow
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -84,14 +85,17 @@ class ParquetArchive:
     episode one, ingest/archive.py). A chunk ``table_fn`` raises on is written by ``row_fn``, row by row.
     """
 
-    def __init__(self, root: Path, schema: pa.Schema, row_fn: RowFn, table_fn: TableFn | None = None) -> None:
+    def __init__(self, root: Path, schema: pa.Schema, row_fn: RowFn, table_fn: TableFn | None = None, *,
+                 shared: bool = False) -> None:
         self.root = root
+        #: Replicas on a shared database write beside each other here (:meth:`_sweep`).
+        self.shared = shared
         self.columns = schema
         self.schema = schema.append(OUTBOX_SEQ)
         self.row_fn = row_fn
         self.table_fn = table_fn
         root.mkdir(parents=True, exist_ok=True)
-        self._sweep()
+        self._sweep(every=not shared)
         # pyarrow imports pandas the first time it converts a Python list (about a second); do it
         # at start-up rather than inside the first batch the stage processes
         pa.array([0], pa.int64())
@@ -158,8 +162,11 @@ class ParquetArchive:
             items.append(cols)
         return stamps, pa.Table.from_pylist(items, schema=self.columns)
 
-    def _sweep(self) -> None:
-        """Delete the temp files of writes that died: those untouched for ``STALE_TMP_S``.
+    def _sweep(self, every: bool = False) -> None:
+        """Delete the temp files of writes that died: those untouched for ``STALE_TMP_S``, or
+        ``every`` one at the start of a process whose root is its own (its data_dir is locked, so
+        no write is in progress; a crash loop faster than ``STALE_TMP_S`` would otherwise keep a
+        temp file of up to ``ARCHIVE_WRITE_BYTES`` from each crash).
 
         A kill -9 in the middle of a write leaves its temp file. The replicas of a stage on a shared
         database share one root, so another live process may be writing the temp file next to
@@ -168,7 +175,7 @@ class ParquetArchive:
         seconds after creating it; and deleting one whose writer is only paused (SIGSTOPped) loses
         nothing: its rename fails, its transaction rolls back, and its rows stay queued.
         """
-        old = time.time() - STALE_TMP_S
+        old = math.inf if every else time.time() - STALE_TMP_S
         for partial in self.root.glob("hour=*/.part-*.tmp"):
             try:
                 if partial.stat().st_mtime < old:

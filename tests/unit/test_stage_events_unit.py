@@ -108,9 +108,9 @@ def test_an_archive_write_the_disk_refuses_leaves_no_partial_file_behind(tmp_pat
     from flywheel.stream.archive import ParquetArchive
     from flywheel.stream.outbox import Outbox
 
-    def parquet() -> ParquetArchive:
+    def parquet(shared: bool = True) -> ParquetArchive:
         return ParquetArchive(tmp_path / "archive", pa.schema([pa.field("v", pa.string())]),
-                              lambda v: (0.0, {"v": v.decode()}))
+                              lambda v: (0.0, {"v": v.decode()}), shared=shared)
 
     store = StateStore(tmp_path / "s.sqlite3")
     with store.txn():
@@ -136,8 +136,9 @@ def test_an_archive_write_the_disk_refuses_leaves_no_partial_file_behind(tmp_pat
 
 def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(tmp_path):
     """A ``kill -9`` in the middle of a Parquet write leaves its hidden temporary file: the next
-    start removes it once it is stale, and keeps every finished file. A fresh one is kept: on a
-    root shared by replicas it is another live replica's write in progress."""
+    start removes it once it is stale, and keeps every finished file. A fresh one is kept on a
+    root shared by replicas (another live replica's write in progress), and removed on a root of
+    the process's own."""
     import os
 
     import pyarrow as pa
@@ -145,9 +146,9 @@ def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(
     from flywheel.stream.archive import STALE_TMP_S, ParquetArchive
     from flywheel.stream.store import ArchiveRow
 
-    def parquet() -> ParquetArchive:
+    def parquet(shared: bool = True) -> ParquetArchive:
         return ParquetArchive(tmp_path / "archive", pa.schema([pa.field("v", pa.string())]),
-                              lambda v: (0.0, {"v": v.decode()}))
+                              lambda v: (0.0, {"v": v.decode()}), shared=shared)
 
     parquet().write("e0", [ArchiveRow(1, "a", b"x")])
     (finished,) = parquet().files()
@@ -161,3 +162,5 @@ def test_a_partial_archive_file_left_by_a_kill_is_removed_when_the_stage_starts(
     other.write_text("kept")
     parquet()
     assert not partial.exists() and live.exists() and finished.exists() and other.exists()
+    parquet(shared=False)  # a root of its own, under a locked data_dir: no write is in progress
+    assert not live.exists() and finished.exists() and other.exists()
