@@ -532,7 +532,8 @@ class StreamSettings(_Section):
 
     database_url: str = ""
     """A database shared by every replica of a stage (``FLYWHEEL_STREAM_DATABASE_URL``):
-    ``postgresql://...`` in production, or ``sqlite:///<folder>`` for replicas on one host. The
+    ``postgresql://...`` in production, or ``sqlite:////<absolute path>/<name>.sqlite3`` for
+    replicas on one host (each stage's state in ``<name>.<its group>.sqlite3`` beside it). The
     replicas then share the input partitions through the consumer group, with no ``shards``, and
     a partition's state moves with it. Empty: each process keeps its state in
     ``<data_dir>/<stage>/state.sqlite3``."""
@@ -541,8 +542,13 @@ class StreamSettings(_Section):
     @classmethod
     def _known_database(cls, v: str) -> str:
         if v and not v.startswith(("postgresql://", "postgres://", "sqlite:///")):
-            raise ValueError("must be postgresql://..., or sqlite:///<folder> (replicas on one host), or empty "
-                             "for a state store in each process's data_dir")
+            raise ValueError("must be postgresql://..., or sqlite:////<absolute path>/<name>.sqlite3 (replicas on "
+                             "one host), or empty for a state store in each process's data_dir")
+        # a relative path is resolved against each process's working directory: replicas started
+        # from different ones would each get a "shared" database of their own
+        if v.startswith("sqlite:///") and not v.removeprefix("sqlite:///").startswith("/"):
+            raise ValueError(f"{v!r} names a relative path: replicas started in other directories would not "
+                             "share it; write sqlite:////<absolute path>/<name>.sqlite3")
         return v
 
 

@@ -166,7 +166,9 @@ class RewardStage:
                                   archive=REWARDS_ARCHIVE)
             seen.add(ep.generation_id)
             fresh.append((ep.generation_id, now, rec.partition))
-        self.db.executemany("INSERT INTO seen (gid, at, shard) VALUES (?, ?, ?)", fresh)
+        # DO NOTHING: on a shared store a gid can meet another replica's only where the partition
+        # count changed under a running stage; that repeat is dropped by the trainer, by key
+        self.db.executemany("INSERT INTO seen (gid, at, shard) VALUES (?, ?, ?) ON CONFLICT (gid) DO NOTHING", fresh)
         self._write_counts()
         self._export_tally()
 

@@ -282,14 +282,17 @@ class StreamRunner(ConsumerRebalanceListener):
         # what a previous owner stored and did not see acked is sent again (at least once)
         self.delivered += self.outbox.deliver(shards)
         self.owned |= shards
-        self._shards_changed(before)
+        # on a shared store, after every take: shards revoked and given back in one settle leave
+        # ``owned`` as it was, while another replica may have changed their state meanwhile
+        self._shards_changed(before, taken=self.store.shared)
         self.consumer.resume(*assigned)
         log.info("assigned shards %s; resuming at %s", sorted(shards),
                  {f"{t}[{p}]": n for (t, p), n in stored.items() if p in shards})
 
-    def _shards_changed(self, before: set[int]) -> None:
+    def _shards_changed(self, before: set[int], taken: bool = False) -> None:
         # a broken store cannot be read: _recover calls the hook once it is back
-        if self.owned != before and self.store.broken is None and (hook := getattr(self.stage, "shards_changed", None)):
+        if ((taken or self.owned != before) and self.store.broken is None
+                and (hook := getattr(self.stage, "shards_changed", None))):
             hook(set(self.owned))
 
     def _lose(self, lost: LeaseLost) -> None:

@@ -118,3 +118,27 @@ def test_a_reconnect_while_the_database_does_not_answer_raises_and_keeps_the_sto
     with store.txn():
         store.set_offsets({("in", 0): 1})
     assert store.offsets() == {("in", 0): 1}
+
+
+def test_the_server_drops_a_dead_replicas_session_and_its_locks_in_seconds_not_hours(pg):
+    """A replica whose machine dies mid-transaction sends no FIN: the server keeps its session, and
+    the lease rows it locked, for as long as TCP keepalive takes to give up. Every connection of a
+    store asks for keepalives of seconds and ends a session idle in a transaction after 5 minutes,
+    reconnects included (flywheel/stream/sql.py SESSION_OPTIONS), so a takeover waits that long at most."""
+    open_store, admin = pg
+    store = open_store()
+
+    def session(conn) -> dict[str, str]:
+        names = ("tcp_keepalives_idle", "tcp_keepalives_interval", "tcp_keepalives_count",
+                 "idle_in_transaction_session_timeout")
+        return {name: conn.execute(f"SHOW {name}").fetchone()[0] for name in names}
+
+    want = {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5", "tcp_keepalives_count": "3",
+            "idle_in_transaction_session_timeout": "5min"}
+    assert session(store.db) == session(store._seq_db) == want
+    assert session(admin) != want  # the check can fail: a plain connection has the server's defaults
+    _end_connections(admin, store)
+    with pytest.raises(store.lost_errors), store.txn():
+        pass
+    store.reconnect()
+    assert session(store.db) == session(store._seq_db) == want

@@ -151,3 +151,19 @@ def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
     for key in KEYS:  # no prefix or suffix of any length that says more than "sk-"
         assert not any(key[:n] in shown or key[-n:] in shown for n in range(4, len(key) + 1)), key
     assert "s3cr3t-pw" not in shown
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"FLYWHEEL_STREAM_DATABASE_URL": "mysql://db/flywheel"}, "must be postgresql://"),
+    ({"FLYWHEEL_STREAM_DATABASE_URL": "sqlite:///state/stream.sqlite3"}, "names a relative path"),
+    ({"FLYWHEEL_STREAM_DATABASE_URL": "postgresql://db/flywheel", "FLYWHEEL_INGEST_SHARDS": "0,1"},
+     "ingest.shards and stream.database_url exclude each other"),
+])
+def test_a_stream_database_the_replicas_could_not_share_is_refused(env, message):
+    with pytest.raises(SettingsError, match=message):
+        load_settings(env=env)
+
+
+def test_a_shared_stream_database_on_sqlite_takes_an_absolute_path():
+    url = "sqlite:////var/lib/flywheel/stream.sqlite3"
+    assert load_settings(env={"FLYWHEEL_STREAM_DATABASE_URL": url}).stream.database_url == url

@@ -110,3 +110,23 @@ def test_claims_travel_through_the_assignor():
     assert [(c.epoch, c.shards) for c in newcomer.denied] == [("A", frozenset({0, 1}))]
     assert not newcomer.granted
     assert answers["m-new"].partitions() == []
+
+
+@pytest.mark.parametrize(("before", "owned", "taken", "called"), [
+    ({0, 1}, {0, 1}, False, False),  # nothing moved: the caches hold
+    ({0}, {0, 1}, False, True),  # a shard came (or went)
+    # revoked and given back in one settle, on a shared store: another replica may have held it
+    # meanwhile and changed its counts, so the caches are read again though ``owned`` is the same
+    ({0, 1}, {0, 1}, True, True),
+])
+def test_a_stage_reads_its_caches_again_whenever_its_shards_may_have_changed_hands(before, owned, taken, called):
+    from flywheel.stream.runner import StreamRunner
+
+    calls: list[set[int]] = []
+    runner = SimpleNamespace(owned=owned, store=SimpleNamespace(broken=None),
+                             stage=SimpleNamespace(shards_changed=calls.append))
+    StreamRunner._shards_changed(runner, before, taken=taken)
+    assert calls == ([owned] if called else [])
+    runner.store.broken = "the database does not answer"  # read again once it is back, not now
+    StreamRunner._shards_changed(runner, before, taken=True)
+    assert len(calls) == int(called)
