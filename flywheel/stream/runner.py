@@ -298,8 +298,15 @@ class StreamRunner(ConsumerRebalanceListener):
     def _lose(self, lost: LeaseLost) -> None:
         """Another process took the leases of ``lost.shards`` (the group moved their partitions and
         this process has not heard yet: a stall, a slow rebalance): stop processing them at once.
-        The turn that found out was rolled back; the group's next assignment settles the rest."""
-        log.warning("%s: dropping them until the group assigns them here again", lost)
+        The turn that found out was rolled back.
+
+        Then ask the group for a rebalance. Usually this process is a member the group already
+        left behind, and rejoins anyway. But a process that settled an assignment of a generation
+        the group had already moved past takes leases the group gives to another: then the group
+        still assigns the partitions here, no rebalance would come, and they would stay paused,
+        processed by nobody (a whole-loop fault run saw partitions unowned for minutes). The
+        rebalance settles every member's assignment again, and each takes the leases of its own."""
+        log.warning("%s: dropping them and asking the group for a rebalance", lost)
         before = set(self.owned)
         self.owned -= lost.shards
         self.outbox.release(lost.shards)
@@ -307,6 +314,8 @@ class StreamRunner(ConsumerRebalanceListener):
         self._committed = {tp: n for tp, n in self._committed.items() if tp.partition not in lost.shards}
         self.consumer.pause(*[tp for tp in self.consumer.assignment() if tp.partition in lost.shards])
         self._shards_changed(before)
+        if not self.shards:  # a group member (fixed shards have no group to ask)
+            request_rejoin(self.consumer)
 
     def _restart_recreated(self, assigned: set[TopicPartition],
                            stored: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
@@ -558,6 +567,17 @@ class StreamRunner(ConsumerRebalanceListener):
             "loop_age_s": round(age, 3), "stalled_s": round(stalled, 3), "shards": sorted(self.owned),
             "records_in": self.records_in, "delivered": self.delivered, "owed": self.store.owed,
             "input_paused": self.holding}
+
+
+def request_rejoin(consumer: KafkaConsumer) -> None:
+    """Make ``consumer`` rejoin its group at its next poll: a rebalance of every member.
+    kafka-python has no public call for it; its coordinator's ``request_rejoin`` is what a
+    metadata change of a subscribed topic calls."""
+    coordinator = getattr(consumer, "_coordinator", None)
+    if coordinator is None or not hasattr(coordinator, "request_rejoin"):  # pragma: no cover - another client
+        log.warning("this Kafka client cannot be asked to rejoin its group: the next rebalance settles it")
+        return
+    coordinator.request_rejoin()
 
 
 @contextmanager
