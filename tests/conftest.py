@@ -192,6 +192,26 @@ def release_db_url(request, tmp_path) -> Iterator[str]:
         yield url
 
 
+def postgres_admin(url: str):
+    """An autocommit connection to ``url`` for a test's setup and cleanup; the test is skipped,
+    saying why, when no PostgreSQL answers there."""
+    import psycopg
+
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        pytest.skip(f"no PostgreSQL at {url}: {exc}")
+
+
+def consumer_record(topic: str, partition: int, offset: int, key: str, value: bytes):
+    """A record as the consumer hands it to a stage, for tests that drive a stage's rules directly."""
+    from kafka.consumer.fetcher import ConsumerRecord
+
+    return ConsumerRecord(topic=topic, partition=partition, leader_epoch=-1, offset=offset, timestamp=0,
+                          timestamp_type=0, key=key.encode(), value=value, headers=[], checksum=None,
+                          serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0)
+
+
 @contextmanager
 def release_database(backend: str, tmp_path: Path) -> Iterator[str]:
     """An SQLite file under ``tmp_path``, or a throwaway schema in PostgreSQL (``search_path`` set
@@ -200,12 +220,7 @@ def release_database(backend: str, tmp_path: Path) -> Iterator[str]:
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'release.sqlite3'}"
         return
-    import psycopg
-
-    try:
-        admin = psycopg.connect(RELEASE_TEST_POSTGRES_URL, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"no PostgreSQL at {RELEASE_TEST_POSTGRES_URL}: {exc}")
+    admin = postgres_admin(RELEASE_TEST_POSTGRES_URL)
     schema = f"release_test_{uuid.uuid4().hex[:12]}"
     admin.execute(f'CREATE SCHEMA "{schema}"')
     sep = "&" if "?" in RELEASE_TEST_POSTGRES_URL else "?"

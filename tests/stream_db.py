@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import pytest
+from conftest import postgres_admin
 
 #: Not a FLYWHEEL_* name: settings parsing refuses unknown ones.
 STREAM_TEST_POSTGRES_URL = os.environ.get(
@@ -33,12 +33,7 @@ def stream_database(backend: str, tmp_path: Path, namespaces: list[str]) -> Iter
     if backend == "sqlite":
         yield f"sqlite:///{tmp_path / 'stream-state.sqlite3'}"
         return
-    import psycopg
-
-    try:
-        admin = psycopg.connect(STREAM_TEST_POSTGRES_URL, autocommit=True, connect_timeout=5)
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"no PostgreSQL at {STREAM_TEST_POSTGRES_URL}: {exc}")
+    admin = postgres_admin(STREAM_TEST_POSTGRES_URL)
     tag = f"stream_test_{uuid.uuid4().hex[:8]}"
     sep = "&" if "?" in STREAM_TEST_POSTGRES_URL else "?"
     try:

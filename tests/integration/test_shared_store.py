@@ -15,7 +15,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from kafka.consumer.fetcher import ConsumerRecord
+from conftest import consumer_record
 from prometheus_client import CollectorRegistry
 from stream_db import stream_database, unique_namespace
 
@@ -172,12 +172,6 @@ def test_each_store_reads_and_counts_only_its_own_shards(shared):
 
 
 # -- the stages on a shared store ----------------------------------------------------------------
-def _rec(topic: str, partition: int, offset: int, key: str, value: bytes) -> ConsumerRecord:
-    return ConsumerRecord(topic=topic, partition=partition, leader_epoch=-1, offset=offset, timestamp=0,
-                          timestamp_type=0, key=key.encode(), value=value, headers=[], checksum=None,
-                          serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0)
-
-
 def _gen(gid: str, t: float, user: str = "u") -> GenerationEvent:
     return GenerationEvent(
         generation_id=gid, group_id=gid, model_name="m", model_version=1, user_id=user, endpoint="chat",
@@ -198,8 +192,8 @@ def test_ingest_replicas_join_close_and_shift_only_their_own_windows(shared):
         fb = FeedbackEvent(feedback_id=f"f{shard}", generation_id=gid, signal="accept", created_at=101.0,
                            received_at=101.0)
         with store.txn():
-            stage.process([_rec(T.generations, shard, 0, gid, encode(_gen(gid, 100.0))),
-                           _rec(T.feedback, shard, 0, gid, encode(fb))], now=102.0)
+            stage.process([consumer_record(T.generations, shard, 0, gid, encode(_gen(gid, 100.0))),
+                           consumer_record(T.feedback, shard, 0, gid, encode(fb))], now=102.0)
     with a_store.txn():
         a.clock_stepped(-50.0)  # a's machine's clock stepped back: a's windows move, b's do not
     close_at = dict(a_store.db.execute("SELECT gid, close_at FROM gens"))
@@ -226,7 +220,7 @@ def test_reward_guard_counts_move_with_their_shard(shared):
     def feed(stage: RewardStage, store: StateStore, shard: int, gids: list[str]) -> None:
         eps = [EpisodeEvent(generation=_gen(g, 100.0, user="alice"), signal="accept", resolved_at=101.0) for g in gids]
         with store.txn():
-            stage.process([_rec(T.episodes, shard, i, e.generation_id, encode(e)) for i, e in enumerate(eps)], 102.0)
+            stage.process([consumer_record(T.episodes, shard, i, e.generation_id, encode(e)) for i, e in enumerate(eps)], 102.0)
 
     feed(a, a_store, 0, ["g1", "g2", "g3"])
     feed(b, b_store, 1, ["g4"])

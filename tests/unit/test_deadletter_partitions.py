@@ -6,6 +6,7 @@ with its own partition, whose owner alone delivers it (and after a crash recover
 from __future__ import annotations
 
 import pytest
+from conftest import consumer_record
 from kafka.consumer.fetcher import ConsumerRecord
 from prometheus_client import CollectorRegistry
 
@@ -29,9 +30,7 @@ PARTITIONS = range(4)
 
 
 def rec(topic: str, partition: int, key: str, value: bytes, offset: int) -> ConsumerRecord:
-    return ConsumerRecord(topic=topic, partition=partition, leader_epoch=-1, offset=offset, timestamp=0,
-                          timestamp_type=0, key=key.encode(), value=value, headers=[], checksum=None,
-                          serialized_key_size=0, serialized_value_size=len(value), serialized_header_size=0)
+    return consumer_record(topic, partition, offset, key, value)
 
 
 def gen(gid: str, t: float, text: str = "c") -> GenerationEvent:
