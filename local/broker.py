@@ -122,6 +122,9 @@ class EmbeddedBroker:
         deadline = time.monotonic() + timeout_s
         while not self._stopped():
             if time.monotonic() > deadline:
+                # callers resume in a ``finally`` entered only once pause() returns: a stall left
+                # in place here would stop every later user of a shared broker
+                self.resume()
                 raise TimeoutError(f"broker pid {self.pid} not stopped {timeout_s}s after SIGSTOP")
             time.sleep(0.001)
 
