@@ -9,6 +9,7 @@ every module is read with ``ast``, those inside functions too, so a lazy import 
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,23 @@ def test_the_reader_sees_imports_inside_functions_and_from_imports(tmp_path):
     module.write_text("import os\n\ndef f():\n    from trainer.loop import Trainer\n    import ingest.stage\n"
                       "from . import sibling\n")
     assert imported_packages(module) == {"os", "trainer", "ingest"}
+
+
+#: Every top-level package the project ships (pyproject's packages.find).
+PACKAGES = ("flywheel", "cli", "local", *STAGES)
+
+
+def package_dirs(package: str) -> list[Path]:
+    """The package and every folder below it that holds a module: each is a package of the wheel."""
+    return sorted({path.parent for path in modules_of(package)})
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_is_a_regular_package(package):
+    # a folder without __init__.py still imports, as a namespace package: one with no __file__,
+    # whose parts a second folder of that name anywhere on sys.path (another project's release/,
+    # a checkout beside an installed wheel) joins silently, and whose package data resolves
+    # against whichever part came first
+    assert [str(d.relative_to(ROOT)) for d in package_dirs(package) if not (d / "__init__.py").is_file()] == []
+    module = importlib.import_module(package)
+    assert module.__file__ is not None and Path(module.__file__).parent == ROOT / package
