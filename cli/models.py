@@ -48,7 +48,10 @@ def _import_gguf(source: Path | None, out: Path, dtype: str) -> int:
 
 
 def _import_dir(source: Path, out: Path, settings: Settings) -> int:
+    from flywheel.extras import require_vllm
     from flywheel.hfimport import HfImportError, import_hf_dir
+
+    require_vllm()  # serving's check needs it: said before the weights are copied, not after
 
     seconds: dict[str, float] = {}
     try:

@@ -172,6 +172,7 @@ def to_toml(data: dict[str, Any], prefix: str = "") -> str:
 
 
 def run(settings: Settings, args: Any) -> int:
+    from flywheel.extras import require_vllm
     from local.broker import free_port, tansu_binary
     from local.report import (
         read_stage_times,
@@ -188,6 +189,7 @@ def run(settings: Settings, args: Any) -> int:
     if "FLYWHEEL_KAFKA_BOOTSTRAP" not in os.environ:
         tansu_binary()
     require_plot()
+    require_vllm()
     # transformers imports DeepSpeed (through accelerate) when it saves or loads a model here, and
     # DeepSpeed prints a warning to stdout when it has to detect the accelerator itself: named, it
     # stays quiet, and the demo's stdout stays its progress lines

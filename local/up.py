@@ -255,6 +255,7 @@ def status_path(data_dir: Path) -> Path:
 def run(settings: Any, args: Any) -> int:
     """``flywheel up``."""
     from flywheel.contracts import Topics
+    from flywheel.extras import require_vllm
     from flywheel.kafka.clients import ensure_topics
     from local.broker import EmbeddedBroker, free_port, tansu_binary
     from local.demo import ensure_model
@@ -265,6 +266,7 @@ def run(settings: Any, args: Any) -> int:
     bootstrap = os.environ.get("FLYWHEEL_KAFKA_BOOTSTRAP")
     if bootstrap is None:
         tansu_binary()  # an install without the embedded broker says so now, not after building a model
+    require_vllm()  # and one without serving's engine (its child would exit 2 on every restart)
     model_dir = ensure_model(Path(settings.model_dir))
     broker = None
     if bootstrap is None:

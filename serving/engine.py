@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from flywheel.checkpoints import manifest
+from flywheel.extras import require_vllm
 from flywheel.settings import ServeSettings
 from serving.engine_stats import EngineStats, stat_logger
 from serving.tether import tether_engines
@@ -153,6 +154,8 @@ def check_model_dir(serve: ServeSettings, model_dir: Path) -> None:
     the dtype must be one it runs. The weights themselves are checked by the trainer's check
     (names and shapes) and by the manifest's hashes. Raises :class:`ModelRefused`.
     """
+    # vLLM missing is the install's fault, not the model's: MissingExtra, not ModelRefused
+    require_vllm()
     configure_vllm_env(serve)
     from transformers import AutoTokenizer
 

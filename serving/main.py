@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from flywheel.checkpoints import ManifestError, verify_dir
 from flywheel.contracts import Topics
+from flywheel.extras import require_vllm
 from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
@@ -53,6 +54,9 @@ def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
 
 
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
+    # an install without vLLM's extra says so before anything starts, not as an ImportError once
+    # the recorder and the journal are up
+    require_vllm()
     from serving.app import create_app
     from serving.engine import VllmEngine
     from serving.readiness import Readiness, warm_up
