@@ -58,8 +58,12 @@ Shards = Annotated[tuple[Annotated[int, Field(ge=0)], ...], AfterValidator(_dist
 class _Section(BaseModel):
     # No setting is meant to be infinite or NaN, and one that is would poison the arithmetic it
     # feeds (an infinite penalty makes every reward null on the wire) rather than fail at start.
+    # A refused value stays out of pydantic's message (its input_value=...): it may be a secret
+    # (a webhook URL's token, a password, an API key), and the message ends up in logs. The
+    # error names the setting and says what is wrong; a validator here quotes a value only where
+    # it cannot be a secret (a number, a loss name) or with its passwords masked.
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True,
-                              allow_inf_nan=False)
+                              allow_inf_nan=False, hide_input_in_errors=True)
 
 
 class KafkaSettings(_Section):
@@ -547,8 +551,8 @@ class StreamSettings(_Section):
         # a relative path is resolved against each process's working directory: replicas started
         # from different ones would each get a "shared" database of their own
         if v.startswith("sqlite:///") and not v.removeprefix("sqlite:///").startswith("/"):
-            raise ValueError(f"{v!r} names a relative path: replicas started in other directories would not "
-                             "share it; write sqlite:////<absolute path>/<name>.sqlite3")
+            raise ValueError(f"{redact_database_url(v)!r} names a relative path: replicas started in other "
+                             "directories would not share it; write sqlite:////<absolute path>/<name>.sqlite3")
         return v
 
 
@@ -846,7 +850,12 @@ def _coerce(path: tuple[str, ...], raw: str, sections: dict[str, Any]) -> Any:
     if annotation.startswith("tuple"):
         raw = raw.strip()
         if raw.startswith("["):
-            return json.loads(raw)
+            try:
+                return json.loads(raw)
+            except ValueError:  # was a traceback; named here without the text (API keys, tokens)
+                raise SettingsError(f"invalid settings: {'.'.join(path)}: a value that starts with '[' is read "
+                                    "as a JSON list, and this one is none (write a comma-separated list, or a "
+                                    'JSON list such as ["a", "b"])') from None
         return [part.strip() for part in raw.split(",") if part.strip()]
     return raw
 

@@ -167,3 +167,67 @@ def test_a_stream_database_the_replicas_could_not_share_is_refused(env, message)
 def test_a_shared_stream_database_on_sqlite_takes_an_absolute_path():
     url = "sqlite:////var/lib/flywheel/stream.sqlite3"
     assert load_settings(env={"FLYWHEEL_STREAM_DATABASE_URL": url}).stream.database_url == url
+
+
+# -- a refused value is never echoed: it may be a secret ---------------------------------------------
+HOOK_SECRET = "XoXb7Qp2Lr9SecretToken"
+PASSWORD = "s3cr3t-pw-41f"
+
+
+def leaks(text: str) -> bool:
+    """Whether ``text`` shows 6 characters in a row of either secret: pydantic shortens a long
+    input to its head and tail, which may cut a secret yet show most of it."""
+    return any(secret[i:i + 6] in text for secret in (HOOK_SECRET, PASSWORD) for i in range(len(secret) - 5))
+
+
+@pytest.mark.parametrize(("section", "values", "named"), [
+    # a Slack hook URL holds its secret in the path
+    ("ReleaseSettings", {"webhooks": (f"ftp://hooks.slack.com/services/T0/B0/{HOOK_SECRET}",)}, "webhooks"),
+    ("ReleaseSettings", {"database_url": 5, "tokens": f"ops:admin:{PASSWORD}"}, "tokens"),
+    ("StreamSettings", {"database_url": f"postgres ql://flywheel:{PASSWORD}@db/flywheel"}, "database_url"),
+    ("StreamSettings", {"database_url": f"sqlite:///state/stream.sqlite3?password={PASSWORD}"}, "database_url"),
+    ("KafkaSettings", {"sasl_password": PASSWORD}, "sasl_password"),
+    ("KafkaSettings", {"sasl_password": [PASSWORD]}, "sasl_password"),
+    ("ServeSettings", {"api_keys": f"sk-live-{PASSWORD}"}, "api_keys"),
+    ("ServeSettings", {"user_id_salt": [PASSWORD]}, "user_id_salt"),
+])
+def test_a_refused_secret_is_not_in_the_error(section, values, named):
+    """pydantic's own message shows each refused input (``input_value=...``), whoever prints the
+    exception: a test, a traceback in a log, code that builds one section of the settings."""
+    from pydantic import ValidationError
+
+    from flywheel import settings
+
+    with pytest.raises(ValidationError) as refused:
+        getattr(settings, section)(**values)
+    text = str(refused.value)
+    assert named in text and not leaks(text), text
+
+
+def test_an_assignment_refused_does_not_echo_the_secret():
+    from pydantic import ValidationError
+
+    release = load_settings(env={}).release
+    with pytest.raises(ValidationError) as refused:  # sections validate assignments
+        release.webhooks = (f"hooks.slack.com/services/T0/B0/{HOOK_SECRET}",)
+    assert "webhooks" in str(refused.value) and not leaks(str(refused.value)), str(refused.value)
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"FLYWHEEL_RELEASE_WEBHOOKS": f"hooks.slack.com/services/T0/B0/{HOOK_SECRET}"}, "release.webhooks"),
+    ({"FLYWHEEL_KAFKA_SASL_PASSWORD": PASSWORD}, "sasl_password"),
+    ({"FLYWHEEL_STREAM_DATABASE_URL": f"sqlite:///state/s.sqlite3?password={PASSWORD}"}, "stream.database_url"),
+    # a value starting with "[" is read as a JSON list; one that is none failed as a traceback
+    ({"FLYWHEEL_API_KEYS": f'["sk-live-{PASSWORD}'}, "serve.api_keys"),
+    ({"FLYWHEEL_RELEASE_TOKENS": f"[ops:admin:{PASSWORD}]"}, "release.tokens"),
+])
+def test_flywheel_names_an_invalid_secret_setting_without_its_value(monkeypatch, capsys, tmp_path, env, named):
+    from cli.main import main
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flywheel: ") and err.count("\n") == 1 and named in err, err
+    assert not leaks(err), err
