@@ -6,8 +6,10 @@ archives (``flywheel usage [--since 24h] [-o json]``).
   prompt counts once (its first choice: ``n`` choices share one prompt, as OpenAI's ``usage``
   counts it), every choice's completion tokens count, all under ``model_version``, the version
   the request was routed to. A generation archived twice (an episode replayed) counts once. The
-  key is the id serving records (``api_key_id``, the key's SHA-256 fingerprint: serving/identity.py),
-  ``null`` for a deployment without keys and for records written before keys were recorded.
+  key is the id serving records (``api_key_id``, an HMAC of the key under ``serve.user_id_salt``:
+  flywheel/apikeys.py, which says how to find a key's id), ``null`` for a deployment without keys
+  and for records written before keys were recorded. Records written before the id was keyed
+  carry a plain SHA-256 id, so a key's tokens from before that upgrade show under another id.
   ``--since`` selects by when the generation completed. The archive follows serving by the join
   window (``ingest.window_s``, or ``ingest.emit_after_signal_s`` after a signal) plus
   ``archive.max_age_s``: the newest minutes show in the counters

@@ -164,10 +164,10 @@ class GenerationEvent(_Event):
     #: version the request was routed to and the response names): a weight swap landed while it
     #: ran. Which tokens each version sampled, as vLLM reports it.
     version_spans: tuple[VersionSpan, ...] = ()
-    #: Which product API key asked for it, by its id (``key-`` and the first 12 hex digits of the
-    #: key's SHA-256, serving/identity.py ``key_id``), never the key: usage is accounted per key
-    #: (``flywheel usage``). None for a deployment without keys, and in records written before
-    #: the field existed, which decode as before.
+    #: Which product API key asked for it, by its id (``key-`` and the first 12 hex digits of an
+    #: HMAC of the key under ``serve.user_id_salt``, flywheel/apikeys.py), never the key: usage
+    #: is accounted per key (``flywheel usage``). None for a deployment without keys, and in
+    #: records written before the field existed, which decode as before.
     api_key_id: str | None = Field(default=None, max_length=64)
 
     @model_validator(mode="after")

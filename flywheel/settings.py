@@ -21,7 +21,6 @@ This module must stay free of torch and of stage code: every process imports it 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -41,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from flywheel.apikeys import key_id
 from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
 from flywheel.environment import VariableError, read_environment, warn_once
 
@@ -211,7 +211,9 @@ class ServeSettings(_Section):
     max_n: int = Field(default=8, ge=1)
     """Upper bound on ``n`` (samples per prompt; choices of one request form a GRPO group)."""
     user_id_salt: str = "flywheel-dev-salt"
-    """Secret mixed into user pseudonyms (HMAC-SHA256); set a real secret in production."""
+    """Secret mixed into user pseudonyms and API key ids (HMAC-SHA256: flywheel/apikeys.py); set a
+    real secret in production, the same on every serving replica, and keep it: a new one makes
+    every user a new user and gives every key a new id."""
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """How long to wait for a broker ack before an event goes to the local journal instead."""
     journal_max_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
@@ -881,7 +883,9 @@ def describe(settings: Settings) -> str:
     serve = data.get("serve", {})
     for keys in ("api_keys", "pin_api_keys"):
         if serve.get(keys):
-            serve[keys] = [key_fingerprint(k) for k in serve[keys]]
+            # the id serving records each key under (flywheel/apikeys.py): keyed, so no guess at a
+            # short key can be checked against the log, and the same id usage reports name
+            serve[keys] = [key_id(settings.serve.user_id_salt, k) for k in serve[keys]]
     release = data.get("release", {})
     if release.get("tokens"):  # name:role:token -> name:role:***
         release["tokens"] = [":".join(t.split(":")[:2] + ["***"]) for t in release["tokens"]]
@@ -897,12 +901,6 @@ def describe(settings: Settings) -> str:
     if data.get("kafka", {}).get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"
     return json.dumps(data, sort_keys=True)
-
-
-def key_fingerprint(key: str) -> str:
-    """``sha256:`` and the first 8 hex digits of the key's SHA-256: enough to tell the configured
-    keys apart in a log, and no character of any (the log once showed each key's first three)."""
-    return "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:8]
 
 
 #: A libpq ``key=value`` connection string's password (``password=x``, ``sslpassword = 'x y'``).

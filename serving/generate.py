@@ -210,7 +210,7 @@ def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
     could be loading another version by the time the request reaches it."""
     slot, how, version = route(ctx, model, prep.user_id, key)
     # a deployment without keys takes any bearer string: accounting it would name arbitrary keys
-    api_key_id = key_id(key) if ctx.serve.api_keys else None
+    api_key_id = key_id(ctx.serve.user_id_salt, key) if ctx.serve.api_keys else None
     return dataclasses.replace(prep, slot=slot, route=how, version=version, api_key_id=api_key_id)
 
 

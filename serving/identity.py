@@ -2,7 +2,8 @@
 
 The recorded ``user_id`` is a pseudonym, ``HMAC-SHA256(salt, raw)`` truncated to 32 hex chars:
 stable per user (so reward guards can count per user) yet not reversible without the salt, so
-the topics never carry the product's raw user ids.
+the topics never carry the product's raw user ids. An API key is recorded by its id, an HMAC
+under the same salt (flywheel/apikeys.py), never by itself.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from flywheel import apikeys
+
 PSEUDONYM_HEX = 32
-#: Hex digits of a key's fingerprint in its id: 48 bits, no collision among any deployment's keys.
-KEY_ID_HEX = 12
 
 
 def pseudonymise(salt: str, raw: str) -> str:
@@ -35,11 +36,12 @@ def bearer_key(authorization: str | None) -> str | None:
     return key.strip()
 
 
-def key_id(key: str | None) -> str | None:
-    """The name a product key is accounted under in records, metrics and ``flywheel usage``: its
-    SHA-256 fingerprint, so the key itself is never written anywhere (an operator finds a key's
-    id with ``printf %s "$KEY" | sha256sum | cut -c1-12``). None without a key."""
-    return None if key is None else "key-" + _digest(key).hex()[:KEY_ID_HEX]
+def key_id(salt: str, key: str | None) -> str | None:
+    """The name a product key is accounted under in records, metrics and ``flywheel usage``: an
+    HMAC of it under the deployment's secret ``salt`` (flywheel/apikeys.py, which says how an
+    operator finds a key's id), so the key itself is never written anywhere, nor anything a
+    guess at it can be checked against. None without a key."""
+    return None if key is None else apikeys.key_id(salt, key)
 
 
 def key_allowed(key: str | None, api_keys: tuple[str, ...], allow_anonymous: bool) -> bool:

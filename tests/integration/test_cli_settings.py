@@ -78,9 +78,9 @@ def test_service_links_warn_once_and_secrets_come_from_files(tmp_path, env):
     assert out.returncode == 0, out.stderr
     shown = json.loads(out.stdout)
     assert shown["serve"]["port"] == 8000
-    from flywheel.settings import key_fingerprint
+    from flywheel.apikeys import key_id
 
-    assert shown["serve"]["api_keys"] == [key_fingerprint("sk-from-a-file")]
+    assert shown["serve"]["api_keys"] == [key_id("pepper", "sk-from-a-file")]  # the salt from its file too
     warned = [line for line in out.stderr.splitlines() if "service link" in line]
     assert sorted(line.split()[0] for line in warned) == sorted(
         ["FLYWHEEL_SERVICE_HOST", "FLYWHEEL_SERVICE_PORT", "FLYWHEEL_PORT", "FLYWHEEL_SERVE_SERVICE_HOST",

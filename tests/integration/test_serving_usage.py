@@ -18,7 +18,7 @@ import httpx
 import pytest
 from conftest import running, small_generation, stage_settings
 from prometheus_client.parser import text_string_to_metric_families
-from serving_helpers import KEY
+from serving_helpers import KEY, SALT
 
 from cli.main import main
 from cli.usage import served
@@ -56,7 +56,7 @@ def test_usage_adds_up_to_the_tokens_served(serve, kafka_settings, topics, tmp_p
     for key, route, body in REQUESTS:
         r = app.post(route, {"model": "flywheel", **body}, key=key)
         assert r.status_code == 200, r.text
-        usage, kid = r.json()["usage"], key_id(key)
+        usage, kid = r.json()["usage"], key_id(SALT, key)
         assert r.json()["model"] == "flywheel@v0"
         want[kid]["requests"] += 1
         want[kid]["generations"] += len(r.json()["choices"])
@@ -89,15 +89,15 @@ def test_usage_adds_up_to_the_tokens_served(serve, kafka_settings, topics, tmp_p
 
     # serving's counters say the same for the requests it served
     counters = _counters(app.url)
-    for kid in (key_id(KEY), key_id(OTHER)):
+    for kid in (key_id(SALT, KEY), key_id(SALT, OTHER)):
         assert counters[("serving_prompt_tokens_total", kid, "0")] == want[kid]["prompt_tokens"]
         assert counters[("serving_completion_tokens_total", kid, "0")] == want[kid]["completion_tokens"]
 
     assert main(["usage", "--archive", str(archive), "--checkpoints", str(tmp_path / "no-store")]) == 0
     table = capsys.readouterr().out
     lines = [line.split() for line in table.split("\n\n")[0].splitlines()[2:]]
-    other = want[key_id(OTHER)]
-    assert [key_id(OTHER), "v0", str(other["requests"]), str(other["generations"]), str(other["prompt_tokens"]),
+    other = want[key_id(SALT, OTHER)]
+    assert [key_id(SALT, OTHER), "v0", str(other["requests"]), str(other["generations"]), str(other["prompt_tokens"]),
             str(other["completion_tokens"])] in lines
     assert ["(none)", "v0", "1", "1", "2", "2"] in lines
     assert lines[-1][:3] == ["total", str(len(REQUESTS) + 1), str(GENERATIONS)]

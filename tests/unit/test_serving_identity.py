@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
+import shutil
+import subprocess
 
 import pytest
 
@@ -27,13 +30,39 @@ class Clock:
         return self.t
 
 
+SALT = "a long random deployment secret"
+
+
 def test_key_id_names_a_key_without_holding_it():
     key = "sk-live-0123456789abcdef"
-    kid = key_id(key)
-    assert kid == key_id(key) and kid.startswith("key-") and len(kid) == 16 and key not in kid
-    assert key_id("sk-live-0123456789abcdeg") != kid and key_id(None) is None
-    # what serving/identity.py tells an operator to run to find a key's id
-    assert kid == "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    kid = key_id(SALT, key)
+    assert kid == key_id(SALT, key) and kid.startswith("key-") and len(kid) == 16 and key not in kid
+    assert key_id(SALT, "sk-live-0123456789abcdeg") != kid and key_id(SALT, None) is None
+    # what flywheel/apikeys.py tells an operator to compute to find a key's id
+    assert kid == "key-" + hmac.new(SALT.encode(), b"api-key:" + key.encode(), hashlib.sha256).hexdigest()[:12]
+
+
+def test_a_published_key_id_does_not_give_away_a_guessable_key():
+    """The id is in generation records, the episode archive, metrics labels and the start-up log.
+    A plain hash of a short key is found by hashing guesses; keyed with the deployment's secret,
+    a guess cannot be checked without it. Stable for one secret (every replica, every restart)."""
+    key = "sk-test"
+    kid = key_id(SALT, key)
+    assert kid != "key-" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    assert key_id("another deployment", key) != kid
+    # and not the pseudonym serving records for a request with this key and no user (same salt)
+    assert pseudonymise(SALT, key)[:12] != kid.removeprefix("key-")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command here")
+def test_the_documented_command_finds_a_key_id():
+    from flywheel import apikeys
+
+    command = next(line.strip() for line in apikeys.__doc__.splitlines() if "openssl dgst" in line)
+    key = "sk-live-0123456789abcdef"
+    done = subprocess.run(["bash", "-c", command], env={"KEY": key, "SALT": SALT, "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == key_id(SALT, key)
 
 
 def test_pseudonym_is_stable_salted_and_not_the_raw_id():

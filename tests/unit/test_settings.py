@@ -131,14 +131,18 @@ def test_a_database_password_is_never_logged(url, secret, kept):
 
 
 def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
-    """The start-up log showed each key's first 3 characters; now a short sha256 fingerprint, which
-    tells keys apart without a character of any. `flywheel config show` prints the same."""
+    """The start-up log showed each key's first 3 characters, then a plain sha256 fingerprint (a
+    short key is found by hashing guesses); now the id serving records the key under, keyed with
+    the deployment's secret, which tells keys apart without a character of any. `flywheel config
+    show` prints the same."""
     import hashlib
     import json
 
     from cli.main import main
+    from flywheel.apikeys import key_id
     from flywheel.settings import describe
 
+    monkeypatch.setenv("FLYWHEEL_SERVE_USER_ID_SALT", "pepper-5e1f")
     monkeypatch.setenv("FLYWHEEL_API_KEYS", ",".join(KEYS))
     monkeypatch.setenv("FLYWHEEL_SERVE_PIN_API_KEYS", KEYS[1])
     monkeypatch.setenv("FLYWHEEL_DATABASE_URL", "postgresql://db/release?password=s3cr3t-pw")
@@ -146,8 +150,11 @@ def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
     shown = capsys.readouterr().out
     assert shown.strip() == describe(load_settings())
     serve = json.loads(shown)["serve"]
-    fingerprints = ["sha256:" + hashlib.sha256(k.encode()).hexdigest()[:8] for k in KEYS]
-    assert serve["api_keys"] == fingerprints and serve["pin_api_keys"] == fingerprints[1:]
+    ids = [key_id("pepper-5e1f", k) for k in KEYS]
+    assert serve["api_keys"] == ids and serve["pin_api_keys"] == ids[1:]
+    for key in KEYS:  # no plain hash of a key either
+        assert hashlib.sha256(key.encode()).hexdigest()[:8] not in shown
+    assert "pepper" not in shown
     for key in KEYS:  # no prefix or suffix of any length that says more than "sk-"
         assert not any(key[:n] in shown or key[-n:] in shown for n in range(4, len(key) + 1)), key
     assert "s3cr3t-pw" not in shown
