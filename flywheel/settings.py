@@ -28,7 +28,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote_plus
+from urllib.parse import unquote_plus, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -687,10 +687,15 @@ class ReleaseSettings(_Section):
     @classmethod
     def _webhook_urls(cls, urls: tuple[str, ...]) -> tuple[str, ...]:
         for n, url in enumerate(urls, 1):
-            scheme, sep, rest = url.partition("://")
-            if not sep or scheme.lower() not in ("http", "https") or not rest.split("/", 1)[0]:
+            try:
+                parts = urlsplit(url)
+                parts.port  # noqa: B018 - raises on a port that is not one (":abc", ":99999")
+            except ValueError:
+                parts = None
+            if parts is None or parts.scheme.lower() not in ("http", "https") or not parts.hostname:
                 # the value is not shown: it may hold the receiver's secret
-                raise ValueError(f"webhook {n} of {len(urls)} is not an http:// or https:// URL with a host")
+                raise ValueError(f"webhook {n} of {len(urls)} is not an http:// or https:// URL with a host "
+                                 "and a valid port")
         return urls
 
 

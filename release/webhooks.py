@@ -76,7 +76,11 @@ class Webhooks:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            self._deliver(*item)
+            try:
+                self._deliver(*item)
+            except Exception:  # one body nothing foresaw must not end every later delivery
+                self.deliveries.labels("failed").inc()
+                log.exception("webhook %s: decision %s not sent", _shown(item[0]), item[1].get("audit_id"))
         while not self.queue.empty():  # stopping: what is left is given up, and counted
             if self.queue.get_nowait() is not None:
                 self.deliveries.labels("failed").inc()
@@ -100,7 +104,7 @@ class Webhooks:
         """None when the receiver took the body, else why not."""
         try:
             resp = self.http.post(url, json=body)
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # settings refuse a URL httpx cannot send to
             return f"{type(exc).__name__}: {exc}"
         return None if resp.is_success else f"HTTP {resp.status_code}"
 
@@ -108,7 +112,10 @@ class Webhooks:
 def _shown(url: str) -> str:
     """A webhook URL as logs show it: scheme, host and port only. Chat tools put their secret in
     the path (``https://hooks.slack.com/services/T000/B000/XXXX``)."""
-    u = httpx.URL(url)
+    try:
+        u = httpx.URL(url)
+    except httpx.InvalidURL:
+        return "(a URL that does not parse)"
     return f"{u.scheme}://{u.host}" + (f":{u.port}" if u.port else "")
 
 

@@ -300,6 +300,32 @@ def test_a_webhook_that_never_answers_is_given_up_and_counted(api, store):
         receiver.close()
 
 
+def test_a_webhook_url_that_cannot_be_sent_to_fails_alone_and_later_ones_are_delivered(api, store):
+    """Settings refuse such a URL; one that reaches the sender anyway (httpx.InvalidURL is not an
+    HTTPError) ended the delivery thread, so no later decision reached any receiver."""
+    from flywheel.metrics import new_registry
+
+    receiver = Receiver(fail_first=0)
+    registry = new_registry()
+    hooks = Webhooks(("https://hooks.example:abc/services/T0/B0/secret", receiver.url), "flywheel", registry,
+                     attempts=2, backoff_s=0.01)
+    try:
+        seed(store, 1, State.PROMOTED)
+        seed(store, 2, State.CANDIDATE, parent=1)
+        seed(store, 3, State.CANDIDATE, parent=1)
+        a = api(notify=(hooks,))
+        assert a.post("/api/candidates/2/reject", "abe", json={"reason": "one"}).status_code == 200
+        assert a.post("/api/candidates/3/reject", "abe", json={"reason": "two"}).status_code == 200
+        bodies = wait_for(lambda: receiver.bodies if len(receiver.bodies) == 2 else None, "two webhook bodies")
+        assert [b["version"] for b in bodies] == [2, 3]
+        wait_for(lambda: registry.get_sample_value("release_webhook_deliveries_total", {"outcome": "failed"}) == 2,
+                 "the unparseable URL's two bodies given up")
+        assert hooks.thread.is_alive()
+    finally:
+        hooks.close()
+        receiver.close()
+
+
 # -- -o json and --watch ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, key", [(("status",), "stable_version"), (("list",), "candidates"),

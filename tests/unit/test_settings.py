@@ -190,6 +190,10 @@ def leaks(text: str) -> bool:
 @pytest.mark.parametrize(("section", "values", "named"), [
     # a Slack hook URL holds its secret in the path
     ("ReleaseSettings", {"webhooks": (f"ftp://hooks.slack.com/services/T0/B0/{HOOK_SECRET}",)}, "webhooks"),
+    # a port that is no port passed, and the delivery thread died on the first decision (InvalidURL)
+    ("ReleaseSettings", {"webhooks": (f"https://hooks.slack.com:abc/services/T0/B0/{HOOK_SECRET}",)}, "webhooks"),
+    ("ReleaseSettings", {"webhooks": (f"https://hooks.slack.com:99999/services/{HOOK_SECRET}",)}, "webhooks"),
+    ("ReleaseSettings", {"webhooks": (f"https://user@/services/{HOOK_SECRET}",)}, "webhooks"),
     ("ReleaseSettings", {"database_url": 5, "tokens": f"ops:admin:{PASSWORD}"}, "tokens"),
     ("StreamSettings", {"database_url": f"postgres ql://flywheel:{PASSWORD}@db/flywheel"}, "database_url"),
     ("StreamSettings", {"database_url": f"sqlite:///state/stream.sqlite3?password={PASSWORD}"}, "database_url"),
