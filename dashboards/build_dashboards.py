@@ -85,7 +85,7 @@ ROWS = [
             ('sum(ingest_archive_queue_rows)', "episodes"), ('sum(reward_archive_queue_rows)', "rewards")]),
         ("Outbox: records owed to Kafka (input pauses at 200k)", "short", [
             ('sum(ingest_outbox_rows)', "ingest"), ('sum(reward_outbox_rows)', "reward")]),
-        ("Seconds without progress with Kafka (0: fine)", "s", [
+        ("Seconds without progress with Kafka, the state database or the checkpoint store (0: fine)", "s", [
             ('max(ingest_stalled_seconds)', "ingest"), ('max(reward_stalled_seconds)', "reward"),
             ('max(trainer_stalled_seconds)', "trainer")]),
     ]),

@@ -14,7 +14,8 @@ from pathlib import Path
 
 def fsync_tree(path: Path) -> None:
     """fsync every file under ``path`` and every directory, so a rename publishes durable bytes."""
-    for dirpath, _dirs, files in os.walk(path):
+    # os.walk skips a directory it cannot read; a publish must fail instead of renaming unsynced bytes
+    for dirpath, _dirs, files in os.walk(path, onerror=_raise):
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
@@ -30,3 +31,7 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _raise(exc: OSError) -> None:
+    raise exc

@@ -17,7 +17,14 @@ A broker that does not answer stops nothing but the data: the loop trains what i
 and a version that settles offsets of dead-lettered records is committed only once Kafka has
 acked those letters (a commit before would lose them in a crash). Announcements follow versions
 as the broker allows (trainer/announce.py). ``trainer_stalled_seconds`` says how long records
-have been owed to Kafka with no ack.
+have been owed to Kafka with no ack, or the checkpoint store has been out of reach.
+
+A checkpoint store out of reach (a mode taken away, a network filesystem that does not answer)
+stops nothing but the versions: a publish that fails leaves nothing visible and is tried again
+with backoff (trainer/outage.py), no group offset is committed for work that is in no version, and
+training waits while the version it owes cannot be written, so a version still holds
+``publish_every_steps`` of work. Announcements wait for the store as well. A start waits for it up
+to :data:`~trainer.outage.START_WAIT_S`; errors that say the store is broken, not away, fail as before.
 
 In LoRA mode (``trainer.lora_rank`` above 0) every version is an adapter on ``model_dir``, whose
 manifest hash each version records: the trainer refuses to start on a base that is not the one
@@ -29,6 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -67,12 +75,15 @@ from trainer.announce import announced, checkpoint_event, mark_announced
 from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
 from trainer.losses import GROUPED
 from trainer.metrics import TrainerMetrics
+from trainer.outage import OUT, StoreOutage
 from trainer.policy import Policy
 
 log = logging.getLogger(__name__)
 
 #: How long a stop waits for Kafka to ack what it is owed (dead letters, announcements).
 STOP_WAIT_S = 5.0
+#: Longest sleep of a loop turn that waits for the store: the heartbeat and the acks go on meanwhile.
+IDLE_WAIT_S = 0.2
 
 
 @dataclass
@@ -186,6 +197,8 @@ class Trainer:
         self._held_since: float | None = None  # monotonic: a due publish waits for acks since then
         # the writer (rank 0) signs its announcements, so the controller can tell them from anyone's
         self.signer = Signer.load(self.cfg.signing_key, setting="trainer.signing_key") if sink is not None else Signer()
+        #: the checkpoint store's outage, if it is out of reach (rank 0 counts it; trainer/outage.py)
+        self.outage = StoreOutage(store)
         metrics.stalled.set_function(self.stalled_s)
         self.heartbeat = Heartbeat()
         #: the base an adapter version names (LoRA), taken from model_dir at start
@@ -193,27 +206,46 @@ class Trainer:
 
     # ------------------------------------------------------------ start / resume
     def start(self) -> None:
-        """Resume from the newest durable version, or publish version 0 (the initial model)."""
-        latest = dist.broadcast(self.store.latest() if self.rank == 0 else None, self.rank, self.world)
-        if self.rank == 0:
-            self._check_kind(latest)
-        if self.rank == 0 and self.sink is not None:
+        """Resume from the newest durable version, or publish version 0 (the initial model).
+
+        A store out of reach is waited for, up to :data:`~trainer.outage.START_WAIT_S`; each rank
+        retries its own reads (DeepSpeed's load has no collective), and version 0's publish is
+        retried by all.
+        """
+        point = self.outage.at_start("reading its versions", self._resume_point) if self.rank == 0 else None
+        latest = dist.broadcast(point, self.rank, self.world)
+        if latest is None:
+            while not self.publish():  # every rank, in step: publish returns rank 0's outcome
+                if self.rank == 0:
+                    self.outage.start_pause()
+            return
+        self.outage.at_start(f"restoring version {latest}", lambda: self.policy.restore(self.store.path(latest)))
+        man, seen = self.outage.at_start(f"reading version {latest}", lambda: self._resume_state(latest))
+        self.version, self.step, self.samples = latest, man.get("step", 0), man.get("samples_total", 0)
+        self.book = OffsetBook.from_json(man.get("offsets", {}))
+        self.seen_ids.update(seen)
+        self.m.version.set(self.version)
+        log.info("resumed from version %d (step %d, %d samples)", latest, self.step, self.samples)
+
+    def _resume_point(self) -> int | None:
+        """Rank 0: the newest version, checked to be of this trainer's kind; the versions owed an
+        announcement since the last run."""
+        latest = self.store.latest()
+        self._check_kind(latest)
+        if self.sink is not None:
             # versions a previous run committed but could not announce go out first
             self._announcing = self._announced = announced(self.store)
             self._owed = [v for v in self.store.versions() if v > self._announced]
             if self._owed:
                 log.info("versions %s were never announced; announcing them now", self._owed)
-        if latest is None:
-            self.publish()
-            return
-        self.policy.restore(self.store.path(latest))
-        man = self.store.manifest(latest)
-        self.version, self.step, self.samples = latest, man.get("step", 0), man.get("samples_total", 0)
-        self.book = OffsetBook.from_json(man.get("offsets", {}))
-        for v in self.store.versions()[-20:]:  # recent ids: a duplicate record is dropped, not retrained
-            self.seen_ids.update(self.store.ledger(v)["trained"])
-        self.m.version.set(self.version)
-        log.info("resumed from version %d (step %d, %d samples)", latest, self.step, self.samples)
+        return latest
+
+    def _resume_state(self, latest: int) -> tuple[dict[str, Any], set[str]]:
+        """The manifest to resume from, and the recent trained ids (a duplicate record is dropped, not retrained)."""
+        seen: set[str] = set()
+        for v in self.store.versions()[-20:]:
+            seen.update(self.store.ledger(v)["trained"])
+        return self.store.manifest(latest), seen
 
     def _check_kind(self, latest: int | None) -> None:
         """In LoRA mode: the model directory is verified, and is the base of the store's versions.
@@ -254,8 +286,11 @@ class Trainer:
             cmd = dist.broadcast(cmd, self.rank, self.world)
             kind, payload = cmd
             if kind == "stop":
-                if payload:  # a graceful stop keeps the work done since the last version
-                    self.publish()
+                # a graceful stop keeps the work done since the last version, if the store takes it
+                if payload and not self.publish() and self.rank == 0:
+                    log.warning("stopping without publishing: the checkpoint store is out of reach; the %d steps "
+                                "since version %d are trained again after the restart", self.ledger.steps,
+                                self.version)
                 break
             if kind == "train":
                 self._train([RewardEvent.model_validate(e) for e in payload["events"]], payload["pos"])
@@ -268,35 +303,47 @@ class Trainer:
         settled = self._settle_outputs()
         if self.stop_event.is_set():
             return ("stop", self._publish_at_stop(settled))
-        if self._publish_due() and self._may_publish(settled):
+        if self._publish_due() and self.outage.waiting():
+            # the version owed cannot be written yet: training waits for it, so a version still
+            # holds publish_every_steps of work (and a crash meanwhile loses no more than that)
+            self.stop_event.wait(min(self.outage.wait_s(), IDLE_WAIT_S))
+            return ("idle", None)
+        if self._publish_now(settled):
             return ("publish", None)
         batch = self.batcher.next_batch()
         if batch is None:
             self._poll()
             batch = self.batcher.next_batch()
         if batch is None:
-            return ("publish", None) if self._publish_due() and self._may_publish(settled) else ("idle", None)
+            return ("publish", None) if self._publish_now(settled) else ("idle", None)
         return ("train", {"events": [s.event.model_dump(mode="json") for s in batch], "pos": [s.pos for s in batch]})
 
     def _settle_outputs(self, timeout_s: float = 0.0) -> bool:
         """Whether Kafka has acked everything the trainer wrote to it, waiting up to ``timeout_s``.
 
         Writes the announcements of versions committed since the last turn first, and moves the
-        store's announced mark once they are acked.
+        store's announced mark once they are acked. Both read or write the store: while it is out
+        of reach they wait (the versions stay owed, in order; a restart announces them).
         """
         if self.sink is None:
             return True
+        if self._owed and not self.outage.waiting():
+            self.outage.attempt(f"announcing version {self._owed[0]}", self._announce_owed)
+        if not self.sink.settle(timeout_s):
+            return False
+        if self._announcing > self._announced and not self.outage.waiting():
+            mark = self._announcing
+            if self.outage.attempt(f"marking version {mark} announced", lambda: mark_announced(self.store, mark)) is not OUT:
+                self._announced = mark
+        return True
+
+    def _announce_owed(self) -> None:
+        self.store.sync()  # a version is announced once its rename is durable
         while self._owed:
             version = self._owed[0]
             value = encode(checkpoint_event(self.store, version, self._mirror_url))
             self.sink.write(self.topics.checkpoints, str(version), value, headers=self.signer.headers(value))
             self._announcing = self._owed.pop(0)
-        if not self.sink.settle(timeout_s):
-            return False
-        if self._announcing > self._announced:
-            mark_announced(self.store, self._announcing)
-            self._announced = self._announcing
-        return True
 
     @property
     def _mirror_url(self) -> str | None:
@@ -328,8 +375,9 @@ class Trainer:
         return False
 
     def stalled_s(self) -> float:
-        """Seconds records have been owed to Kafka with no ack (0 while it is fine)."""
-        return self.sink.stuck_s() if self.sink is not None else 0.0
+        """Seconds records have been owed to Kafka with no ack, or the checkpoint store has been
+        out of reach, whichever is longer (0 while both are fine)."""
+        return max(self.sink.stuck_s() if self.sink is not None else 0.0, self.outage.stalled_s())
 
     def healthy(self, stale_s: float = 60.0) -> tuple[bool, dict[str, object]]:
         stalled = self.stalled_s()
@@ -339,6 +387,9 @@ class Trainer:
 
     def _publish_due(self) -> bool:
         return publish_due(self.ledger, time.monotonic(), self.cfg.publish_every_steps, self.cfg.publish_every_s)
+
+    def _publish_now(self, settled: bool) -> bool:
+        return self._publish_due() and not self.outage.waiting() and self._may_publish(settled)
 
     # ------------------------------------------------------------ intake
     def _poll(self) -> None:
@@ -462,23 +513,50 @@ class Trainer:
             self.seen_ids.discard(ev.generation_id)
 
     # ------------------------------------------------------------ publish
-    def publish(self) -> None:
-        """Every rank saves its DeepSpeed state into the staging dir; rank 0 commits the version."""
+    def publish(self) -> bool:
+        """Every rank saves its DeepSpeed state into the staging dir; rank 0 commits the version.
+
+        False on every rank when the store was out of reach: nothing of the version is visible,
+        nothing was announced or committed to the group, its ledger and offsets wait for the next
+        try (rank 0 counted the outage in :attr:`outage`).
+        """
         t0 = time.monotonic()
         version = self.version + 1
-        tmp = dist.broadcast(str(self.store.staging_dir(version)) if self.rank == 0 else None, self.rank, self.world)
-        self.policy.save(Path(tmp), client_state={"version": version, "step": self.step})
+        staged = self.outage.attempt(f"staging version {version}", lambda: str(self.store.staging_dir(version))) \
+            if self.rank == 0 else None
+        tmp = dist.broadcast(None if staged is OUT else staged, self.rank, self.world)
+        if tmp is None:
+            return False
+        saved = self._save(Path(tmp), version)
         dist.barrier(self.world)
-        if self.rank == 0:
-            self._commit(Path(tmp), version)
+        done = saved and self.rank == 0 and self.outage.attempt(
+            f"writing version {version}", lambda: self._commit(Path(tmp), version)) is True
+        if not dist.broadcast(done if self.rank == 0 else None, self.rank, self.world):
+            if self.rank == 0:  # never visible; what this cannot delete, the next commit's prune does
+                shutil.rmtree(tmp, ignore_errors=True)
+            return False
         self.version = version
         dist.barrier(self.world)
         for s, reason in self.batcher.evict_stale(self.version, self.cfg.max_staleness):
             self._drop(s, reason)
         self.m.publish_time.observe(time.monotonic() - t0)
         self.m.busy.inc(time.monotonic() - t0)
+        return True
 
-    def _commit(self, tmp: Path, version: int) -> None:
+    def _save(self, tmp: Path, version: int) -> bool:
+        """This rank's DeepSpeed state into ``tmp``; False when the store went out of reach meanwhile.
+        With several ranks a failed save is raised: the others wait in DeepSpeed's own barrier,
+        which one rank cannot leave (docs/trainer.md, "When the checkpoint store is out of reach")."""
+        try:
+            self.policy.save(tmp, client_state={"version": version, "step": self.step})
+        except Exception as exc:
+            if self.world > 1 or (err := self.store.out_of_reach(exc)) is None:
+                raise
+            self.outage.failed(f"saving version {version}'s DeepSpeed state", err)
+            return False
+        return True
+
+    def _commit(self, tmp: Path, version: int) -> bool:
         dtype = served_dtype(self.cfg.served_dtype, self.s.model_dir)
         adapter = self._stage_adapter(tmp, dtype) if self.policy.lora is not None else None
         if adapter is None:
@@ -503,6 +581,7 @@ class Trainer:
         self._commit_offsets()
         self.ledger = Ledger()
         log.info("published version %d (step %d, %d samples, %s)", version, self.step, extra["samples"], "full" if man["full_snapshot"] else f"delta {man.get('delta_ratio', 0):.1f}x")
+        return True
 
     def _stage_adapter(self, tmp: Path, dtype: torch.dtype) -> Adapter:
         """Write the adapter (PEFT's two files) into ``tmp``; what its manifest says of it."""

@@ -37,7 +37,8 @@ class TrainerMetrics:
         self.publish_time = Histogram("trainer_publish_seconds", "Time to publish a version", registry=r)
         self.version = Gauge("trainer_version", "Latest published version", registry=r)
         self.stalled = Gauge("trainer_stalled_seconds", "Seconds records have been owed to Kafka (dead letters, "
-                             "announcements) with no ack; 0 while it is fine", registry=r)
+                             "announcements) with no ack, or the checkpoint store has been out of reach, "
+                             "whichever is longer; 0 while both are fine", registry=r)
         self.delta_bytes = Gauge("trainer_delta_bytes", "Size of the last published delta", registry=r)
         self.trained_tokens = Counter("trainer_trained_tokens_total", "Tokens of the samples trained on, by the "
                                       "version they go into and kind (prompt, completion)", ["version", "kind"],

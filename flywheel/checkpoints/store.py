@@ -46,6 +46,7 @@ for the trainer and for readers alike.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -74,6 +75,16 @@ REBUILD_PREFIX = ".rebuild-"
 #: Copied from the source model directory by every name but these (the weights are the trainer's).
 _SKIP_COPY = {manifest.MANIFEST_NAME}
 _SKIP_SUFFIXES = (".safetensors", ".safetensors.index.json")
+#: An OSError's errno that says the store is out of reach for now, not broken: a mode taken away
+#: (EACCES, EPERM), a network filesystem that does not answer (EIO, ESTALE, ETIMEDOUT and the
+#: connection errors), a full disk or quota. The trainer waits these out and publishes once the
+#: store answers (docs/trainer.md, "When the checkpoint store is out of reach"); anything else (a
+#: version without its manifest, a hash that does not match) is a broken store, and fails.
+OUT_OF_REACH = frozenset({
+    errno.EACCES, errno.EPERM, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EINTR,
+    errno.ENOTCONN, errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTDOWN,
+    errno.EHOSTUNREACH, errno.ENETDOWN, errno.ENETUNREACH, errno.ENOSPC, errno.EDQUOT, errno.EROFS,
+})
 
 
 def vname(version: int) -> str:
@@ -88,7 +99,22 @@ class CheckpointStore:
         self.full_every = full_every
         self.keep_full = keep_full
         self.keep_optimizer = keep_optimizer
+        #: a version was renamed into the root, but the root's fsync failed (:meth:`sync`)
+        self.unsynced = False
         self.root.mkdir(parents=True, exist_ok=True)
+
+    def out_of_reach(self, exc: BaseException) -> OSError | None:
+        """The error saying the store is out of reach for now, if that is why ``exc`` was raised:
+        ``exc`` itself when it is such an OSError (:data:`OUT_OF_REACH`), else what listing the root
+        raises now, since a library that wraps the OSError (DeepSpeed's save, torch's file writer)
+        no longer says the cause. None while the store answers: ``exc`` is something else."""
+        if isinstance(exc, OSError) and exc.errno in OUT_OF_REACH:
+            return exc
+        try:
+            os.listdir(self.root)
+        except OSError as probe:
+            return probe if probe.errno in OUT_OF_REACH else None
+        return None
 
     # ------------------------------------------------------------ reading
     def versions(self) -> list[int]:
@@ -164,9 +190,23 @@ class CheckpointStore:
         if final.exists():
             raise ManifestError(f"version {version} already exists in {self.root}")
         os.rename(tmp, final)
-        fsync_dir(self.root)
-        self.prune()
+        # The rename is the commit: the version is published whatever happens next, so a failure
+        # to fsync the root or to prune must not make the caller publish it again. sync() retries
+        # the fsync, and the writer calls it before announcing the version; the next commit prunes.
+        self.unsynced = True
+        try:
+            self.sync()
+            self.prune()
+        except OSError as exc:
+            log.warning("version %d is published, but %s; the root's fsync and pruning are tried again", version, exc)
         return sha, man
+
+    def sync(self) -> None:
+        """fsync the root if a commit could not (raises the OSError while it still cannot): until
+        then a power loss may undo the newest rename, so a version is announced after this."""
+        if self.unsynced:
+            fsync_dir(self.root)
+            self.unsynced = False
 
     def _same_kind(self, parent: int | None, adapter: manifest.Adapter | None) -> bool:
         """Whether a delta from ``parent`` can hold the new version: both full, or adapters of
