@@ -111,11 +111,11 @@ def test_a_stall_holds_versions_until_their_dead_letters_are_acked_and_loses_not
     write = tr.sink.write
     paused = threading.Event()
 
-    def pause_then_write(topic, key, value):
+    def pause_then_write(topic, key, value, **kw):
         if topic == topics.deadletter and not paused.is_set():
             broker.pause()
             paused.set()
-        write(topic, key, value)
+        write(topic, key, value, **kw)
 
     tr.sink.write = pause_then_write
     loop = Loop(tr)
