@@ -367,8 +367,17 @@ def test_a_retired_kafka_python_producer_has_reported_its_sends_when_retire_retu
     from flywheel.kafka.clients import make_producer
     from flywheel.kafka.producers import KafkaPythonOutput
 
-    cfg = kafka_settings.model_copy(update={"linger_ms": 2000})
-    out = KafkaPythonOutput(lambda: make_producer(cfg, "t", max_block_ms=5000))
+    # the first producer lingers far longer than queueing 500 sends can take on a loaded machine
+    # (with 2 s, a starved run saw them acked before the first deliver returned); the next one
+    # sends at once
+    lingering = kafka_settings.model_copy(update={"linger_ms": 30_000})
+    made: list[object] = []
+
+    def producer():
+        made.append(make_producer(kafka_settings if made else lingering, "t", max_block_ms=5000))
+        return made[-1]
+
+    out = KafkaPythonOutput(producer)
     store = StateStore(tmp_path / "s.sqlite3")
     with store.txn():
         for i in range(500):
