@@ -99,6 +99,10 @@ def wait_for(pred, timeout: float, what: str, proc: subprocess.Popen, log: Path)
     raise AssertionError(f"timed out waiting for {what}")
 
 
+# slow: about 25 s of a trainer subprocess on 2 cores, and the default suite must stay under 14
+# minutes; which errors are an outage, the backoff and the one log line per outage are unit tests
+# (tests/unit/test_trainer_outage.py) in the default suite
+@pytest.mark.slow
 def test_an_unreadable_store_is_waited_out_and_the_next_version_verifies(kafka_settings, topics, tiny_model_dir,
                                                                          tmp_path):
     argv = trainer_argv()
