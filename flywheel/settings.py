@@ -216,6 +216,11 @@ class ServeSettings(_Section):
     every user a new user and gives every key a new id."""
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """How long to wait for a broker ack before an event goes to the local journal instead."""
+
+    @property
+    def uses_default_salt(self) -> bool:
+        """Whether ``user_id_salt`` is the published default (serving warns at start)."""
+        return self.user_id_salt == type(self).model_fields["user_id_salt"].default
     journal_max_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
     """Bound on the local journal; when full, feedback answers 503 rather than lose data."""
     vllm_kv_cache_gib: float = Field(default=1.0, gt=0)

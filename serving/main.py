@@ -68,6 +68,10 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         log.error("refusing to serve: %s", exc)
         return 2
     log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
+    if settings.serve.uses_default_salt:
+        log.warning("serve.user_id_salt is the built-in default: anyone can compute the user pseudonyms and API "
+                    "key ids serving records; set FLYWHEEL_SERVE_USER_ID_SALT (or its _FILE) to a secret of your own "
+                    "before real users arrive, and keep it")
     if settings.serve.follow_releases and settings.serve.trusted_release_keys:
         # keys that cannot be read stop the start now (KeyFileError: exit 2 with the message),
         # not once the engines have loaded, minutes on a GPU, on every restart of a crash loop

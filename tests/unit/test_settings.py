@@ -242,3 +242,8 @@ def test_flywheel_names_an_invalid_secret_setting_without_its_value(monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("flywheel: ") and err.count("\n") == 1 and named in err, err
     assert not leaks(err), err
+
+
+def test_the_published_default_salt_is_told_apart_from_a_secret_one():
+    assert load_settings(env={}).serve.uses_default_salt
+    assert not load_settings(env={"FLYWHEEL_SERVE_USER_ID_SALT": "k3pt-s3cret"}).serve.uses_default_salt
