@@ -20,22 +20,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_trainer_crash import ledgers, start, wait_for
-from trainer_helpers import reward_event, trainer_env
+from trainer_helpers import send_rewards, trainer_env
 
 from flywheel.checkpoints import CheckpointStore, adapter_of, manifest
 from flywheel.checkpoints.fetch import fetch_version
-from flywheel.contracts import CheckpointEvent, decode, encode
-from flywheel.kafka.clients import make_producer
+from flywheel.contracts import CheckpointEvent, decode
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def send(kafka_settings, topic: str, ids: range) -> None:
-    producer = make_producer(kafka_settings, "test")
-    for i in ids:
-        producer.send(topic, key=f"gen-{i}", value=encode(reward_event(i)))
-    producer.flush()
-    producer.close()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -54,7 +45,7 @@ def test_lora_trainer_publishes_adapters_over_the_broker_and_resumes_after_a_res
                       lora_rank=4, lora_alpha=8.0, batch_size=4, publish_every_steps=2, publish_every_s=2.0,
                       full_every=3, max_seq_len=256)
     log = tmp_path / "trainer.log"
-    send(kafka_settings, topics.rewards, range(16))
+    send_rewards(kafka_settings, topics.rewards, range(16))
     first = start(env, log)
     try:
         wait_for(lambda: store.exists() and len(trained(store)) == 16, 180, "the first 16 samples durable", first)
@@ -62,7 +53,7 @@ def test_lora_trainer_publishes_adapters_over_the_broker_and_resumes_after_a_res
         stop(first)
     before = ledgers(store)[-1]["manifest"]
 
-    send(kafka_settings, topics.rewards, range(16, 32))
+    send_rewards(kafka_settings, topics.rewards, range(16, 32))
     second = start(env, log)
     try:
         wait_for(lambda: len(trained(store)) == 32, 180, "all 32 samples durable", second)

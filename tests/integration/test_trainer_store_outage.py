@@ -27,12 +27,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_helpers import PYTHON, ROOT, reward_event, trainer_env
+from trainer_helpers import PYTHON, ROOT, send_rewards, trainer_env
 
 from flywheel.checkpoints import CheckpointStore
 from flywheel.checkpoints.manifest import MANIFEST_NAME, sha256_file
-from flywheel.contracts import CheckpointEvent, decode, encode
-from flywheel.kafka.clients import make_producer
+from flywheel.contracts import CheckpointEvent, decode
 from tests.conftest import read_all
 
 pytestmark = pytest.mark.integration
@@ -50,14 +49,6 @@ def trainer_argv() -> list[str]:
     if shutil.which("setpriv") is None:
         pytest.skip("running as root without setpriv: chmod 000 would not bind the trainer")
     return ["setpriv", "--bounding-set", DROP, "--inh-caps", DROP, "--", *argv]
-
-
-def produce(kafka_settings, topic: str, ids: range) -> None:
-    producer = make_producer(kafka_settings, "test")
-    for i in ids:
-        producer.send(topic, key=f"gen-{i}", value=encode(reward_event(i)))
-    producer.flush()
-    producer.close()
 
 
 def metric(log: Path, name: str) -> float | None:
@@ -107,7 +98,7 @@ def test_an_unreadable_store_is_waited_out_and_the_next_version_verifies(kafka_s
                                                                          tmp_path):
     argv = trainer_argv()
     before, during = range(16), range(16, 32)
-    produce(kafka_settings, topics.rewards, before)
+    send_rewards(kafka_settings, topics.rewards, before)
     store = tmp_path / "data" / "checkpoints"
     group = f"{topics.prefix}trainer"
     env = trainer_env(kafka_settings, topics.prefix, tiny_model_dir, tmp_path / "data", loss="reinforce",
@@ -126,7 +117,7 @@ def test_an_unreadable_store_is_waited_out_and_the_next_version_verifies(kafka_s
 
         mode = store.stat().st_mode & 0o7777
         store.chmod(0)
-        produce(kafka_settings, topics.rewards, during)  # a version comes due that cannot be written
+        send_rewards(kafka_settings, topics.rewards, during)  # a version comes due that cannot be written
         end = time.monotonic() + OUTAGE_S
         wait_for(lambda: (metric(log, "trainer_stalled_seconds") or 0) > 1.0, OUTAGE_S, "the wait counted",
                  proc, log)

@@ -46,6 +46,18 @@ def reward_event(i: int, *, group: str | None = None, reward: float | None = Non
     )
 
 
+def send_rewards(kafka_settings, topic: str, ids: range) -> None:
+    """Reward events ``ids`` (:func:`reward_event`) on ``topic``, keyed by generation, all acked."""
+    from flywheel.contracts import encode
+    from flywheel.kafka.clients import make_producer
+
+    producer = make_producer(kafka_settings, "test")
+    for i in ids:
+        producer.send(topic, key=f"gen-{i}", value=encode(reward_event(i)))
+    producer.flush()
+    producer.close()
+
+
 def trainer_env(kafka_settings, prefix: str, model_dir: Path, data_dir: Path, **trainer: object) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
