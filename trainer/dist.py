@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import NoReturn
 
 
 def _free_port() -> int:
@@ -77,16 +78,48 @@ def barrier(world: int) -> None:
 
 
 def shutdown() -> None:
-    """Tear the process group down before the interpreter exits.
+    """Tear the process group down (torch's and DeepSpeed's bookkeeping) at the end of a run.
 
-    Left to interpreter teardown, gloo's worker threads can be destroyed while still joinable,
-    and the C++ runtime aborts the process ("terminate called without an active exception"):
-    torchrun then reports a clean stop as a failure.
+    This does not stop gloo's threads: see :func:`exit_process`.
     """
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a stopped trainer: the exit work the interpreter would do, then ``os._exit(code)``.
+
+    Why not a normal exit: each gloo process group runs C++ worker threads, and a worker drops
+    its last reference to a finished collective only after the caller has its result. Where that
+    collective's tensors outlived their Python objects (``broadcast_object_list``'s do, and the
+    leader's ``stop`` is one), the drop takes the GIL. A rank that exits right after it (every
+    rank but the leader, which still settles Kafka) can be in interpreter finalization by then;
+    CPython (3.11 to 3.13) ends a thread that asks for the GIL there with ``pthread_exit``, whose unwind
+    through the ``noexcept`` work destructor is ``std::terminate``. Core dump of such an abort
+    (exit -6, "terminate called without an active exception"): main thread in
+    ``Py_FinalizeEx``; the aborting thread in ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncBroadcastWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` ->
+    ``PyThread_exit_thread``. Those threads stop only in ``~ProcessGroupGloo``, which does not
+    run before finalization: :func:`shutdown` leaves them running (the core has them all) and
+    DeepSpeed keeps its groups (the engine, the ZeRO optimizer, every parameter's ``_dp_group``,
+    ``deepspeed.utils.groups``), so the trainer has nothing to join them with.
+
+    So the process ends before finalization, as a ``multiprocessing`` child does: the caller has
+    closed the Kafka clients (the producer flushed) and the store's versions are committed; the
+    interpreter's own pre-finalization steps run here (non-daemon threads joined, ``atexit``
+    handlers, logging among them, run), then the standard streams are flushed.
+    """
+    import atexit
+    import sys
+    import threading
+
+    threading._shutdown()  # Py_FinalizeEx's first two steps (a multiprocessing child runs this one)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def cpu_threads(n: int) -> None:

@@ -21,7 +21,7 @@ import json
 import logging
 import signal
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from flywheel.settings import Settings
 
@@ -84,14 +84,13 @@ def build(settings: Settings):
     return trainer, registry
 
 
-def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
+def run(settings: Settings, args: argparse.Namespace | None = None) -> NoReturn:
     from flywheel.metrics import serve_ops
     from flywheel.probes import Probes, alive
 
     # SIGTERM and SIGINT are blocked while the process group and the engine start, so every
     # thread started then (gloo's among them) inherits the block and only this thread takes them:
-    # delivered to a gloo thread, a handled signal interrupted its socket call, and a worker of a
-    # two-process run aborted ("terminate called without an active exception")
+    # delivered to a gloo thread, a handled signal would interrupt its socket call
     stop_signals = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
     trainer, registry = build(settings)
@@ -116,5 +115,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         from trainer import dist
 
         dist.shutdown()
-    return 0
+    # a stop ends the process here, not in interpreter teardown, where gloo's threads abort it
+    # now and then (trainer/dist.py, exit_process); an error above still exits the usual way
+    dist.exit_process(0)
 
