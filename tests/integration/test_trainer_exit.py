@@ -39,7 +39,8 @@ dist.shutdown()
 dist.exit_process(0)
 """
 
-PAIRS = 5
+#: with the old exit path 13 pairs of 20 aborted: 3 pairs catch it in 24 runs of 25
+PAIRS = 3
 
 
 def _pair(port: int) -> list[tuple[int, str]]:

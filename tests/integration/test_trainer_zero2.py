@@ -37,7 +37,9 @@ ZERO2 = {
 # SIGTERM goes to both workers (as torchrun forwards its own) and torchrun must exit 0: the second
 # worker used to abort in interpreter teardown now and then, a gloo thread dropping the last stop
 # broadcast ("terminate called without an active exception", exit -6); trainer/dist.py,
-# exit_process, says why, and test_trainer_exit.py reproduces it in seconds
+# exit_process, says why, and test_trainer_exit.py reproduces it in seconds. Slow for its 13-22 s
+# on 2 cores alone (the default suite must stay under 14 minutes)
+@pytest.mark.slow
 def test_two_process_zero2_publishes_verified_versions(kafka_settings, topics, tiny_model_dir, tmp_path):
     producer = make_producer(kafka_settings, "test")
     for i in range(16):  # 8 prompts x 2 samples with different rewards: every group has signal
