@@ -904,9 +904,9 @@ def describe(settings: Settings) -> str:
     stream = data.get("stream", {})
     if stream.get("database_url"):
         stream["database_url"] = redact_database_url(stream["database_url"])
-    if release.get("webhooks"):  # a chat tool's webhook URL holds its secret in the path
-        release["webhooks"] = [u.split("://", 1)[0] + "://" + u.split("://", 1)[1].split("/", 1)[0].rsplit("@", 1)[-1] + "/***"
-                               for u in release["webhooks"]]
+    if release.get("webhooks"):  # a webhook URL holds its secret in the path or the query: host and port only
+        release["webhooks"] = [f"{(u := urlsplit(url)).scheme}://{u.netloc.rpartition('@')[2]}/***"
+                               for url in release["webhooks"]]
     serve["user_id_salt"] = "***"
     if data.get("kafka", {}).get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"

@@ -215,6 +215,22 @@ def test_a_refused_secret_is_not_in_the_error(section, values, named):
     assert named in text and not leaks(text), text
 
 
+@pytest.mark.parametrize(("url", "kept"), [
+    (f"https://hooks.slack.com/services/T0/B0/{HOOK_SECRET}", "https://hooks.slack.com/***"),
+    # a receiver that takes its secret in the query, with no path: the log once showed it whole
+    (f"https://hooks.example.com?token={HOOK_SECRET}", "https://hooks.example.com/***"),
+    (f"https://hooks.example.com:8443#{HOOK_SECRET}", "https://hooks.example.com:8443/***"),
+    (f"https://ops:{PASSWORD}@hooks.example.com/x", "https://hooks.example.com/***"),
+])
+def test_the_start_up_log_shows_a_webhook_by_its_host(url, kept):
+    import json
+
+    from flywheel.settings import describe
+
+    shown = json.loads(describe(load_settings(env={"FLYWHEEL_RELEASE_WEBHOOKS": url})))["release"]["webhooks"]
+    assert shown == [kept] and not leaks(str(shown)), shown
+
+
 def test_an_assignment_refused_does_not_echo_the_secret():
     from pydantic import ValidationError
 
