@@ -53,9 +53,10 @@ class StoreOutage:
         now = self.clock()
         if self.since is None:
             self.since, self.pause, self.tries = now, FIRST_PAUSE_S, 0
+            # the error whole: its path may be below the root, or outside it (the model directory)
             log.warning("the checkpoint store %s is out of reach (%s: %s, while %s); the trainer waits for "
                         "it, trying again with backoff up to every %.0fs", self.store.root, type(exc).__name__,
-                        exc.strerror or exc, doing, MAX_PAUSE_S)
+                        exc, doing, MAX_PAUSE_S)
         else:
             self.pause = min(self.pause * 2, MAX_PAUSE_S)
             log.debug("the checkpoint store is still out of reach (%s while %s)", exc, doing)

@@ -82,3 +82,13 @@ def test_a_start_gives_up_on_a_store_away_past_its_wait_naming_it(tmp_path):
     clock.now += 5 * MAX_PAUSE_S + 1
     with pytest.raises(StoreOutOfReach, match=r"checkpoint store .*store has been out of reach for 30\ds at start"):
         out.start_pause()
+
+
+def test_the_outage_log_names_the_path_that_failed(tmp_path, caplog):
+    """An error on any path counts (the model directory's files are copied into each version too):
+    the runbook has the operator check the path, so the one line names it, not only the root."""
+    caplog.set_level(logging.WARNING, logger="trainer.outage")
+    out = StoreOutage(CheckpointStore(tmp_path / "store"), Clock())
+    out.failed("writing version 3", PermissionError(errno.EACCES, "Permission denied", "/models/base/config.json"))
+    (warning,) = caplog.records
+    assert "/models/base/config.json" in warning.getMessage() and "Permission denied" in warning.getMessage()
