@@ -217,10 +217,6 @@ class ServeSettings(_Section):
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """How long to wait for a broker ack before an event goes to the local journal instead."""
 
-    @property
-    def uses_default_salt(self) -> bool:
-        """Whether ``user_id_salt`` is the published default (serving warns at start)."""
-        return self.user_id_salt == type(self).model_fields["user_id_salt"].default
     journal_max_bytes: int = Field(default=256 * 1024 * 1024, ge=4096)
     """Bound on the local journal; when full, feedback answers 503 rather than lose data."""
     vllm_kv_cache_gib: float = Field(default=1.0, gt=0)
@@ -288,6 +284,11 @@ class ServeSettings(_Section):
     other record is dead-lettered (``unsigned``, ``bad_signature``, ``unknown_key``) and serving
     keeps its routing. Empty: releases are not verified (logged at start); ``flywheel up`` signs
     and verifies with a pair it makes under ``<data_dir>/keys``. Read again when they change."""
+
+    @property
+    def uses_default_salt(self) -> bool:
+        """Whether ``user_id_salt`` is the published default (serving warns at start)."""
+        return self.user_id_salt == type(self).model_fields["user_id_salt"].default
 
 
 class TrainerSettings(_Section):

@@ -118,7 +118,10 @@ def exit_process(code: int) -> NoReturn:
     threading._shutdown()  # Py_FinalizeEx's first two steps (a multiprocessing child runs this one)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone: nothing more can be said there
+            pass
     os._exit(code)
 
 
