@@ -18,7 +18,9 @@ Two threads own the producer:
 * the *replay* thread (re)connects the producer, so only it ever blocks on a dead broker, and
   sends journal entries oldest first, waits for their acks, then advances the journal head past
   the acked prefix; on a failure it backs off and retries with a new producer, waiting longer
-  for acks or sending smaller batches, so a slow broker still drains it. On start-up it
+  for acks or sending smaller batches, so a slow broker still drains it. A send refused (no
+  topic metadata within the ack timeout) or a wait spent ends a batch's sends, so one try never
+  takes one wait per event; a replay that keeps failing logs a warning every 30 s. On start-up it
   replays whatever a previous process left in the journal. Events that arrive before the first
   connection go through the journal too.
 
@@ -55,6 +57,8 @@ BATCH = 500
 # wait up to this cap (below ``stop``'s join timeout), and a replay that acks only part of its
 # batch halves the next one. Only the intake thread answers to the response path's bound.
 REPLAY_TIMEOUT_MAX_S = 8.0
+# A replay that keeps failing says so in the log, at most this often, with what it last saw.
+REPLAY_WARN_EVERY_S = 30.0
 
 
 @dataclass
@@ -145,6 +149,7 @@ class Recorder:
         self.last_error: str | None = None
         self._replay_batch = BATCH
         self._replay_timeout_s = ack_timeout_s
+        self._replay_warned_at: float | None = None
 
     # -- public API (any thread) ---------------------------------------------------------------
     def start(self) -> Recorder:
@@ -218,14 +223,22 @@ class Recorder:
     def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]],
                   timeout_s: float | None = None) -> list[bool]:
         """Send and wait up to ``timeout_s`` (the ack timeout); ``acked[i]`` says which made it."""
-        futures: list[Any] = []
-        for topic, key, value in items:
+        wait_s = self.ack_timeout_s if timeout_s is None else timeout_s
+        futures: list[Any] = [None] * len(items)
+        # A send blocks up to max_block_ms while the producer has no metadata for the topic (a new
+        # producer on a slow or stalled broker, a topic it has not sent to yet). One refusal or a
+        # spent wait ends the batch: the rest count as not acked, where each would block again
+        # (500 sends: many minutes in which the journal neither drains nor says why).
+        stop_sending_at = time.monotonic() + wait_s
+        for i, (topic, key, value) in enumerate(items):
             try:
-                futures.append(producer.send(topic, key=key, value=value))
+                futures[i] = producer.send(topic, key=key, value=value)
             except Exception as exc:  # noqa: BLE001 - any refusal means "not acked": journal it
                 self.last_error = f"send: {exc!r}"
-                futures.append(None)
-        deadline = time.monotonic() + (self.ack_timeout_s if timeout_s is None else timeout_s)
+                break
+            if time.monotonic() > stop_sending_at:
+                break
+        deadline = time.monotonic() + wait_s
         acked = []
         for fut in futures:
             ok = False
@@ -313,7 +326,15 @@ class Recorder:
                 self._wake.clear()
                 continue
             if not self._replay_once():
+                self._warn_replay_failing()
                 self._stop.wait(self.retry_interval_s)
+
+    def _warn_replay_failing(self) -> None:
+        now = time.monotonic()
+        if self._replay_warned_at is None or now - self._replay_warned_at >= REPLAY_WARN_EVERY_S:
+            self._replay_warned_at = now
+            log.warning("journal replay failed; %d events wait in the journal (last error: %s)",
+                        self.journal.records, self.last_error)
 
     def _replay_once(self) -> bool:
         entries = self.journal.peek(self._replay_batch)
@@ -339,5 +360,6 @@ class Recorder:
         self._replay_batch = min(BATCH, 2 * self._replay_batch)
         self._replay_timeout_s = max(self.ack_timeout_s, self._replay_timeout_s / 2)
         if not self.journal.records:
+            self._replay_warned_at = None
             log.info("journal drained; publishing directly again")
         return True
