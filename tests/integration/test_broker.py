@@ -67,3 +67,17 @@ def test_flywheel_broker_stops_the_broker_it_started_on_sigterm_and_sigint(sig):
             break
         assert time.monotonic() < deadline, "the broker still holds its port after the command stopped"
         time.sleep(0.2)
+
+
+def test_the_tests_reader_reads_a_topic_larger_than_a_fetch_to_its_end(kafka_settings, topics):
+    """``read_all(expect=0)`` is every record there: it stopped after two polls, and a swap test
+    waited 240 s for generations that were on the topic past what two fetches return."""
+    from tests.conftest import read_all
+
+    producer = make_producer(kafka_settings, "test", linger_ms=20)
+    for i in range(3000):
+        producer.send(topics.generations, key=b"%04d" % i, value=b"%04d" % i + b"x" * 2000)
+    producer.flush()
+    producer.close()
+    got = read_all(kafka_settings.bootstrap, topics.generations, expect=0)
+    assert sorted(r.key for r in got) == [b"%04d" % i for i in range(3000)]
