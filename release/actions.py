@@ -8,6 +8,7 @@ it with 409.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from release.states import LIVE, State, TransitionRefused
@@ -76,6 +77,28 @@ def undo(store: ReleaseStore, version: int, actor: str, reason: str) -> Revision
         return store.undo(version, actor, reason)
     except TransitionRefused as exc:
         raise ActionRefused(str(exc)) from None
+
+
+def verification_refused(version: int, exc: BaseException) -> ActionRefused:
+    """The refusal of an undo whose version failed verification, as approvers read it (the 409,
+    the audit note): the error's type and text with every filesystem path cut to its last part.
+    The text names what failed (a hash mismatch, a missing file) and which file; where the
+    checkpoint store or the rebuild's temporary directory lives is the server's business, and the
+    caller logs the error whole for the operator."""
+    return ActionRefused(f"version {version} failed verification, stable stays: "
+                         f"{type(exc).__name__}: {without_paths(str(exc))}")
+
+
+#: An absolute path, or a URI's authority and path (``file:///srv/ckpt/v1``, ``s3://bucket/v1``):
+#: a ``/`` not inside a word or a number (so ``1/2`` stays), up to a blank, a quote or the
+#: punctuation that ends a path in an error's text (``{directory}: {name} hash mismatch``).
+_PATH = re.compile(r"""(?:\b[A-Za-z][\w+.-]*://[^\s/'"]*|(?<![\w.]))/[^\s'"():,;]*""")
+
+
+def without_paths(text: str) -> str:
+    """``text`` with each path in it replaced by its last part (``/srv/ckpt/v1/model.safetensors``
+    reads ``model.safetensors``; ``/`` alone reads ``""``)."""
+    return _PATH.sub(lambda m: m.group(0).rstrip("/").rpartition("/")[2], text)
 
 
 def pause(store: ReleaseStore, actor: str, reason: str) -> bool:

@@ -420,8 +420,10 @@ def _undo_route(app: FastAPI, store: ReleaseStore, metrics: ApiMetrics, lock: th
             try:
                 verify(cand)
             except Exception as exc:  # noqa: BLE001 - any failure to rebuild or verify refuses the undo
-                raise ActionRefused(f"version {body.to} failed verification, stable stays: "
-                                    f"{type(exc).__name__}: {exc}") from None
+                # whole here, for the operator; approvers get it without the server's paths
+                log.warning("undo to version %d refused by %s: verification failed: %s: %s", body.to, actor,
+                            type(exc).__name__, exc)
+                raise actions.verification_refused(body.to, exc) from None
             with lock:
                 rev = actions.undo(store, body.to, actor, body.reason or "undo (no reason given)")
         except ActionRefused as exc:

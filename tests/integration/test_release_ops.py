@@ -205,6 +205,31 @@ def test_undo_without_a_checkpoint_store_is_refused(api, store, checkpoints):
     assert store.stable_version() == 2
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_an_undo_refused_by_verification_shows_approvers_no_server_path(api, store, checkpoints, caplog, damage):
+    """The 409 an approver reads (and the audit note anyone with a token reads) quoted the
+    verification error whole: the checkpoint store's directory, or the temporary directory the
+    version was rebuilt in. They name the failure and the file; the controller's log keeps the
+    rest for the operator."""
+    st, shas = checkpoints
+    promote_real(store, 1, shas[1], None)
+    promote_real(store, 2, shas[2], 1)
+    weights = st.path(1) / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-1])
+    else:
+        weights.unlink()
+    a = api(verify=partial(verify_version, st))
+    with caplog.at_level("WARNING", logger="release.api"):
+        r = a.post("/api/undo", "abe", json={"to": 1})
+    detail = r.json()["detail"]
+    assert r.status_code == 409 and detail.startswith("version 1 failed verification, stable stays: "), detail
+    assert "/" not in detail and str(st.root) not in detail and "model.safetensors" in detail, detail
+    note = next(e.reason for e in store.audit(1) if e.reason.startswith("undo refused"))
+    assert "/" not in note, note
+    assert str(st.root) in caplog.text or "flywheel-verify-" in caplog.text  # the operator still sees where
+    assert store.stable_version() == 2
+
 # -- webhooks -----------------------------------------------------------------------------------
 
 class Receiver:
