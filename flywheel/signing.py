@@ -12,13 +12,21 @@ forge what it verifies.
   headers (``flywheel-sig``: 64 raw bytes; ``flywheel-key-id``), so the JSON contract is unchanged.
 - Keys are PEM files (``flywheel keys generate``), named by their key id: ``<id>.key`` (PKCS#8
   private, mode 0600) and ``<id>.pub`` (SubjectPublicKeyInfo). A verifier trusts the ``*.pub``
-  files its setting names, each a file or a directory (a mounted Secret).
+  files its setting names, each a file or a directory (a mounted Secret). A signer's setting names
+  its ``<id>.key``, or a directory holding exactly one (a mounted Secret): then a rotation changes
+  the Secret only, never the manifest that mounts it.
 - Rotation: add the new public key to the verifiers' directory, switch the signer to the new
   private key, then remove the old public key. A verifier reads its keys again whenever a file or
   directory it was given changes, so none of that needs a restart of the readers.
 - A verifier configured with no keys checks nothing (and says so at start); one with keys
   refuses every record that is not signed by one of them: :class:`SignatureRefused`, a
   :class:`~flywheel.contracts.ContractError`, which the readers dead-letter as any bad record.
+- A key file that cannot be used (not a key, not Ed25519, badly named, unreadable) is refused
+  the same way at start and while running: an error log naming the file and why, the
+  ``<role>_key_files_refused`` gauge (:meth:`Verifier.register`), and the file listed in the
+  reader's ``/health`` or ``/api/status`` (:class:`TrustState`); the process goes on verifying
+  with the keys it can use. Only a start with keys configured and none usable stops (exit 2): a
+  half-written update must never stop a restart, nor make a reader trust more.
 
 docs/signing.md says how keys are provisioned and rotated, and which Kafka ACLs each role needs.
 """
@@ -28,7 +36,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -36,6 +45,9 @@ from typing import Literal
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from flywheel.contracts import ContractError
 from flywheel.settings import SettingsError
@@ -97,6 +109,36 @@ def generate_key_pair(out_dir: Path, key_id: str) -> tuple[Path, Path]:
     return private, public
 
 
+def _one_private_key(path: Path, setting: str) -> Path:
+    """``path`` itself, or the one ``<id>.key`` in the directory ``path`` (a mounted Secret, whose
+    ``..data`` and timestamped entries are hidden)."""
+    if not path.is_dir():
+        return path
+    keys = sorted(p for p in path.glob("*.key") if not p.name.startswith(".") and p.is_file())
+    if len(keys) != 1:
+        found = ", ".join(p.name for p in keys) or "none"
+        raise KeyFileError(f"{setting}: the directory {path} must hold exactly one private key (<key id>.key), "
+                           f"found {found}")
+    return keys[0]
+
+
+@dataclass(frozen=True)
+class TrustState:
+    """What a verifier trusts now: shown in serving's ``/health``, the release API's
+    ``/api/status`` and console, and as metrics (:meth:`Verifier.register`)."""
+
+    verified: bool
+    """Whether records are checked at all (false: no trusted keys configured)."""
+    key_ids: tuple[str, ...]
+    """The key ids whose signatures are accepted."""
+    refused: tuple[tuple[str, str], ...]
+    """(key file, why) for each configured key file that cannot be used."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {"verified": self.verified, "trusted_key_ids": list(self.key_ids),
+                "refused_key_files": [{"path": p, "reason": r} for p, r in self.refused]}
+
+
 @dataclass(frozen=True)
 class Signer:
     """Signs the records one role writes; with no key (``key_id`` None) it signs nothing."""
@@ -111,6 +153,7 @@ class Signer:
         if path is None:
             log.warning("%s is not set: records go out unsigned, and readers that trust keys refuse them", setting)
             return cls()
+        path = _one_private_key(Path(path), setting)
         try:
             key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
         except (OSError, ValueError, TypeError) as exc:
@@ -135,21 +178,38 @@ class Verifier:
         self.sources, self.setting = tuple(Path(s) for s in sources), setting
         self._seen: tuple[tuple[str, int, int, int], ...] | None = None
         self._keys: dict[str, Ed25519PublicKey] = {}
+        #: key file -> why it cannot be used, as of the last read
+        self._refused: dict[str, str] = {}
+        # the reader's thread checks records while a scrape or /health reads the state
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, sources: Sequence[Path], *, setting: str) -> Verifier:
-        """A verifier of ``sources``, every one of which must hold usable keys now (a process
-        misconfigured at start stops there); none: records are not verified."""
+        """A verifier of ``sources``; none: records are not verified (logged). A key file that
+        cannot be used is refused and logged, the others trusted; with sources but no usable key
+        at all, the start stops here (:class:`KeyFileError`: exit 2)."""
         verifier = cls(sources, setting)
         if not verifier.required:
             log.warning("%s is empty: records are not verified, and anyone who may write the topic decides what "
                         "this process does with them (docs/signing.md)", setting)
             return verifier
-        verifier._reload(strict=True)
+        verifier._reload()
         if not verifier._keys:
-            raise KeyFileError(f"{setting}: no public keys (*.pub) in {', '.join(map(str, verifier.sources))}")
+            why = "".join(f"; {reason}" for reason in verifier._refused.values())
+            raise KeyFileError(f"{setting}: no public keys (*.pub) it can use in "
+                               f"{', '.join(map(str, verifier.sources))}{why}")
         log.info("%s: trusting key ids %s", setting, ", ".join(verifier._keys))
         return verifier
+
+    def state(self) -> TrustState:
+        self._refresh()
+        return TrustState(self.required, tuple(sorted(self._keys)), tuple(sorted(self._refused.items())))
+
+    def register(self, registry: CollectorRegistry, prefix: str) -> None:
+        """Export this verifier's state on ``registry`` as ``<prefix>_signatures_verified`` (1/0),
+        ``<prefix>_trusted_keys`` and ``<prefix>_key_files_refused``, read at each scrape: a key
+        file changed while no record arrives still shows."""
+        registry.register(_TrustCollector(self, prefix))
 
     @property
     def required(self) -> bool:
@@ -198,27 +258,57 @@ class Verifier:
         return tuple(stamp)
 
     def _refresh(self) -> None:
-        if self.required and self._stamp(self._files()) != self._seen:
-            self._reload(strict=False)
+        if not self.required:
+            return
+        with self._lock:
+            if self._stamp(self._files()) != self._seen:
+                self._reload()
 
-    def _reload(self, *, strict: bool) -> None:
-        """Read every key file. At start (``strict``) a bad one is an error; later it is left
-        out and logged, so a half-written update refuses that key's records, never trusts more."""
+    def _reload(self) -> None:
+        """Read every key file. A bad one is left out and logged, at start as later: a half-written
+        update refuses that key's records (the other keys go on verifying), never trusts more,
+        and never stops a restart while a usable key is left."""
         files = self._files()
         keys: dict[str, Ed25519PublicKey] = {}
+        refused: dict[str, str] = {}
         for path in files:
             try:
                 key_id, key = _read_public(path, self.setting)
             except KeyFileError as exc:
-                if strict:
-                    raise
-                log.error("%s; its records are refused until it is fixed", exc)
+                refused[str(path)] = str(exc)
                 continue
             keys[key_id] = key
+        for path, why in sorted(refused.items()):
+            if self._refused.get(path) != why:  # once per change, not per record
+                log.error("%s: refusing key file %s: %s; records signed with its key are refused until it is fixed "
+                          "(still trusting: %s)", self.setting, path, why, ", ".join(sorted(keys)) or "no key")
         if self._seen is not None and sorted(keys) != sorted(self._keys):
             log.warning("%s: trusted key ids are now %s (were %s)", self.setting, ", ".join(sorted(keys)) or "none",
                         ", ".join(sorted(self._keys)) or "none")
-        self._keys, self._seen = keys, self._stamp(files)
+        self._keys, self._refused, self._seen = keys, refused, self._stamp(files)
+
+
+class _TrustCollector(Collector):
+    """A verifier's :class:`TrustState` as gauges, read at scrape time (:meth:`Verifier.register`)."""
+
+    def __init__(self, verifier: Verifier, prefix: str) -> None:
+        self.verifier, self.prefix = verifier, prefix
+
+    def describe(self) -> list[Metric]:
+        return list(self._families(TrustState(False, (), ())))
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.verifier.state())
+
+    def _families(self, state: TrustState) -> Iterator[Metric]:
+        setting = self.verifier.setting
+        yield GaugeMetricFamily(f"{self.prefix}_signatures_verified",
+                                f"1 when signatures are verified ({setting} names keys), 0 when every record is "
+                                "read unchecked", value=int(state.verified))
+        yield GaugeMetricFamily(f"{self.prefix}_trusted_keys", f"Public keys of {setting} in use (2 during a "
+                                "rotation)", value=len(state.key_ids))
+        yield GaugeMetricFamily(f"{self.prefix}_key_files_refused", f"Key files of {setting} that cannot be used "
+                                "(logged with the reason); their signers' records are refused", value=len(state.refused))
 
 
 def _read_public(path: Path, setting: str) -> tuple[str, Ed25519PublicKey]:

@@ -234,3 +234,78 @@ def test_flywheel_up_signs_the_loop_with_pairs_it_keeps_and_leaves_configured_re
     mine = Settings(serve=ServeSettings(trusted_release_keys=(tmp_path / "theirs",)))
     assert sorted(local_keys(mine, tmp_path / "other")) == ["FLYWHEEL_RELEASE_TRUSTED_CHECKPOINT_KEYS",
                                                            "FLYWHEEL_TRAINER_SIGNING_KEY"]
+
+
+# -- a key file that cannot be used: the same at start and while running ---------------------------
+def _gauges(registry, prefix: str) -> dict[str, float]:
+    return {name: registry.get_sample_value(f"{prefix}_{name}")
+            for name in ("signatures_verified", "trusted_keys", "key_files_refused")}
+
+
+@pytest.mark.parametrize("junk", [b"not a key", b"", b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"],
+                         ids=["text", "empty", "truncated PEM"])
+def test_a_bad_key_file_beside_a_good_one_is_refused_loudly_at_start_and_the_good_one_trusted(keys, junk, caplog):
+    """A malformed ``.pub`` in the trusted directory once stopped every restart (while a running
+    reader only logged it): now a start refuses that file as loudly as a running reader does,
+    and goes on with the keys it can use."""
+    from flywheel.metrics import new_registry
+
+    (keys / "trusted" / "junk.pub").write_bytes(junk)
+    verifier = Verifier.load([keys / "trusted"], setting="test.keys")  # raised KeyFileError, and the start stopped
+    assert verifier.check(VALUE, signer(keys, "alpha").headers(VALUE)) == "alpha"
+    state = verifier.state()
+    assert state.verified and state.key_ids == ("alpha",)
+    [(path, why)] = state.refused
+    assert path.endswith("junk.pub") and "test.keys" in why
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "junk.pub" in errors[0].getMessage() and "alpha" in errors[0].getMessage()
+    registry = new_registry()
+    verifier.register(registry, "test_release")
+    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
+
+
+def test_a_bad_key_file_that_appears_while_running_is_refused_loudly_and_shown(keys, caplog):
+    from flywheel.metrics import new_registry
+
+    verifier = Verifier.load([keys / "trusted"], setting="test.keys")
+    registry = new_registry()
+    verifier.register(registry, "test_release")
+    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 0}
+    caplog.clear()
+    (keys / "trusted" / "beta.pub").write_bytes(b"half a key")  # a rotation's file half written
+    # shown at the next scrape, before any record arrives to make the verifier look
+    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
+    assert verifier.check(VALUE, signer(keys, "alpha").headers(VALUE)) == "alpha"
+    with pytest.raises(SignatureRefused) as exc:
+        verifier.check(VALUE, signer(keys, "beta").headers(VALUE))
+    assert exc.value.reason == "unknown_key"
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "beta.pub" in errors[0]  # once per change, not once per record or scrape
+    (keys / "trusted" / "beta.pub").write_bytes((keys / "pairs" / "beta.pub").read_bytes())  # the write completes
+    assert verifier.check(VALUE, signer(keys, "beta").headers(VALUE)) == "beta"
+    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 2, "key_files_refused": 0}
+
+
+def test_a_verifier_with_no_keys_shows_that_nothing_is_verified():
+    from flywheel.metrics import new_registry
+
+    verifier = Verifier.load([], setting="serve.trusted_release_keys")
+    registry = new_registry()
+    verifier.register(registry, "test_release")
+    assert _gauges(registry, "test_release") == {"signatures_verified": 0, "trusted_keys": 0, "key_files_refused": 0}
+    assert verifier.state().as_dict() == {"verified": False, "trusted_key_ids": [], "refused_key_files": []}
+
+
+def test_a_signer_reads_the_one_key_of_a_directory_so_a_rotation_changes_only_the_secret(keys, tmp_path):
+    mounted = tmp_path / "release-key"
+    mounted.mkdir()
+    (mounted / "..data").mkdir()  # what a mounted Secret also holds
+    with pytest.raises(KeyFileError, match="exactly one private key"):
+        Signer.load(mounted, setting="release.signing_key")
+    (mounted / "alpha.key").write_bytes((keys / "pairs" / "alpha.key").read_bytes())
+    loaded = Signer.load(mounted, setting="release.signing_key")
+    assert loaded.key_id == "alpha"
+    assert Verifier.load([keys / "trusted"], setting="t").check(VALUE, loaded.headers(VALUE)) == "alpha"
+    (mounted / "beta.key").write_bytes((keys / "pairs" / "beta.key").read_bytes())
+    with pytest.raises(KeyFileError, match="alpha.key, beta.key"):  # which one signs is never a guess
+        Signer.load(mounted, setting="release.signing_key")
