@@ -23,7 +23,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel chaos [--duration 600]        the whole loop under injected faults; fails on a broken invariant
     flywheel --version                     the installed package's version
 
-``--config FILE`` and ``--log-level LEVEL`` are global: given before the subcommand or after it.
+``--config FILE``, ``--log-level LEVEL`` and ``--log-format text|json`` are global: given before the subcommand or after it.
 """
 
 from __future__ import annotations
@@ -34,30 +34,32 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from flywheel.extras import MissingExtra
+from flywheel.output import add_output
 from flywheel.settings import Settings, SettingsError, describe, load_settings
 
 log = logging.getLogger("flywheel")
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
 def _flags(args: argparse.Namespace) -> dict[str, Any]:
     """The settings the global flags set: applied last, over the file and the environment."""
-    return {"log_level": args.log_level} if getattr(args, "log_level", None) else {}
+    flags = {"log_level": getattr(args, "log_level", None), "log_format": getattr(args, "log_format", None)}
+    return {name: value for name, value in flags.items() if value}
 
 
 def _settings(args: argparse.Namespace, announce: bool = True) -> Settings:
-    # configured before the settings load, so what loading warns about (variables it ignores) is
-    # logged in the same format; the level is set again once the settings say which
-    logging.basicConfig(level=getattr(args, "log_level", None) or logging.INFO, format=LOG_FORMAT)
-    settings = load_settings(config_file=args.config, overrides=_flags(args))
-    logging.getLogger().setLevel(settings.log_level)
+    from flywheel import logs
+
+    # what loading warns about (variables it ignores) is held until the settings say which format
+    # to log in, then logged in it (a JSON log must not start with a line of text)
+    logging.getLogger().setLevel(getattr(args, "log_level", None) or logging.INFO)
+    with logs.held():
+        settings = load_settings(config_file=args.config, overrides=_flags(args))
+        logs.configure(settings.log_format, settings.log_level)
     # kafka-python logs every connection and rebalance at INFO; keep its warnings, drop the chatter.
     logging.getLogger("kafka").setLevel(max(logging.WARNING, logging.getLogger().level))
     # httpx logs every request at INFO: a client loop (the demo's users, its probes) would bury
@@ -72,7 +74,9 @@ def _settings(args: argparse.Namespace, announce: bool = True) -> Settings:
 def cmd_broker(args: argparse.Namespace) -> int:
     from local.broker import EmbeddedBroker
 
-    logging.basicConfig(level=args.log_level or logging.INFO, format=LOG_FORMAT)
+    from flywheel.logs import configure
+
+    configure(args.log_format or "text", args.log_level or logging.INFO)  # no settings: the flags only
 
     def stop(*_: object) -> None:  # a supervisor's or kill's SIGTERM stops the broker too
         raise KeyboardInterrupt
@@ -163,41 +167,89 @@ def _role(module: str, announce: bool = True) -> Callable[[argparse.Namespace], 
     return run
 
 
-#: The CLI's own variable (a person's token), not a setting: kept out of settings parsing, which
-#: warns about unknown FLYWHEEL_* names.
+#: The CLI's own variables (a person's token, or the file that holds it), not settings: kept out
+#: of settings parsing, which warns about unknown FLYWHEEL_* names.
 RELEASE_TOKEN_ENV = "FLYWHEEL_RELEASE_TOKEN"
+RELEASE_TOKEN_FILE_ENV = f"{RELEASE_TOKEN_ENV}_FILE"
 
 
 def cmd_release(args: argparse.Namespace) -> int:
     """``flywheel release <command>``: the REST API's client, against ``--url`` with ``--token``."""
     from release.client import main as client_main
 
-    token = args.token or os.environ.get(RELEASE_TOKEN_ENV) or None
+    token = release_token(args.token, args.token_file, os.environ)
     return client_main(args, args.url or _release_url(args), token)
+
+
+def release_token(flag: str | None, flag_file: Path | None, env: Mapping[str, str]) -> str | None:
+    """The token to send: ``--token`` or ``--token-file`` (argparse lets only one through), else
+    ``FLYWHEEL_RELEASE_TOKEN`` or ``FLYWHEEL_RELEASE_TOKEN_FILE``: a flag wins over the
+    environment, as everywhere. A file is read by the rule a setting's ``FLYWHEEL_*_FILE`` follows
+    (flywheel/environment.py: trailing newline dropped, both variables set is an error). A file
+    that cannot be read, or holds nothing, is a SettingsError naming the file, never its content:
+    sending no token would come back as a 401 that blames the token, not the file."""
+    if flag:
+        return flag
+    if flag_file is not None:
+        return _token_from_file("--token-file", str(flag_file))
+    if env.get(RELEASE_TOKEN_FILE_ENV):
+        if env.get(RELEASE_TOKEN_ENV):
+            raise SettingsError(f"{RELEASE_TOKEN_ENV} and {RELEASE_TOKEN_FILE_ENV} are both set: set one, "
+                                "the token or the file that holds it")
+        return _token_from_file(RELEASE_TOKEN_FILE_ENV, env[RELEASE_TOKEN_FILE_ENV])
+    return env.get(RELEASE_TOKEN_ENV) or None
+
+
+def _token_from_file(source: str, path: str) -> str:
+    from flywheel.environment import VariableError, read_file
+
+    try:
+        token = read_file(source, path)
+    except VariableError as exc:
+        raise SettingsError(str(exc)) from None
+    if not token.strip():
+        raise SettingsError(f"{source}: {path} is empty: it should hold the release API token")
+    return token
 
 
 def _release_url(args: argparse.Namespace) -> str:
     """The API's address from the settings (host and port); read quietly: a client command prints
     its answer, not the settings log line the server roles start with."""
-    env = {k: v for k, v in os.environ.items() if k != RELEASE_TOKEN_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (RELEASE_TOKEN_ENV, RELEASE_TOKEN_FILE_ENV)}
     release = load_settings(env=env, config_file=args.config).release
     host = "127.0.0.1" if release.host in ("", "0.0.0.0", "::") else release.host  # a bind-all address
     host = f"[{host}]" if ":" in host else host
     return f"http://{host}:{release.port}"
 
 
+RELEASE_EXIT_CODES = """exit codes:
+  0   done
+  1   refused or failed: a conflict (HTTP 409), a bad request, the controller out of reach
+  2   usage error, nothing sent: a bad flag, a token file that cannot be read or is empty
+  77  authentication or authorization failed (HTTP 401, 403): no token, a wrong one, or a role
+      too low for the command (EX_NOPERM from sysexits.h)"""
+
+
 def _add_release(sub: Any) -> None:
     """``flywheel release serve`` runs the controller (release/main.py); the rest call its API."""
-    rel = sub.add_parser("release", help="the release controller: `serve` it, or list, show, approve, ... through its API")
+    rel = sub.add_parser("release", help="the release controller: `serve` it, or list, show, approve, ... through its API",
+                         epilog=RELEASE_EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     cmds = rel.add_subparsers(dest="release_cmd", required=True)
     cmds.add_parser("serve", help="run the controller loop and its REST API and console").set_defaults(
         func=_role("release.main"))
     api = argparse.ArgumentParser(add_help=False)  # what every API command takes
     api.add_argument("--url", default=None, help="the API (default http://<release.host>:<release.port>)")
-    api.add_argument("--token", default=None, help=f"bearer token (default ${RELEASE_TOKEN_ENV})")
+    given = api.add_mutually_exclusive_group()
+    given.add_argument("--token", default=None,
+                       help=f"bearer token (default ${RELEASE_TOKEN_ENV}); other users see it in `ps`: "
+                            "prefer --token-file")
+    given.add_argument("--token-file", type=Path, default=None, metavar="FILE",
+                       help=f"read the token from FILE, its trailing newline dropped (default "
+                            f"${RELEASE_TOKEN_FILE_ENV})")
 
     def command(name: str, help_text: str, version: str | None = None, reason: str | None = None) -> None:
-        c = cmds.add_parser(name, parents=[api], help=help_text)
+        c = cmds.add_parser(name, parents=[api], help=help_text, epilog=RELEASE_EXIT_CODES,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
         if version == "positional":
             c.add_argument("version", type=_count)
         elif version == "option":
@@ -227,8 +279,7 @@ def _add_release(sub: Any) -> None:
     command("audit", "the audit log, newest first", version="option")
     cmds.choices["audit"].add_argument("--limit", type=_count, default=None, help="at most this many entries")
     for read in ("status", "list", "show", "audit"):  # the API's JSON body, for scripts
-        cmds.choices[read].add_argument("-o", "--output", choices=("table", "json"), default="table",
-                                        help="table (default) or json: the API's body as one line")
+        add_output(cmds.choices[read])
 
 
 def _age(text: str) -> float:
@@ -288,6 +339,9 @@ class _Parser(argparse.ArgumentParser):
                           help="flywheel.toml to read (else FLYWHEEL_CONFIG or ./flywheel.toml)")
         self.add_argument("--log-level", type=_log_level, default=default, metavar="LEVEL",
                           help=f"{', '.join(LOG_LEVELS)} in any case: overrides the log_level setting")
+        self.add_argument("--log-format", choices=("text", "json"), default=default,
+                          help="text, or json: one object per line with the request id (overrides the "
+                               "log_format setting, FLYWHEEL_LOG_FORMAT)")
 
 
 def version() -> str:

@@ -104,14 +104,17 @@ def read_environment(env: Mapping[str, str], resolve: Callable[[str], tuple[str,
         if path is not None:
             if stem in env:
                 raise VariableError(f"{stem} and {key} are both set: set one, the value or the file that holds it")
-            values.append(Variable(path, _read_file(key, raw), key))
+            values.append(Variable(path, read_file(key, raw), key))
         else:
             why = Ignored.SERVICE_LINK if _SERVICE_LINK_NAME.search(key) else Ignored.NOT_A_SETTING
             ignored.append(IgnoredVariable(key, why))
     return Reading(tuple(values), tuple(ignored))
 
 
-def _read_file(key: str, path: str) -> str:
+def read_file(key: str, path: str) -> str:
+    """A value from the file ``path`` that ``key`` (a variable or a flag) names, its trailing
+    newline dropped; :class:`VariableError` names both when it cannot be read, never the content.
+    The one rule for a secret kept in a file (``flywheel release --token-file`` reads it too)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:

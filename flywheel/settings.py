@@ -781,8 +781,9 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "FLYWHEEL_DATABASE_URL": ("release", "database_url"),
 }
 #: Variables of the same prefix that are not settings: the config file's path, and the token the
-#: ``flywheel release`` client commands send (a person's, not the deployment's).
-_NOT_SETTINGS = {"FLYWHEEL_CONFIG", "FLYWHEEL_RELEASE_TOKEN"}
+#: ``flywheel release`` client commands send (a person's, not the deployment's), or the file that
+#: holds it (cli/main.py reads it by the same rule as a setting's ``_FILE``).
+_NOT_SETTINGS = {"FLYWHEEL_CONFIG", "FLYWHEEL_RELEASE_TOKEN", "FLYWHEEL_RELEASE_TOKEN_FILE"}
 
 
 class SettingsError(ValueError):

@@ -15,13 +15,15 @@
     flywheel release status --watch [--interval S] print the status again whenever it changes (Ctrl-C ends)
 
 Every read command (``status``, ``list``, ``show``, ``audit``) takes ``-o json``: the API's own JSON
-body, one line (with ``--watch``, one line per change), for scripts and ``jq``.
+body, one line (with ``--watch``, one line per change), for scripts and ``jq`` (flywheel/output.py).
 
 Every command talks HTTP to ``--url`` (default ``http://<release.host>:<release.port>``) with
-``--token`` (default ``FLYWHEEL_RELEASE_TOKEN``), so it works from any machine that can reach the
-controller and does exactly what the console does, with the same checks and the same audit entries.
-An error from the API is printed as ``error: <message>``; the exit code is 2 when the token is
-missing, wrong or its role too low (401, 403), 1 for any other failure.
+``--token`` or ``--token-file`` (default ``FLYWHEEL_RELEASE_TOKEN`` or
+``FLYWHEEL_RELEASE_TOKEN_FILE``), so it works from any machine that can reach the controller and
+does exactly what the console does, with the same checks and the same audit entries. An error from
+the API is printed as ``error: <message>``. Exit codes (:data:`EXIT_AUTH`): 0 done; 1 refused or
+failed (a 409, a controller out of reach); 2 a usage error, before anything is sent (argparse's,
+and a token file that cannot be read); 77 the token is missing, wrong or its role too low (401, 403).
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ from typing import Any, TextIO
 
 import httpx
 
+from flywheel.output import as_json
 from flywheel.terminal import escape
 
-#: Exit codes: what went wrong, for scripts.
-EXIT_OK, EXIT_ERROR, EXIT_AUTH = 0, 1, 2
+#: Exit codes: what went wrong, for scripts. Authentication and authorization failures (401, 403)
+#: get sysexits.h's EX_NOPERM, 77, not 2: 2 is every usage error (argparse exits 2), and a script
+#: must tell "fix the command" from "fix the token or ask for a role" without parsing stderr. 77
+#: is the one code with that meaning already written down, and no shell or Python code collides
+#: with it (1 and 2 are Python's, 126-165 the shell's and signals').
+EXIT_OK, EXIT_ERROR, EXIT_AUTH = 0, 1, 77
 
 
 class ApiError(Exception):
@@ -259,7 +266,7 @@ def run_command(client: ReleaseClient, args: argparse.Namespace) -> str:
     if args.release_cmd in READS:
         fetch, show = READS[args.release_cmd]
         body = fetch(client, args)
-        return json.dumps(body, sort_keys=True) if getattr(args, "output", "table") == "json" else show(body)
+        return as_json(body) if getattr(args, "output", "table") == "json" else show(body)
     match args.release_cmd:
         case "approve":
             return f"promoted v{args.version}" + _revision_note(client.approve(args.version, args.reason))
@@ -289,7 +296,8 @@ def main(args: argparse.Namespace, url: str, token: str | None,
         print(run_command(client, args), file=out)
         return EXIT_OK
     except ApiError as exc:
-        hint = ("; pass --token or set FLYWHEEL_RELEASE_TOKEN" if exc.status == 401 and not token else "")
+        hint = ("; pass --token-file or --token, or set FLYWHEEL_RELEASE_TOKEN_FILE or FLYWHEEL_RELEASE_TOKEN"
+                if exc.status == 401 and not token else "")
         print(f"error: {escape(exc.message)}{hint}", file=err)
         return EXIT_AUTH if exc.status in (401, 403) else EXIT_ERROR
     finally:
@@ -317,7 +325,7 @@ def watch(client: ReleaseClient, args: argparse.Namespace, out: TextIO, err: Tex
                 body = None
             if body is not None and (seen := _steady(body)) != last:
                 last = seen
-                text = (json.dumps(body, sort_keys=True) if args.output == "json"
+                text = (as_json(body) if args.output == "json"
                         else f"-- {when(body.get('time'))}\n{format_status(body)}")
                 print(text, file=out, flush=True)
             time.sleep(args.interval)

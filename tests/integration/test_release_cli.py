@@ -19,6 +19,7 @@ from test_release_api import TOKENS, seed
 
 from cli.main import main
 from flywheel.settings import Settings
+from release.client import EXIT_AUTH
 from release.states import State
 
 pytestmark = pytest.mark.integration
@@ -96,25 +97,29 @@ def test_approve_promotes_and_the_audit_names_the_approver(api, store, capsys):
     assert code == 1 and err.startswith("error: version 2 is promoted")
 
 
-def test_wrong_token_exits_2_with_the_message(api, store):
+def test_wrong_token_exits_77_not_the_usage_errors_2(api, store):
+    # a script must tell "fix the command" (2, argparse's) from "fix the token or ask for a
+    # role" (77, EX_NOPERM) without reading stderr: both exited 2
     seed(store, 1, State.AWAITING_APPROVAL)
     a = api()
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
     done = subprocess.run([sys.executable, "-m", "cli", "release", "list", "--url", a.url, "--token", "wrong"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert (done.returncode, done.stdout, done.stderr) == (2, "", "error: invalid token\n")
+    assert (done.returncode, done.stdout, done.stderr) == (EXIT_AUTH, "", "error: invalid token\n")
+    assert EXIT_AUTH == 77
 
 
-def test_too_low_a_role_exits_2_and_other_failures_exit_1(api, store, capsys, monkeypatch):
+def test_too_low_a_role_or_no_token_exits_77_and_other_failures_exit_1(api, store, capsys, monkeypatch):
     seed(store, 1, State.AWAITING_APPROVAL)
     a = api()
     code, out, err = run(capsys, "approve", "1", "--url", a.url, "--token", TOKENS["vera"])
-    assert (code, out) == (2, "")
+    assert (code, out) == (77, "")
     assert err == "error: this needs the approver role; vera is a viewer\n"
     assert store.get(1).state == State.AWAITING_APPROVAL
     monkeypatch.delenv("FLYWHEEL_RELEASE_TOKEN", raising=False)
+    monkeypatch.delenv("FLYWHEEL_RELEASE_TOKEN_FILE", raising=False)
     code, _, err = run(capsys, "list", "--url", a.url)
-    assert code == 2 and "pass --token or set FLYWHEEL_RELEASE_TOKEN" in err
+    assert code == 77 and "pass --token-file or --token, or set FLYWHEEL_RELEASE_TOKEN_FILE" in err
     code, _, err = run(capsys, "reject", "99", "--url", a.url, "--token", TOKENS["abe"])
     assert code == 1 and err == "error: no version 99 was ever published to this controller\n"
     code, _, err = run(capsys, "pause", "--reason", "x" * 2001, "--url", a.url, "--token", TOKENS["ada"])
@@ -203,3 +208,53 @@ def test_a_reason_that_could_forge_the_audit_log_is_a_usage_error_before_anythin
         assert exit_.value.code == 2
         err = capsys.readouterr().err
         assert "--reason" in err and "one line of text" in err and "U+" in err, err
+
+
+def _cli(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m cli release ...`` as a process, without the test run's FLYWHEEL_* variables."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    return subprocess.run([sys.executable, "-m", "cli", "release", *argv], cwd=ROOT, env=clean | (env or {}),
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_the_token_comes_from_a_file_named_by_flag_or_variable_newline_dropped(api, store, tmp_path):
+    # --token puts the token in every user's `ps`; a file (a mounted Secret, `pass show > f`) does not
+    seed(store, 1, State.AWAITING_APPROVAL)
+    a = api()
+    token = tmp_path / "token"
+    token.write_text(TOKENS["ada"] + "\n")  # `echo token > file` ends it with a newline
+    done = _cli("pause", "--reason", "freeze", "--url", a.url, "--token-file", str(token))
+    assert (done.returncode, done.stdout, done.stderr) == (0, "pipeline paused\n", "")
+    assert store.audit(limit=1)[0].actor == "ada"  # the file's token, not a 401 for "token\n"
+    done = _cli("resume", "--reason", "thaw", "--url", a.url, env={"FLYWHEEL_RELEASE_TOKEN_FILE": str(token)})
+    assert (done.returncode, done.stdout, done.stderr) == (0, "pipeline running\n", "")
+    assert "not a setting" not in done.stderr  # the CLI's own variable, not warned about as a misspelt setting
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "directory", "both variables", "both flags"])
+def test_a_token_file_that_cannot_be_used_is_a_usage_error_naming_it_and_nothing_is_sent(
+        api, store, tmp_path, problem):
+    seed(store, 1, State.AWAITING_APPROVAL)
+    a = api()
+    secret = "s3cret-" + TOKENS["ada"]
+    path = tmp_path / "token"
+    argv, env = ["--token-file", str(path)], {}
+    if problem == "empty":
+        path.write_text("\n")
+    elif problem == "directory":
+        path.mkdir()
+    elif problem == "both variables":
+        path.write_text(secret)
+        argv, env = [], {"FLYWHEEL_RELEASE_TOKEN_FILE": str(path), "FLYWHEEL_RELEASE_TOKEN": secret}
+    elif problem == "both flags":
+        argv = [*argv, "--token", secret]
+    done = _cli("pause", "--reason", "freeze", "--url", a.url, *argv, env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert secret not in done.stderr and "Traceback" not in done.stderr
+    if problem == "both flags":
+        assert "not allowed with argument" in done.stderr  # argparse's own usage error
+    elif problem == "both variables":
+        assert "FLYWHEEL_RELEASE_TOKEN and FLYWHEEL_RELEASE_TOKEN_FILE are both set" in done.stderr
+    else:
+        assert str(path) in done.stderr and done.stderr.startswith("flywheel: --token-file: "), done.stderr
+    assert not store.paused() and store.audit(limit=1)[0].to_state is not None  # nothing reached the API
