@@ -548,7 +548,8 @@ class StreamSettings(_Section):
     replicas on one host (each stage's state in ``<name>.<its group>.sqlite3`` beside it). The
     replicas then share the input partitions through the consumer group, with no ``shards``, and
     a partition's state moves with it. Empty: each process keeps its state in
-    ``<data_dir>/<stage>/state.sqlite3``."""
+    ``<data_dir>/<stage>/state.sqlite3``. A password is written percent-encoded (``@`` as
+    ``%40``)."""
 
     @field_validator("database_url")
     @classmethod
@@ -556,6 +557,8 @@ class StreamSettings(_Section):
         if v and not v.startswith(("postgresql://", "postgres://", "sqlite:///")):
             raise ValueError("must be postgresql://..., or sqlite:////<absolute path>/<name>.sqlite3 (replicas on "
                              "one host), or empty for a state store in each process's data_dir")
+        if why := database_url_refusal(v):
+            raise ValueError(why)
         # a relative path is resolved against each process's working directory: replicas started
         # from different ones would each get a "shared" database of their own
         if v.startswith("sqlite:///") and not v.removeprefix("sqlite:///").startswith("/"):
@@ -570,7 +573,8 @@ class ReleaseSettings(_Section):
     database_url: str = ""
     """Where the controller keeps candidates, the audit log and its lease
     (``FLYWHEEL_DATABASE_URL``): ``postgresql://...`` in production; empty means an SQLite file
-    under ``<data_dir>/release/``."""
+    under ``<data_dir>/release/``. A password is written percent-encoded (``@`` as ``%40``): a URL
+    that holds one raw is refused, since the driver's error would show its tail."""
     host: str = "127.0.0.1"
     """Interface of the REST API and the web console."""
     port: int = Field(default=8100, ge=0, le=65535)
@@ -688,6 +692,13 @@ class ReleaseSettings(_Section):
     """Attempts at each webhook body before it is given up (and counted failed)."""
     webhook_backoff_s: float = Field(default=1.0, gt=0)
     """Wait after a webhook's first failed attempt; doubled after each next one, at most a minute."""
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, v: str) -> str:
+        if why := database_url_refusal(v):
+            raise ValueError(why)
+        return v
 
     @field_validator("webhooks")
     @classmethod
@@ -939,3 +950,32 @@ def redact_database_url(url: str) -> str:
 def _redact_param(param: str) -> str:
     name, eq, _ = param.partition("=")
     return f"{name}=***" if eq and unquote_plus(name).lower().endswith("password") else param
+
+
+#: What a URL's user name and password may hold unencoded (RFC 3986 ``userinfo``).
+_USERINFO = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:-]|%[0-9A-Fa-f]{2})*")
+
+
+def database_url_refusal(url: str) -> str | None:
+    """Why a PostgreSQL ``url`` would leak its password through the driver's errors, else None.
+
+    libpq ends the user name and password at the first ``@``: a password holding one puts its
+    tail in the host name, and the driver says so (``failed to resolve host '<tail>@db'``); a
+    ``%`` that starts no escape is quoted with the whole password (``invalid percent-encoded
+    token``). Everything before the URL's last ``@`` must therefore be valid userinfo. The reason
+    quotes no part of the URL."""
+    if not url.startswith(("postgresql://", "postgres://")):
+        return None
+    userinfo, at, _ = url.partition("://")[2].rpartition("@")
+    if not at or _USERINFO.fullmatch(userinfo):
+        return None
+    return ("its user name or password holds a character a URL must percent-encode: write '@' as %40, '/' as "
+            "%2F, '?' as %3F, '#' as %23, '%' as %25, a space as %20 (Python: urllib.parse.quote(password, "
+            "safe='')), and an '@' after the host as %40")
+
+
+def refuse_leaking_url(url: str) -> None:
+    """Raise :class:`SettingsError` for a database URL :func:`database_url_refusal` refuses: the
+    stores check it again before they connect, whoever built them (settings refuse it at start)."""
+    if why := database_url_refusal(url):
+        raise SettingsError(f"database URL {why}")

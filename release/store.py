@@ -24,6 +24,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from flywheel.settings import refuse_leaking_url
 from release.states import FINAL, LIVE, State, TransitionRefused, check
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class _Db:
         if self.postgres:
             import psycopg  # only a PostgreSQL deployment needs it
 
+            refuse_leaking_url(url)
             self.conn: Any = psycopg.connect(url, autocommit=True)
             self._in_txn = False
             self._operational_error = psycopg.OperationalError

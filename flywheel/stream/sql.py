@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from flywheel.settings import refuse_leaking_url
+
 _TYPES = [(re.compile(r"\bBLOB\b"), "BYTEA"), (re.compile(r"\bREAL\b"), "DOUBLE PRECISION"),
           (re.compile(r"\bINTEGER\b"), "BIGINT"), (re.compile(r"\s*\bAUTOINCREMENT\b"), "")]
 #: A reconnect waits at most this long for the server: one that does not answer is tried again
@@ -97,6 +99,7 @@ class PgConnection:
         import psycopg  # only a deployment on PostgreSQL needs it
 
         self.url, self.ns = url, ns
+        refuse_leaking_url(url)
         self.conn: Any = psycopg.connect(url, autocommit=True, **SESSION_OPTIONS)
         self._sql: dict[str, str] = {}
         # several replicas start at once: CREATE ... IF NOT EXISTS is not safe against a

@@ -130,6 +130,38 @@ def test_a_database_password_is_never_logged(url, secret, kept):
         assert secret not in shown and "a%40b" not in shown
 
 
+@pytest.mark.parametrize(("url", "refused"), [
+    ("postgresql://flywheel:s3cr3t-pw@db:5432/release", False),
+    ("postgresql://flywheel:a%40b%2Fc%25@db/release", False),  # percent-encoded: what libpq reads
+    ("postgresql://flywheel:it's;(ok)*+,=!$&:~@db/release", False),  # sub-delims and ':' are userinfo
+    ("postgresql://flywheel@db/release?options=-csearch_path%3Dx", False),
+    ("postgresql://db/release", False),
+    ("sqlite:////var/lib/flywheel/a@b/stream.sqlite3", False),  # a path, not a URL's userinfo
+    ("postgresql://flywheel:s3cr3t@tail@db/release", True),  # libpq: host 'tail@db', in its error
+    ("postgres://fly@wheel:pw@db/release", True),
+    ("postgresql://flywheel:pct%zz@db/release", True),  # libpq quotes the password whole
+    ("postgresql://flywheel:a/b@db/release", True),
+    ("postgresql://flywheel:a?b@db/release", True),  # the log's redaction took '?b@db/...' for a query
+    ("postgresql://flywheel:a#b@db/release", True),
+    ("postgresql://flywheel:a b@db/release", True),
+    ("postgresql://db/release?application_name=a@b", True),  # percent-encoded, it is read the same
+])
+def test_a_database_url_whose_password_the_driver_would_show_is_refused(url, refused):
+    from flywheel.settings import database_url_refusal
+
+    why = database_url_refusal(url)
+    assert (why is not None) == refused
+    if why:
+        assert "%40" in why and "tail" not in why and "pct" not in why
+
+
+@pytest.mark.parametrize("var", ["FLYWHEEL_DATABASE_URL", "FLYWHEEL_STREAM_DATABASE_URL"])
+def test_settings_refuse_a_raw_at_in_a_database_password_without_showing_it(var):
+    with pytest.raises(SettingsError, match="percent-encode") as refused:
+        load_settings(env={var: f"postgresql://flywheel:{PASSWORD}@x@db/flywheel"})
+    assert not leaks(str(refused.value)), str(refused.value)
+
+
 def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
     """The start-up log showed each key's first 3 characters, then a plain sha256 fingerprint (a
     short key is found by hashing guesses); now the id serving records the key under, keyed with
