@@ -32,6 +32,13 @@ distinct record once, however many dead letters it has by then.
 
 The dead-letter topic is read from its start to its high watermark on every run: it is a
 low-volume topic, and its retention bounds the read.
+
+``-o json`` prints one JSON object instead of the text (flywheel/output.py), for scripts: the
+count line's ``topic``, ``dead_letters``, ``selected``, ``unreadable``, and per action
+``summary`` (``rows``: ``stage``, ``reason``, ``source_topic``, ``count``, ``first_failed_at``,
+``last_failed_at``; ``repeats``), ``show`` (``letters``: :func:`letter_json`, at most ``--limit``)
+or ``replay`` (``dry_run``, ``sent``: ``source_topic``, ``reason``, ``count``; ``sent_total``,
+``before``, ``repeats``, ``refused``: ``partition``, ``offset``, ``reason``, ``why``).
 """
 
 from __future__ import annotations
@@ -43,12 +50,14 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
 from flywheel.contracts import MAX_DEADLETTER_BYTES, ContractError, DeadLetterEvent, Topics, decode
 from flywheel.kafka.clients import make_producer, partitions_of, read_to_end
 from flywheel.kafka.security import check_access, kafka_python_options
+from flywheel.output import as_json
 from flywheel.settings import KafkaSettings, Settings
 from flywheel.terminal import escape
 
@@ -131,6 +140,12 @@ class Summary:
             row[0] += 1
             row[1], row[2] = min(row[1], dl.failed_at), max(row[2], dl.failed_at)
 
+    def to_json(self) -> dict[str, Any]:
+        rows = [{"stage": stage, "reason": reason, "source_topic": topic, "count": int(n),
+                 "first_failed_at": first, "last_failed_at": last}
+                for (stage, reason, topic), (n, first, last) in sorted(self.rows.items(), key=lambda kv: -kv[1][0])]
+        return {"rows": rows, "repeats": self.repeats}
+
     def render(self) -> str:
         if not self.rows:
             return "no dead letters match"
@@ -164,12 +179,30 @@ def show(letters: Iterable[Letter], limit: int, width: int = 300) -> str:
     return "\n".join(out) if out else "no dead letters match"
 
 
+def letter_json(letter: Letter) -> dict[str, Any]:
+    """A letter for ``show -o json``: where it sits, and its event's fields as they are (the
+    original key and value stay base64, whole: JSON carries any bytes, a terminal does not)."""
+    dl = letter.event
+    return {"partition": letter.partition, "offset": letter.offset, "failed_at": dl.failed_at,
+            "stage": dl.stage, "reason": dl.reason, "detail": dl.detail, "source_topic": dl.source_topic,
+            "source_partition": dl.source_partition, "source_offset": dl.source_offset,
+            "key_b64": dl.key_b64, "value_b64": dl.value_b64, "truncated": dl.truncated}
+
+
 @dataclass
 class ReplayResult:
     sent: Counter[tuple[str, str]] = field(default_factory=Counter)  # (source topic, reason) -> n
     refused: list[tuple[Letter, str]] = field(default_factory=list)
     repeats: int = 0  # letters whose record is already in this replay
     before: int = 0  # letters an earlier replay sent, skipped
+
+    def to_json(self, dry_run: bool) -> dict[str, Any]:
+        return {"dry_run": dry_run, "sent_total": sum(self.sent.values()),
+                "sent": [{"source_topic": topic, "reason": reason, "count": n}
+                         for (topic, reason), n in sorted(self.sent.items())],
+                "before": self.before, "repeats": self.repeats,
+                "refused": [{"partition": x.partition, "offset": x.offset, "reason": x.event.reason, "why": why}
+                            for x, why in self.refused]}
 
     def render(self, dry_run: bool) -> str:
         verb = "would replay" if dry_run else "replayed"
@@ -343,15 +376,32 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     selection = selection_from_args(args, topics, time.time())
     letters, bad = read_letters(settings.kafka, topics.deadletter)
     chosen = [x for x in letters if selection.matches(x.event)]
+    if args.output == "json":
+        head: dict[str, Any] = {"topic": topics.deadletter, "dead_letters": len(letters), "selected": len(chosen),
+                                "unreadable": bad}
+        print(as_json(head | {args.action: _action_json(settings, topics, chosen, args)}))
+        return 0
     print(f"{topics.deadletter}: {len(letters)} dead letters, {len(chosen)} selected"
           + (f", {bad} unreadable" if bad else ""))
     if args.action == "summary":
-        summary = Summary()
-        for letter in chosen:
-            summary.add(letter.event)
-        print(summary.render())
+        print(_summary(chosen).render())
     elif args.action == "show":
         print(show(chosen, args.limit))
     else:
         print(replay(settings.kafka, topics, chosen, args.dry_run, args.again).render(args.dry_run))
     return 0
+
+
+def _summary(chosen: list[Letter]) -> Summary:
+    summary = Summary()
+    for letter in chosen:
+        summary.add(letter.event)
+    return summary
+
+
+def _action_json(settings: Settings, topics: Topics, chosen: list[Letter], args: argparse.Namespace) -> Any:
+    if args.action == "summary":
+        return _summary(chosen).to_json()
+    if args.action == "show":
+        return {"letters": [letter_json(x) for x in chosen[:args.limit]]}
+    return replay(settings.kafka, topics, chosen, args.dry_run, args.again).to_json(args.dry_run)

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.extras import MissingExtra
-from flywheel.output import add_output
+from flywheel.output import add_output, emit
 from flywheel.settings import Settings, SettingsError, describe, load_settings
 
 log = logging.getLogger("flywheel")
@@ -131,7 +131,7 @@ def cmd_topics(args: argparse.Namespace) -> int:
     settings = _settings(args)
     topics = Topics(settings.topic_prefix)
     ensure_topics(settings.kafka, topics.all())
-    print("\n".join(topics.all()))
+    emit(args, {"topics": list(topics.all())}, lambda body: "\n".join(body["topics"]))
     return 0
 
 
@@ -394,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_config)
 
     t = sub.add_parser("topics", help="create this deployment's topics if missing")
+    add_output(t)
     t.set_defaults(func=cmd_topics)
 
     s = sub.add_parser("serve", help="OpenAI-compatible API and feedback endpoint")
@@ -416,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an episode archive (default <archive.root>/episodes; repeatable: one per ingest shard)")
     us.add_argument("--checkpoints", type=Path, default=None,
                     help="the trainer's checkpoint store (default: trainer.store, else <data_dir>/checkpoints)")
-    us.add_argument("-o", "--output", choices=("table", "json"), default="table", help="table (default) or json")
+    add_output(us)
     us.set_defaults(func=_role("cli.usage", announce=False))
 
     dl = sub.add_parser("deadletters", help="summarise, show or replay the dead-letter topic")
@@ -431,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--dry-run", action="store_true", help="replay: count what would be sent, send nothing")
     dl.add_argument("--again", action="store_true",
                     help="replay: also the letters an earlier replay sent (they count twice once the stages forget their ids)")
+    add_output(dl)
     dl.set_defaults(func=_role("cli.deadletters"))
 
     k = sub.add_parser("keys", help="signing keys for release and checkpoint records (docs/signing.md)")
@@ -468,7 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "more needs stream.database_url)")
     up.set_defaults(func=_role("local.up"))
     st = sub.add_parser("status", help="what `flywheel up` runs: each stage's pid, port and restarts")
-    st.set_defaults(func=lambda a: importlib.import_module("local.up").print_status(_settings(a).data_dir))
+    add_output(st)
+    st.set_defaults(func=lambda a: importlib.import_module("local.up").print_status(
+        _settings(a).data_dir, a.output))
 
     sim = sub.add_parser("simulate", help="a population of simulated users driving serving's HTTP API",
                          description=importlib.import_module("local.simulate").__doc__,

@@ -26,7 +26,6 @@ window both cover.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from flywheel.checkpoints import CheckpointStore, store_root
+from flywheel.output import emit
 from flywheel.settings import Settings
 from flywheel.stream.archive import hour_of, read_schema
 from ingest.archive import EPISODE_SCHEMA
@@ -183,5 +183,5 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
         print(f"flywheel usage: no checkpoint store at {root}: nothing trained to count (--checkpoints DIR for "
               "another)", file=sys.stderr)
     s = summary(archives, store, time.time() - args.since)
-    print(json.dumps(s) if args.output == "json" else render(s))
+    emit(args, s, render)
     return 0

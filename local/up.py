@@ -371,16 +371,27 @@ def _default_port(settings: Any, name: str) -> int:
             "release": settings.release.port, "serve": settings.serve.port}[name]
 
 
-def print_status(data_dir: Path) -> int:
-    """``flywheel status``: what ``flywheel up`` runs, read from its status file."""
+def print_status(data_dir: Path, output: str = "table") -> int:
+    """``flywheel status``: what ``flywheel up`` runs, read from its status file. ``-o json``
+    (flywheel/output.py): the file's object (``pid``, ``stopped``, ``updated_at``, ``broker``,
+    ``stages``: :meth:`Child.state`) with ``running`` (the supervisor's pid is alive) and
+    ``age_s``; no file: ``{"running": false, "status_file": PATH}``. Exit 0 while it runs."""
+    from flywheel.output import as_json
+
     path = status_path(data_dir)
     try:
         status = json.loads(path.read_text())
     except FileNotFoundError:
-        print(f"flywheel up is not running here (no {path})")
+        print(as_json({"running": False, "status_file": str(path)}) if output == "json"
+              else f"flywheel up is not running here (no {path})")
         return 1
     up = not status["stopped"] and _pid_alive(status["pid"])
     age = time.time() - status["updated_at"]
+    if output == "json":
+        if not up:  # the file keeps the pids of its last write: none of them runs now
+            status["stages"] = [s | {"state": "stopped"} for s in status["stages"]]
+        print(as_json(status | {"running": up, "age_s": age, "status_file": str(path)}))
+        return 0 if up else 1
     print(f"flywheel up (pid {status['pid']}): {'running' if up else 'not running'}; status {age:.0f}s old")
     if status["broker"]:
         b = status["broker"]
