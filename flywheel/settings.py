@@ -194,16 +194,20 @@ class ServeSettings(_Section):
     model_name: str = "flywheel"
     """Deployment name listed by ``GET /v1/models``; responses name ``<model_name>@v<version>``."""
     rate_limit_per_minute: float = Field(default=600.0, gt=0)
-    """Sustained requests per minute allowed to one user (token bucket)."""
+    """Sustained requests per minute allowed to one user of one API key (token bucket): the same
+    user named through two keys has two buckets, so one product cannot spend another's. Each
+    serving replica limits on its own: over N replicas a user may get N times this
+    (docs/serving-api.md, Rate limits)."""
     rate_limit_burst: int = Field(default=60, ge=1)
-    """Requests one user may make at once before the sustained rate applies."""
+    """Requests one user of one API key may make at once before the sustained rate applies."""
     rate_limit_key_per_minute: float = Field(default=30_000.0, gt=0)
     """Sustained requests per minute allowed to one API key, whichever users it names (token
     bucket). The user is whoever the client names, so without this a client that makes up a new
     ``user`` per request multiplies the per-user limit. One product key may carry all of its
     product's users: the default is 50 users' worth of the per-user default."""
     rate_limit_key_burst: int = Field(default=3_000, ge=1)
-    """Requests one API key may make at once before its sustained rate applies."""
+    """Requests one API key may make at once before its sustained rate applies (per replica, as
+    every rate limit)."""
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     """Larger request bodies get 413 (feedback bodies also above 1 MiB: see MAX_FEEDBACK_BODY_BYTES)."""
     max_tokens_limit: int = Field(default=1024, ge=1)

@@ -13,7 +13,7 @@ import hmac
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -80,7 +80,8 @@ class _Bucket:
 
 
 class RateLimiter:
-    """Token bucket per user: ``burst`` requests at once, refilled at ``per_minute / 60`` per s.
+    """Token bucket per name (a user on a key, a key): ``burst`` requests at once, refilled at
+    ``per_minute / 60`` per s.
 
     ``take`` returns 0.0 when the request may go ahead, else the seconds until a token is due
     (the ``Retry-After`` value). Idle buckets are forgotten once full again, so memory follows
@@ -93,11 +94,11 @@ class RateLimiter:
         self.rate = per_minute / 60.0
         self.burst = float(burst)
         self.clock = clock
-        self._buckets: dict[str, _Bucket] = {}
+        self._buckets: dict[Hashable, _Bucket] = {}
         self._lock = threading.Lock()
         self._last_sweep = clock()
 
-    def take(self, user: str) -> float:
+    def take(self, user: Hashable) -> float:
         now = self.clock()
         with self._lock:
             b = self._buckets.get(user)
@@ -113,7 +114,7 @@ class RateLimiter:
             self._sweep(now)
         return wait
 
-    def give_back(self, user: str) -> None:
+    def give_back(self, user: Hashable) -> None:
         """Return a token :meth:`take` just took (the request was refused by another limit)."""
         with self._lock:
             b = self._buckets.get(user)
@@ -142,24 +143,33 @@ class RateLimited:
 
 
 class RateLimits:
-    """A bucket per user and a bucket per API key; a request takes a token from both or neither.
+    """A bucket per user of each API key and a bucket per API key; a request takes a token from
+    both or neither.
 
     The user is whoever the client names (``user``, ``X-Flywheel-User``), so on its own the user
     limit multiplies with every name a client makes up; the key's bucket bounds what one key gets,
     however many users it speaks for. Sized much larger than a user's: one product key may carry
     every user of a product.
+
+    A user's bucket belongs to the key that names them: two products (two keys) may both have a
+    user "alice", and one product's traffic must not spend the other's (a user bucket shared
+    across keys let key B throttle key A's users by naming them). The buckets live in this
+    process: each serving replica limits on its own, so behind a balancer over N replicas a user
+    may get up to N times the limit.
     """
 
     def __init__(self, per_user: RateLimiter, per_key: RateLimiter) -> None:
         self.per_user, self.per_key = per_user, per_key
 
     def take(self, user_id: str, key: str | None) -> RateLimited | None:
-        wait = self.per_user.take(user_id)
+        key = key or ""  # (no key: one bucket for all anonymous traffic, and its users' among it)
+        user = (key, user_id)
+        wait = self.per_user.take(user)
         if wait > 0:
             return RateLimited("user", wait)
-        wait = self.per_key.take(key or "")  # (no key: one bucket for all anonymous traffic)
+        wait = self.per_key.take(key)
         if wait > 0:
-            self.per_user.give_back(user_id)  # the user did not get this request either
+            self.per_user.give_back(user)  # the user did not get this request either
             return RateLimited("key", wait)
         return None
 

@@ -13,12 +13,14 @@ outbox, and ``<stage>_stalled_seconds`` and ``/health`` say how long nothing has
 is skipped: broker calls happen outside the state-store transaction (poll before it, delivery
 after its commit), so a failed turn leaves the stored state as the last good turn left it.
 
-**When the state database does not answer** (PostgreSQL restarted, failed over, a connection
-ended) the same: the turn that failed is retried after the pause, once the store has
-reconnected and read again what the failed transaction may have left in memory
-(``StateStore.reconnect``), and every owned input partition is read again from its stored
-offset. Other errors (SQLite's, a bug) still stop the process, whose restart resumes from the
-stored state.
+**When the state database fails** (PostgreSQL restarted, failed over to a server that is
+read-only for now, a connection ended, a full disk, a deadlock; SQLite locked, read-only or out
+of space) the same: the turn that failed is retried after the pause, once the store has
+recovered (on new connections where the error asks for them, flywheel/dberrors.py) and read
+again what the failed transaction may have left in memory (``StateStore.reconnect``), and every
+owned input partition is read again from its stored offset. One log line names each kind of
+error of an outage (its SQLSTATE or SQLite error name and message). Other errors (a bug) still
+stop the process, whose restart resumes from the stored state.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
+from flywheel.dberrors import Reconnect, classify
 from flywheel.kafka.batches import unreadable_batch
 from flywheel.kafka.clients import partitions_of, topic_ids
 from flywheel.kafka.ends import readable_end
@@ -199,6 +202,7 @@ class StreamRunner(ConsumerRebalanceListener):
         self.delivered = 0
         self._failing_since: float | None = None  # monotonic: the first of the failed turns in a row
         self._failing_on = ""  # what failed them: "the broker" or "the state database"
+        self._failing_codes: set[str] = set()  # the database errors of this outage logged so far
         self._more_due = False  # the last tick left due work: poll without waiting
         self._committed: dict[TopicPartition, int] = {}  # each position last committed to the group
         self._clock: tuple[float, float] | None = None  # (wall, monotonic) at the last committed turn
@@ -489,13 +493,14 @@ class StreamRunner(ConsumerRebalanceListener):
                 self.step()
             except BROKER_ERRORS as exc:
                 self._failed_turn(exc, stop, "the broker")
-            except self.store.lost_errors as exc:  # (none on SQLite)
+            except self.store.lost_errors as exc:
                 self.store.lost(exc)
                 self._failed_turn(exc, stop, "the state database")
             else:
                 if self._failing_since is not None:
                     log.info("%s answers again after %.0fs", self._failing_on, time.monotonic() - self._failing_since)
                 self._failing_since = None
+                self._failing_codes.clear()
             self.heartbeat.beat()
         self.finish()
 
@@ -516,15 +521,21 @@ class StreamRunner(ConsumerRebalanceListener):
 
     def _failed_turn(self, exc: BaseException, stop: StopFlag, on: str) -> None:
         now = time.monotonic()
-        if self._failing_since is None or on != self._failing_on:
+        # the database: once per kind of error in an outage (read-only, then refused while it
+        # fails over, say), so the log names each without a line per retry
+        new_code = on == "the state database" and classify(exc).code not in self._failing_codes
+        if self._failing_since is None or on != self._failing_on or new_code:
             self._failing_since = self._failing_since if self._failing_since is not None else now
             self._failing_on = on
             if on == "the broker":
                 log.warning("a turn failed on the broker (%s: %s); retrying every %.0fs until it answers",
                             type(exc).__name__, exc, RETRY_PAUSE_S)
             else:
-                log.warning("the state database does not answer (%s: %s); reconnecting every %.0fs until it does",
-                            type(exc).__name__, exc, RETRY_PAUSE_S)
+                self._failing_codes.add(classify(exc).code)
+                log.warning("the state database failed a turn (%s); %s every %.0fs until it works",
+                            self.store.describe(exc),
+                            "reconnecting and retrying" if isinstance(classify(exc), Reconnect) else "retrying",
+                            RETRY_PAUSE_S)
         else:
             log.debug("still failing on %s: %s: %s", on, type(exc).__name__, exc)
         self.last_loop = now  # the loop is alive; stalled_s() says that it is not getting anywhere

@@ -17,6 +17,7 @@ group's: the group's offsets are committed afterwards, for lag tools only.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -29,9 +30,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import unquote
 
 import msgspec
 
+from flywheel.dberrors import Reconnect, classify, describe
 from flywheel.settings import SettingsError, redact_database_url
 from flywheel.stream.sql import PgConnection, is_postgres, sqlite_columns, sqlite_path
 
@@ -115,8 +118,9 @@ class LeaseLost(Exception):
 
 
 class DatabaseLost(Exception):
-    """The connection to the state database was lost (or a transaction's outcome is unknown):
-    nothing may be read or written until :meth:`StateStore.reconnect` has succeeded."""
+    """A database error broke the store (its connection lost, a transaction's outcome unknown, a
+    transaction refused): nothing may be read or written until :meth:`StateStore.reconnect` has
+    succeeded."""
 
 
 class StateStore:
@@ -145,11 +149,16 @@ class StateStore:
         self.queued = 0
         self._unqueued = 0  # rows the open transaction took out of the archive queue
         self._in_txn = False
-        #: The connection error that broke the store (None: it works): see :meth:`reconnect`.
+        #: The last database error since the store broke (None: it works): see :meth:`reconnect`.
         self.broken: BaseException | None = None
-        #: Errors of a connection to the database that does not answer: a runner retries them
-        #: after :meth:`reconnect`. None on SQLite, a file of this machine: its errors stay fatal.
-        self.lost_errors: tuple[type[BaseException], ...] = ()
+        # one of the errors since it broke asks for new connections (flywheel/dberrors.py Reconnect)
+        self._reopen = False
+        #: Every error of the database (flywheel/dberrors.py judges what each asks for): a runner
+        #: waits them out, retrying after :meth:`reconnect`, a read-only database and a full disk
+        #: as much as a lost connection. Set below for the store's driver.
+        self.lost_errors: tuple[type[BaseException], ...] = (sqlite3.Error, DatabaseLost)
+        # masked wherever the driver's messages echo them (describe)
+        self._secrets = _passwords(url)
         self._next_seq = 1  # set from the database below, once the schema exists
         self._block_end: float = math.inf  # a shared store's seqs come in blocks (_reserve)
         if self.postgres:
@@ -157,7 +166,7 @@ class StateStore:
             self.where = f"{redact_database_url(url)} (schema {ns})"
             import psycopg
 
-            self.lost_errors = (psycopg.OperationalError, psycopg.InterfaceError, DatabaseLost)
+            self.lost_errors = (psycopg.Error, DatabaseLost)
             self.db: Any = PgConnection(url, ns)
             self.db.executescript(_SCHEMA + _SHARED_SCHEMA)
             self.db.executescript(stage_schema, rowid=True)
@@ -218,15 +227,15 @@ class StateStore:
         """One transaction; in a shared store it first checks (``fenced``) that every lease this
         process holds is still its own, and raises :class:`LeaseLost` for those that are not.
 
-        A connection error (:attr:`lost_errors`) breaks the store: the transaction may or may not
+        A database error (:attr:`lost_errors`) breaks the store: the transaction may or may not
         have committed (a COMMIT whose answer was lost), and the caches the ``on_rollback`` hooks
         rebuild may hold the batch. Nothing runs until :meth:`reconnect` has read them again."""
         if self.broken is not None:
-            raise DatabaseLost(f"the state database's connection was lost ({self.broken}): not reconnected yet")
+            raise DatabaseLost(f"the state database failed ({self.describe(self.broken)}): not recovered yet")
         try:
             self.db.execute(self._begin)
         except self.lost_errors as exc:
-            self.broken = exc
+            self.lost(exc)
             raise
         self._in_txn = True
         first_seq, block_end = self._next_seq, self._block_end
@@ -242,9 +251,7 @@ class StateStore:
             self._owed_change = self._unqueued = 0
             self._next_seq, self._block_end = first_seq, block_end
             if isinstance(exc, self.lost_errors):
-                # no ROLLBACK on a dead connection (it would raise again, over this error):
-                # closing it rolls back whatever the server had open
-                self.broken = exc
+                self._refused(exc)
             else:
                 self._roll_back()
             raise
@@ -265,33 +272,75 @@ class StateStore:
             self.db.execute("ROLLBACK")
             for fn in self._on_rollback:  # in-memory caches of state must forget the batch too
                 fn()
-        except self.lost_errors as exc:  # the hooks run on the next connection (reconnect)
-            self.broken = exc
+        except self.lost_errors as exc:  # the hooks run again once it is back (reconnect)
+            self.lost(exc)
+
+    def _refused(self, exc: BaseException) -> None:
+        """A database error ended the open transaction. A connection to replace gets no ROLLBACK
+        (on a dead one it would raise again, over this error; closing it rolls back whatever the
+        server had open). One that works ends its transaction now, so that no lock is held while
+        the stage waits: a deadlock's other party, a read-only server's session."""
+        if not isinstance(classify(exc), Reconnect) and (self.postgres or self.db.in_transaction):
+            try:
+                self.db.execute("ROLLBACK")
+            except self.lost_errors as again:
+                self.lost(again)
+        self.lost(exc)
 
     def lost(self, exc: BaseException) -> None:
-        """A connection error raised outside a transaction (a read): broken until :meth:`reconnect`."""
-        if self.broken is None:
+        """A database error: broken until :meth:`reconnect` (which opens new connections first
+        when one of the errors since asked for it: flywheel/dberrors.py ``Reconnect``)."""
+        self._reopen = self._reopen or isinstance(classify(exc), Reconnect)
+        if self.broken is None or not isinstance(exc, DatabaseLost):
             self.broken = exc
 
+    def describe(self, exc: BaseException) -> str:
+        """``exc`` in one log line: its SQLSTATE (or SQLite error name), kind and message, with
+        the database's password masked (flywheel/dberrors.py)."""
+        return describe(exc, self._secrets)
+
     def reconnect(self) -> None:
-        """Open the store's connections again after a connection error (PostgreSQL), and read
-        again what the failed transaction may have left in memory: the ``on_rollback`` hooks'
-        caches, the rows owed and queued. Raises a connection error while the database does not
-        answer, and the store stays broken.
+        """Recover from a database error: open the store's connections again when an error asked
+        for it (a lost connection, a read-only session: ``Reconnect``), and read again what the
+        failed transaction may have left in memory: the ``on_rollback`` hooks' caches, the rows
+        owed and queued. Raises a database error while the database does not answer (or cannot
+        be read), and the store stays broken.
 
         The failed transaction may have committed (its COMMIT's answer lost), so the sequence
-        numbers after ``_next_seq`` may be taken: a fresh block. The leases are not taken again:
-        another process may hold some since, which the next transaction's fence finds out.
+        numbers after ``_next_seq`` may be taken: a fresh block (on a store of its own, the
+        highest SQLite has seen). The leases are not taken again: another process may hold some
+        since, which the next transaction's fence finds out.
         """
-        assert self.postgres, "only a store on PostgreSQL reconnects; SQLite's errors are fatal"
-        self.db.reconnect()
-        if self._seq_db is not self.db:
-            self._seq_db.reconnect()
+        if self._reopen:
+            if self.postgres:
+                self.db.reconnect()
+                if self._seq_db is not self.db:
+                    self._seq_db.reconnect()
+            else:
+                self._reopen_sqlite()
+            self._reopen = False
         for fn in self._on_rollback:
             fn()
-        self._block_end = self._next_seq
+        if self.shared:
+            self._block_end = self._next_seq
+        else:
+            row = self.db.execute("SELECT seq FROM sqlite_sequence WHERE name='outbox'").fetchone()
+            self._next_seq = max(self._next_seq, (row[0] if row else 0) + 1)
         self._rescope()
         self.broken = None
+
+    def _reopen_sqlite(self) -> None:
+        """A new connection to the store's SQLite file (one opened read-only stays so; handles of
+        a disk that failed may be stale). ``mode=rw``: a file gone is an error, never a new empty
+        store that would start every partition afresh."""
+        assert self.path is not None
+        db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=rw", uri=True, isolation_level=None, timeout=30.0)
+        db.execute("PRAGMA synchronous=FULL")  # (WAL is the file's own, kept across connections)
+        db.execute("PRAGMA secure_delete=FAST")
+        old, self.db = self.db, db
+        self._seq_db = db
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
 
     # -- leases (shared stores) ------------------------------------------------------------
     def take(self, shards: Iterable[int]) -> None:
@@ -587,6 +636,14 @@ def owed_in(url: str, group_id: str, shards: Iterable[int]) -> int:
         return db.execute(f"SELECT count(*) FROM outbox WHERE shard IN ({_marks(want)})", want).fetchone()[0]
     finally:
         db.close()
+
+
+def _passwords(url: str) -> list[str]:
+    """The password in ``url``'s userinfo, as written and unescaped (the host is after the last
+    "@" before the query, as ``redact_database_url`` reads it)."""
+    userinfo, at, _ = url.partition("://")[2].partition("?")[0].rpartition("@")
+    password = userinfo.split(":", 1)[1] if at and ":" in userinfo else ""
+    return sorted({password, unquote(password)} - {""}, key=len, reverse=True)
 
 
 def _marks(items: Sequence[Any]) -> str:

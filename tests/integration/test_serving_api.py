@@ -223,6 +223,17 @@ def test_rate_limit_gives_429_with_retry_after_per_user(serve):
         s.client.completions.create(model="flywheel", prompt="hi", max_tokens=1, user="carol")
 
 
+def test_a_users_rate_limit_is_per_api_key(serve):
+    """Key B's requests as user "victim" used to spend the one bucket "victim" had, and key A's
+    next request as "victim" got 429: one product could throttle another's users by naming them.
+    Now each key's "victim" has a bucket of its own."""
+    s = serve(api_keys=(KEY, "sk-other"), rate_limit_burst=2, rate_limit_per_minute=1)
+    body = {"model": "flywheel", "prompt": "hi", "max_tokens": 1, "user": "victim"}
+    codes = [s.post("/v1/completions", body, key="sk-other").status_code for _ in range(3)]
+    assert codes == [200, 200, 429]
+    assert [s.post("/v1/completions", body).status_code for _ in range(3)] == [200, 200, 429]
+
+
 LONG = list(range(10, 500))  # 490 prompt ids: + 100 new tokens passes the 512-token context
 
 

@@ -146,6 +146,20 @@ def test_users_rotated_on_one_key_meet_the_key_bucket():
     assert limits.take("u9", None) is None  # no key: one bucket shared by anonymous traffic
 
 
+def test_a_users_bucket_belongs_to_the_key_that_names_them():
+    """Key B spending user "victim"'s bucket got key A's "victim" a 429: one product throttled
+    another's users. Each key's "victim" has a bucket of its own; the key's bucket is unchanged."""
+    clock = Clock()
+    limits = RateLimits(RateLimiter(per_minute=1, burst=2, clock=clock),
+                        RateLimiter(per_minute=60, burst=100, clock=clock))
+    assert [limits.take("victim", "key-b") for _ in range(2)] == [None, None]
+    refused = limits.take("victim", "key-b")
+    assert refused is not None and refused.scope == "user"
+    assert [limits.take("victim", "key-a") for _ in range(2)] == [None, None]
+    assert limits.take("victim", "key-a") == refused  # the same limit, met on its own
+    assert limits.take("victim", None) is None  # anonymous traffic: a bucket of its own too
+
+
 @pytest.mark.parametrize("wait, header", [(0.01, "1"), (1.0, "1"), (1.2, "2"), (30.0, "30")])
 def test_retry_after_rounds_up_to_whole_seconds(wait, header):
     assert retry_after_header(wait) == header

@@ -1,0 +1,197 @@
+"""Stages ride out their state database refusing work, not only going away (flywheel/dberrors.py):
+
+- ingest on the real PostgreSQL whose database turns read-only under it (what a failover to a
+  server that is still a standby looks like): the stage stays up, its stall grows, one log line
+  names the read-only error, and once the database is writable again it goes on by itself (its
+  retries open new sessions: one begun read-only stays so) with every episode out exactly once;
+- a deadlock with another connection: the store names it (40P01, not a database that "does not
+  answer"), lets the other transaction go on, and carries on on the same connection;
+- SQLite out of space: the store waits instead of the process ending, and loses nothing.
+
+Each database is a throwaway one (a PostgreSQL database of its own, an SQLite file under
+tmp_path): other tests running at the same time are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+import time
+import urllib.request
+import uuid
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+from conftest import accept_feedback, read_all, running, small_generation, stage_settings
+from stream_db import STREAM_TEST_POSTGRES_URL, unique_namespace
+
+from flywheel.contracts import EpisodeEvent, decode, encode
+from flywheel.kafka.clients import make_producer
+from flywheel.stream.store import StateStore
+from local.broker import free_port
+
+pytestmark = pytest.mark.integration
+
+KV = "CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, shard INTEGER NOT NULL, v BLOB NOT NULL);"
+
+
+@pytest.fixture
+def throwaway_db():
+    """``(url, admin)``: a PostgreSQL database of this test's own (read-only affects only it),
+    dropped afterwards with whatever is connected to it."""
+    from conftest import postgres_admin
+
+    admin = postgres_admin(STREAM_TEST_POSTGRES_URL)
+    name = f"flywheel_dberr_{uuid.uuid4().hex[:10]}"
+    admin.execute(f'CREATE DATABASE "{name}"')
+    parts = urlsplit(STREAM_TEST_POSTGRES_URL)
+    try:
+        yield urlunsplit(parts._replace(path=f"/{name}")), admin, name
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+
+def _health(port: int) -> dict:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:  # 503 while stalled: the body still says why
+        return json.load(exc)
+
+
+def _until(check, what: str, timeout_s: float = 60.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if got := check():
+                return got
+        except OSError:  # the ops port is not open yet
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"never: {what}")
+
+
+def _send(kafka_settings, topics, gids: list[str]) -> None:
+    producer = make_producer(kafka_settings, "test-feed")
+    t = time.time()
+    for gid in gids:
+        producer.send(topics.generations, key=gid.encode(), value=encode(small_generation(gid, t)))
+        producer.send(topics.feedback, key=gid.encode(), value=encode(accept_feedback(f"f-{gid}", gid, t)))
+    producer.flush()
+    producer.close()
+
+
+def _episodes(kafka_settings, topics, expect: int) -> list[str]:
+    recs = read_all(kafka_settings.bootstrap, topics.episodes, expect=expect, timeout_s=60)
+    return [decode(EpisodeEvent, r.value).generation.generation_id for r in recs]
+
+
+def test_ingest_waits_out_a_read_only_database_and_goes_on_exactly_once(kafka_settings, topics, tmp_path,
+                                                                       throwaway_db, caplog):
+    from ingest.main import run as run_ingest
+
+    url, admin, name = throwaway_db
+    port = free_port()
+    settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_STREAM_DATABASE_URL=url,
+                              FLYWHEEL_INGEST_PORT=str(port), FLYWHEEL_INGEST_WINDOW_S="0.3",
+                              FLYWHEEL_INGEST_ORPHAN_WAIT_S="0.3", FLYWHEEL_INGEST_GRACE_S="0")
+    caplog.set_level(logging.WARNING, logger="flywheel.stream.runner")
+    first, second = [f"a{i}" for i in range(20)], [f"b{i}" for i in range(20)]
+
+    def backends() -> None:  # the stage's sessions end; its new ones start with the database's defaults
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+
+    with running(run_ingest, settings) as stage:
+        _until(lambda: _health(port).get("shards"), "ingest holds its shards")
+        _send(kafka_settings, topics, first)
+        assert sorted(_episodes(kafka_settings, topics, len(first))) == sorted(first)
+        _until(lambda: _health(port)["owed"] == 0, "the first episodes' outbox rows deleted")
+
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+        backends()
+        _send(kafka_settings, topics, second)
+        _until(lambda: _health(port)["stalled_s"] >= 2, "the stall clock runs while the database is read-only")
+        assert stage.is_alive()
+        lines = [r.getMessage() for r in caplog.records if "25006" in r.getMessage()]
+        assert len(lines) == 1 and "read-only" in lines[0] and "ReadOnlySqlTransaction" in lines[0], lines
+        assert "the state database failed a turn" in lines[0]
+
+        # writable again; the stage's read-only sessions are left as they are: it must open new ones
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+        got = _episodes(kafka_settings, topics, len(first) + len(second))
+        _until(lambda: _health(port)["stalled_s"] == 0, "the stall ends")
+        assert stage.is_alive()
+    assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
+
+
+def test_a_deadlocked_turn_is_named_and_goes_on_on_the_same_connection(throwaway_db):
+    url, _, _ = throwaway_db
+    store = StateStore.shared_store(url, unique_namespace(), KV)
+    other = psycopg.connect(url, autocommit=True)
+    try:
+        store.take([0])
+        with store.txn():
+            store.db.execute("INSERT INTO kv VALUES (?, ?, ?)", ("x", 0, b"0"))
+        pid = store.db.execute("SELECT pg_backend_pid()").fetchone()[0]
+        other.execute(f'SET search_path TO "{store.ns}"')
+        other.execute("SET deadlock_timeout = '20s'")  # the store's backend (1 s) is the one to find it
+        other.execute("BEGIN")
+        other.execute("UPDATE kv SET v = 'o' WHERE k = 'x'")
+        blocked = threading.Event()
+        done: list[BaseException | None] = []
+
+        def take_the_lease() -> None:  # waits for the store's lease lock: the cycle
+            blocked.set()
+            try:
+                other.execute("SET statement_timeout = '5s'")
+                other.execute("UPDATE leases SET term = term WHERE shard = 0")
+                done.append(None)
+            except psycopg.Error as exc:
+                done.append(exc)
+
+        with pytest.raises(psycopg.errors.DeadlockDetected), store.txn():  # locks lease 0, then waits on kv
+            threading.Thread(target=lambda: (time.sleep(0.5), take_the_lease()), daemon=True).start()
+            store.db.execute("UPDATE kv SET v = 's' WHERE k = 'x'")
+        _until(lambda: done, "the other transaction goes on", timeout_s=10)
+        assert done == [None]
+        other.execute("COMMIT")
+        assert store.describe(store.broken) == ("40P01 (deadlock) DeadlockDetected: deadlock detected")
+        store.reconnect()
+        assert store.db.execute("SELECT pg_backend_pid()").fetchone()[0] == pid  # no new connection needed
+        with store.txn():
+            store.db.execute("UPDATE kv SET v = 's' WHERE k = 'x'")
+            store.set_offsets({("in", 0): 1})
+        assert store.offsets() == {("in", 0): 1}
+    finally:
+        other.close()
+        store.close()
+
+
+def test_a_sqlite_store_waits_out_a_full_database_and_loses_nothing(tmp_path):
+    store = StateStore(tmp_path / "state.sqlite3", KV)
+    with store.txn():
+        store.db.execute("INSERT INTO kv VALUES (?, ?, ?)", ("kept", 0, b"1"))
+        store.append(0, "out", "kept", b"1")
+        store.set_offsets({("in", 0): 1})
+    pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+    store.db.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full: not one page more
+    with pytest.raises(sqlite3.OperationalError) as full, store.txn():
+        store.db.execute("INSERT INTO kv VALUES (?, ?, ?)", ("big", 0, b"x" * 1_000_000))
+        store.append(0, "out", "big", b"x")
+        store.set_offsets({("in", 0): 2})
+    # an error the runner waits out (it stopped the process), and the store is held until it recovers
+    assert isinstance(full.value, store.lost_errors) and store.broken is full.value
+    assert store.describe(full.value) == "SQLITE_FULL (database or disk is full) OperationalError: database or disk is full"
+    store.db.execute("PRAGMA max_page_count = 1073741823")  # space again
+    store.reconnect()
+    assert (store.offsets(), store.owed, [r.key for r in store.pending([0])]) == ({("in", 0): 1}, 1, ["kept"])
+    with store.txn():
+        store.db.execute("INSERT INTO kv VALUES (?, ?, ?)", ("big", 0, b"x" * 1_000_000))
+        store.append(0, "out", "big", b"x")
+        store.set_offsets({("in", 0): 2})
+    assert (store.offsets(), [r.key for r in store.pending([0])]) == ({("in", 0): 2}, ["kept", "big"])
+    store.close()
