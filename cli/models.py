@@ -10,36 +10,46 @@ written: serving's tokenizer, chat template and vLLM model config (:func:`servin
 under this deployment's serve settings, and the trainer's model class with every tensor's name and
 shape (:func:`trainer.policy.check_model_dir`). This command sits above the stages, so it may ask
 both; neither starts an engine or reads the weights into memory.
+
+On a terminal each pass over the weights (hashing the source, copying, hashing the result; for a
+GGUF file transformers' own loading and saving bars too) shows a progress bar on stderr
+(flywheel/progress.py); not on one, none of them. stdout holds only the result lines.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from flywheel.progress import Progress, for_terminal, is_terminal, quiet_library_bars
 from flywheel.settings import Settings
 
 
 def cmd_model_import(args: argparse.Namespace, settings: Callable[[], Settings]) -> int:
     source = Path(args.source) if args.source else None
+    progress = for_terminal()
+    if not is_terminal():
+        quiet_library_bars()  # transformers draws its loading bars on any stderr: not into a log
     if source is not None and source.is_dir():
         if args.dtype is not None:
             print("flywheel: --dtype converts a GGUF import; a Hugging Face directory's weights are kept as they "
                   "are (the trainer publishes versions in trainer.served_dtype)", file=sys.stderr)
             return 2
-        return _import_dir(source, Path(args.out), settings())
-    return _import_gguf(source, Path(args.out), args.dtype or "float32")
+        return _import_dir(source, Path(args.out), settings(), progress)
+    return _import_gguf(source, Path(args.out), args.dtype or "float32", progress)
 
 
-def _import_gguf(source: Path | None, out: Path, dtype: str) -> int:
+def _import_gguf(source: Path | None, out: Path, dtype: str, progress: Progress) -> int:
     from flywheel.modelimport import GgufImportError, find_packaged_gguf, import_gguf
 
     try:
         gguf = source or find_packaged_gguf()
-        path = import_gguf(gguf, out, dtype=dtype)
+        with contextlib.redirect_stdout(sys.stderr):  # what the libraries print is no result (_import_dir)
+            path = import_gguf(gguf, out, dtype=dtype, progress=progress)
     except GgufImportError as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
         return 2
@@ -47,7 +57,7 @@ def _import_gguf(source: Path | None, out: Path, dtype: str) -> int:
     return 0
 
 
-def _import_dir(source: Path, out: Path, settings: Settings) -> int:
+def _import_dir(source: Path, out: Path, settings: Settings, progress: Progress) -> int:
     from flywheel.extras import require_vllm
     from flywheel.hfimport import HfImportError, import_hf_dir
 
@@ -55,7 +65,10 @@ def _import_dir(source: Path, out: Path, settings: Settings) -> int:
 
     seconds: dict[str, float] = {}
     try:
-        hf = import_hf_dir(source, out, check=lambda d: _check(d, settings, seconds))
+        # DeepSpeed, imported by the trainer's check, logs its accelerator warning to stdout, and
+        # vLLM may print there too: stdout holds the result lines below and nothing else
+        with contextlib.redirect_stdout(sys.stderr):
+            hf = import_hf_dir(source, out, check=lambda d: _check(d, settings, seconds), progress=progress)
     except HfImportError as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ from flywheel.checkpoints.manifest import (
     adapter_of,
     verify_base,
 )
+from flywheel.progress import SILENT, Progress
 
 
 def adapter_in(version_dir: Path) -> Adapter | None:
@@ -65,7 +66,7 @@ def load_causal_lm(version_dir: Path, base_dir: Path, dtype: Any = None) -> Any:
     return PeftModel.from_pretrained(base, str(version_dir)).merge_and_unload()
 
 
-def merge_version(version_dir: Path, base_dir: Path, out: Path) -> dict[str, Any]:
+def merge_version(version_dir: Path, base_dir: Path, out: Path, progress: Progress = SILENT) -> dict[str, Any]:
     """Write the adapter version in ``version_dir`` merged into ``base_dir`` as a full-weight model
     directory ``out``, in the base's dtype, with the base's config and tokenizer and a manifest
     (version and parent as the adapter's; ``merged`` names the adapter's manifest hash and its
@@ -95,7 +96,7 @@ def merge_version(version_dir: Path, base_dir: Path, out: Path) -> dict[str, Any
                 shutil.copy2(p, tmp / p.name)
         merged = {"adapter_manifest_sha256": manifest.sha256_file(version_dir / MANIFEST_NAME), **adapter.to_json()}
         result = manifest.build(tmp, version=man["version"], parent=man.get("parent"),
-                                extra={"step": man.get("step", 0), "merged": merged})
+                                extra={"step": man.get("step", 0), "merged": merged}, progress=progress)
         manifest.write(tmp, result)
         tmp.rename(out)
     finally:

@@ -42,6 +42,8 @@ from typing import Any
 
 from flywheel.checkpoints import manifest
 from flywheel.checkpoints.manifest import MANIFEST_NAME, ManifestError
+from flywheel.checkpoints.store import copy_file
+from flywheel.progress import SILENT, Progress
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,9 @@ class HfDir:
         return (*self.model_files, *((self.index,) if self.index else ()), *self.weights)
 
 
-def read_hf_dir(src: Path) -> HfDir:
-    """Read ``src`` and check it whole (module docstring); raises :class:`HfImportError`."""
+def read_hf_dir(src: Path, progress: Progress = SILENT) -> HfDir:
+    """Read ``src`` and check it whole (module docstring); raises :class:`HfImportError`.
+    ``progress`` counts the bytes hashed (every file to copy is hashed here)."""
     src = Path(src)
     if not src.is_dir():
         raise HfImportError(f"{src}: no such directory" if not src.exists() else f"{src} is not a directory")
@@ -102,12 +105,14 @@ def read_hf_dir(src: Path) -> HfDir:
     left_out = tuple(sorted(p.name + ("/" if p.is_dir() else "") for p in src.iterdir()
                             if p.name not in copied and p.name != MANIFEST_NAME))
     hf = HfDir(src, weights, index, model_files, _chat_template(src, names), _tied(config), left_out)
-    return replace(hf, sha256=_verified_hashes(src, hf.files))
+    return replace(hf, sha256=_verified_hashes(src, hf.files, progress))
 
 
-def import_hf_dir(src: Path, out: Path, *, check: Callable[[Path], None] | None = None) -> HfDir:
+def import_hf_dir(src: Path, out: Path, *, check: Callable[[Path], None] | None = None,
+                  progress: Progress = SILENT) -> HfDir:
     """Copy ``src``'s model into the new directory ``out``, run ``check(out)`` (the caller's: can
     serving and the trainer load it? raise to refuse), then write the manifest (version 0).
+    ``progress`` is told each pass over the bytes: hashing the source, copying, hashing the copy.
 
     Nothing is left in ``out`` when a check fails: a half-imported directory has no manifest and
     serving would refuse it anyway, but an empty one can be imported into again.
@@ -115,16 +120,18 @@ def import_hf_dir(src: Path, out: Path, *, check: Callable[[Path], None] | None 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise HfImportError(f"{out} is not empty; import into a new directory")
-    hf = read_hf_dir(src)
+    hf = read_hf_dir(src, progress)
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     try:
-        for name in hf.files:
-            shutil.copyfile(hf.root / name, out / name)  # a cache's symlink is copied as the bytes it names
+        with progress.task(f"copy to {out.name}", sum((hf.root / n).stat().st_size for n in hf.files)) as task:
+            for name in hf.files:
+                copy_file(hf.root / name, out / name, task.advance)  # a cache's symlink: the bytes it names
         if check is not None:
             check(out)
         # built from the copies: a file that changed between hashing and copying is caught here
-        man = manifest.build(out, version=0, parent=None, extra={"step": 0, "imported_from": _provenance(hf)})
+        man = manifest.build(out, version=0, parent=None, extra={"step": 0, "imported_from": _provenance(hf)},
+                             progress=progress)
         changed = sorted(n for n in hf.files if man["files"][n]["sha256"] != hf.sha256[n])
         if changed:
             raise HfImportError(f"{src}: {changed} changed while being imported; import again")
@@ -231,26 +238,28 @@ def _json(path: Path) -> dict[str, Any]:
 
 
 # -- hashes --------------------------------------------------------------------------------------
-def _verified_hashes(src: Path, files: tuple[str, ...]) -> dict[str, str]:
+def _verified_hashes(src: Path, files: tuple[str, ...], progress: Progress = SILENT) -> dict[str, str]:
     """sha256 of each file, after checking every hash ``src`` carries for it."""
     if (src / MANIFEST_NAME).is_file():
         try:
-            manifest.verify_dir(src)  # a directory Flywheel wrote (an export): every byte it lists
+            manifest.verify_dir(src, progress=progress)  # a directory Flywheel wrote (an export): every byte it lists
         except ManifestError as exc:
             raise HfImportError(f"{src} fails its own {MANIFEST_NAME}: {exc}") from None
     out = {}
-    for name in files:
-        path = src / name
-        sha256, sha1 = _digests(path)
-        for kind, want, where in _published_hashes(src, name):
-            got = sha256 if kind == "sha256" else sha1
-            if got != want:
-                raise HfImportError(f"{path}: hash mismatch with {where} ({kind} {got[:12]}…, expected {want[:12]}…)")
-        out[name] = sha256
+    with progress.task(f"hash {src.name}", sum((src / n).stat().st_size for n in files)) as task:
+        for name in files:
+            path = src / name
+            sha256, sha1 = _digests(path, task.advance)
+            for kind, want, where in _published_hashes(src, name):
+                got = sha256 if kind == "sha256" else sha1
+                if got != want:
+                    raise HfImportError(f"{path}: hash mismatch with {where} ({kind} {got[:12]}…, "
+                                        f"expected {want[:12]}…)")
+            out[name] = sha256
     return out
 
 
-def _digests(path: Path) -> tuple[str, str]:
+def _digests(path: Path, advance: Callable[[int], None] | None = None) -> tuple[str, str]:
     """sha256 of the bytes, and git's blob sha1 (how the hub names small files)."""
     size = path.stat().st_size
     h256, h1 = hashlib.sha256(), hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
@@ -258,6 +267,8 @@ def _digests(path: Path) -> tuple[str, str]:
         while block := f.read(1 << 20):
             h256.update(block)
             h1.update(block)
+            if advance is not None:
+                advance(len(block))
     return h256.hexdigest(), h1.hexdigest()
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.checkpoints import manifest
+from flywheel.progress import SILENT, Progress
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,10 @@ def drop_quantizer(model: Any) -> None:
                 delattr(config, attr)
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float32") -> Path:
-    """Write ``out_dir``: config, safetensors weights at ``dtype``, tokenizer, manifest (version 0)."""
+def import_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float32", progress: Progress = SILENT) -> Path:
+    """Write ``out_dir``: config, safetensors weights at ``dtype``, tokenizer, manifest (version 0).
+    ``progress`` is told of hashing the source and the result; transformers draws its own bars
+    for loading and saving (:func:`flywheel.progress.quiet_library_bars` turns them off)."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
@@ -112,6 +115,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, *, dtype: str = "float32") -> Pa
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     # Written last: a directory left half-written by a crash has no manifest, and serving refuses it.
-    extra = {"step": 0, "imported_from": {"file": gguf_path.name, "sha256": manifest.sha256_file(gguf_path)}}
-    manifest.write(out_dir, manifest.build(out_dir, version=0, parent=None, extra=extra))
+    with progress.task(f"hash {gguf_path.name}", gguf_path.stat().st_size) as task:
+        source_sha256 = manifest.sha256_file(gguf_path, advance=task.advance)
+    extra = {"step": 0, "imported_from": {"file": gguf_path.name, "sha256": source_sha256}}
+    manifest.write(out_dir, manifest.build(out_dir, version=0, parent=None, extra=extra, progress=progress))
     return out_dir

@@ -8,15 +8,21 @@ neither torch nor a model; ``merge`` takes a LoRA version, checks the base model
 is the one its manifest names by hash, and writes the two merged into a full-weight Hugging Face
 directory with a manifest (flywheel/adapters.py): what a deployment serves without LoRA, or a new
 base to train on.
+
+On a terminal each step shows a progress bar on stderr (bytes read, rebuilt, hashed, copied, of
+its total: flywheel/progress.py); not on one (a pipe, a log file, a job), nothing but the result.
+The result line is the only thing on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from flywheel.checkpoints.manifest import ManifestError, adapter_of
 from flywheel.checkpoints.store import open_store
+from flywheel.progress import for_terminal, is_terminal, quiet_library_bars
 from flywheel.settings import Settings
 
 
@@ -26,18 +32,24 @@ def run(settings: Settings, args: argparse.Namespace) -> int:
     if version is None:
         print(f"no versions in {store.root}", file=sys.stderr)
         return 1
+    progress = for_terminal()
     try:
         if args.action == "verify":
-            data = store.materialize_bytes(version)
+            data = store.materialize_bytes(version, progress)
             kind = f"adapter on base {a.base_name!r}, " if (a := adapter_of(store.manifest(version))) else ""
             print(f"version {version}: OK ({kind}{len(data)} weight bytes verified)")
         elif args.action == "merge":
             from flywheel.adapters import merge_version
 
-            merge_version(store.materialize(version), settings.model_dir, args.out)
+            if not is_terminal():
+                quiet_library_bars()  # transformers draws its loading bars on any stderr
+            # DeepSpeed, imported on the way by PEFT, logs its accelerator warning to stdout: the
+            # one line a script reads there is the result below
+            with contextlib.redirect_stdout(sys.stderr):
+                merge_version(store.materialize(version, progress), settings.model_dir, args.out, progress)
             print(f"version {version} merged into its base {settings.model_dir}: full weights in {args.out}")
         else:
-            out = store.export(version, args.out)
+            out = store.export(version, args.out, progress)
             print(f"version {version} written to {out}")
     except ManifestError as exc:
         print(f"version {version}: FAILED: {exc}", file=sys.stderr)

@@ -25,10 +25,12 @@ import hashlib
 import json
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from flywheel.progress import SILENT, Progress, Task
 
 MANIFEST_NAME = "flywheel-manifest.json"
 FORMAT = "flywheel-manifest/1"
@@ -94,12 +96,19 @@ def verify_base(base_dir: Path, adapter: Adapter) -> dict[str, Any]:
     return verify_dir(base_dir, expect_manifest_sha256=adapter.base_manifest_sha256)
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: Path, chunk: int = 1 << 20, advance: Callable[[int], None] | None = None) -> str:
+    """The file's sha256, read in ``chunk``-byte blocks; ``advance(n)`` after each (progress)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(chunk):
             h.update(block)
+            if advance is not None:
+                advance(len(block))
     return h.hexdigest()
+
+
+def _files_task(progress: Progress, label: str, paths: list[Path]) -> Task:
+    return progress.task(label, sum(p.stat().st_size for p in paths))
 
 
 def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
@@ -122,28 +131,31 @@ def iter_tensor_bytes(path: Path) -> Iterator[tuple[str, str, list[int], bytes]]
             yield name, meta["dtype"], meta["shape"], f.read(end - start)
 
 
-def tensor_hashes(directory: Path) -> dict[str, str]:
+def tensor_hashes(directory: Path, progress: Progress = SILENT) -> dict[str, str]:
     """sha256 of every tensor in every ``*.safetensors`` file of ``directory`` (one file, or the
     shards of a sharded model), by tensor name. A name in two files is refused: which of the two
     a loader keeps is its own choice, so the hashes could not say what is served."""
     out: dict[str, str] = {}
     where: dict[str, str] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        for name, _dtype, _shape, raw in iter_tensor_bytes(path):
-            if name in where:
-                raise ManifestError(f"{directory}: tensor {name} is in both {where[name]} and {path.name}")
-            where[name] = path.name
-            out[name] = hashlib.sha256(raw).hexdigest()
+    paths = sorted(directory.glob("*.safetensors"))
+    data_bytes = sum(p.stat().st_size - safetensors_header(p)[1] for p in paths) if progress is not SILENT else 0
+    with progress.task(f"hash tensors of {directory.name}", data_bytes) as task:
+        for path in paths:
+            for name, _dtype, _shape, raw in iter_tensor_bytes(path):
+                if name in where:
+                    raise ManifestError(f"{directory}: tensor {name} is in both {where[name]} and {path.name}")
+                where[name] = path.name
+                out[name] = hashlib.sha256(raw).hexdigest()
+                task.advance(len(raw))
     return out
 
 
-def build(directory: Path, *, version: int, parent: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def build(directory: Path, *, version: int, parent: int | None, extra: dict[str, Any] | None = None,
+          progress: Progress = SILENT) -> dict[str, Any]:
     """Describe ``directory`` as it is now (every file except the manifest itself)."""
-    files = {
-        p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+    paths = [p for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST_NAME]
+    with _files_task(progress, f"hash files of {directory.name}", paths) as task:
+        files = {p.name: {"sha256": sha256_file(p, advance=task.advance), "bytes": p.stat().st_size} for p in paths}
     if not any(name.endswith(".safetensors") for name in files):
         raise ManifestError(f"{directory} holds no .safetensors weights")
     dtypes = {
@@ -159,7 +171,7 @@ def build(directory: Path, *, version: int, parent: int | None, extra: dict[str,
         "dtype": ",".join(sorted(dtypes)),
         "created_at": time.time(),
         "files": files,
-        "tensors": tensor_hashes(directory),
+        "tensors": tensor_hashes(directory, progress),
         **(extra or {}),
     }
 
@@ -187,7 +199,7 @@ def read(directory: Path) -> dict[str, Any]:
 
 
 def verify_dir(directory: Path, expect_manifest_sha256: str | None = None, *,
-               allow_dirs: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+               allow_dirs: frozenset[str] | set[str] = frozenset(), progress: Progress = SILENT) -> dict[str, Any]:
     """Check every file against the manifest (and the manifest against an announced hash).
 
     Every entry of ``directory`` must be the manifest or a file it lists: loaders read more than
@@ -211,11 +223,13 @@ def verify_dir(directory: Path, expect_manifest_sha256: str | None = None, *,
             raise ManifestError(
                 f"manifest of {directory} hashes to {actual[:12]}…, announced {expect_manifest_sha256[:12]}…"
             )
-    for name, meta in manifest["files"].items():
-        path = directory / name
-        if not path.is_file():
+    for name in manifest["files"]:
+        if not (directory / name).is_file():
             raise ManifestError(f"{directory}: file {name} listed in the manifest is missing")
-        actual = sha256_file(path)
-        if actual != meta["sha256"]:
-            raise ManifestError(f"{directory}: {name} hash mismatch (got {actual[:12]}…, manifest {meta['sha256'][:12]}…)")
+    with _files_task(progress, f"verify files of {directory.name}", [directory / n for n in manifest["files"]]) as task:
+        for name, meta in manifest["files"].items():
+            actual = sha256_file(directory / name, advance=task.advance)
+            if actual != meta["sha256"]:
+                raise ManifestError(f"{directory}: {name} hash mismatch (got {actual[:12]}…, "
+                                    f"manifest {meta['sha256'][:12]}…)")
     return manifest

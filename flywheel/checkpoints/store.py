@@ -53,6 +53,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,7 @@ from flywheel.checkpoints import delta as deltas
 from flywheel.checkpoints import manifest
 from flywheel.checkpoints.manifest import ManifestError
 from flywheel.durable import fsync_dir, fsync_tree
+from flywheel.progress import SILENT, Progress
 
 if TYPE_CHECKING:
     from flywheel.settings import Settings
@@ -234,8 +236,11 @@ class CheckpointStore:
         self.drop_stale_rebuilds()
 
     # ------------------------------------------------------------ reconstruction
-    def materialize_bytes(self, version: int) -> bytes:
-        """The verified weights file of ``version``, rebuilt from its chain when pruned."""
+    def materialize_bytes(self, version: int, progress: Progress = SILENT) -> bytes:
+        """The verified weights file of ``version``, rebuilt from its chain when pruned.
+
+        ``progress`` counts the bytes read and hashed of the base, then of each version rebuilt
+        (applied, then hashed): one step of known size, since every manifest gives its file's."""
         name = manifest.weights_name(self.manifest(version))  # a chain holds one kind (commit)
         chain = [version]
         while not (self.path(chain[-1]) / name).exists():
@@ -244,26 +249,30 @@ class CheckpointStore:
                 raise ManifestError(f"version {chain[-1]} has neither weights nor a parent to rebuild from")
             chain.append(man["parent"])
         base = chain.pop()
-        data = (self.path(base) / name).read_bytes()
-        _check_file(self.manifest(base), name, data, base)
-        for v in reversed(chain):
-            man = self.manifest(v)
-            blob = (self.path(v) / DELTA).read_bytes()
-            _check_file(man, DELTA, blob, v)
-            try:
-                data = deltas.apply_delta(data, blob, check_parent=False)  # parent verified above
-            except deltas.DeltaError as exc:
-                raise ManifestError(f"version {v}: delta does not apply: {exc}") from None
-            _check_file(man, name, data, v)
+        label = f"rebuild v{version} from v{base} + {len(chain)} deltas" if chain else f"read v{version}"
+        # read and hash the base, then apply and hash each version after it
+        total = 2 * ((self.path(base) / name).stat().st_size + sum(_size(self.manifest(v), name) for v in chain))
+        with progress.task(label, total) as task:
+            data = _read_checked(self.path(base) / name, self.manifest(base), base, task.advance)
+            for v in reversed(chain):
+                man = self.manifest(v)
+                blob = (self.path(v) / DELTA).read_bytes()
+                _check_file(man, DELTA, blob, v)
+                try:
+                    data = deltas.apply_delta(data, blob, check_parent=False)  # parent verified above
+                except deltas.DeltaError as exc:
+                    raise ManifestError(f"version {v}: delta does not apply: {exc}") from None
+                task.advance(len(data))
+                _check_file(man, name, data, v, task.advance)
         return data
 
-    def materialize(self, version: int) -> Path:
+    def materialize(self, version: int, progress: Progress = SILENT) -> Path:
         """Restore ``version``'s model.safetensors in place if pruned; verify every file; return the dir."""
         d = self.path(version)
         if pruned(d, self.manifest(version)):
-            self.place_weights(version, self.materialize_bytes(version))
-        man = manifest.verify_dir(d, allow_dirs={DS_DIR})
-        verify_tensors(d, man)
+            self.place_weights(version, self.materialize_bytes(version, progress))
+        man = manifest.verify_dir(d, allow_dirs={DS_DIR}, progress=progress)
+        verify_tensors(d, man, progress)
         return d
 
     def place_weights(self, version: int, data: bytes) -> None:
@@ -289,15 +298,17 @@ class CheckpointStore:
                 if now - p.stat().st_mtime > older_than_s:
                     p.unlink()
 
-    def export(self, version: int, out: Path) -> Path:
+    def export(self, version: int, out: Path, progress: Progress = SILENT) -> Path:
         """Copy a verified, loadable HF directory of ``version`` to ``out`` (no optimizer state)."""
-        src = self.materialize(version)
+        src = self.materialize(version, progress)
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        for p in src.iterdir():
-            if p.is_file():  # never ds/: the optimizer state is the trainer's own
-                shutil.copy2(p, out / p.name)
-        manifest.verify_dir(out)
+        files = [p for p in src.iterdir() if p.is_file()]  # never ds/: the optimizer state is the trainer's own
+        with progress.task(f"copy to {out.name}", sum(p.stat().st_size for p in files)) as task:
+            for p in files:
+                copy_file(p, out / p.name, task.advance)
+                shutil.copystat(p, out / p.name)  # as copy2 did
+        manifest.verify_dir(out, progress=progress)
         return out
 
 
@@ -323,20 +334,50 @@ def pruned(directory: Path, man: dict[str, Any]) -> bool:
     return DELTA in man["files"] and not (Path(directory) / manifest.weights_name(man)).exists()
 
 
-def _check_file(man: dict[str, Any], name: str, data: bytes, version: int) -> None:
+def copy_file(src: Path, dst: Path, advance: Callable[[int], None], chunk: int = 8 << 20) -> None:
+    """``shutil.copyfile`` in ``chunk``-byte blocks, ``advance(n)`` after each (progress): a
+    multi-GB weights file is minutes on a network filesystem. A symlink is copied as the bytes
+    it names, as copyfile does."""
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while block := fin.read(chunk):
+            fout.write(block)
+            advance(len(block))
+
+
+def _size(man: dict[str, Any], name: str) -> int:
+    return int(man["files"].get(name, {}).get("bytes", 0))
+
+
+def _read_checked(path: Path, man: dict[str, Any], version: int, advance: Callable[[int], None]) -> bytes:
+    """A file's bytes, checked against ``man``: read whole (one buffer, as before: a multi-GB
+    file read in blocks and joined would need twice its size), then hashed in blocks."""
+    data = path.read_bytes()
+    advance(len(data))
+    _check_file(man, path.name, data, version, advance)
+    return data
+
+
+def _check_file(man: dict[str, Any], name: str, data: bytes, version: int,
+                advance: Callable[[int], None] | None = None, chunk: int = 8 << 20) -> None:
     import hashlib
 
     want = man["files"].get(name, {}).get("sha256")
-    got = hashlib.sha256(data).hexdigest()
+    h, view = hashlib.sha256(), memoryview(data)
+    for i in range(0, len(view), chunk):  # in blocks, so a multi-GB hash shows it moves
+        block = view[i:i + chunk]
+        h.update(block)
+        if advance is not None:
+            advance(len(block))
+    got = h.hexdigest()
     if want != got:
         raise ManifestError(
             f"version {version}: {name} fails hash verification (got {got[:12]}…, manifest {str(want)[:12]}…)"
         )
 
 
-def verify_tensors(directory: Path, man: dict[str, Any]) -> None:
+def verify_tensors(directory: Path, man: dict[str, Any], progress: Progress = SILENT) -> None:
     """Every tensor's sha256 against the manifest (catches a rewritten file with a fixed-up hash)."""
-    got = manifest.tensor_hashes(directory)
+    got = manifest.tensor_hashes(directory, progress)
     if got != man["tensors"]:
         bad = sorted(k for k in set(got) | set(man["tensors"]) if got.get(k) != man["tensors"].get(k))
         raise ManifestError(f"{directory}: tensor hash mismatch for {bad[:5]}")
