@@ -735,6 +735,28 @@ class ProbeSettings(_Section):
     ``kafka.max_poll_interval_ms`` already costs a rebalance."""
 
 
+class TelemetrySettings(_Section):
+    """Traces, exported with OTLP over HTTP (flywheel/telemetry.py). Off unless an endpoint is set."""
+
+    otlp_endpoint: str = ""
+    """Base URL of an OTLP/HTTP collector (``http://collector:4318``); spans are posted to
+    ``<endpoint>/v1/traces``. Empty: no traces are made or sent. The standard
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` variable sets it too (``FLYWHEEL_TELEMETRY_OTLP_ENDPOINT`` wins)."""
+    service_name: str = "flywheel"
+    """``service.name`` of the spans; the process role is appended (``flywheel-serving``)."""
+    export_timeout_s: float = Field(default=5.0, gt=0)
+    """How long one export may wait for the collector. Exports run on a thread of their own: a
+    collector that is slow or away delays and then drops spans, never a request or a record."""
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if v and (urlsplit(v).scheme not in ("http", "https") or not urlsplit(v).hostname):
+            raise ValueError("must be an http:// or https:// URL with a host (the collector's OTLP/HTTP port, "
+                             "usually 4318), or empty for no traces")
+        return v.rstrip("/")
+
+
 class Settings(_Section):
     """Everything a Flywheel process may be configured with."""
 
@@ -747,6 +769,10 @@ class Settings(_Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower);
     ``--log-level`` on the command line overrides it. Any case: ``debug`` is ``DEBUG``."""
+    log_format: Literal["text", "json"] = "text"
+    """``text``, or ``json``: one object per line with time, level, logger, message, the request id
+    and generation id when known, and an exception's traceback (flywheel/logs.py).
+    ``--log-format`` on the command line overrides it."""
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     serve: ServeSettings = Field(default_factory=ServeSettings)
     trainer: TrainerSettings = Field(default_factory=TrainerSettings)
@@ -763,6 +789,8 @@ class Settings(_Section):
     """The release controller (``flywheel release serve``)."""
     probes: ProbeSettings = Field(default_factory=ProbeSettings)
     """``/livez`` and ``/readyz`` of every role but serving (docs/deploy.md, Probes)."""
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    """OpenTelemetry traces of requests and the records they become (docs/deploy.md, Logs and traces)."""
 
     @property
     def archive_root(self) -> Path:
@@ -801,6 +829,10 @@ _ALIASES: dict[str, tuple[str, ...]] = {
 _NOT_SETTINGS = {"FLYWHEEL_CONFIG", "FLYWHEEL_RELEASE_TOKEN", "FLYWHEEL_RELEASE_TOKEN_FILE"}
 
 
+#: OpenTelemetry's standard variable for the collector: read as ``telemetry.otlp_endpoint``.
+OTEL_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
+
+
 class SettingsError(ValueError):
     """Configuration that cannot be used; the message says which setting and why."""
 
@@ -824,6 +856,8 @@ def load_settings(
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise SettingsError(f"cannot read config file {path}: {exc}") from None
+    if env.get(OTEL_ENDPOINT_ENV):  # the standard variable, below Flywheel's own name for it
+        _merge(data, {"telemetry": {"otlp_endpoint": env[OTEL_ENDPOINT_ENV]}})
     _merge(data, _from_env(env))
     _merge(data, dict(overrides or {}))
     try:

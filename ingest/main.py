@@ -22,12 +22,13 @@ from flywheel.contracts import Topics
 from flywheel.settings import Settings
 from flywheel.stream.archive import ParquetArchive
 from flywheel.stream.serve import StageSpec, serve_stage
+from flywheel.telemetry import Tracing
 from ingest.archive import EPISODE_SCHEMA, episode_row, episode_table
 from ingest.stage import EPISODES_ARCHIVE, SCHEMA, IngestStage
 
 
-def spec(settings: Settings) -> StageSpec:
-    """The ingest stage as the stream runtime runs it."""
+def spec(settings: Settings, tracing: Tracing | None = None) -> StageSpec:
+    """The ingest stage as the stream runtime runs it (``tracing``: its spans, flywheel/telemetry.py)."""
     cfg, topics = settings.ingest, Topics(settings.topic_prefix)
     archive_root = settings.archive_root / "episodes"
     return StageSpec(
@@ -36,7 +37,7 @@ def spec(settings: Settings) -> StageSpec:
         inputs=[topics.generations, topics.feedback],
         outputs=[topics.episodes, topics.deadletter],
         tables=SCHEMA,
-        rules=lambda store, registry: IngestStage(cfg, topics, store, registry),
+        rules=lambda store, registry: IngestStage(cfg, topics, store, registry, tracing),
         archives=lambda: {EPISODES_ARCHIVE: ParquetArchive(archive_root, EPISODE_SCHEMA, episode_row, episode_table,
                                                          shared=bool(settings.stream.database_url))},
         host=cfg.host,
@@ -49,7 +50,11 @@ def spec(settings: Settings) -> StageSpec:
 
 def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
     """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
-    serve_stage(settings, spec(settings), stop)
+    tracing = Tracing(settings.telemetry, "ingest")
+    try:
+        serve_stage(settings, spec(settings, tracing), stop)
+    finally:
+        tracing.shutdown()
     return 0
 
 

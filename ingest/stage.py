@@ -6,7 +6,8 @@ partition number): a store shared by several replicas holds every shard, and eac
 and changes the rows of its own (``store.scoped()``; a generation id's rows are its shard's):
 
 - ``gens``   open generations (canonical bytes, window deadline, when the window closes, source
-             offset), one row per generation_id;
+             offset, and the request id and trace context its record carried, which its episode
+             carries on: flywheel/telemetry.py), one row per generation_id;
 - ``fbs``    feedback waiting for its generation or for its generation's window to close;
 - ``closed`` recently closed generations with the feedback ids they folded, to tell a late
              duplicate (dropped, counted) from late new feedback (dead-lettered ``late_feedback``).
@@ -42,7 +43,8 @@ from flywheel.contracts import (
 )
 from flywheel.settings import IngestSettings
 from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxDeadLetters, decode_keyed
-from flywheel.stream.store import StateStore
+from flywheel.stream.store import StateStore, packed_headers, unpacked_headers
+from flywheel.telemetry import Tracing, carried
 from ingest.join import (
     Resolution,
     closes_at,
@@ -56,7 +58,7 @@ from ingest.join import (
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS gens (gid TEXT PRIMARY KEY, shard INTEGER NOT NULL,
-    deadline REAL NOT NULL, raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER);
+    deadline REAL NOT NULL, raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER, hdr BLOB);
 CREATE TABLE IF NOT EXISTS fbs (fid TEXT PRIMARY KEY, gid TEXT NOT NULL, shard INTEGER NOT NULL,
     created REAL NOT NULL, deadline REAL NOT NULL, raw BLOB NOT NULL,
     topic TEXT NOT NULL, part INTEGER NOT NULL, off INTEGER NOT NULL, key BLOB);
@@ -92,8 +94,9 @@ class IngestStage:
     """Implements :class:`flywheel.stream.runner.Stage` for generations + feedback -> episodes."""
 
     def __init__(self, cfg: IngestSettings, topics: Topics, store: StateStore,
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, tracing: Tracing | None = None) -> None:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
+        self.tracing = tracing if tracing is not None else Tracing()
         self.dead = OutboxDeadLetters(store, topics.deadletter, "ingest", registry, DEADLETTER_REASONS)
         self.m = IngestMetrics(registry)
         self._last_prune = 0.0
@@ -200,7 +203,8 @@ class IngestStage:
             elif self.cfg.emit_after_signal_s is not None:  # (a waiting signal's bytes were validated)
                 close_at = closes_on_signal(close_at, decode(FeedbackEvent, raw).signal, now,
                                             self.cfg.emit_after_signal_s)
-        view.add_generation((gid, rec.partition, deadline, stored, close_at, rec.offset))
+        with self.tracing.record_span("ingest generation", carried(rec.headers), generation_id=gid) as headers:
+            view.add_generation((gid, rec.partition, deadline, stored, close_at, rec.offset, packed_headers(headers)))
 
     def _on_feedback(self, rec: ConsumerRecord, f: FeedbackEvent, view: _BatchView, now: float) -> None:
         closed = view.closed.get(f.generation_id)
@@ -267,7 +271,7 @@ class IngestStage:
         and one archive-queue entry larger than SQLite stores, failing alike after every restart.
         """
         due = self.db.execute(
-            "SELECT close_at, rowid, deadline, gid, raw, off FROM gens WHERE shard=? AND close_at<? "
+            "SELECT close_at, rowid, deadline, gid, raw, off, hdr FROM gens WHERE shard=? AND close_at<? "
             "ORDER BY close_at, rowid LIMIT ?", (shard, now, self.cfg.max_batch)).fetchall()
         if not due:
             return False
@@ -284,14 +288,15 @@ class IngestStage:
             feedback.setdefault(gid, []).append(decode(FeedbackEvent, raw, max_bytes=MAX_FEEDBACK_BYTES))
         closed = []
         signals: dict[str, int] = {}
-        for _, gid, raw, off in due:
+        for _, gid, raw, off, hdr in due:
             res = resolve(feedback.get(gid, []))
             closed.append((gid, shard, now, _encode_json(res.feedback_ids).decode()))
             episode = episode_bytes(raw, res, now)
             if len(episode) > MAX_EPISODE_BYTES:
                 self._dead_letter_episode(gid, shard, raw, off, len(episode))
                 continue
-            self.store.append(shard, self.topics.episodes, gid, episode, archive=EPISODES_ARCHIVE)
+            with self.tracing.record_span("ingest episode", unpacked_headers(hdr) or [], generation_id=gid) as headers:
+                self.store.append(shard, self.topics.episodes, gid, episode, archive=EPISODES_ARCHIVE, headers=headers)
             signals[res.signal] = signals.get(res.signal, 0) + 1
             if res.conflicted:
                 self.m.conflicts.inc()
@@ -421,7 +426,7 @@ class _BatchView:
 
     def write(self, db: Any) -> None:
         db.executemany("DELETE FROM fbs WHERE fid=?", [(f,) for f in self._dropped])
-        db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at, off) VALUES (?, ?, ?, ?, ?, ?)",
+        db.executemany("INSERT INTO gens (gid, shard, deadline, raw, close_at, off, hdr) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        self._new_gens)
         db.executemany("INSERT INTO fbs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", list(self._new_fbs.values()))
         # after the inserts, so it applies to a generation of this same batch too
@@ -435,7 +440,8 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     Stores from before ``gens.close_at`` close their open windows by the old rule (``grace_s``
     after the deadline): when those generations arrived is not recorded. The index is created
     here rather than in SCHEMA because on such a store the column exists only after this runs.
-    Generations stored before ``gens.off`` have no source offset (a dead letter of one names none).
+    Generations stored before ``gens.off`` have no source offset (a dead letter of one names none),
+    and those stored before ``gens.hdr`` no request id (their episodes carry none).
     """
     db = store.db
     columns = store.columns("gens")
@@ -447,6 +453,9 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     if "off" not in columns:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
+    if "hdr" not in columns:
+        with store.txn():
+            db.execute("ALTER TABLE gens ADD COLUMN hdr BLOB")
     db.executescript("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 

@@ -23,12 +23,13 @@ from flywheel.contracts import Topics
 from flywheel.settings import Settings
 from flywheel.stream.archive import ParquetArchive
 from flywheel.stream.serve import StageSpec, serve_stage
+from flywheel.telemetry import Tracing
 from reward.report import REWARD_SCHEMA, report, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, SCHEMA, RewardStage
 
 
-def spec(settings: Settings) -> StageSpec:
-    """The reward stage as the stream runtime runs it."""
+def spec(settings: Settings, tracing: Tracing | None = None) -> StageSpec:
+    """The reward stage as the stream runtime runs it (``tracing``: its spans, flywheel/telemetry.py)."""
     cfg, topics = settings.reward, Topics(settings.topic_prefix)
     archive_root = settings.archive_root / "rewards"
     return StageSpec(
@@ -37,7 +38,7 @@ def spec(settings: Settings) -> StageSpec:
         inputs=[topics.episodes],
         outputs=[topics.rewards, topics.deadletter],
         tables=SCHEMA,
-        rules=lambda store, registry: RewardStage(cfg, topics, store, registry),
+        rules=lambda store, registry: RewardStage(cfg, topics, store, registry, tracing),
         archives=lambda: {REWARDS_ARCHIVE: ParquetArchive(archive_root, REWARD_SCHEMA, reward_row, reward_table,
                                                          shared=bool(settings.stream.database_url))},
         host=cfg.host,
@@ -53,7 +54,11 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     if args is not None and getattr(args, "action", "run") == "report":
         print(report(args.archive or settings.archive_root / "rewards", top=args.top))
         return 0
-    serve_stage(settings, spec(settings), stop)
+    tracing = Tracing(settings.telemetry, "reward")
+    try:
+        serve_stage(settings, spec(settings, tracing), stop)
+    finally:
+        tracing.shutdown()
     return 0
 
 

@@ -35,6 +35,7 @@ from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, MAX_EPISODE_BYTES, Ep
 from flywheel.settings import RewardSettings
 from flywheel.stream.runner import KEYED_DECODE_REASONS, OutboxDeadLetters, decode_keyed
 from flywheel.stream.store import StateStore
+from flywheel.telemetry import Tracing, carried
 from reward.guards import (
     UserWindow,
     Verdict,
@@ -93,8 +94,9 @@ class RewardStage:
     """Implements :class:`flywheel.stream.runner.Stage` for episodes -> rewards."""
 
     def __init__(self, cfg: RewardSettings, topics: Topics, store: StateStore,
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, tracing: Tracing | None = None) -> None:
         self.cfg, self.topics, self.store, self.db = cfg, topics, store, store.db
+        self.tracing = tracing if tracing is not None else Tracing()
         self.label = build_labeler(cfg)
         self.dead = OutboxDeadLetters(store, topics.deadletter, "reward", registry, DEADLETTER_REASONS)
         self.m = RewardMetrics(registry)
@@ -156,14 +158,17 @@ class RewardStage:
             if ep.timed_out and not self.cfg.emit_ignored:
                 self.m.skipped.labels("no_signal").inc()
             else:
-                try:
-                    reward = self.label_episode(ep, now, rec.partition)
-                except LabelerError as exc:
-                    # not marked seen: a replay, once the labeler is fixed, is labeled
-                    self.dead.send_record(rec, "labeler_error", str(exc))
-                    continue
-                self.store.append(rec.partition, self.topics.rewards, ep.generation_id, reward,
-                                  archive=REWARDS_ARCHIVE)
+                # the reward carries the episode's request id and trace on (flywheel/telemetry.py)
+                with self.tracing.record_span("reward label", carried(rec.headers),
+                                              generation_id=ep.generation_id) as headers:
+                    try:
+                        reward = self.label_episode(ep, now, rec.partition)
+                    except LabelerError as exc:
+                        # not marked seen: a replay, once the labeler is fixed, is labeled
+                        self.dead.send_record(rec, "labeler_error", str(exc))
+                        continue
+                    self.store.append(rec.partition, self.topics.rewards, ep.generation_id, reward,
+                                      archive=REWARDS_ARCHIVE, headers=headers)
             seen.add(ep.generation_id)
             fresh.append((ep.generation_id, now, rec.partition))
         # DO NOTHING: on a shared store a gid can meet another replica's only where the partition

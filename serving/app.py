@@ -19,6 +19,7 @@ reward guards).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,7 +37,9 @@ from prometheus_client import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flywheel.contracts import MAX_FEEDBACK_BODY_BYTES, FeedbackEvent, Topics
+from flywheel.logs import REQUEST_ID
 from flywheel.settings import Settings
+from flywheel.telemetry import Tracing
 from serving import generate as gen
 from serving import openapi
 from serving.engine import Engine
@@ -71,8 +74,11 @@ from serving.protocol import (
 )
 from serving.readiness import Readiness
 from serving.recorder import Recorder
+from serving.request_ids import RequestIds, scope_request_id
 from serving.usage import TokenCounters
 from serving.versions import Fleet
+
+log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback")
 
@@ -149,18 +155,25 @@ class Gate:
 
 
 def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, registry: CollectorRegistry,
-               follower: ReleaseFollower | None = None, readiness: Readiness | None = None) -> FastAPI:
+               follower: ReleaseFollower | None = None, readiness: Readiness | None = None,
+               tracing: Tracing | None = None) -> FastAPI:
     """The app over ``fleet`` (or one engine); ``follower`` adds the release state to ``/health``.
     ``readiness`` is what ``/readyz`` reads (``flywheel serve`` warms the engines up before it
-    says ready); without one the app is ready while its engines live."""
+    says ready); without one the app is ready while its engines live. ``tracing``: the process's
+    spans (default: made from ``settings.telemetry``; the caller shuts it down, ``app.state.tracing``)."""
     metrics = AppMetrics(registry)
     readiness = readiness if readiness is not None else Readiness(warm=True)
     gate = Gate(settings, metrics)
     if not isinstance(fleet, Fleet):
         fleet = Fleet([fleet], registry)
-    ctx = gen.Ctx(settings.serve, fleet, recorder, Topics(settings.topic_prefix), metrics.tokens)
+    tracing = tracing if tracing is not None else Tracing(settings.telemetry, "serving")
+    ctx = gen.Ctx(settings.serve, fleet, recorder, Topics(settings.topic_prefix), metrics.tokens, tracing)
     app = FastAPI(title="flywheel serving", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.state.tracing = tracing
     app.add_middleware(Observe, metrics=metrics, default_version=lambda: str(fleet.version_of("stable")))
+    # added last: outside Observe, so every answer but a crash's (the handler below) is stamped
+    app.add_middleware(RequestIds, tracing=tracing,
+                       routes=(*ROUTES, "/livez", "/readyz", "/health", "/metrics", "/openapi.json"))
     _errors(app)
     openapi.install(app, settings.serve, len(fleet.tokenizer))
     # Tokenizing (chat template and encode) takes over a second for a 1 MiB prompt: on the event
@@ -299,7 +312,8 @@ async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, me
         created_at=received if body.created_at is None else min(body.created_at, received),
         received_at=received,
     )
-    durable = ctx.recorder.record_feedback(ctx.topics.feedback, event)
+    durable = ctx.recorder.record_feedback(ctx.topics.feedback, event,
+                                           ctx.tracing.record_headers("feedback", REQUEST_ID.get()))
     # the intake thread answers within about one ack timeout plus an fsync; wait a bit beyond it
     wait_s = ctx.recorder.ack_timeout_s * 3 + 5
     try:
@@ -332,7 +346,10 @@ def _errors(app: FastAPI) -> None:
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
-    async def crash(_: Request, exc: Exception) -> Response:
-        # an engine or server fault, not the client's: say so without leaking internals
+    async def crash(request: Request, exc: Exception) -> Response:
+        # an engine or server fault, not the client's: say so without leaking internals. Answered
+        # outside the middleware (Starlette's outermost layer), so the request id is put on here.
+        rid = scope_request_id(request.scope)
+        log.error("request failed: %s", type(exc).__name__, exc_info=exc, extra={"request_id": rid})
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"),
-                            status_code=500)
+                            status_code=500, headers={"X-Request-Id": rid} if rid else None)

@@ -30,7 +30,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from flywheel.contracts import GenerationEvent, SamplingParams, Topics, VersionSpan
+from flywheel.logs import GENERATION_ID, REQUEST_ID
 from flywheel.settings import ServeSettings
+from flywheel.telemetry import Tracing
 from serving.engine import Delta, GenRequest, TopLogprobs
 from serving.identity import key_id
 from serving.logprobs import LogprobsFormat, Pieces
@@ -53,6 +55,8 @@ class Ctx:
     recorder: Recorder
     topics: Topics
     tokens: TokenCounters
+    #: spans, and the headers that carry a request's id and trace onto its records
+    tracing: Tracing = field(default_factory=Tracing)
     pieces: Pieces = field(init=False)
 
     def __post_init__(self) -> None:
@@ -237,6 +241,8 @@ async def run_choice(ctx: Ctx, prep: Prepared, i: int, sink: asyncio.Queue | Non
     returns the finished sequence in one piece.
     """
     choice = Choice(i, prep.generation_id(i))
+    # (each choice runs in a task of its own, with a copy of the request's context)
+    GENERATION_ID.set(choice.generation_id)
     slot = prep.slot
     assert slot is not None  # set by routed()
     slot.in_flight += 1
@@ -286,7 +292,8 @@ def record(ctx: Ctx, prep: Prepared, c: Choice) -> None:
         ctx.recorder.metrics.dropped.labels("generation", "invalid").inc()
         return
     ctx.tokens.count(event)
-    ctx.recorder.record_generation(ctx.topics.generations, event)
+    ctx.recorder.record_generation(ctx.topics.generations, event,
+                                   ctx.tracing.record_headers("generation", REQUEST_ID.get()))
 
 
 def sampling_record(g: GenRequest, seed: int | None, logprobs_mode: str) -> SamplingParams:

@@ -12,7 +12,12 @@ Layout under the journal directory::
 Frame format (little-endian)::
 
     u32 payload_length | u32 crc32(payload) | payload
-    payload = u16 topic_len | topic utf-8 | i32 key_len (-1: no key) | key | value bytes
+    payload = u16 topic_len | topic utf-8 | i32 key_len (-1: no key) | key | [headers] | value bytes
+    headers = u16 count | (u16 name_len | name utf-8 | u32 value_len | value)*
+
+``headers`` (the record's Kafka headers: its request id and trace context, flywheel/telemetry.py)
+is there when the top bit of ``topic_len`` is set, so frames written before headers existed
+read as they always did. A topic name is at most 249 characters: the bit is never a length's.
 
 A crash can leave a torn tail (a frame half written, or written but not fsync'd): on open, frames
 are scanned from the head and the first one whose length runs past the end of the file or whose
@@ -37,6 +42,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _FRAME = struct.Struct("<II")
+_HAS_HEADERS = 0x8000  # in topic_len: the frame holds headers
+
+#: Kafka headers as kafka-python takes them.
+Headers = list[tuple[str, bytes]]
 
 
 class JournalFull(RuntimeError):
@@ -50,22 +59,43 @@ class Entry:
     value: bytes
     #: Offset just past this frame: where the head moves once the entry is delivered.
     end: int
+    headers: Headers | None = None
 
 
-def _payload(topic: str, key: str | None, value: bytes) -> bytes:
+def _payload(topic: str, key: str | None, value: bytes, headers: Headers | None = None) -> bytes:
     t = topic.encode("utf-8")
     k = key.encode("utf-8") if key is not None else b""
     klen = len(k) if key is not None else -1
-    return struct.pack("<H", len(t)) + t + struct.pack("<i", klen) + k + value
+    flag, h = 0, b""
+    if headers:
+        flag = _HAS_HEADERS
+        h = struct.pack("<H", len(headers)) + b"".join(
+            struct.pack("<H", len(n := name.encode("utf-8"))) + n + struct.pack("<I", len(v)) + v
+            for name, v in headers)
+    return struct.pack("<H", len(t) | flag) + t + struct.pack("<i", klen) + k + h + value
 
 
-def _unpack(payload: bytes) -> tuple[str, str | None, bytes]:
+def _unpack(payload: bytes) -> tuple[str, str | None, bytes, Headers | None]:
     (tlen,) = struct.unpack_from("<H", payload, 0)
+    flag, tlen = tlen & _HAS_HEADERS, tlen & ~_HAS_HEADERS
     topic = payload[2 : 2 + tlen].decode("utf-8")
     (klen,) = struct.unpack_from("<i", payload, 2 + tlen)
     pos = 6 + tlen
     key = None if klen < 0 else payload[pos : pos + klen].decode("utf-8")
-    return topic, key, payload[pos + max(klen, 0) :]
+    pos += max(klen, 0)
+    headers: Headers | None = None
+    if flag:
+        (count,) = struct.unpack_from("<H", payload, pos)
+        pos += 2
+        headers = []
+        for _ in range(count):
+            (nlen,) = struct.unpack_from("<H", payload, pos)
+            name = payload[pos + 2 : pos + 2 + nlen].decode("utf-8")
+            (vlen,) = struct.unpack_from("<I", payload, pos + 2 + nlen)
+            pos += 6 + nlen
+            headers.append((name, payload[pos : pos + vlen]))
+            pos += vlen
+    return topic, key, payload[pos:], headers
 
 
 class Journal:
@@ -123,8 +153,10 @@ class Journal:
         return payload, end
 
     # -- writing -----------------------------------------------------------------------------
-    def append(self, items: list[tuple[str, str | None, bytes]]) -> None:
-        """Append frames and fsync once; all or nothing against the bound."""
+    def append(self, items: list[tuple[str, str | None, bytes]] | list[tuple[str, str | None, bytes, Headers | None]]
+               ) -> None:
+        """Append frames (topic, key, value and optionally headers) and fsync once; all or nothing
+        against the bound."""
         if not items:
             return
         blob = b"".join(
@@ -152,9 +184,9 @@ class Journal:
                 frame = self._read_frame(pos, self._size)
                 if frame is None:  # cannot happen after recovery; stop rather than loop
                     break
-                topic, key, value = _unpack(frame[0])
+                topic, key, value, headers = _unpack(frame[0])
                 pos = frame[1]
-                out.append(Entry(topic, key, value, pos))
+                out.append(Entry(topic, key, value, pos, headers))
         return out
 
     def advance(self, entries: list[Entry]) -> None:

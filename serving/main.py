@@ -32,6 +32,7 @@ from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
 from flywheel.settings import Settings
 from flywheel.signing import Verifier
+from flywheel.telemetry import Tracing
 from serving.adapters import adapter_slots, lora_on
 from serving.follow import ReleaseFollower
 from serving.journal import Journal
@@ -88,6 +89,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     registry = new_registry()
     recorder = make_recorder(settings, registry)
+    tracing = Tracing(settings.telemetry, "serving")
     loop = LoopThread()
     engines: list = []
     follower = None
@@ -104,7 +106,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
             follower.catch_up(settings.serve.release_wait_s)  # before the port opens
             follower.start()
         readiness = Readiness()
-        app = create_app(settings, fleet, recorder, registry, follower, readiness)
+        app = create_app(settings, fleet, recorder, registry, follower, readiness, tracing)
         server = AppServer(app, loop, settings.serve.host, settings.serve.port,
                            drain_s=settings.serve.drain_s).start()
         log.info("serving %s %s on %s; warming the engines up", settings.serve.model_name,
@@ -120,6 +122,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         if follower is not None:
             follower.stop()
         recorder.stop()
+        tracing.shutdown()
         for engine in engines:
             loop.call(lambda e=engine: _shutdown(e), timeout_s=60)
         loop.stop()

@@ -47,7 +47,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from flywheel.contracts import FeedbackEvent, GenerationEvent, encode
 from flywheel.kafka.clients import force_close, make_producer
 from flywheel.settings import KafkaSettings
-from serving.journal import Journal, JournalFull
+from serving.journal import Headers, Journal, JournalFull
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class _Item:
     key: str | None
     value: bytes
     done: Future | None = field(default=None)
+    #: Kafka headers: the request's id and trace context (flywheel/telemetry.py); journaled with it.
+    headers: Headers | None = None
 
 
 def _resolve(done: Future | None, exc: BaseException | None = None) -> None:
@@ -161,19 +163,19 @@ class Recorder:
             self._threads.append(t)
         return self
 
-    def record_generation(self, topic: str, event: GenerationEvent) -> bool:
+    def record_generation(self, topic: str, event: GenerationEvent, headers: Headers | None = None) -> bool:
         try:
-            self._queue.put_nowait(_Item("generation", topic, event.generation_id, encode(event)))
+            self._queue.put_nowait(_Item("generation", topic, event.generation_id, encode(event), headers=headers))
             return True
         except queue.Full:
             self.metrics.dropped.labels("generation", "queue_full").inc()
             return False
 
-    def record_feedback(self, topic: str, event: FeedbackEvent) -> Future:
+    def record_feedback(self, topic: str, event: FeedbackEvent, headers: Headers | None = None) -> Future:
         done: Future = Future()
         try:
             self._queue.put_nowait(
-                _Item("feedback", topic, event.generation_id, encode(event), done)
+                _Item("feedback", topic, event.generation_id, encode(event), done, headers)
             )
         except queue.Full:
             done.set_exception(JournalFull("the publish queue is full; retry shortly"))
@@ -220,7 +222,7 @@ class Recorder:
                 self._producer = None
         force_close(producer)
 
-    def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes]],
+    def _send_all(self, producer: Any, items: list[tuple[str, str | None, bytes, Headers | None]],
                   timeout_s: float | None = None) -> list[bool]:
         """Send and wait up to ``timeout_s`` (the ack timeout); ``acked[i]`` says which made it."""
         wait_s = self.ack_timeout_s if timeout_s is None else timeout_s
@@ -230,9 +232,9 @@ class Recorder:
         # spent wait ends the batch: the rest count as not acked, where each would block again
         # (500 sends: many minutes in which the journal neither drains nor says why).
         stop_sending_at = time.monotonic() + wait_s
-        for i, (topic, key, value) in enumerate(items):
+        for i, (topic, key, value, headers) in enumerate(items):
             try:
-                futures[i] = producer.send(topic, key=key, value=value)
+                futures[i] = producer.send(topic, key=key, value=value, headers=headers)
             except Exception as exc:  # noqa: BLE001 - any refusal means "not acked": journal it
                 self.last_error = f"send: {exc!r}"
                 break
@@ -282,7 +284,7 @@ class Recorder:
         if producer is None:
             self._to_journal(batch)
             return
-        acked = self._send_all(producer, [(b.topic, b.key, b.value) for b in batch])
+        acked = self._send_all(producer, [(b.topic, b.key, b.value, b.headers) for b in batch])
         failed = [b for b, ok in zip(batch, acked) if not ok]
         for b, ok in zip(batch, acked):
             if ok:
@@ -298,7 +300,7 @@ class Recorder:
         if not items:
             return
         try:
-            self.journal.append([(b.topic, b.key, b.value) for b in items])
+            self.journal.append([(b.topic, b.key, b.value, b.headers) for b in items])
         except JournalFull as exc:
             self._refuse(items, exc)
             return
@@ -341,7 +343,8 @@ class Recorder:
         producer = self._get_producer()
         if producer is None:
             return False
-        acked = self._send_all(producer, [(e.topic, e.key, e.value) for e in entries], self._replay_timeout_s)
+        acked = self._send_all(producer, [(e.topic, e.key, e.value, e.headers) for e in entries],
+                               self._replay_timeout_s)
         prefix = 0
         while prefix < len(acked) and acked[prefix]:
             prefix += 1

@@ -264,14 +264,15 @@ def engine(tiny_model_dir):
 
 @pytest.fixture
 def serve(engine, broker, tiny_model_dir, tmp_path):
-    """Factory: start an app on the shared engine with ``ServeSettings`` overrides, its own
-    recorder, journal and uuid topics, on a fresh loopback port; stopped after the test."""
+    """Factory: start an app on the shared engine with ``ServeSettings`` overrides (and
+    ``telemetry``: its ``TelemetrySettings``), its own recorder, journal and uuid topics, on a fresh
+    loopback port; stopped after the test."""
     from serving_helpers import KEY, SALT, Served
 
     from flywheel.contracts import Topics
     from flywheel.kafka.clients import ensure_topics
     from flywheel.metrics import new_registry
-    from flywheel.settings import KafkaSettings, ServeSettings, Settings
+    from flywheel.settings import KafkaSettings, ServeSettings, Settings, TelemetrySettings
     from serving.app import create_app
     from serving.main import make_recorder
     from serving.server import AppServer
@@ -279,23 +280,25 @@ def serve(engine, broker, tiny_model_dir, tmp_path):
     loop, eng = engine
     started = []
 
-    def start(prefix: str | None = None, **overrides) -> Served:
+    def start(prefix: str | None = None, telemetry: TelemetrySettings | None = None, **overrides) -> Served:
         topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
         kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
         ensure_topics(kafka, [topics.generations, topics.feedback])
         serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, **overrides})
         settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path, topic_prefix=topics.prefix,
-                            kafka=kafka, serve=serve_cfg)
+                            kafka=kafka, serve=serve_cfg, telemetry=telemetry or TelemetrySettings())
         registry = new_registry()
         recorder = make_recorder(settings, registry)
-        server = AppServer(create_app(settings, eng, recorder, registry), loop).start()
-        started.append((server, recorder))
-        return Served(server.url, settings, recorder, topics)
+        app = create_app(settings, eng, recorder, registry)
+        server = AppServer(app, loop).start()
+        started.append((server, recorder, app.state.tracing))
+        return Served(server.url, settings, recorder, topics, app.state.tracing)
 
     yield start
-    for server, recorder in started:
+    for server, recorder, tracing in started:
         server.stop()
         recorder.stop()
+        tracing.shutdown()
 
 
 _last_engine_user: dict[int, object] = {}

@@ -80,8 +80,9 @@ ENGINE = SharedEngine()
 
 
 class Served:
-    def __init__(self, url: str, settings: Settings, recorder: Any, topics: Topics) -> None:
+    def __init__(self, url: str, settings: Settings, recorder: Any, topics: Topics, tracing: Any = None) -> None:
         self.url, self.settings, self.recorder, self.topics = url, settings, recorder, topics
+        self.tracing = tracing  # the app's spans (flywheel/telemetry.py)
         self.client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
 
     def post(self, path: str, body: object, key: str | None = KEY, **kw: Any) -> httpx.Response:

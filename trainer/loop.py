@@ -70,6 +70,7 @@ from flywheel.probes import Heartbeat
 from flywheel.settings import Settings
 from flywheel.signing import Signer
 from flywheel.stream.deadletters import DeadLetters
+from flywheel.telemetry import request_id_of
 from trainer import dist
 from trainer.announce import announced, checkpoint_event, mark_announced
 from trainer.batching import Batcher, OffsetBook, Sample, is_stale, reject_reason
@@ -92,6 +93,9 @@ class Ledger:
 
     trained: list[str] = field(default_factory=list)
     dropped: dict[str, list[str]] = field(default_factory=dict)
+    #: generation_id -> the id of the request that made it, for the trained samples whose reward
+    #: record carried one (flywheel/telemetry.py): from a user's request to the version it is in
+    requests: dict[str, str] = field(default_factory=dict)
     steps: int = 0
     #: Tokens of the trained samples (``flywheel usage``): prompt and completion, each sample's own.
     prompt_tokens: int = 0
@@ -112,7 +116,7 @@ class Ledger:
         return not self.trained and not self.dropped
 
     def to_json(self) -> dict[str, Any]:
-        return {"trained": self.trained, "dropped": self.dropped, "steps": self.steps,
+        return {"trained": self.trained, "dropped": self.dropped, "requests": self.requests, "steps": self.steps,
                 "tokens": {"prompt": self.prompt_tokens, "completion": self.completion_tokens}}
 
 
@@ -185,6 +189,8 @@ class Trainer:
         self.step = 0
         self.samples = 0
         self.seen_ids: set[str] = set()
+        # generation_id -> request id of the samples taken in and not yet trained or dropped (rank 0)
+        self.request_ids: dict[str, str] = {}
         # assigned partitions the book has no floor for yet: their start is recorded after a poll (_Seek)
         self.unstarted: set[TopicPartition] = set()
         self.last_stats: dict[str, float] = {}
@@ -439,8 +445,11 @@ class Trainer:
         if is_stale(self.version, ev.model_version, self.cfg.max_staleness):
             return self._drop(Sample(ev, rec.topic, rec.partition, rec.offset), "stale")
         self.seen_ids.add(ev.generation_id)
+        if (rid := request_id_of(rec.headers)) is not None:
+            self.request_ids[ev.generation_id] = rid
         self.m.staleness.observe(self.version - ev.model_version)
         for s, reason in self.batcher.add(Sample(ev, rec.topic, rec.partition, rec.offset)):
+            self.request_ids.pop(s.event.generation_id, None)  # (not a duplicate's: that one keeps its original's)
             self._drop(s, reason)
 
     def _dead(self, rec: Any, reason: str, detail: str) -> None:
@@ -488,6 +497,8 @@ class Trainer:
         self.ledger.steps += 1
         for e, p in zip(events, pos):
             self.ledger.trained.append(e.generation_id)
+            if (rid := self.request_ids.pop(e.generation_id, None)) is not None:
+                self.ledger.requests[e.generation_id] = rid
             self.book.settle(*p)
         prompt, completion = (sum(len(e.prompt_token_ids) for e in events),
                               sum(len(e.completion_token_ids) for e in events))
@@ -508,6 +519,7 @@ class Trainer:
             self.m.dropped.labels("nonfinite_loss").inc()
             self.book.settle(topic, part, offset)
             self.ledger.drop("nonfinite_loss", ev.generation_id)
+            self.request_ids.pop(ev.generation_id, None)
             # not trained: a replay of it is new, not a duplicate (as after a restart, which
             # rebuilds the seen ids from the versions' trained ids)
             self.seen_ids.discard(ev.generation_id)

@@ -70,9 +70,11 @@ class RecordRefused(Exception):
 class OutputProducer(Protocol):
     """Sends keyed records and reports each one's ack or failure (the outbox's producer)."""
 
-    def send(self, token: int, topic: str, key: str | None, value: bytes) -> None:
-        """Queue one record, partitioned by its key; its report (tagged with ``token``) comes
-        from :meth:`reports`. Raises :class:`RecordRefused` for a record the client will not send at all."""
+    def send(self, token: int, topic: str, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]] | None = None) -> None:
+        """Queue one record (with ``headers``: its request id and trace context), partitioned by
+        its key; its report (tagged with ``token``) comes from :meth:`reports`. Raises
+        :class:`RecordRefused` for a record the client will not send at all."""
 
     def reports(self) -> list[Delivery]:
         """Reports that arrived since the last call, without waiting for more."""
@@ -139,10 +141,11 @@ class KafkaPythonOutput:
         self._done: deque[Delivery] = deque()
         self._failed_current = False  # a send of the current producer failed: retire it
 
-    def send(self, token: int, topic: str, key: str | None, value: bytes) -> None:
+    def send(self, token: int, topic: str, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]] | None = None) -> None:
         producer = self.producer.get()  # KafkaError while none can be made: the turn is retried
         try:
-            fut = producer.send(topic, key=key, value=value)
+            fut = producer.send(topic, key=key, value=value, headers=headers)
         except MessageSizeTooLargeError as exc:
             raise RecordRefused(str(exc)) from exc
         fut.add_callback(self._acked, token)
@@ -221,11 +224,12 @@ class ConfluentOutput:
         self.made += 1
         return Producer(self._conf)  # connects in the background: never blocks here
 
-    def send(self, token: int, topic: str, key: str | None, value: bytes) -> None:
+    def send(self, token: int, topic: str, key: str | None, value: bytes,
+             headers: list[tuple[str, bytes]] | None = None) -> None:
         report = functools.partial(self._report, self.made, token)
         while True:
             try:
-                self.producer.produce(topic, value, key, on_delivery=report)
+                self.producer.produce(topic, value, key, on_delivery=report, headers=headers)
                 return
             except BufferError:  # librdkafka's local queue is full: serve acks, then retry
                 self.producer.poll(0.05)

@@ -98,7 +98,7 @@ class Outbox:
         send = self.producer.send
         for row in rows:
             try:
-                send(row.seq, row.topic, row.key, row.value)
+                send(row.seq, row.topic, row.key, row.value, row.headers)
             except RecordRefused as exc:
                 # It never left the client; it stays owed, and stalled, until the limit is
                 # raised, while the rows after it go on.

@@ -42,9 +42,10 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS offsets (
     topic TEXT NOT NULL, part INTEGER NOT NULL, next INTEGER NOT NULL, PRIMARY KEY (topic, part));
+-- headers: the record's Kafka headers (its request id and trace context), packed_headers()
 CREATE TABLE IF NOT EXISTS outbox (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, shard INTEGER NOT NULL, topic TEXT NOT NULL,
-    key TEXT, value BLOB NOT NULL);
+    key TEXT, value BLOB NOT NULL, headers BLOB);
 CREATE INDEX IF NOT EXISTS outbox_shard ON outbox (shard, seq);
 -- one entry per processed batch (per QUEUE_ENTRY_BYTES of a larger one): its archive rows,
 -- msgpack [[seq, archive, value], ...]. A row per record cost three times as much to insert,
@@ -94,6 +95,21 @@ class OutRow(NamedTuple):
     topic: str
     key: str | None
     value: bytes
+    headers: list[tuple[str, bytes]] | None = None
+
+
+#: Kafka headers in a column: msgpack ``[[name, value], ...]``.
+_pack_headers = msgspec.msgpack.Encoder().encode
+_unpack_headers = msgspec.msgpack.Decoder(list[tuple[str, bytes]]).decode
+
+
+def packed_headers(headers: Sequence[tuple[str, bytes]] | None) -> bytes | None:
+    """``headers`` as a column holds them (None for none): :func:`unpacked_headers` reads them."""
+    return _pack_headers(list(headers)) if headers else None
+
+
+def unpacked_headers(blob: bytes | None) -> list[tuple[str, bytes]] | None:
+    return _unpack_headers(blob) if blob else None
 
 
 class ArchiveRow(NamedTuple):
@@ -141,7 +157,7 @@ class StateStore:
         #: shard -> term of each lease this process holds (shared stores only)
         self.leases: dict[int, int] = {}
         # rows of the open transaction, inserted in one executemany per table just before COMMIT
-        self._appends: list[tuple[int, int, str, str | None, bytes]] = []
+        self._appends: list[tuple[int, int, str, str | None, bytes, bytes | None]] = []
         self._queue: dict[int | None, list[tuple[int, str, bytes]]] = {}
         self._on_rollback: list[Callable[[], None]] = []
         self.owed = 0
@@ -169,6 +185,8 @@ class StateStore:
             self.lost_errors = (psycopg.Error, DatabaseLost)
             self.db: Any = PgConnection(url, ns)
             self.db.executescript(_SCHEMA + _SHARED_SCHEMA)
+            # a store from before records carried headers (IF NOT EXISTS: replicas start at once)
+            self.db.executescript("ALTER TABLE outbox ADD COLUMN IF NOT EXISTS headers BLOB")
             self.db.executescript(stage_schema, rowid=True)
             # block reservations commit on their own, never inside a batch's transaction: one
             # replica's batch must not hold the counter the others need
@@ -219,6 +237,8 @@ class StateStore:
         db.executescript(_SCHEMA)
         if "shard" not in sqlite_columns(db, "archive_queue"):  # a store from before shards moved
             db.execute("ALTER TABLE archive_queue ADD COLUMN shard INTEGER")
+        if "headers" not in sqlite_columns(db, "outbox"):  # a store from before records carried headers
+            db.execute("ALTER TABLE outbox ADD COLUMN headers BLOB")
         db.executescript((_SHARED_SCHEMA if self.shared else "") + stage_schema)
         return db
 
@@ -455,15 +475,17 @@ class StateStore:
             [(t, p, n) for (t, p), n in offsets.items()],
         )
 
-    def append(self, shard: int, topic: str, key: str | None, value: bytes, archive: str | None = None) -> None:
-        """Owe ``value`` to ``topic`` (and to ``archive`` when named). Call inside :meth:`txn`."""
+    def append(self, shard: int, topic: str, key: str | None, value: bytes, archive: str | None = None,
+               headers: Sequence[tuple[str, bytes]] | None = None) -> None:
+        """Owe ``value`` to ``topic`` (with ``headers``; and to ``archive`` when named). Call inside
+        :meth:`txn`."""
         assert self._in_txn, "outbox rows must be appended inside the processing transaction"
         seq = self._next_seq
         if seq >= self._block_end:
             self._reserve()
             seq = self._next_seq
         self._next_seq = seq + 1
-        self._appends.append((seq, shard, topic, key, value))
+        self._appends.append((seq, shard, topic, key, value, packed_headers(headers)))
         if archive is not None:
             # a shared store queues each shard's rows apart, to move with it; one of its own, a
             # batch's rows as one entry
@@ -484,7 +506,7 @@ class StateStore:
     def _write_appends(self) -> None:
         # one statement per table and batch instead of one per record
         if self._appends:
-            self.db.executemany("INSERT INTO outbox (seq, shard, topic, key, value) VALUES (?, ?, ?, ?, ?)",
+            self.db.executemany("INSERT INTO outbox (seq, shard, topic, key, value, headers) VALUES (?, ?, ?, ?, ?, ?)",
                                 self._appends)
             self._owed_change += len(self._appends)
             self._appends.clear()
@@ -511,7 +533,7 @@ class StateStore:
         # One query per shard, merged lazily: each walks the (shard, seq) index in order, where
         # one query over all shards makes SQLite sort every row, blobs included (5x slower), and
         # the merge reads about ``limit`` rows in all, not ``limit`` per shard.
-        cursors = [self.db.execute("SELECT seq, shard, topic, key, value FROM outbox "
+        cursors = [self.db.execute("SELECT seq, shard, topic, key, value, headers FROM outbox "
                                    "WHERE shard=? AND seq>? ORDER BY seq LIMIT ?", (shard, after, limit))
                    for shard in sorted(self.mine(shards))]
         if not cursors:
@@ -521,7 +543,7 @@ class StateStore:
         finally:
             for cursor in cursors:  # an unfinished read would hold its snapshot of the database
                 cursor.close()
-        return [OutRow(s, sh, t, k, bytes(v)) for s, sh, t, k, v in rows]
+        return [OutRow(s, sh, t, k, bytes(v), unpacked_headers(h)) for s, sh, t, k, v, h in rows]
 
     def delivered(self, seqs: Iterable[int]) -> None:
         """Delete rows Kafka acked (not fenced: a row delivered may go, whoever's it is now)."""

@@ -298,7 +298,7 @@ class RefusesOne:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def send(self, token, topic, key, value):
+    def send(self, token, topic, key, value, headers=None):
         if value == self.value:
             self.refused.append((token, MessageSizeTooLargeError("simulated")))
         else:
@@ -423,7 +423,7 @@ class Unwritable:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def send(self, token, topic, key, value):
+    def send(self, token, topic, key, value, headers=None):
         if self.closed and topic == self.topic:
             self.failed.append((token, KafkaError("simulated: no leader for the partition")))
         else:

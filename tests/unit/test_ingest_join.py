@@ -469,7 +469,7 @@ def test_a_generation_that_arrives_after_its_window_waits_for_the_feedback_behin
 def test_a_store_from_before_close_at_keeps_its_open_windows(tmp_path):
     """A data_dir written before ``gens.close_at`` existed: its open windows close by the old rule
     (grace after the deadline) and new generations take the new one."""
-    old = SCHEMA.replace("raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER);", "raw BLOB NOT NULL);\n"
+    old = SCHEMA.replace("raw BLOB NOT NULL, close_at REAL NOT NULL, off INTEGER, hdr BLOB);", "raw BLOB NOT NULL);\n"
                          "CREATE INDEX IF NOT EXISTS gens_due ON gens (shard, deadline);")
     assert old != SCHEMA
     store = StateStore(tmp_path / "s.sqlite3", old)

@@ -248,7 +248,7 @@ class ScriptedProducer:
         self.script: list[tuple[int, BaseException | None]] = []  # the reports the next call gives
         self.refuse = refuse
 
-    def send(self, token: int, topic: str, key: str | None, value: bytes) -> None:
+    def send(self, token: int, topic: str, key: str | None, value: bytes, headers=None) -> None:
         from flywheel.kafka.producers import RecordRefused
 
         if value == self.refuse:
@@ -283,7 +283,7 @@ class AckingProducer(ScriptedProducer):
         self.on_flush: list | None = None
         self.waiting: dict[int, None] = {}  # tokens sent and not reported yet, in send order
 
-    def send(self, token: int, topic: str, key: str | None, value: bytes) -> None:
+    def send(self, token: int, topic: str, key: str | None, value: bytes, headers=None) -> None:
         super().send(token, topic, key, value)
         self.waiting[token] = None  # a resend is owed its own report
 

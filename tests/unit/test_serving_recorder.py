@@ -41,7 +41,7 @@ class FakeBroker:
         def __init__(self, broker: FakeBroker) -> None:
             self.b = broker
 
-        def send(self, topic, key, value):
+        def send(self, topic, key, value, headers=None):
             with self.b.lock:
                 if self.b.up:
                     self.b.acked.append(value)
@@ -163,7 +163,7 @@ class ColdBroker(FakeBroker):
             super().__init__(broker)
             self.ready_at = ready_at
 
-        def send(self, topic, key, value):
+        def send(self, topic, key, value, headers=None):
             producer, broker = self, self.b
 
             class _Slow:
