@@ -447,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.set_defaults(func=_role("trainer.main"))
 
     ck = sub.add_parser("checkpoint", help="checkpoint store utilities").add_subparsers(dest="ckpt_cmd", required=True)
+    cl = ck.add_parser("list", help="every version in the store: parent, step, kind, whole or pruned to a delta")
+    add_output(cl)
+    cl.set_defaults(func=_role("flywheel.checkpoints.cli"), action="list", version=None)
     cv = ck.add_parser("verify", help="rebuild a version from its delta chain and check every hash")
     cv.add_argument("version", type=int, nargs="?", default=None, help="default: the latest")
     cv.set_defaults(func=_role("flywheel.checkpoints.cli"), action="verify")

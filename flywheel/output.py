@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 OUTPUTS = ("table", "json")
@@ -35,6 +35,16 @@ def add_output(parser: argparse.ArgumentParser) -> None:
 def as_json(body: Mapping[str, Any]) -> str:
     """One line, keys sorted, non-ASCII escaped (see the module docstring)."""
     return json.dumps(body, sort_keys=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns padded to their widest cell, two spaces apart, ``-`` for None; every cell escaped
+    (flywheel/terminal.py), since a stored text must not forge a row or move the cursor."""
+    from flywheel.terminal import escape
+
+    cells = [[escape(h) for h in headers]] + [["-" if c is None else escape(str(c)) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def emit(args: argparse.Namespace, body: Mapping[str, Any], render: Callable[[Any], str],

@@ -1,4 +1,4 @@
-"""``-o json`` on the listing commands that had none (``deadletters``, ``status``, ``topics``): one
+"""``-o json`` on the listing commands (``deadletters``, ``status``, ``topics``, ``checkpoint list``): one
 JSON object on one line of stdout, parsed here, in the shape flywheel/output.py and the README
 promise. Against the session's real broker and a real ``flywheel up`` supervisor with a child;
 the release commands' JSON is tested in test_release_ops.py, ``usage``'s in test_serving_usage.py.
@@ -20,6 +20,7 @@ import pytest
 from conftest import stage_env
 
 from cli.main import main
+from flywheel.checkpoints import MANIFEST_NAME, WEIGHTS, CheckpointStore, manifest
 from flywheel.contracts import DeadLetterEvent, Topics, encode
 from flywheel.kafka.clients import make_producer
 from local.up import Child, Supervisor, status_path
@@ -123,3 +124,28 @@ def test_status_prints_what_flywheel_up_runs_as_json(tmp_path, monkeypatch, caps
     assert main(["status", "-o", "json"]) == 1
     body = one_object(capsys.readouterr().out)
     assert body["running"] is False and [s["state"] for s in body["stages"]] == ["stopped"]
+
+
+def test_checkpoint_list_shows_every_version_from_its_manifest(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    store = CheckpointStore(tmp_path / "store", full_every=10, keep_full=1)
+    weights = bytearray((tiny_model_dir / WEIGHTS).read_bytes())
+    for version in range(3):
+        tmp = store.staging_dir(version)
+        if version:
+            weights[-4096 * version] ^= 0x01
+        (tmp / WEIGHTS).write_bytes(bytes(weights))
+        store.commit(tmp, version=version, parent=version - 1 if version else None, source_dir=tiny_model_dir,
+                     extra={"step": 10 * version, "samples": 4}, ledger={})
+    monkeypatch.setenv("FLYWHEEL_TRAINER_STORE", str(store.root))
+    assert main(["checkpoint", "list", "-o", "json"]) == 0
+    body = one_object(capsys.readouterr().out)
+    assert body["store"] == str(store.root)
+    assert [(r["version"], r["parent"], r["step"], r["kind"], r["snapshot"], r["weights"]) for r in body["versions"]] == [
+        (0, None, 0, "full", True, "file"), (1, 0, 10, "full", False, "delta"), (2, 1, 20, "full", False, "file")]
+    assert body["versions"][1]["manifest_sha256"] == manifest.sha256_file(store.path(1) / MANIFEST_NAME)
+    assert all(r["created_at"] > 0 and r["samples"] == 4 and r["base"] is None for r in body["versions"])
+
+    assert main(["checkpoint", "list"]) == 0  # the table a person reads
+    header, *rows = capsys.readouterr().out.strip().splitlines()
+    assert header.split() == ["VERSION", "PARENT", "STEP", "SAMPLES", "KIND", "WEIGHTS", "CREATED"]
+    assert [r.split()[:6] for r in rows][1] == ["1", "0", "10", "4", "full", "delta"]
