@@ -87,7 +87,7 @@ ROWS = [
             ('sum(ingest_outbox_rows)', "ingest"), ('sum(reward_outbox_rows)', "reward")]),
         ("Seconds without progress with Kafka, the state database or the checkpoint store (0: fine)", "s", [
             ('max(ingest_stalled_seconds)', "ingest"), ('max(reward_stalled_seconds)', "reward"),
-            ('max(trainer_stalled_seconds)', "trainer")]),
+            ('max(trainer_stalled_seconds)', "trainer"), ('max(release_stalled_seconds)', "release")]),
     ]),
     ("Release", [
         ("Candidates by state", "short", [

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,15 @@ def classify(exc: BaseException) -> DbOutcome:
     if type(exc).__module__.startswith("sqlite3"):
         return classify_sqlite(getattr(exc, "sqlite_errorname", None), str(exc))
     return classify_postgres(getattr(exc, "sqlstate", None), type(exc).__name__)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The password in a database URL's userinfo, as written and unescaped, longest first, for
+    :func:`describe` to mask (the host is after the last "@" before the query, as
+    ``flywheel.settings.redact_database_url`` reads it)."""
+    userinfo, at, _ = url.partition("://")[2].partition("?")[0].rpartition("@")
+    password = userinfo.split(":", 1)[1] if at and ":" in userinfo else ""
+    return sorted({password, unquote(password)} - {""}, key=len, reverse=True)
 
 
 def describe(exc: BaseException, secrets: Iterable[str] = ()) -> str:

@@ -19,6 +19,11 @@ database; another takes over when the lease lapses):
    INCONCLUSIVE past the deadline holds it for a person;
 5. publish every routing revision not yet acked.
 
+A turn that fails on the database (not answering, read-only after a failover, a full disk, a
+deadlock: any error of it) is waited out: the next turn tries again (on a new connection where
+the error asks for one, release/store.py), one log line names each kind of error of the outage,
+and ``release_stalled_seconds`` counts how long (the ``FlywheelStageStalled`` alert).
+
 Each action is one transaction of the store (state, audit entry, routing revision); a ``kill -9``
 between two of them leaves a state the next turn picks up from: a candidate left in ``gating`` is
 gated again, an unpublished revision is published again (serving treats a revision it applied as
@@ -40,6 +45,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import ServingStatusEvent, VersionRef
+from flywheel.dberrors import classify, describe, url_secrets
 from flywheel.degeneracy import compare
 from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
@@ -97,11 +103,14 @@ class Controller:
         self.policy_actor = f"{AUTO_POLICY} ({self.actor})"
         self.active = False
         self.last_tick = 0.0
+        self._db_failing_since: float | None = None  # monotonic: the first of the turns failing on the database
+        self._db_codes: set[str] = set()  # the kinds of database error of this outage logged so far
         self.prompts = load_prompts(self.cfg.prompts_file)
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
         self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
+        self.metrics.stalled.set_function(self.stalled_s)
         #: The newest revision a serving instance reported applied (-1: none heard yet).
         self.serving_applied = -1
 
@@ -113,6 +122,31 @@ class Controller:
             self.active = False
             self.metrics.lease_held.set(0)
             log.warning("stopped mid-turn: %s; standing by", exc)
+        except self.store.db.errors as exc:
+            self._database_failed(exc)
+            return
+        if self._db_failing_since is not None:
+            log.info("the release database works again after %.0fs", time.monotonic() - self._db_failing_since)
+            self._db_failing_since = None
+            self._db_codes.clear()
+
+    def _database_failed(self, exc: BaseException) -> None:
+        """Every transaction is one (release/store.py), so a turn cut off anywhere left the store
+        consistent, and the next turn picks up from it (the module docstring): wait, and say
+        once per kind of error what the database does, not a traceback per turn."""
+        if self._db_failing_since is None:
+            self._db_failing_since = time.monotonic()
+        code = classify(exc).code
+        if code not in self._db_codes:
+            self._db_codes.add(code)
+            log.warning("a controller turn failed on the release database (%s); trying again every turn until it "
+                        "works", describe(exc, url_secrets(self.store.db.url)))
+        else:
+            log.debug("still failing on the release database: %s", describe(exc, url_secrets(self.store.db.url)))
+
+    def stalled_s(self) -> float:
+        """Seconds the controller's turns have failed on the database in a row (0 while fine)."""
+        return 0.0 if self._db_failing_since is None else time.monotonic() - self._db_failing_since
 
     def _turn(self, now: float) -> None:
         self.last_tick = time.monotonic()
@@ -141,7 +175,10 @@ class Controller:
         calls it from its threads, and this controller's store (its connection, maybe inside a
         transaction of this loop's) is not for them: the API reads the lease through its own."""
         return {"controller": self.holder, "active": self.active,
-                "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None}
+                "last_tick_age_s": round(time.monotonic() - self.last_tick, 3) if self.last_tick else None,
+                # whether checkpoints are verified, shown where people look (the console, /api/status),
+                # not only in the start-up log: docs/signing.md
+                "signing": self.streams.signing()}
 
     # -- serving's reports ------------------------------------------------------------------
     def _follow_serving(self) -> None:
@@ -192,6 +229,8 @@ class Controller:
         t0 = time.monotonic()
         try:
             verdict, record = self._gate(newest)
+        except self.store.db.errors:
+            raise  # the database's, not the candidate's: waited out (tick), never counted against it
         except Exception as exc:  # noqa: BLE001 - any failure of a gate counts toward the limit, never promotes
             self.metrics.gate_seconds.observe(time.monotonic() - t0)
             self.metrics.gate_verdicts.labels(Outcome.ERROR.value).inc()

@@ -60,6 +60,9 @@ class ControllerMetrics:
                                      "Newest routing revision a serving instance reported applied (-1: none heard "
                                      "by this replica)", registry=registry)
         self.serving_applied.set(-1)
+        self.stalled = Gauge("release_stalled_seconds",
+                             "Seconds this replica's controller turns have failed on the release database in a "
+                             "row: not answering, read-only, full (0 while it works)", registry=registry)
 
 
 class StoreCollector(Collector):

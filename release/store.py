@@ -13,6 +13,7 @@ serving treats a revision it has applied as a no-op).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
@@ -24,6 +25,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from flywheel.dberrors import Reconnect, classify
 from flywheel.settings import refuse_leaking_url
 from release.states import FINAL, LIVE, State, TransitionRefused, check
 
@@ -114,18 +116,24 @@ class BackToStable:
 
 
 class _Db:
-    """The one place that knows which database it is: placeholders, ids, row locks."""
+    """The one place that knows which database it is: placeholders, ids, row locks, and what an
+    error of it asks for (flywheel/dberrors.py): a connection that one made useless (lost, or a
+    session that cannot write: read-only after a failover) is replaced before the next use."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.postgres = url.startswith(("postgresql://", "postgres://"))
+        self._in_txn = False
+        #: The last error asked for a new connection (dberrors.Reconnect): made before the next use.
+        self._stale = False
+        #: Every error of this database's driver: the controller waits them out (Controller.tick).
+        self.errors: tuple[type[BaseException], ...] = (sqlite3.Error,)
         if self.postgres:
             import psycopg  # only a PostgreSQL deployment needs it
 
             refuse_leaking_url(url)
             self.conn: Any = psycopg.connect(url, autocommit=True)
-            self._in_txn = False
-            self._operational_error = psycopg.OperationalError
+            self.errors = (psycopg.Error,)
             self.for_update = " FOR UPDATE"
             # Revisions are numbered max + 1: two transactions changing the routing at once would
             # read the same max and the second would fail on the duplicate key. They take turns
@@ -147,44 +155,79 @@ class _Db:
     def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
         if self.postgres:
             sql = sql.replace("?", "%s")
-            if not self._in_txn:  # a read on its own (every write is in a transaction): safe to retry
-                self._reconnect_if_broken()
-                try:
-                    return self.conn.execute(sql, params)
-                except self._operational_error:
-                    if not self.conn.broken:
-                        raise
-                    self._reconnect_if_broken()
-        return self.conn.execute(sql, params)
+        if self._in_txn:
+            return self._run(sql, params)
+        self._reconnect_if_broken()
+        try:
+            return self._run(sql, params)
+        except self.errors:
+            # a read on its own (every write is in a transaction): safe to try once more on a
+            # new connection when the old one was dropped
+            if not (self.postgres and self.conn.broken):
+                raise
+            self._reconnect_if_broken()
+            return self._run(sql, params)
+
+    def _run(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+        try:
+            return self.conn.execute(sql, params)
+        except self.errors as exc:
+            self._judge(exc)
+            raise
+
+    def _judge(self, exc: BaseException) -> None:
+        if isinstance(classify(exc), Reconnect):
+            self._stale = True
 
     @contextmanager
     def txn(self) -> Iterator[None]:
-        if self.postgres:
-            self._reconnect_if_broken()
-            self._in_txn = True
-            try:
-                with self.conn.transaction():
-                    yield
-            finally:
-                self._in_txn = False
-            return
-        self.conn.execute("BEGIN IMMEDIATE")
+        self._reconnect_if_broken()
+        self._in_txn = True
         try:
-            yield
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        self.conn.execute("COMMIT")
+            if self.postgres:
+                try:
+                    with self.conn.transaction():
+                        yield
+                except self.errors as exc:  # a COMMIT refused or cut off too
+                    self._judge(exc)
+                    raise
+                return
+            self._run("BEGIN IMMEDIATE")
+            try:
+                yield
+                self._run("COMMIT")
+            except BaseException:
+                # a COMMIT refused (busy, full) leaves the transaction open; one SQLite rolled
+                # back itself (some I/O and full-disk errors) leaves none to roll back
+                if self.conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self.conn.execute("ROLLBACK")
+                raise
+        finally:
+            self._in_txn = False
 
     def _reconnect_if_broken(self) -> None:
         """A new connection when the server dropped this one (a database restart, a failover, an
-        idle timeout): the next statement or transaction runs on it rather than failing until
-        the process restarts. A transaction the drop cut off fails as a whole; its caller's next
-        turn redoes it."""
-        if self.conn.broken or self.conn.closed:
+        idle timeout) or an error made it useless (a session begun read-only stays so for its
+        life, a standby's after a failover included): the next statement or transaction runs on
+        it rather than failing until the process restarts. A transaction cut off fails as a
+        whole; its caller's next turn redoes it. Raises while the database does not answer."""
+        if self.postgres and (self._stale or self.conn.broken or self.conn.closed):
             import psycopg
 
-            self.conn = psycopg.connect(self.url, autocommit=True)
+            conn = psycopg.connect(self.url, autocommit=True)
+            with contextlib.suppress(psycopg.Error):
+                self.conn.close()
+            self.conn, self._stale = conn, False
+        elif not self.postgres and self._stale:
+            # ``mode=rw``: a file gone is an error, never a new empty store
+            path = Path(self.url.removeprefix("sqlite:///")).absolute()
+            conn = sqlite3.connect(f"{path.as_uri()}?mode=rw", uri=True, isolation_level=None, timeout=30.0,
+                                   check_same_thread=False)
+            conn.execute("PRAGMA synchronous=FULL")
+            with contextlib.suppress(sqlite3.Error):
+                self.conn.close()
+            self.conn, self._stale = conn, False
 
     def close(self) -> None:
         self.conn.close()

@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from conftest import postgres_admin
 
@@ -23,6 +25,23 @@ STREAM_TEST_POSTGRES_URL = os.environ.get(
 
 def unique_namespace() -> str:
     return f"stream_test_{uuid.uuid4().hex[:12]}"
+
+
+@contextmanager
+def throwaway_database() -> Iterator[tuple[str, Any, str]]:
+    """``(url, admin, name)``: a PostgreSQL database of its own beside ``STREAM_TEST_POSTGRES_URL``'s,
+    for a test that changes what a whole database does (``ALTER DATABASE ... SET
+    default_transaction_read_only``) without touching the tests running beside it; dropped
+    afterwards with whatever is still connected to it. Skipped, saying why, when no PostgreSQL
+    answers."""
+    admin = postgres_admin(STREAM_TEST_POSTGRES_URL)
+    name = f"flywheel_test_{uuid.uuid4().hex[:10]}"
+    admin.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield urlunsplit(urlsplit(STREAM_TEST_POSTGRES_URL)._replace(path=f"/{name}")), admin, name
+    finally:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
 
 
 @contextmanager

@@ -30,11 +30,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
-from urllib.parse import unquote
 
 import msgspec
 
-from flywheel.dberrors import Reconnect, classify, describe
+from flywheel.dberrors import Reconnect, classify, describe, url_secrets
 from flywheel.settings import SettingsError, redact_database_url
 from flywheel.stream.sql import PgConnection, is_postgres, sqlite_columns, sqlite_path
 
@@ -174,7 +173,7 @@ class StateStore:
         #: as much as a lost connection. Set below for the store's driver.
         self.lost_errors: tuple[type[BaseException], ...] = (sqlite3.Error, DatabaseLost)
         # masked wherever the driver's messages echo them (describe)
-        self._secrets = _passwords(url)
+        self._secrets = url_secrets(url)
         self._next_seq = 1  # set from the database below, once the schema exists
         self._block_end: float = math.inf  # a shared store's seqs come in blocks (_reserve)
         if self.postgres:
@@ -658,14 +657,6 @@ def owed_in(url: str, group_id: str, shards: Iterable[int]) -> int:
         return db.execute(f"SELECT count(*) FROM outbox WHERE shard IN ({_marks(want)})", want).fetchone()[0]
     finally:
         db.close()
-
-
-def _passwords(url: str) -> list[str]:
-    """The password in ``url``'s userinfo, as written and unescaped (the host is after the last
-    "@" before the query, as ``redact_database_url`` reads it)."""
-    userinfo, at, _ = url.partition("://")[2].partition("?")[0].rpartition("@")
-    password = userinfo.split(":", 1)[1] if at and ":" in userinfo else ""
-    return sorted({password, unquote(password)} - {""}, key=len, reverse=True)
 
 
 def _marks(items: Sequence[Any]) -> str:

@@ -20,13 +20,11 @@ import sqlite3
 import threading
 import time
 import urllib.request
-import uuid
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
 from conftest import accept_feedback, read_all, running, small_generation, stage_settings
-from stream_db import STREAM_TEST_POSTGRES_URL, unique_namespace
+from stream_db import throwaway_database, unique_namespace
 
 from flywheel.contracts import EpisodeEvent, decode, encode
 from flywheel.kafka.clients import make_producer
@@ -40,19 +38,8 @@ KV = "CREATE TABLE IF NOT EXISTS kv (k TEXT PRIMARY KEY, shard INTEGER NOT NULL,
 
 @pytest.fixture
 def throwaway_db():
-    """``(url, admin)``: a PostgreSQL database of this test's own (read-only affects only it),
-    dropped afterwards with whatever is connected to it."""
-    from conftest import postgres_admin
-
-    admin = postgres_admin(STREAM_TEST_POSTGRES_URL)
-    name = f"flywheel_dberr_{uuid.uuid4().hex[:10]}"
-    admin.execute(f'CREATE DATABASE "{name}"')
-    parts = urlsplit(STREAM_TEST_POSTGRES_URL)
-    try:
-        yield urlunsplit(parts._replace(path=f"/{name}")), admin, name
-    finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
+    with throwaway_database() as db:
+        yield db
 
 
 def _health(port: int) -> dict:

@@ -180,3 +180,13 @@ def test_a_stalled_trainer_pages_only_past_minutes(tmp_path, name, stalled, fire
     expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelStageStalled")}]
     done = _promtool(tmp_path, series, "14m", expected if fires else [], alertname="FlywheelStageStalled")
     assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("stalled, fires", [("0x15", False), ("0x2 0+60x13", True)])
+def test_a_release_controller_stalled_on_its_database_pages(tmp_path, stalled, fires):
+    """A read-only or full release database: reads work (release_database_up stays 1), every
+    turn's write fails, and only release_stalled_seconds says so."""
+    series = {f"release_stalled_seconds{{{RELEASE}}}": stalled, f"release_database_up{{{RELEASE}}}": "1x15"}
+    expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelStageStalled")}]
+    done = _promtool(tmp_path, series, "14m", expected if fires else [], alertname="FlywheelStageStalled")
+    assert done.returncode == 0, f"{stalled}: {done.stdout}{done.stderr}"

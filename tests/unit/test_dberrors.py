@@ -17,6 +17,7 @@ from flywheel.dberrors import (
     classify_postgres,
     classify_sqlite,
     describe,
+    url_secrets,
 )
 
 
@@ -111,3 +112,14 @@ def test_describe_names_the_code_and_message_in_one_line_and_masks_secrets():
     leaky = psycopg.OperationalError('connection to server at "db" failed: password "s3cret@x" rejected')
     line = describe(leaky, secrets=["s3cret@x"])
     assert "s3cret" not in line and "***" in line and "\n" not in line
+
+
+@pytest.mark.parametrize(("url", "want"), [
+    ("postgresql://flywheel:s3cret@db:5432/flywheel", ["s3cret"]),
+    ("postgresql://flywheel:p%40ss@db/flywheel", ["p%40ss", "p@ss"]),  # as written and as the server sees it
+    ("postgresql://flywheel@db/flywheel", []),
+    ("postgresql://db/flywheel?application_name=a@b", []),  # an "@" past the query is no userinfo
+    ("sqlite:////var/lib/flywheel/state.sqlite3", []),
+])
+def test_url_secrets_are_the_passwords_to_mask(url, want):
+    assert url_secrets(url) == want

@@ -1,0 +1,60 @@
+"""The release controller rides out its database refusing writes (flywheel/dberrors.py), on the
+real PostgreSQL and the real broker: a database turned read-only under it (what a failover to a
+server that is still a standby looks like) neither ends its loop nor logs a traceback a turn; one
+line names the error, ``release_stalled_seconds`` counts the wait (reads still work, so
+``release_database_up`` does not see it), and once the database is writable again the next turn
+holds the lease again on a connection of its own making (a session begun read-only stays so).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from stream_db import throwaway_database
+
+from flywheel.metrics import new_registry
+from flywheel.settings import ReleaseSettings, Settings
+from release.controller import Controller
+from release.store import ReleaseStore
+from release.streams import Streams
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_controller_waits_out_a_read_only_database_and_holds_its_lease_again(kafka_settings, topics, tmp_path,
+                                                                                 caplog):
+    with throwaway_database() as (url, admin, name):
+        settings = Settings(model_dir=tmp_path, data_dir=tmp_path, topic_prefix=topics.prefix,
+                            kafka=kafka_settings, release=ReleaseSettings(database_url=url, tick_s=0.1,
+                                                                           group_id=f"release-{topics.prefix}"))
+        registry = new_registry()
+        store, streams = ReleaseStore(url), Streams(settings, registry)
+        try:
+            controller = Controller(settings, store, streams, None, registry)
+            controller.tick()
+            assert controller.active and registry.get_sample_value("release_stalled_seconds") == 0
+            _, expires = store.lease_holder()
+
+            caplog.set_level(logging.INFO, logger="release.controller")
+            admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            for _ in range(5):  # none raises: each is waited out
+                controller.tick()
+                time.sleep(0.1)
+            assert registry.get_sample_value("release_stalled_seconds") > 0.3
+            lines = [r.getMessage() for r in caplog.records if "25006" in r.getMessage()]
+            assert len(lines) == 1 and "read-only" in lines[0] and "release database" in lines[0], lines
+            assert not any(r.exc_info for r in caplog.records)
+
+            # writable again; the controller's read-only session is left as it is
+            admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+            controller.tick()
+            assert registry.get_sample_value("release_stalled_seconds") == 0
+            holder, renewed = store.lease_holder()
+            assert controller.active and holder == controller.holder and renewed > expires
+            assert any("works again" in r.getMessage() for r in caplog.records)
+        finally:
+            streams.close()
+            store.close()
