@@ -407,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     rw.add_argument("action", nargs="?", choices=["run", "report"], default="run")
     rw.add_argument("--archive", type=Path, default=None, help="report: rewards archive (default <archive.root>/rewards)")
     rw.add_argument("--top", type=_count, default=10, help="report: how many flagged users to list")
+    add_output(rw)  # report only: the stage itself prints nothing
     rw.set_defaults(func=_role("reward.main"))
 
     us = sub.add_parser("usage", help="tokens served by API key and version, and trained by version, from the archives",

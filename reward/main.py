@@ -20,11 +20,12 @@ import sys
 from typing import Any
 
 from flywheel.contracts import Topics
+from flywheel.output import as_json
 from flywheel.settings import Settings
 from flywheel.stream.archive import ParquetArchive
 from flywheel.stream.serve import StageSpec, serve_stage
 from flywheel.telemetry import Tracing
-from reward.report import REWARD_SCHEMA, report, reward_row, reward_table
+from reward.report import REWARD_SCHEMA, report, report_json, reward_row, reward_table
 from reward.stage import REWARDS_ARCHIVE, SCHEMA, RewardStage
 
 
@@ -52,7 +53,11 @@ def spec(settings: Settings, tracing: Tracing | None = None) -> StageSpec:
 def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
     """Run until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     if args is not None and getattr(args, "action", "run") == "report":
-        print(report(args.archive or settings.archive_root / "rewards", top=args.top))
+        archive = args.archive or settings.archive_root / "rewards"
+        if getattr(args, "output", "table") == "json":
+            print(as_json(report_json(archive, top=args.top)))
+        else:
+            print(report(archive, top=args.top))
         return 0
     tracing = Tracing(settings.telemetry, "reward")
     try:

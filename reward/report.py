@@ -12,8 +12,9 @@ the archive, and the report sets the earlier ones aside and says how many.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pyarrow as pa
@@ -141,13 +142,44 @@ def read_rewards(archive: Path) -> pd.DataFrame:
     return pd.read_parquet(archive, schema=read_schema(REWARD_SCHEMA))
 
 
-def report(archive: Path, top: int = 10) -> str:
+def _read(archive: Path) -> tuple[pd.DataFrame, int] | None:
+    """The archive's latest rewards and how many repeated rows were set aside; None: no archive."""
     if not archive.exists() or not any(archive.glob("hour=*/*.parquet")):
-        return f"no reward archive at {archive}"
+        return None
     every = read_rewards(archive)
     df = latest_rewards(every)
+    return df, len(every) - len(df)
+
+
+#: ``-o json``'s key for each of :func:`summarise`'s tables, in its order (the titles are for people).
+JSON_TABLES = ("by_model_version", "by_signal", "by_guard_flag", "flagged_users")
+
+
+def report_json(archive: Path, top: int = 10) -> dict[str, Any]:
+    """``flywheel reward report -o json`` (flywheel/output.py): ``archive``, ``rewards``,
+    ``repeated`` and, per :data:`JSON_TABLES`, the table's rows, each with its key column
+    (``model_version``, ``signal``, ``flag``, ``user``) and the numbers (``samples``, ``mean``,
+    ``std``, ``min``, ``median``, ``max``, ``mean_weight``; the users' ``flagged``, ``flags``,
+    ``samples``, ``mean_weight``). A number pandas has none for (one sample's std) is null."""
+    found = _read(archive)
+    body: dict[str, Any] = {"archive": str(archive), "rewards": 0, "repeated": 0} | {k: [] for k in JSON_TABLES}
+    if found is None:
+        return body
+    df, repeated = found
+    body.update(rewards=len(df), repeated=repeated)
+    for key, table in zip(JSON_TABLES, summarise(df, top).values(), strict=True):
+        rows = table.reset_index().to_dict("records")
+        body[key] = [{k: None if isinstance(v, float) and math.isnan(v) else v for k, v in r.items()} for r in rows]
+    return body
+
+
+def report(archive: Path, top: int = 10) -> str:
+    found = _read(archive)
+    if found is None:
+        return f"no reward archive at {archive}"
+    df, repeated = found
     parts = [f"{len(df)} rewards in {archive}"]
-    if repeated := len(every) - len(df):
+    if repeated:
         parts.append(f"{repeated} repeated rows set aside: generations labeled again (after "
                      "reward.dedupe_retention_s) count once, by their last reward")
     for title, table in summarise(df, top).items():

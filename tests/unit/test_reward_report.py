@@ -158,3 +158,32 @@ def test_the_report_command_reads_the_archive_under_the_data_dir(tmp_path, monke
     out = capsys.readouterr().out
     assert out.startswith(f"2 rewards in {tmp_path / 'archive' / 'rewards'}")
     assert "== top 1 flagged users ==" in out and "constant_user" in out
+
+
+def test_the_report_command_prints_one_json_object_with_o_json(tmp_path, monkeypatch, capsys):
+    """`flywheel reward report -o json`: the same tables under stable keys, each row with its
+    key column, one object on one line (a std pandas has none for, one sample's, is null)."""
+    import json
+
+    from cli.main import main as cli_main
+
+    events = [reward(0, "a", "accept", 0.75), reward(1, "b", "reject", -0.25, ("constant_user",), version=1),
+              reward(2, "a", "accept", 0.25)]
+    archive = tmp_path / "archive" / "rewards"
+    ParquetArchive(archive, REWARD_SCHEMA, reward_row, reward_table).write(
+        "e0", [ArchiveRow(i, "rewards", encode(e)) for i, e in enumerate(events)])
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path))
+    assert cli_main(["reward", "report", "-o", "json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "NaN" not in out
+    body = json.loads(out)
+    assert (body["archive"], body["rewards"], body["repeated"]) == (str(archive), 3, 0)
+    by_version = {r["model_version"]: r for r in body["by_model_version"]}
+    assert by_version[0]["samples"] == 2 and by_version[0]["mean"] == 0.5 and by_version[1]["std"] is None
+    assert {r["signal"]: r["samples"] for r in body["by_signal"]} == {"accept": 2, "reject": 1}
+    assert {r["flag"] for r in body["by_guard_flag"]} == {"none", "constant_user"}
+    assert [(u["user"], u["flagged"], u["flags"]) for u in body["flagged_users"]] == [("b", 1, "constant_user")]
+
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "nothing"))
+    assert cli_main(["reward", "report", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rewards"] == 0
