@@ -23,7 +23,7 @@ forge what it verifies.
   :class:`~flywheel.contracts.ContractError`, which the readers dead-letter as any bad record.
 - A key file that cannot be used (not a key, not Ed25519, badly named, unreadable) is refused
   the same way at start and while running: an error log naming the file and why, the
-  ``<role>_key_files_refused`` gauge (:meth:`Verifier.register`), and the file listed in the
+  ``*_key_files_refused`` gauge (:meth:`Verifier.register`), and the file listed in the
   reader's ``/health`` or ``/api/status`` (:class:`TrustState`); the process goes on verifying
   with the keys it can use. Only a start with keys configured and none usable stops (exit 2): a
   half-written update must never stop a restart, nor make a reader trust more.
@@ -123,6 +123,24 @@ def _one_private_key(path: Path, setting: str) -> Path:
 
 
 @dataclass(frozen=True)
+class TrustMetricNames:
+    """The gauges a reader's verifier is exported as (``<component>_<what>_<unit>``, one set per
+    reader role)."""
+
+    verified: str  # 1 when records are verified, 0 when read unchecked
+    trusted: str   # public keys in use
+    refused: str   # key files that cannot be used
+
+
+#: Serving's, over release records (``serve.trusted_release_keys``).
+SERVING_RELEASE = TrustMetricNames("serving_release_signatures_verified", "serving_release_trusted_keys",
+                                   "serving_release_key_files_refused")
+#: The release controller's, over checkpoint announcements (``release.trusted_checkpoint_keys``).
+RELEASE_CHECKPOINT = TrustMetricNames("release_checkpoint_signatures_verified", "release_checkpoint_trusted_keys",
+                                      "release_checkpoint_key_files_refused")
+
+
+@dataclass(frozen=True)
 class TrustState:
     """What a verifier trusts now: shown in serving's ``/health``, the release API's
     ``/api/status`` and console, and as metrics (:meth:`Verifier.register`)."""
@@ -205,11 +223,11 @@ class Verifier:
         self._refresh()
         return TrustState(self.required, tuple(sorted(self._keys)), tuple(sorted(self._refused.items())))
 
-    def register(self, registry: CollectorRegistry, prefix: str) -> None:
-        """Export this verifier's state on ``registry`` as ``<prefix>_signatures_verified`` (1/0),
-        ``<prefix>_trusted_keys`` and ``<prefix>_key_files_refused``, read at each scrape: a key
-        file changed while no record arrives still shows."""
-        registry.register(_TrustCollector(self, prefix))
+    def register(self, registry: CollectorRegistry, names: TrustMetricNames) -> None:
+        """Export this verifier's state on ``registry`` under ``names`` (:data:`SERVING_RELEASE`,
+        :data:`RELEASE_CHECKPOINT`), read at each scrape: a key file changed while no record
+        arrives still shows."""
+        registry.register(_TrustCollector(self, names))
 
     @property
     def required(self) -> bool:
@@ -291,8 +309,8 @@ class Verifier:
 class _TrustCollector(Collector):
     """A verifier's :class:`TrustState` as gauges, read at scrape time (:meth:`Verifier.register`)."""
 
-    def __init__(self, verifier: Verifier, prefix: str) -> None:
-        self.verifier, self.prefix = verifier, prefix
+    def __init__(self, verifier: Verifier, names: TrustMetricNames) -> None:
+        self.verifier, self.names = verifier, names
 
     def describe(self) -> list[Metric]:
         return list(self._families(TrustState(False, (), ())))
@@ -302,12 +320,12 @@ class _TrustCollector(Collector):
 
     def _families(self, state: TrustState) -> Iterator[Metric]:
         setting = self.verifier.setting
-        yield GaugeMetricFamily(f"{self.prefix}_signatures_verified",
+        yield GaugeMetricFamily(self.names.verified,
                                 f"1 when signatures are verified ({setting} names keys), 0 when every record is "
                                 "read unchecked", value=int(state.verified))
-        yield GaugeMetricFamily(f"{self.prefix}_trusted_keys", f"Public keys of {setting} in use (2 during a "
+        yield GaugeMetricFamily(self.names.trusted, f"Public keys of {setting} in use (2 during a "
                                 "rotation)", value=len(state.key_ids))
-        yield GaugeMetricFamily(f"{self.prefix}_key_files_refused", f"Key files of {setting} that cannot be used "
+        yield GaugeMetricFamily(self.names.refused, f"Key files of {setting} that cannot be used "
                                 "(logged with the reason); their signers' records are refused", value=len(state.refused))
 
 

@@ -223,8 +223,24 @@ def format_status(s: dict[str, Any]) -> str:
         ("candidates", ", ".join(f"{n} {state}" for state, n in sorted(s.get("candidates", {}).items())) or "none"),
     ]
     if s.get("controller") is not None:
-        rows.append(("controller", ", ".join(f"{k}={v}" for k, v in sorted(s["controller"].items()))))
+        controller = dict(s["controller"])
+        signing = controller.pop("signing", None)
+        rows.append(("controller", ", ".join(f"{k}={v}" for k, v in sorted(controller.items()))))
+        if signing is not None:
+            rows.append(("signing", signing_line(signing)))
     return table(("", ""), rows).split("\n", 1)[1]  # no header line for a key/value list
+
+
+def signing_line(signing: dict[str, Any]) -> str:
+    """The controller's keys in one line (docs/signing.md): what it verifies checkpoints with, key
+    files it refused, and the key its routings are signed with."""
+    cp = signing.get("checkpoints") or {}
+    parts = [f"checkpoints verified ({', '.join(cp.get('trusted_key_ids') or []) or 'no usable key'})"
+             if cp.get("verified") else "checkpoints NOT verified (no trusted keys)"]
+    parts += [f"key file refused: {f['path']}" for f in cp.get("refused_key_files") or []]
+    signer = signing.get("releases_signed_with")
+    parts.append(f"routings signed with {signer}" if signer else "routings UNSIGNED")
+    return "; ".join(parts)
 
 
 def _published(rev: dict[str, Any]) -> str:

@@ -51,7 +51,7 @@ from flywheel.kafka.clients import (
 )
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
-from flywheel.signing import REFUSALS, Signer, Verifier
+from flywheel.signing import RELEASE_CHECKPOINT, REFUSALS, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from release.measure import Tally
 from release.store import Revision
@@ -66,6 +66,13 @@ MAX_STATUSES = 1000
 DEADLETTER_REASONS = tuple(dict.fromkeys((*CONTRACT_REASONS, "too_large", *REFUSALS)))
 
 
+def signing_report(verifier: Verifier, signer: Signer) -> dict[str, Any]:
+    """Whether checkpoint announcements are verified (with which keys, and which key files were
+    refused), and the key id routings are signed with (None: unsigned): ``/api/status``'s
+    ``controller.signing``, which the console shows."""
+    return {"checkpoints": verifier.state().as_dict(), "releases_signed_with": signer.key_id}
+
+
 class Streams:
     def __init__(self, settings: Settings, registry: CollectorRegistry) -> None:
         self.settings, self.kafka = settings, settings.kafka
@@ -73,6 +80,8 @@ class Streams:
         # read first: a key that cannot be used stops the start before any client connects
         self.verifier = Verifier.load(settings.release.trusted_checkpoint_keys,
                                       setting="release.trusted_checkpoint_keys")
+        # release_checkpoint_signatures_verified, _trusted_keys, _key_files_refused on /metrics
+        self.verifier.register(registry, RELEASE_CHECKPOINT)
         self.signer = Signer.load(settings.release.signing_key, setting="release.signing_key")
         self.topics = Topics(settings.topic_prefix)
         ensure_topics(self.kafka, self.topics.all())
@@ -103,6 +112,9 @@ class Streams:
         self.producer = make_producer(self.kafka, "release", max_block_ms=5000)
         self.sink = KafkaSink(lambda: make_producer(self.kafka, "release-deadletters", max_block_ms=5000))
         self.dead = DeadLetters(self.sink, self.topics.deadletter, "release", registry, DEADLETTER_REASONS)
+
+    def signing(self) -> dict[str, Any]:
+        return signing_report(self.verifier, self.signer)
 
     def close(self) -> None:
         self.sink.close()

@@ -246,7 +246,36 @@ function renderStatus(s) {
   const lease = s.lease || (s.lease_holder ? { holder: s.lease_holder } : null);
   items.push(el("span", { class: "item muted" }, !lease ? "No controller lease"
     : lease.live === false ? `Controller lease lapsed (last: ${lease.holder})` : `Controller: ${lease.holder}`));
+  const signing = s.controller && s.controller.signing;
+  if (signing) items.push(...signingItems(signing));
   fill("status", items);
+}
+
+// Whether checkpoint announcements are verified and routings signed (docs/signing.md): running
+// with signing off is shown to everyone who looks, not only said once in the start-up log.
+function signingItems(sg) {
+  const out = [];
+  const cp = sg.checkpoints || {};
+  if (cp.verified === false) {
+    out.push(el("span", { class: "item", id: "signing" }, el("span", {
+      class: "badge s-unverified",
+      title: "release.trusted_checkpoint_keys is empty: whoever can write the checkpoints topic can announce weights",
+    }, "Checkpoints not verified")));
+  } else if (cp.verified === true) {
+    const ids = cp.trusted_key_ids || [];
+    out.push(el("span", { class: "item muted", id: "signing" },
+      `Checkpoints verified (${ids.length ? ids.join(", ") : "no usable key"})`));
+  }
+  for (const f of cp.refused_key_files || []) {
+    out.push(el("span", { class: "item refused-key", title: f.reason },
+      el("span", { class: "badge s-unverified" }, "Key file refused"), ` ${f.path}`));
+  }
+  out.push(sg.releases_signed_with
+    ? el("span", { class: "item muted" }, `Routings signed with ${sg.releases_signed_with}`)
+    : el("span", { class: "item" }, el("span", {
+      class: "badge s-unverified", title: "release.signing_key is not set: a serving that verifies refuses them",
+    }, "Routings unsigned")));
+  return out;
 }
 
 function renderCandidates(list, detail) {

@@ -48,10 +48,11 @@ def keys(tmp_path) -> Path:
     return tmp_path
 
 
-def _streams(kafka_settings, topics, keys: Path) -> Streams:
+def _streams(kafka_settings, topics, keys: Path, registry=None) -> Streams:
     release = ReleaseSettings(group_id=f"release-{topics.prefix}", signing_key=keys / "pairs" / "release-1.key",
                               trusted_checkpoint_keys=(keys / "trusted",))
-    return Streams(Settings(kafka=kafka_settings, topic_prefix=topics.prefix, release=release), new_registry())
+    return Streams(Settings(kafka=kafka_settings, topic_prefix=topics.prefix, release=release),
+                   registry if registry is not None else new_registry())
 
 
 def _checkpoint(version: int) -> CheckpointEvent:
@@ -165,3 +166,36 @@ def test_a_serving_whose_trusted_keys_cannot_be_read_stops_before_it_loads_an_en
     assert "serve.trusted_release_keys" in out.stderr and "no-such-dir" in out.stderr
     assert "EngineCore" not in out.stderr and "Initializing" not in out.stderr  # no engine was started
     assert time.monotonic() - t0 < 60
+
+
+def test_the_controller_shows_what_it_verifies_and_signs_with(kafka_settings, topics, keys):
+    """What ``/api/status`` (``controller.signing``), the console and ``/metrics`` show of the
+    controller's keys: a malformed ``.pub`` beside the trainer's (refused, the trainer's key still
+    trusted, where a restart once stopped on it), and a controller with no keys at all."""
+    (keys / "trusted" / "trainer-2.pub").write_bytes(b"")  # a rotation's file, not written yet
+    registry = new_registry()
+    streams = _streams(kafka_settings, topics, keys, registry)
+    try:
+        signing = streams.signing()
+        assert signing["releases_signed_with"] == "release-1"
+        assert signing["checkpoints"]["verified"] and signing["checkpoints"]["trusted_key_ids"] == ["trainer-1"]
+        assert [f["path"] for f in signing["checkpoints"]["refused_key_files"]] == [str(keys / "trusted" / "trainer-2.pub")]
+        got = {name: registry.get_sample_value(f"release_checkpoint_{name}")
+               for name in ("signatures_verified", "trusted_keys", "key_files_refused")}
+        assert got == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
+        signer = Signer.load(keys / "pairs" / "trainer-1.key")
+        value = encode(_checkpoint(1))
+        _send(kafka_settings, topics.checkpoints, value, signer.headers(value))
+        assert [c["version"] for c in _read(streams, 1)] == [1]  # still verifying on the key it has
+    finally:
+        streams.close()
+    registry = new_registry()
+    bare = Settings(kafka=kafka_settings, topic_prefix=topics.prefix,
+                    release=ReleaseSettings(group_id=f"release-bare-{topics.prefix}"))
+    streams = Streams(bare, registry)
+    try:
+        assert streams.signing() == {"checkpoints": {"verified": False, "trusted_key_ids": [], "refused_key_files": []},
+                                     "releases_signed_with": None}
+        assert registry.get_sample_value("release_checkpoint_signatures_verified") == 0
+    finally:
+        streams.close()

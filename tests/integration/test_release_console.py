@@ -136,13 +136,29 @@ def seed(store: ReleaseStore, canary: int = 4) -> None:
 # -- the server and the browser ------------------------------------------------------------------
 
 @pytest.fixture
-def console(tmp_path: Path) -> Iterator[tuple[str, ReleaseStore]]:
+def trust() -> dict[str, Any]:
+    """What the console's controller report says of signing: the real verifier and signer the
+    controller would hold (release/streams.py ``signing_report``), swapped by the test. At first a
+    controller with no keys at all: checkpoints unverified, routings unsigned."""
+    from flywheel.signing import Signer, Verifier
+
+    return {"verifier": Verifier.load([], setting="release.trusted_checkpoint_keys"), "signer": Signer()}
+
+
+@pytest.fixture
+def console(tmp_path: Path, trust: dict[str, Any]) -> Iterator[tuple[str, ReleaseStore]]:
     """The API on a loopback port over the seeded store, verifying undo targets against a real
-    checkpoint store at ``<tmp_path>/checkpoints`` (empty: the test commits what it needs)."""
+    checkpoint store at ``<tmp_path>/checkpoints`` (empty: the test commits what it needs), with
+    a controller report that says what ``trust`` holds."""
     from flywheel.checkpoints import CheckpointStore
     from release.api import make_app
     from release.controller import verify_version
     from release.main import ApiServer
+    from release.streams import signing_report
+
+    def status() -> dict[str, Any]:
+        return {"controller": "console-test", "active": True, "last_tick_age_s": 0.1,
+                "signing": signing_report(trust["verifier"], trust["signer"])}
 
     url = f"sqlite:///{tmp_path / 'release.sqlite3'}"
     seeding = ReleaseStore(url)
@@ -151,7 +167,8 @@ def console(tmp_path: Path) -> Iterator[tuple[str, ReleaseStore]]:
     app_store, check_store = ReleaseStore(url), ReleaseStore(url)  # the app's own connection, and ours
     settings = ReleaseSettings(tokens=TOKENS, promotion_interval_s=3600.0)
     checkpoints = CheckpointStore(tmp_path / "checkpoints")
-    server = ApiServer(make_app(app_store, settings, verify=partial(verify_version, checkpoints)), "127.0.0.1", 0).start()
+    server = ApiServer(make_app(app_store, settings, status, verify=partial(verify_version, checkpoints)),
+                       "127.0.0.1", 0).start()
     try:
         yield f"http://127.0.0.1:{server.port}", check_store
     finally:
@@ -238,6 +255,28 @@ def sees_the_canary(browser) -> None:
     assert MARKUP_REASON in audit and not browser.find_elements(BY_CSS, "#injected")  # text, never markup
 
 
+def sees_what_is_signed(browser, trust: dict[str, Any], tmp_path: Path) -> None:
+    """Signing off is in the status line for every viewer (it was only one log line at start);
+    then keys are configured, one of their files malformed: the trusted key ids, the refused file
+    and the routings' key id show."""
+    from flywheel.signing import Signer, Verifier, generate_key_pair
+
+    status = browser.find_element("id", "status").text
+    assert "Checkpoints not verified" in status and "Routings unsigned" in status
+    generate_key_pair(tmp_path / "keys", "trainer-2026-11")
+    private, _ = generate_key_pair(tmp_path / "signing", "release-2026-11")
+    (tmp_path / "keys" / "trainer-2026-12.pub").write_text("half a key")  # a rotation's file, half written
+    trust["verifier"] = Verifier.load([tmp_path / "keys"], setting="release.trusted_checkpoint_keys")
+    trust["signer"] = Signer.load(private, setting="release.signing_key")
+    said = wait_for(browser, "the trusted keys", lambda d: "Checkpoints verified" in d.find_element("id", "status").text
+                    and d.find_element("id", "status").text)
+    assert "Checkpoints verified (trainer-2026-11)" in said and "not verified" not in said
+    assert "Key file refused" in said and "trainer-2026-12.pub" in said
+    assert "Routings signed with release-2026-11" in said and "unsigned" not in said
+    refused = browser.find_element(BY_CSS, "#status .refused-key")
+    assert "not an Ed25519 public key" in refused.get_attribute("title") or "cannot read" in refused.get_attribute("title")
+
+
 def newest_audit(browser) -> tuple[str, str]:
     """The newest audit entry as shown: (what changed and by whom, why)."""
     row = browser.find_element(BY_CSS, "#audit-body tr:first-child")
@@ -249,7 +288,7 @@ def action_message(browser, code: str) -> str:
                     and d.find_element("id", "action-msg").text)
 
 
-def test_console_shows_the_canary_approves_it_and_undoes(browser, console, tmp_path, tiny_model_dir) -> None:
+def test_console_shows_the_canary_approves_it_and_undoes(browser, console, trust, tmp_path, tiny_model_dir) -> None:
     url, store = console
     page = httpx.get(url + "/")
     assert page.status_code == 200 and "default-src 'none'" in page.headers["content-security-policy"]
@@ -263,6 +302,7 @@ def test_console_shows_the_canary_approves_it_and_undoes(browser, console, tmp_p
 
     use_token(browser, VIEWER)
     sees_the_canary(browser)
+    sees_what_is_signed(browser, trust, tmp_path)
 
     # a viewer may look, not approve: the 403 is shown in the server's words, and nothing changes
     browser.find_element("id", "reason").send_keys("looks good to me")

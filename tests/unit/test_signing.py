@@ -18,6 +18,7 @@ from flywheel.contracts import ContractError
 from flywheel.settings import SettingsError
 from flywheel.signing import (
     KEY_ID_HEADER,
+    SERVING_RELEASE,
     SIGNATURE_HEADER,
     KeyFileError,
     SignatureRefused,
@@ -237,9 +238,11 @@ def test_flywheel_up_signs_the_loop_with_pairs_it_keeps_and_leaves_configured_re
 
 
 # -- a key file that cannot be used: the same at start and while running ---------------------------
-def _gauges(registry, prefix: str) -> dict[str, float]:
-    return {name: registry.get_sample_value(f"{prefix}_{name}")
-            for name in ("signatures_verified", "trusted_keys", "key_files_refused")}
+def _gauges(registry) -> dict[str, float]:
+    names = SERVING_RELEASE
+    return {"signatures_verified": registry.get_sample_value(names.verified),
+            "trusted_keys": registry.get_sample_value(names.trusted),
+            "key_files_refused": registry.get_sample_value(names.refused)}
 
 
 @pytest.mark.parametrize("junk", [b"not a key", b"", b"-----BEGIN PUBLIC KEY-----\nAAAA\n-----END PUBLIC KEY-----\n"],
@@ -260,8 +263,8 @@ def test_a_bad_key_file_beside_a_good_one_is_refused_loudly_at_start_and_the_goo
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "junk.pub" in errors[0].getMessage() and "alpha" in errors[0].getMessage()
     registry = new_registry()
-    verifier.register(registry, "test_release")
-    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
+    verifier.register(registry, SERVING_RELEASE)
+    assert _gauges(registry) == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
 
 
 def test_a_bad_key_file_that_appears_while_running_is_refused_loudly_and_shown(keys, caplog):
@@ -269,12 +272,12 @@ def test_a_bad_key_file_that_appears_while_running_is_refused_loudly_and_shown(k
 
     verifier = Verifier.load([keys / "trusted"], setting="test.keys")
     registry = new_registry()
-    verifier.register(registry, "test_release")
-    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 0}
+    verifier.register(registry, SERVING_RELEASE)
+    assert _gauges(registry) == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 0}
     caplog.clear()
     (keys / "trusted" / "beta.pub").write_bytes(b"half a key")  # a rotation's file half written
     # shown at the next scrape, before any record arrives to make the verifier look
-    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
+    assert _gauges(registry) == {"signatures_verified": 1, "trusted_keys": 1, "key_files_refused": 1}
     assert verifier.check(VALUE, signer(keys, "alpha").headers(VALUE)) == "alpha"
     with pytest.raises(SignatureRefused) as exc:
         verifier.check(VALUE, signer(keys, "beta").headers(VALUE))
@@ -283,7 +286,7 @@ def test_a_bad_key_file_that_appears_while_running_is_refused_loudly_and_shown(k
     assert len(errors) == 1 and "beta.pub" in errors[0]  # once per change, not once per record or scrape
     (keys / "trusted" / "beta.pub").write_bytes((keys / "pairs" / "beta.pub").read_bytes())  # the write completes
     assert verifier.check(VALUE, signer(keys, "beta").headers(VALUE)) == "beta"
-    assert _gauges(registry, "test_release") == {"signatures_verified": 1, "trusted_keys": 2, "key_files_refused": 0}
+    assert _gauges(registry) == {"signatures_verified": 1, "trusted_keys": 2, "key_files_refused": 0}
 
 
 def test_a_verifier_with_no_keys_shows_that_nothing_is_verified():
@@ -291,8 +294,8 @@ def test_a_verifier_with_no_keys_shows_that_nothing_is_verified():
 
     verifier = Verifier.load([], setting="serve.trusted_release_keys")
     registry = new_registry()
-    verifier.register(registry, "test_release")
-    assert _gauges(registry, "test_release") == {"signatures_verified": 0, "trusted_keys": 0, "key_files_refused": 0}
+    verifier.register(registry, SERVING_RELEASE)
+    assert _gauges(registry) == {"signatures_verified": 0, "trusted_keys": 0, "key_files_refused": 0}
     assert verifier.state().as_dict() == {"verified": False, "trusted_key_ids": [], "refused_key_files": []}
 
 
@@ -309,3 +312,19 @@ def test_a_signer_reads_the_one_key_of_a_directory_so_a_rotation_changes_only_th
     (mounted / "beta.key").write_bytes((keys / "pairs" / "beta.key").read_bytes())
     with pytest.raises(KeyFileError, match="alpha.key, beta.key"):  # which one signs is never a guess
         Signer.load(mounted, setting="release.signing_key")
+
+
+def test_flywheel_release_status_says_what_the_controller_verifies_and_signs_with(keys):
+    from release.client import format_status
+    from release.streams import signing_report
+
+    base = {"stable_version": 0, "time": 0.0, "candidates": {},
+            "controller": {"controller": "c1", "active": True, "last_tick_age_s": 0.2}}
+    off = format_status({**base, "controller": {**base["controller"], "signing": signing_report(
+        Verifier.load([], setting="release.trusted_checkpoint_keys"), Signer())}})
+    assert "checkpoints NOT verified (no trusted keys); routings UNSIGNED" in off
+    (keys / "trusted" / "junk.pub").write_text("x")
+    on = format_status({**base, "controller": {**base["controller"], "signing": signing_report(
+        Verifier.load([keys / "trusted"], setting="release.trusted_checkpoint_keys"), signer(keys, "beta"))}})
+    assert "checkpoints verified (alpha); key file refused:" in on and "junk.pub; routings signed with beta" in on
+    assert "signing=" not in on  # its own row, not a dict dumped into the controller's
