@@ -6,7 +6,9 @@ new records while serving runs. Each record is decoded and validated in one plac
 :meth:`ReleaseFollower._read`. Per record:
 
 - not signed by a key of ``serve.trusted_release_keys`` (when set) -> a dead letter (``unsigned``,
-  ``bad_signature``, ``unknown_key``: flywheel/signing.py), nothing changes;
+  ``bad_signature``, ``unknown_key``: flywheel/signing.py), nothing changes; whether records are
+  verified at all, and which key files were refused, shows in ``/health`` (``releases.signatures``)
+  and on ``/metrics`` (``serving_release_signatures_verified``, ``serving_release_key_files_refused``);
 - not a valid ``ReleaseEvent`` -> a dead letter (``invalid``, ``undecodable``...), nothing changes;
 - another deployment's -> skipped (counted);
 - a revision at or below the one applied (or refused) -> skipped: a repeat is a no-op, an older
@@ -73,7 +75,7 @@ from flywheel.contracts import (
 from flywheel.kafka.clients import high_watermarks, make_consumer, make_producer, partitions_of
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
-from flywheel.signing import REFUSALS, SignatureRefused, Verifier
+from flywheel.signing import REFUSALS, SERVING_RELEASE, SignatureRefused, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from serving.adapters import LORA_REFUSALS, Refusal, judge_version, lora_on
 from serving.routing import Want, canary_unservable
@@ -131,6 +133,9 @@ class ReleaseFollower:
         self.metrics = FollowerMetrics(registry)
         # only the release controller's key may say what serving runs (flywheel/signing.py)
         self.verifier = Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
+        # serving_release_signatures_verified, _trusted_keys, _key_files_refused: an unverified
+        # serving, or a key file it cannot use, shows on every scrape (alerts: dashboards/)
+        self.verifier.register(registry, SERVING_RELEASE)
         self.applied: ReleaseEvent | None = None
         self.refused_revision = -1
         self.last_refusal: dict[str, Any] | None = None
@@ -442,7 +447,8 @@ class ReleaseFollower:
         return {"deployment": self.deployment, "revision": a.revision if a else None,
                 "versions": self.fleet.served_versions(),
                 "canary_share": a.canary_share if a and a.canary_version is not None else 0.0,
-                "last_apply": self.last_apply, "last_refusal": self.last_refusal, "last_error": self.last_error}
+                "last_apply": self.last_apply, "last_refusal": self.last_refusal, "last_error": self.last_error,
+                "signatures": self.verifier.state().as_dict()}
 
     def _save(self, ev: ReleaseEvent) -> None:
         self.state_file.parent.mkdir(parents=True, exist_ok=True)

@@ -518,6 +518,21 @@ class EngineState(_Resp):
     """Loading a version now (its requests pause)."""
 
 
+class RefusedKeyFile(_Resp):
+    path: str
+    reason: str
+
+
+class SignatureState(_Resp):
+    """Whether release records are verified (``serve.trusted_release_keys``, docs/signing.md)."""
+
+    verified: bool
+    """False: no trusted keys are configured, and any record on the releases topic is followed."""
+    trusted_key_ids: list[str]
+    refused_key_files: list[RefusedKeyFile]
+    """Key files that cannot be used (logged with the reason); their signer's releases are refused."""
+
+
 class ReleaseState(_Resp):
     """The release follower's state (docs/serving-releases.md)."""
 
@@ -529,6 +544,7 @@ class ReleaseState(_Resp):
     last_apply: dict[str, Any] | None
     last_refusal: dict[str, Any] | None
     last_error: str | None
+    signatures: SignatureState
 
 
 class Health(HealthProbe):

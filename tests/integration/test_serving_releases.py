@@ -549,3 +549,54 @@ def test_rotating_the_release_key_needs_no_restart_of_serving(engine, rig, relea
     rig.signer = new
     rig.release(2)
     assert rig.health()["versions"] == {"stable": 2}
+
+
+def test_a_malformed_public_key_is_refused_loudly_at_start_and_while_running(engine, rig, release_keys, caplog):
+    """A rotation's new ``.pub`` half written beside the trusted key: a running serving refused it
+    in one log line only, and a restart stopped on it. Now both refuse the file loudly (an error
+    naming it, ``serving_release_key_files_refused``, ``/health``) and go on verifying with the
+    keys they have; a serving with no trusted keys says so on ``/health`` and ``/metrics``."""
+    from serving.follow import ReleaseFollower
+
+    trusted = release_keys / "trusted"
+    good = sorted(p.name.removesuffix(".pub") for p in trusted.glob("*.pub"))
+    junk = trusted / "release-3.pub"
+    junk.write_text("-----BEGIN PUBLIC KEY-----\nhalf a key\n")
+    try:
+        # while running: shown at the next scrape, before any release makes the verifier look
+        text = httpx.get(rig.served.url + "/metrics", timeout=10).text
+        assert "serving_release_key_files_refused 1.0" in text and "serving_release_signatures_verified 1.0" in text
+        assert f"serving_release_trusted_keys {len(good)}.0" in text
+        signatures = rig.health()["releases"]["signatures"]
+        assert signatures["verified"] and signatures["trusted_key_ids"] == good
+        [refused] = signatures["refused_key_files"]
+        assert refused["path"] == str(junk) and "serve.trusted_release_keys" in refused["reason"]
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "release-3.pub" in r.getMessage()]
+        assert len(errors) == 1, errors
+        rig.release(1)  # a release the trusted key signed is still followed
+        assert rig.health()["versions"] == {"stable": 1}
+
+        # at start: a restart's follower (Verifier.load raised, and serving exited 2) trusts the good key
+        registry = new_registry()
+        follower = ReleaseFollower(rig.settings, rig.fleet, lambda fn: rig.loop.call(fn, timeout_s=300), registry)
+        try:
+            assert follower.state()["signatures"] == signatures
+            assert registry.get_sample_value("serving_release_key_files_refused") == 1
+            value = encode(ReleaseEvent(revision=1, stable_version=0, updated_at=time.time()))
+            assert follower.verifier.check(value, rig.signer.headers(value)) == rig.signer.key_id
+        finally:
+            follower.stop()
+    finally:
+        junk.unlink()
+    assert "serving_release_key_files_refused 0.0" in httpx.get(rig.served.url + "/metrics", timeout=10).text
+
+    # no trusted keys: nothing is verified, and serving says so where people and alerts look
+    registry = new_registry()
+    unverified = rig.settings.model_copy(update={"serve": rig.settings.serve.model_copy(
+        update={"trusted_release_keys": ()})})
+    follower = ReleaseFollower(unverified, rig.fleet, lambda fn: rig.loop.call(fn, timeout_s=300), registry)
+    try:
+        assert follower.state()["signatures"] == {"verified": False, "trusted_key_ids": [], "refused_key_files": []}
+        assert registry.get_sample_value("serving_release_signatures_verified") == 0
+    finally:
+        follower.stop()
