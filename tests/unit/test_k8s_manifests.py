@@ -239,3 +239,68 @@ def test_the_configmap_is_flywheel_config_example():
 
     assert (K8S / "base" / "flywheel.toml").read_text() == example_toml(), \
         "regenerate it: flywheel config example > deploy/k8s/base/flywheel.toml"
+
+
+# -- signing keys as deployed: rotation by key id (docs/signing.md) -------------------------------
+def _secret_mounts(workload: dict[str, Any]) -> dict[str, str]:
+    """mountPath -> Secret name, for each Secret the workload's container mounts whole."""
+    spec = pod_spec(workload)
+    whole = {v["name"]: v["secret"]["secretName"] for v in spec.get("volumes", [])
+             if "secret" in v and "items" not in v["secret"]}
+    return {m["mountPath"]: whole[m["name"]] for m in spec["containers"][0]["volumeMounts"] if m["name"] in whole}
+
+
+#: What each key Secret holds halfway through a rotation of the controller's key, as docs/deploy.md
+#: makes them (``--from-file=./keys/<key id>.<ext>``: the file's name is the key id).
+MID_ROTATION = {"flywheel-release-key": ["release-2027-01.key"],
+                "flywheel-release-public-keys": ["release-2026-11.pub", "release-2027-01.pub"],
+                "flywheel-trainer-key": ["trainer-2026-11.key"],
+                "flywheel-trainer-public-keys": ["trainer-2026-11.pub"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_signing_keys_rotate_by_key_id_as_deployed(overlay, tmp_path):
+    """The manifests named the key ids (``release.key``, ``trainer.key``), so a rotation reused an
+    id, and every record the new key signed was ``bad_signature`` until every reader changed its
+    keys. Now each key setting is a Secret's directory: the signer takes the one ``<id>.key`` the
+    Secret holds, the readers trust every ``<id>.pub``, old and new together."""
+    import shutil
+
+    from flywheel.signing import Signer, Verifier, generate_key_pair
+
+    keys = tmp_path / "keys"
+    for key_id in ("release-2026-11", "release-2027-01", "trainer-2026-11"):
+        generate_key_pair(keys, key_id)
+    signers, readers = {}, {}
+    for w in workloads(with_kafka_component(overlay)):
+        r, mounts = role(w), _secret_mounts(w)
+        for name, value in manifest_variables(w).items():
+            if not name.endswith(("_SIGNING_KEY", "_TRUSTED_RELEASE_KEYS", "_TRUSTED_CHECKPOINT_KEYS")):
+                continue
+            assert value in mounts, f"{r}: {name}={value} is not a mounted Secret's directory (it names a key id)"
+            local = tmp_path / r / mounts[value]
+            local.mkdir(parents=True)
+            for f in MID_ROTATION[mounts[value]]:
+                shutil.copy(keys / f, local / f)
+            if name.endswith("_SIGNING_KEY"):
+                signers[r] = Signer.load(local, setting=name)
+            else:
+                readers[r] = Verifier.load([local], setting=name)
+    assert {r: s.key_id for r, s in signers.items()} == {"release": "release-2027-01", "trainer": "trainer-2026-11"}
+    assert readers["serve"].key_ids() == ("release-2026-11", "release-2027-01")
+    value = b'{"kind":"release"}'
+    for signer in (Signer.load(keys / "release-2026-11.key"), signers["release"]):  # the old key's and the new
+        assert readers["serve"].check(value, signer.headers(value)) == signer.key_id
+    assert readers["release"].check(value, signers["trainer"].headers(value)) == "trainer-2026-11"
+
+
+def test_the_deploy_guide_and_example_secrets_name_keys_by_dated_ids():
+    dated = re.compile(r"(release|trainer)-\d{4}-\d{2}\.(key|pub)")
+    guide = (K8S.parents[1] / "docs" / "deploy.md").read_text()
+    files = re.findall(r"--from-file=(\S+\.(?:key|pub))\b", guide)
+    assert files and all(re.fullmatch(r"\./keys/" + dated.pattern, f) for f in files), files
+    assert "Rotating the signing keys" in guide
+    example = {d["metadata"]["name"]: d.get("stringData", {}) for d in load_docs(K8S / "secrets.example.yaml")}
+    assert {n: sorted(example[n]) for n in MID_ROTATION} == {n: sorted(MID_ROTATION[n]) for n in MID_ROTATION} | {
+        "flywheel-release-key": ["release-2026-11.key"]}
+    assert all(dated.fullmatch(f) for n in MID_ROTATION for f in example[n])
