@@ -51,7 +51,7 @@ from flywheel.kafka.clients import (
 )
 from flywheel.kafka.producers import KafkaSink
 from flywheel.settings import Settings
-from flywheel.signing import RELEASE_CHECKPOINT, REFUSALS, Signer, Verifier
+from flywheel.signing import REFUSALS, RELEASE_CHECKPOINT, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from release.measure import Tally
 from release.store import Revision
