@@ -182,3 +182,28 @@ def test_a_sqlite_store_waits_out_a_full_database_and_loses_nothing(tmp_path):
         store.set_offsets({("in", 0): 2})
     assert (store.offsets(), [r.key for r in store.pending([0])]) == ({("in", 0): 2}, ["kept", "big"])
     store.close()
+
+
+def test_a_sqlite_store_opens_its_file_again_and_never_makes_a_new_empty_one(tmp_path):
+    """An error that asks for a new connection (a file opened read-only stays so; here a connection
+    gone) opens the same file again; a file gone meanwhile is an error to wait out, never an empty
+    store that would start every partition afresh."""
+    path = tmp_path / "state.sqlite3"
+    store = StateStore(path, KV)
+    with store.txn():
+        store.set_offsets({("in", 0): 5})
+    store.db.close()  # the connection is unusable from here
+    with pytest.raises(sqlite3.ProgrammingError), store.txn():
+        pass
+    assert store.broken is not None
+    moved = path.rename(tmp_path / "elsewhere.sqlite3")
+    with pytest.raises(sqlite3.OperationalError):
+        store.reconnect()
+    assert store.broken is not None and not path.exists()
+    moved.rename(path)
+    store.reconnect()
+    assert store.broken is None and store.offsets() == {("in", 0): 5}
+    with store.txn():
+        store.set_offsets({("in", 0): 6})
+    assert store.offsets() == {("in", 0): 6}
+    store.close()
