@@ -10,6 +10,7 @@ connection. Candidates are seeded through the store the way the controller recor
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -515,3 +516,6 @@ def test_health_and_metrics_are_open_and_report_what_they_see(api, store):
             in text)  # labelled by route template: one series however many versions are asked for
     assert 'release_api_requests_total{method="GET",route="/api/candidates/{version}",status="404"} 1.0' in text
     assert 'release_api_actions_total{action="approve",outcome="refused"} 1.0' in text
+    # /metrics needs no token: it names none, and no person (actors are counted by kind only)
+    assert not [tok for tok in TOKENS.values() if tok in text]
+    assert not re.search('="(?:' + '|'.join(TOKENS) + ')"', text)
