@@ -40,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from flywheel.addresses import is_internal, literal_ip
 from flywheel.apikeys import key_id
 from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
 from flywheel.environment import VariableError, read_environment, warn_once
@@ -690,12 +691,22 @@ class ReleaseSettings(_Section):
     becomes a candidate. Empty: announcements are not verified (logged at start)."""
     webhooks: tuple[str, ...] = ()
     """URLs (``http://`` or ``https://``) every release decision is POSTed to as JSON, with a
-    ``text`` field a chat tool shows (release/webhooks.py; ``FLYWHEEL_RELEASE_WEBHOOKS``,
-    comma-separated). Logged as scheme and host only: chat tools put their secret in the path."""
+    ``text`` field a chat tool shows, escaped for Slack's mrkdwn and Mattermost's Markdown
+    (release/webhooks.py; ``FLYWHEEL_RELEASE_WEBHOOKS``, comma-separated). Each URL has a queue and
+    a sender of its own: one receiver down delays no other. Logged as scheme and host only: chat
+    tools put their secret in the path."""
     webhook_attempts: int = Field(default=5, ge=1)
     """Attempts at each webhook body before it is given up (and counted failed)."""
     webhook_backoff_s: float = Field(default=1.0, gt=0)
     """Wait after a webhook's first failed attempt; doubled after each next one, at most a minute."""
+    webhook_allow_internal: bool = False
+    """Allow webhook URLs that reach internal addresses: loopback, private ranges, link-local (the
+    cloud metadata services: 169.254.169.254, fd00:ec2::254), shared and reserved ranges
+    (flywheel/addresses.py). Off, such a URL is refused when settings load if it names the address
+    literally, and a name that resolves there is refused at each send (counted as
+    ``release_webhook_deliveries_total{outcome="refused"}`` and logged): the controller posts from
+    inside the deployment, and must not become a way into it. Turn it on for a receiver you run
+    on your own network."""
 
     @field_validator("database_url")
     @classmethod
@@ -718,6 +729,19 @@ class ReleaseSettings(_Section):
                 raise ValueError(f"webhook {n} of {len(urls)} is not an http:// or https:// URL with a host "
                                  "and a valid port")
         return urls
+
+    @model_validator(mode="after")
+    def _webhooks_outside(self) -> ReleaseSettings:
+        if self.webhook_allow_internal:
+            return self
+        for n, url in enumerate(self.webhooks, 1):
+            ip = literal_ip(urlsplit(url).hostname or "")
+            if ip is not None and is_internal(ip):
+                raise ValueError(f"webhook {n} of {len(self.webhooks)} (release.webhooks) targets an internal "
+                                 "address (loopback, private, link-local or metadata, reserved): point it at the "
+                                 "receiver's public address, or set release.webhook_allow_internal = true for a "
+                                 "receiver on your own network")
+        return self
 
 
 class ProbeSettings(_Section):

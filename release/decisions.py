@@ -19,11 +19,15 @@ configured, becomes one JSON body per URL (:class:`Webhooks`)::
      "reason": "...", "at": 1790000000.5}
 
 ``text`` is what a chat tool (Slack's and Mattermost's incoming webhooks read that field) shows;
-``audit_id`` lets a receiver drop a body it got twice (a retry after a lost answer).
+``audit_id`` lets a receiver drop a body it got twice (a retry after a lost answer). ``text`` is
+escaped for those chat formats (:func:`chat_text`): a person's reason is theirs to write, and must
+not ping a channel or dress a link up in the controller's name. The other fields are data, as
+written.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,10 +81,35 @@ class Decision:
         return f"v{self.version} {what.get(self.outcome, self.outcome)} by {self.actor}: {self.reason}"
 
     def body(self, deployment: str) -> dict[str, Any]:
-        return {"text": f"[{deployment}] {self.text()}", "deployment": deployment, "audit_id": self.audit_id,
+        return {"text": chat_text(f"[{deployment}] {self.text()}"), "deployment": deployment, "audit_id": self.audit_id,
                 "version": self.version, "outcome": self.outcome, "from_state": self.from_state,
                 "to_state": self.to_state, "actor": self.actor, "actor_kind": self.actor_kind.value,
                 "reason": self.reason, "at": self.at}
+
+
+#: Line breaks and other control characters (Unicode's line and paragraph separators too): a
+#: reason must not start a line of its own in the chat, where it could pass for another message.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+#: Word joiner: invisible, and no mention or link is read across it.
+_JOINER = "\u2060"
+
+
+def chat_text(text: str) -> str:
+    """``text`` as Slack's mrkdwn and Mattermost's Markdown both show it as written, on one line.
+
+    - ``&``, ``<``, ``>`` as ``&amp;``, ``&lt;``, ``&gt;``: Slack reads ``<...>`` as a control
+      sequence (``<!channel>`` and ``<!here>`` ping everyone, ``<@U123>`` a person,
+      ``<https://evil|Approve here>`` is a link labelled as anything) and wants those three
+      escaped; CommonMark (Mattermost) shows the same entities as the characters.
+    - a word joiner after an ``@`` that starts a word: Mattermost pings on ``@channel``,
+      ``@here``, ``@all`` and ``@<user>`` (Slack only within ``<...>``, escaped above);
+    - and between ``]`` and ``(``: a Markdown link ``[Approve here](https://evil)``;
+    - control characters and line breaks as one space.
+    """
+    text = _CONTROL.sub(" ", text)
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = re.sub(r"(?<!\w)@(?=\w)", "@" + _JOINER, text)
+    return text.replace("](", "]" + _JOINER + "(")
 
 
 class DecisionCounter:
@@ -98,4 +127,4 @@ class DecisionCounter:
             self.total.labels(decision.outcome, decision.actor_kind.value).inc()
 
 
-__all__ = ["STABLE_KEPT", "UNDONE", "Decision", "DecisionCounter"]
+__all__ = ["STABLE_KEPT", "UNDONE", "Decision", "DecisionCounter", "chat_text"]

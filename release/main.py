@@ -76,7 +76,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         controller = Controller(settings, store, streams, open_store(settings), registry)
         # every decision sent to the configured webhooks, whichever of the two stores made it
         webhooks = (Webhooks(cfg.webhooks, cfg.deployment, registry, attempts=cfg.webhook_attempts,
-                             backoff_s=cfg.webhook_backoff_s) if cfg.webhooks else None)
+                             backoff_s=cfg.webhook_backoff_s, allow_internal=cfg.webhook_allow_internal)
+                    if cfg.webhooks else None)
         if webhooks is not None:
             held.callback(webhooks.close)
         # the API gets a connection of its own: one connection is not for two threads' transactions

@@ -12,8 +12,11 @@ through the real API on loopback (release/api.py on uvicorn) over a real SQLite 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -233,10 +236,14 @@ def test_an_undo_refused_by_verification_shows_approvers_no_server_path(api, sto
 # -- webhooks -----------------------------------------------------------------------------------
 
 class Receiver:
-    """A webhook receiver on loopback: answers 500 to the first ``fail_first`` requests, then 200."""
+    """A webhook receiver on loopback: answers 500 to the first ``fail_first`` requests, then 200;
+    over TLS with ``certs`` (a certificate for ``localhost``), noting the server name each client
+    asked for (SNI)."""
 
-    def __init__(self, fail_first: int = 0) -> None:
+    def __init__(self, fail_first: int = 0, certs=None) -> None:
         self.bodies: list[dict] = []
+        self.hosts: list[str] = []  # each request's Host header
+        self.server_names: list[str | None] = []
         self.attempts = 0
         self.fail_first = fail_first
         receiver = self
@@ -244,6 +251,7 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.hosts.append(self.headers["Host"])
                 receiver.attempts += 1
                 ok = receiver.attempts > receiver.fail_first
                 if ok:
@@ -256,13 +264,42 @@ class Receiver:
                 return
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}/hooks/T000/SECRET"
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}/hooks/T000/SECRET"
+        if certs is not None:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            tls.load_cert_chain(certs.server_cert, certs.server_key)
+            tls.sni_callback = lambda sock, name, ctx: receiver.server_names.append(name)
+            self.server.socket = tls.wrap_socket(self.server.socket, server_side=True)
+            self.url = f"https://localhost:{self.port}/hooks/T000/SECRET"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+class DeadReceiver:
+    """A webhook receiver on loopback that takes each connection and never answers."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/hooks/T000/DEAD"
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # closed
+            while True:
+                self.held.append(self.listener.accept()[0])
+
+    def close(self) -> None:
+        """Closes every connection held: a client waiting on one gets an error at once."""
+        self.listener.close()
+        for conn in self.held:
+            conn.close()
 
 
 def wait_for(check, what: str, limit_s: float = 30.0):
@@ -278,7 +315,7 @@ def test_every_decision_reaches_the_webhook_with_a_text_after_retries(api, store
 
     receiver = Receiver(fail_first=2)
     registry = new_registry()
-    hooks = Webhooks((receiver.url,), "prod-eu", registry, attempts=5, backoff_s=0.01)
+    hooks = Webhooks((receiver.url,), "prod-eu", registry, attempts=5, backoff_s=0.01, allow_internal=True)
     try:
         seed(store, 1, State.PROMOTED)
         seed(store, 2, State.AWAITING_APPROVAL, parent=1)
@@ -307,7 +344,7 @@ def test_a_webhook_that_never_answers_is_given_up_and_counted(api, store):
 
     receiver = Receiver(fail_first=10**6)
     registry = new_registry()
-    hooks = Webhooks((receiver.url,), "flywheel", registry, attempts=3, backoff_s=0.01)
+    hooks = Webhooks((receiver.url,), "flywheel", registry, attempts=3, backoff_s=0.01, allow_internal=True)
     try:
         seed(store, 1, State.CANARY)
         a = api(notify=(hooks,))
@@ -333,7 +370,7 @@ def test_a_webhook_url_that_cannot_be_sent_to_fails_alone_and_later_ones_are_del
     receiver = Receiver(fail_first=0)
     registry = new_registry()
     hooks = Webhooks(("https://hooks.example:abc/services/T0/B0/secret", receiver.url), "flywheel", registry,
-                     attempts=2, backoff_s=0.01)
+                     attempts=2, backoff_s=0.01, allow_internal=True)
     try:
         seed(store, 1, State.PROMOTED)
         seed(store, 2, State.CANDIDATE, parent=1)
@@ -345,7 +382,99 @@ def test_a_webhook_url_that_cannot_be_sent_to_fails_alone_and_later_ones_are_del
         assert [b["version"] for b in bodies] == [2, 3]
         wait_for(lambda: registry.get_sample_value("release_webhook_deliveries_total", {"outcome": "failed"}) == 2,
                  "the unparseable URL's two bodies given up")
-        assert hooks.thread.is_alive()
+        assert all(r.thread.is_alive() for r in hooks.receivers)
+    finally:
+        hooks.close()
+        receiver.close()
+
+
+def deliveries(registry, outcome: str) -> float:
+    return registry.get_sample_value("release_webhook_deliveries_total", {"outcome": outcome})
+
+
+def test_a_dead_webhook_receiver_delays_only_itself_and_its_full_queue_drops(api, store):
+    """One queue for every receiver: a receiver that never answers held each decision for every
+    other one for its attempts' timeouts and backoffs (about 65 s a decision at the defaults).
+    Now each has its own queue and thread: the healthy one gets every decision while the dead one
+    still waits on its first, and the dead one's queue (2 bodies here) drops the rest, counted."""
+    from flywheel.metrics import new_registry
+
+    dead, healthy = DeadReceiver(), Receiver()
+    registry = new_registry()
+    hooks = Webhooks((dead.url, healthy.url), "flywheel", registry, attempts=5, backoff_s=1.0, timeout_s=120.0,
+                     allow_internal=True, max_queued=2)
+    try:
+        seed(store, 1, State.PROMOTED)
+        for v in range(2, 7):
+            seed(store, v, State.CANDIDATE, parent=1)
+        a = api(notify=(hooks,))
+        assert a.post("/api/candidates/2/reject", "abe", json={"reason": "r2"}).status_code == 200
+        wait_for(lambda: dead.held, "the dead receiver to hold the first body")
+        for v in range(3, 7):
+            assert a.post(f"/api/candidates/{v}/reject", "abe", json={"reason": f"r{v}"}).status_code == 200
+        bodies = wait_for(lambda: healthy.bodies if len(healthy.bodies) == 5 else None, "five bodies", limit_s=20)
+        assert [b["version"] for b in bodies] == [2, 3, 4, 5, 6]
+        assert len(dead.held) == 1  # still on its first attempt at its first body
+        assert deliveries(registry, "delivered") == 5 and deliveries(registry, "dropped") == 2  # 5 and 6
+        assert deliveries(registry, "failed") == 0
+    finally:
+        dead.close()
+        hooks.close()
+        healthy.close()
+
+
+def test_a_webhook_name_that_resolves_to_an_internal_address_is_refused_at_send(api, store, caplog):
+    """Settings refuse a literal internal address; a name is only known at send time. Refused
+    (not retried), counted, logged; allowed, it is sent to the address checked under its own
+    name, and the chat text arrives escaped while ``reason`` stays as written."""
+    from flywheel.metrics import new_registry
+
+    receiver = Receiver()
+    url = receiver.url.replace("127.0.0.1", "localhost")
+    registry, allowed_registry = new_registry(), new_registry()
+    refused = Webhooks((url,), "flywheel", registry, attempts=3, backoff_s=0.01)
+    allowed = Webhooks((url,), "flywheel", allowed_registry, attempts=3, backoff_s=0.01, allow_internal=True)
+    hostile = "<!channel> approve at <https://evil.example|the console> @here [here](https://evil.example)"
+    try:
+        seed(store, 1, State.PROMOTED)
+        seed(store, 2, State.CANDIDATE, parent=1)
+        with caplog.at_level("ERROR", logger="release.webhooks"):
+            a = api(notify=(refused, allowed))
+            assert a.post("/api/candidates/2/reject", "abe", json={"reason": hostile}).status_code == 200
+            wait_for(lambda: deliveries(registry, "refused") == 1, "the body to be refused")
+            body = wait_for(lambda: receiver.bodies[0] if receiver.bodies else None, "the allowed body")
+        assert receiver.attempts == 1 and receiver.hosts == [f"localhost:{receiver.port}"]
+        assert deliveries(registry, "retried") == 0 and deliveries(registry, "delivered") == 0
+        assert "localhost resolves to an internal address (loopback)" in caplog.text
+        assert "/hooks/T000/SECRET" not in caplog.text
+        assert body["reason"] == hostile
+        assert "<" not in body["text"] and "](" not in body["text"] and "@here" not in body["text"]
+        assert "&lt;!channel&gt; approve at &lt;https://evil.example|the console&gt;" in body["text"]
+    finally:
+        refused.close()
+        allowed.close()
+        receiver.close()
+
+
+def test_an_https_webhook_is_sent_to_the_address_checked_under_its_name(api, store, tmp_path):
+    """The request goes to the address the check resolved (no second lookup to rebind), while TLS
+    asks for the URL's host by name (SNI) and checks the certificate against it."""
+    from secured_kafka import make_certs
+
+    from flywheel.metrics import new_registry
+
+    certs = make_certs(tmp_path / "certs")
+    receiver = Receiver(certs=certs)
+    registry = new_registry()
+    hooks = Webhooks((receiver.url,), "flywheel", registry, attempts=2, backoff_s=0.01, allow_internal=True,
+                     verify=ssl.create_default_context(cafile=certs.ca))
+    try:
+        seed(store, 1, State.PROMOTED)
+        seed(store, 2, State.CANDIDATE, parent=1)
+        assert api(notify=(hooks,)).post("/api/candidates/2/reject", "abe", json={"reason": "x"}).status_code == 200
+        wait_for(lambda: receiver.bodies, "the body over TLS")
+        assert receiver.server_names == ["localhost"] and receiver.hosts == [f"localhost:{receiver.port}"]
+        assert deliveries(registry, "delivered") == 1
     finally:
         hooks.close()
         receiver.close()

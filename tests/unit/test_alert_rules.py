@@ -160,9 +160,12 @@ def test_rollbacks_over_five_a_day_ticket(tmp_path, rollbacks, fires):
     assert done.returncode == 0, f"{rollbacks}: {done.stdout}{done.stderr}"
 
 
+@pytest.mark.parametrize("outcome", ["failed", "dropped", "refused"])
 @pytest.mark.parametrize("failed, fires", [("0x40", False), ("0x20 1x20", True)])
-def test_webhook_given_up_tickets(tmp_path, failed, fires):
-    series = {f'release_webhook_deliveries_total{{{REPLICAS[0]}, outcome="failed"}}': failed,
+def test_webhook_given_up_tickets(tmp_path, failed, fires, outcome):
+    """A body given up, dropped from a full queue or refused (an internal address) never reached
+    the chat: each tickets; retries alone do not."""
+    series = {f'release_webhook_deliveries_total{{{REPLICAS[0]}, outcome="{outcome}"}}': failed,
               f'release_webhook_deliveries_total{{{REPLICAS[0]}, outcome="retried"}}': "0+1x40"}
     expected = [{"exp_labels": {"severity": "ticket"}, "exp_annotations": _annotations("FlywheelReleaseWebhookFailing")}]
     done = _promtool(tmp_path, series, "30m", expected if fires else [], alertname="FlywheelReleaseWebhookFailing")

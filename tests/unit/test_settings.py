@@ -162,6 +162,26 @@ def test_settings_refuse_a_raw_at_in_a_database_password_without_showing_it(var)
     assert not leaks(str(refused.value)), str(refused.value)
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]", "169.254.169.254", "[fd00:ec2::254]", "10.0.0.7",
+                                  "192.168.1.20", "100.100.100.200", "127.1", "2130706433", "[::ffff:127.0.0.1]"])
+def test_a_webhook_at_an_internal_address_is_refused_unless_allowed(host):
+    """The controller posts from inside the deployment: a webhook at the metadata service or a
+    private address made it a way in. A literal address is refused at load (a name, at send:
+    release/webhooks.py); ``release.webhook_allow_internal`` lets a receiver on one's own network in."""
+    url = f"http://{host}:8080/services/T0/B0/{HOOK_SECRET}"
+    with pytest.raises(SettingsError, match="webhook_allow_internal") as refused:
+        load_settings(env={"FLYWHEEL_RELEASE_WEBHOOKS": url})
+    assert not leaks(str(refused.value)), str(refused.value)
+    allowed = load_settings(env={"FLYWHEEL_RELEASE_WEBHOOKS": url, "FLYWHEEL_RELEASE_WEBHOOK_ALLOW_INTERNAL": "true"})
+    assert allowed.release.webhooks == (url,)
+
+
+@pytest.mark.parametrize("url", ["https://hooks.slack.com/services/T0/B0/x", "https://8.8.8.8/hook",
+                                 "http://localhost:9/x"])  # a name: checked once it resolves, at send
+def test_a_webhook_at_a_public_address_or_a_name_loads(url):
+    assert load_settings(env={"FLYWHEEL_RELEASE_WEBHOOKS": url}).release.webhooks == (url,)
+
+
 def test_no_part_of_an_api_key_is_logged_or_shown(monkeypatch, capsys):
     """The start-up log showed each key's first 3 characters, then a plain sha256 fingerprint (a
     short key is found by hashing guesses); now the id serving records the key under, keyed with
