@@ -70,7 +70,8 @@ class _Terminal:
         from tqdm import tqdm
 
         # bytes in KiB/MiB/GiB with a rate and time left; redrawn at most 5 times a second, so
-        # hashing at GB/s spends nothing measurable on the bar
+        # hashing at GB/s spends nothing measurable on the bar (bench/progress_overhead.py: a
+        # 256 MiB rebuild took 0.90x as long with the bar as without, within its noise)
         return _Bar(tqdm(total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1024,
                          file=self.stream, mininterval=0.2, dynamic_ncols=True, leave=True))
 
