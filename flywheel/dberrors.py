@@ -142,6 +142,18 @@ def classify(exc: BaseException) -> DbOutcome:
     return classify_postgres(getattr(exc, "sqlstate", None), type(exc).__name__)
 
 
+def driver_errors(url: str) -> tuple[type[BaseException], ...]:
+    """Every error of the driver a database URL is opened with: sqlite3's, and psycopg's for a
+    ``postgresql://`` one (imported only then: a deployment on SQLite need not install it)."""
+    import sqlite3
+
+    if not url.startswith(("postgresql://", "postgres://")):
+        return (sqlite3.Error,)
+    import psycopg
+
+    return (sqlite3.Error, psycopg.Error)
+
+
 def url_secrets(url: str) -> list[str]:
     """The password in a database URL's userinfo, as written and unescaped, longest first, for
     :func:`describe` to mask (the host is after the last "@" before the query, as

@@ -3,7 +3,8 @@
 
 Start-up, in order: open the ops server (``/livez`` answers 200 from here on, ``/readyz`` and
 ``/health`` 503 until the loop runs), create the topics (waiting for a broker that does not
-answer yet), lock the data_dir, open the state store, claim the shards
+answer yet), lock the data_dir, open the state store (waiting for a database that fails: not
+answering, read-only, full), claim the shards
 (flywheel/stream/claims.py; with ``stream.database_url`` neither lock nor claims: the shared
 store's leases fence each shard), run the loop (flywheel/stream/runner.py) until SIGTERM or Ctrl-C
 (:func:`stop_on_signals`). Every step holds only what the ones before it opened, and is released
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from flywheel.dberrors import classify, describe, driver_errors, url_secrets
 from flywheel.probes import alive
 from flywheel.settings import SettingsError
 from flywheel.stream.claims import STOP_CHECK_S, ShardClaims
@@ -36,6 +38,7 @@ from flywheel.stream.runner import (
     StopFlag,
     StreamRunner,
 )
+from flywheel.stream.sql import is_postgres
 from flywheel.stream.store import StateStore
 
 if TYPE_CHECKING:
@@ -105,7 +108,10 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
             log.info("%s: stopped before the broker answered", name)
             return  # nothing but the ops server was opened yet
         probes.phase = "opening the state store"
-        store = open_store(settings, spec, held)
+        store = open_store(settings, spec, held, stop)
+        if store is None:
+            log.info("%s: stopped before the state database worked", name)
+            return
         stage = spec.rules(store, registry)
         archive_queue_gauge(name, store, registry)
         outbox_gauge(name, store, registry)
@@ -136,20 +142,52 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
         runner.run(stop, claims.check if claims is not None else None)
 
 
-def open_store(settings: Settings, spec: StageSpec, held: ExitStack) -> StateStore:
+def open_store(settings: Settings, spec: StageSpec, held: ExitStack, stop: StopFlag) -> StateStore | None:
     """The stage's state store, closed on exit: in ``stream.database_url`` when set, shared with
     the stage's other replicas (no data_dir lock: the leases fence each shard), else
-    ``<data_dir>/<stage>/state.sqlite3``, locked to this process."""
+    ``<data_dir>/<stage>/state.sqlite3``, locked to this process. None: ``stop`` came while the
+    database failed."""
     from flywheel.stream.sql import namespace
 
     url = settings.stream.database_url
     if url:
-        store = StateStore.shared_store(url, namespace(spec.group_id), spec.tables)
+        def make() -> StateStore:
+            return StateStore.shared_store(url, namespace(spec.group_id), spec.tables)
     else:
-        held.enter_context(lock_data_dir(settings.data_dir / spec.name, spec.name))
-        store = StateStore(settings.data_dir / spec.name / "state.sqlite3", spec.tables)
-    held.callback(store.close)
+        held.enter_context(lock_data_dir(settings.data_dir / spec.name, spec.name))  # once: a retry keeps it
+
+        def make() -> StateStore:
+            return StateStore(settings.data_dir / spec.name / "state.sqlite3", spec.tables)
+    store = until_the_database_works(make, url, stop, spec.name)
+    if store is not None:
+        held.callback(store.close)
     return store
+
+
+def until_the_database_works(make: Callable[[], StateStore], url: str, stop: StopFlag, name: str) -> StateStore | None:
+    """``make()`` the state store, again every RETRY_PAUSE_S while it fails on the database
+    (refused, read-only, full: any error of its driver, flywheel/dberrors.py); None if ``stop``
+    came first. A stage started during a failover waits for it, saying once per kind of error
+    what the database does, as a running stage does, instead of exiting to be restarted in a
+    loop. A connection a failed attempt opened is left to the garbage collector."""
+    errors, said = driver_errors(url), set[str]()
+    made: list[StateStore] = []
+    while not stop.is_set():
+        try:
+            if is_postgres(url):  # a server's connect may hang: a stop must not wait for it
+                if not unless_stopped(lambda: made.append(make()), stop):
+                    return None
+                return made[0]
+            return make()  # a file of this host (and its sqlite3 connection is for this thread only)
+        except errors as exc:
+            if classify(exc).code not in said:
+                said.add(classify(exc).code)
+                log.warning("%s: the state database fails at start (%s); retrying every %.0fs until it works",
+                            name, describe(exc, url_secrets(url)), RETRY_PAUSE_S)
+        end = time.monotonic() + RETRY_PAUSE_S
+        while not stop.is_set() and time.monotonic() < end:
+            time.sleep(0.05)
+    return None
 
 
 class StageProbes:

@@ -115,6 +115,28 @@ def test_ingest_waits_out_a_read_only_database_and_goes_on_exactly_once(kafka_se
     assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
 
 
+def test_ingest_started_on_a_read_only_database_waits_for_it(kafka_settings, topics, tmp_path, throwaway_db, caplog):
+    """A stage (re)started during a failover waits, alive and not ready, instead of exiting to be
+    restarted in a loop; it starts by itself once the database writes."""
+    from ingest.main import run as run_ingest
+
+    url, admin, name = throwaway_db
+    admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+    port = free_port()
+    settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_STREAM_DATABASE_URL=url,
+                              FLYWHEEL_INGEST_PORT=str(port))
+    caplog.set_level(logging.WARNING, logger="flywheel.stream.serve")
+    with running(run_ingest, settings) as stage:
+        _until(lambda: any("25006" in r.getMessage() for r in caplog.records), "a log line names the read-only error",
+               timeout_s=20)
+        time.sleep(1.2)  # a retry
+        lines = [r.getMessage() for r in caplog.records if "25006" in r.getMessage()]
+        assert len(lines) == 1 and "the state database fails at start" in lines[0], lines
+        assert stage.is_alive() and _health(port) == {"ok": False, "starting": "opening the state store"}
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+        _until(lambda: _health(port).get("shards"), "ingest runs once the database writes")
+
+
 def test_a_deadlocked_turn_is_named_and_goes_on_on_the_same_connection(throwaway_db):
     url, _, _ = throwaway_db
     store = StateStore.shared_store(url, unique_namespace(), KV)
