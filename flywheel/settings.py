@@ -744,6 +744,45 @@ class ReleaseSettings(_Section):
         return self
 
 
+class HttpSettings(_Section):
+    """How serving's API and the release API hold their clients' connections (flywheel/connections.py).
+
+    A client may not hold a connection without sending a request, nor send its request slowly,
+    nor open more connections than its share: a slow-loris attack (many connections, each sending
+    a byte now and then) would otherwise keep every connection and file of the process until
+    ``/health`` itself could not be answered. docs/serving-api.md, Connections, has the measured
+    figures."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's headers must have arrived this long after its connection opened (or after its
+    first byte, on a kept-alive connection): else 408 and the connection is closed (closed with no
+    answer when not one byte came). Clients send their headers at once; this only cuts the slow."""
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    """A request's body must have arrived this long after its headers: else 408 and the connection
+    is closed. Only reading the request is timed: a response, a stream or a long generation is
+    never cut by it. The APIs' bodies are JSON of a few MB at most; 30 s allows 100 kB/s."""
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    """An idle kept-alive connection is closed after this long. Behind a load balancer that reuses
+    connections, keep it above the balancer's own idle timeout (else it may send a request on a
+    connection being closed)."""
+    max_connections: int = Field(default=2048, ge=1)
+    """Open connections one process holds at most; one more is answered 503 and closed. The
+    process raises its open-file limit to the hard limit at start and warns when that is below
+    this and the files its own work needs (``flywheel.connections.FILES_BESIDE_CONNECTIONS``)."""
+    max_connections_per_client: int = Field(default=256, ge=0)
+    """Open connections one client address holds at most; one more is answered 429 and closed, and
+    other addresses are still served. 0: no cap per address. Behind a proxy or an ingress that
+    connects from its own address, every client shares that address: raise it to the proxy's
+    connection pool, or set 0 and let the proxy cap its clients."""
+
+    @model_validator(mode="after")
+    def _client_cap_within_process_cap(self) -> HttpSettings:
+        if self.max_connections_per_client > self.max_connections:
+            raise ValueError(f"max_connections_per_client={self.max_connections_per_client} exceeds "
+                             f"max_connections={self.max_connections}: lower it, or raise max_connections")
+        return self
+
+
 class ProbeSettings(_Section):
     """What ``/livez`` and ``/readyz`` of the ingest, reward and trainer processes and of the
     release controller judge (serving's are its engines: serving/app.py)."""
@@ -813,6 +852,8 @@ class Settings(_Section):
     """The release controller (``flywheel release serve``)."""
     probes: ProbeSettings = Field(default_factory=ProbeSettings)
     """``/livez`` and ``/readyz`` of every role but serving (docs/deploy.md, Probes)."""
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    """Connection limits of serving's API and the release API (slow and greedy clients)."""
     telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
     """OpenTelemetry traces of requests and the records they become (docs/deploy.md, Logs and traces)."""
 

@@ -60,6 +60,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
@@ -168,10 +169,15 @@ async def _read_capped(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
         raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
     raw = bytearray()
-    async for chunk in request.stream():  # chunked bodies carry no length: count as they come
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():  # chunked bodies carry no length: count as they come
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise HTTPException(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        # the caller went away, or was cut for a body too slow (http.body_timeout_s): a 408 in the
+        # request counter, not a 500 with a traceback
+        raise HTTPException(408, "the body did not arrive in time") from None
     return bytes(raw)
 
 

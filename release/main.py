@@ -17,7 +17,7 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from flywheel.settings import Settings
+from flywheel.settings import HttpSettings, Settings
 from flywheel.stream.serve import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -26,11 +26,18 @@ log = logging.getLogger(__name__)
 class ApiServer:
     """uvicorn on a thread of its own; ``port`` is known once :meth:`start` returns."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(self, app: Any, host: str, port: int, limits: HttpSettings | None = None,
+                 registry: Any = None) -> None:
         import uvicorn
 
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                                    access_log=False, lifespan="off"))
+        from flywheel.connections import ConnectionGuard, server_config
+
+        # slow and greedy clients are cut as serving's are (``http`` settings, flywheel/connections.py)
+        limits = limits if limits is not None else HttpSettings()
+        self.guard = ConnectionGuard(limits)
+        if registry is not None:
+            self.guard.count_in(registry, "release")
+        self.server = uvicorn.Server(server_config(app, host, port, limits, self.guard))
         self.thread = threading.Thread(target=self.server.run, name="release-api", daemon=True)
 
     def start(self, timeout_s: float = 30.0) -> ApiServer:
@@ -54,6 +61,7 @@ class ApiServer:
 def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = None) -> int:
     """Serve until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     from flywheel.checkpoints import open_store
+    from flywheel.connections import raise_open_files
     from flywheel.metrics import new_registry
     from flywheel.probes import Heartbeat, alive
     from release.api import make_app
@@ -65,6 +73,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
 
     cfg = settings.release
     parse_tokens(cfg.tokens)  # a malformed token entry stops the start, with the reason
+    raise_open_files(settings.http)  # the connection cap needs its files (logged; warns if short)
     stop = stop if stop is not None else stop_on_signals()
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
         store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
@@ -88,7 +97,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
         app = make_app(api_store, cfg, controller.status, registry, live=alive(heartbeat, settings.probes.hung_s),
                        verify=controller.verify, notify=notify)
         store.listeners.extend((app.state.decisions, *notify))  # the loop's own decisions, counted and sent alike
-        api = ApiServer(app, cfg.host, cfg.port).start()
+        api = ApiServer(app, cfg.host, cfg.port, settings.http, registry).start()
         held.callback(api.stop)
         log.info("release controller %s: API and console on http://%s:%d/", controller.holder, cfg.host, api.port)
         # the gate's model libraries take seconds to import on a busy machine: import them now,

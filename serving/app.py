@@ -35,6 +35,7 @@ from prometheus_client import (
     generate_latest,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from flywheel.contracts import MAX_FEEDBACK_BODY_BYTES, FeedbackEvent, Topics
 from flywheel.logs import REQUEST_ID
@@ -105,11 +106,16 @@ async def read_body(request: Request, limit: int) -> bytes:
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # the client went away, or was cut for a body too slow (http.body_timeout_s): its fault,
+        # counted as 408, not a 500 with a traceback (no one reads the answer either way)
+        raise ApiError(408, "the request body did not arrive in time") from None
     return b"".join(chunks)
 
 

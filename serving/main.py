@@ -26,6 +26,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from flywheel.checkpoints import ManifestError, verify_dir
+from flywheel.connections import raise_open_files
 from flywheel.contracts import Topics
 from flywheel.extras import require_vllm
 from flywheel.kafka.clients import ensure_topics
@@ -69,6 +70,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         log.error("refusing to serve: %s", exc)
         return 2
     log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
+    raise_open_files(settings.http)  # the connection cap needs its files (logged; warns if short)
     if settings.serve.uses_default_salt:
         log.warning("serve.user_id_salt is the built-in default: anyone can compute the user pseudonyms and API "
                     "key ids serving records; set FLYWHEEL_SERVE_USER_ID_SALT (or its _FILE) to a secret of your own "
@@ -107,8 +109,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
             follower.start()
         readiness = Readiness()
         app = create_app(settings, fleet, recorder, registry, follower, readiness, tracing)
-        server = AppServer(app, loop, settings.serve.host, settings.serve.port,
-                           drain_s=settings.serve.drain_s).start()
+        server = AppServer(app, loop, settings.serve.host, settings.serve.port, drain_s=settings.serve.drain_s,
+                           limits=settings.http, registry=registry).start()
         log.info("serving %s %s on %s; warming the engines up", settings.serve.model_name,
                  fleet.served_versions(), server.url)
         loop.call(lambda: warm_up(fleet), timeout_s=600)

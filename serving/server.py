@@ -14,6 +14,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import uvicorn
+from prometheus_client import CollectorRegistry
+
+from flywheel.connections import ConnectionGuard, server_config
+from flywheel.settings import HttpSettings
 
 T = TypeVar("T")
 
@@ -51,12 +55,17 @@ class AppServer:
     """A uvicorn server for ``app`` on ``loop``; ``port`` is known once :meth:`start` returns."""
 
     def __init__(self, app: Any, loop: LoopThread, host: str = "127.0.0.1", port: int = 0,
-                 drain_s: float = 5.0) -> None:
+                 drain_s: float = 5.0, limits: HttpSettings | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
         # On stop uvicorn closes its listening socket first (a new connection is refused, a kept
         # alive one is closed once its response ends), then lets the requests in flight finish for
-        # up to drain_s (``serve.drain_s``) and cancels what is left.
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=drain_s)
+        # up to drain_s (``serve.drain_s``) and cancels what is left. Slow and greedy clients are
+        # cut by the guard (``http`` settings, flywheel/connections.py), counted in ``registry``.
+        limits = limits if limits is not None else HttpSettings()
+        self.guard = ConnectionGuard(limits)
+        if registry is not None:
+            self.guard.count_in(registry, "serving")
+        config = server_config(app, host, port, limits, self.guard, timeout_graceful_shutdown=drain_s)
         self.server = uvicorn.Server(config)
         self.drain_s = drain_s
         self.loop = loop

@@ -265,8 +265,8 @@ def engine(tiny_model_dir):
 @pytest.fixture
 def serve(engine, broker, tiny_model_dir, tmp_path):
     """Factory: start an app on the shared engine with ``ServeSettings`` overrides (and
-    ``telemetry``: its ``TelemetrySettings``), its own recorder, journal and uuid topics, on a fresh
-    loopback port; stopped after the test."""
+    ``telemetry``: its ``TelemetrySettings``; ``http``: its ``HttpSettings``), its own recorder,
+    journal and uuid topics, on a fresh loopback port; stopped after the test."""
     from serving_helpers import KEY, SALT, Served
 
     from flywheel.contracts import Topics
@@ -280,7 +280,8 @@ def serve(engine, broker, tiny_model_dir, tmp_path):
     loop, eng = engine
     started = []
 
-    def start(prefix: str | None = None, telemetry: TelemetrySettings | None = None, **overrides) -> Served:
+    def start(prefix: str | None = None, telemetry: TelemetrySettings | None = None, http=None,
+              **overrides) -> Served:
         topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
         kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
         ensure_topics(kafka, [topics.generations, topics.feedback])
@@ -290,7 +291,7 @@ def serve(engine, broker, tiny_model_dir, tmp_path):
         registry = new_registry()
         recorder = make_recorder(settings, registry)
         app = create_app(settings, eng, recorder, registry)
-        server = AppServer(app, loop).start()
+        server = AppServer(app, loop, limits=http, registry=registry).start()
         started.append((server, recorder, app.state.tracing))
         return Served(server.url, settings, recorder, topics, app.state.tracing)
 
