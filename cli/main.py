@@ -72,9 +72,8 @@ def _settings(args: argparse.Namespace, announce: bool = True) -> Settings:
 
 
 def cmd_broker(args: argparse.Namespace) -> int:
-    from local.broker import EmbeddedBroker
-
     from flywheel.logs import configure
+    from local.broker import EmbeddedBroker
 
     configure(args.log_format or "text", args.log_level or logging.INFO)  # no settings: the flags only
 
@@ -556,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except (SettingsError, MissingExtra) as exc:
         print(f"flywheel: {exc}", file=sys.stderr)
-        return 2
+        return exc.exit_code if isinstance(exc, SettingsError) else 2
 
 
 if __name__ == "__main__":

@@ -901,6 +901,10 @@ OTEL_ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"
 class SettingsError(ValueError):
     """Configuration that cannot be used; the message says which setting and why."""
 
+    #: What ``flywheel`` exits with on it: 2, a usage error (argparse's own code), unless a kind
+    #: says otherwise (a refused login exits 77, EX_NOPERM, as the release CLI's 401 does).
+    exit_code: int = 2
+
 
 def load_settings(
     env: Mapping[str, str] | None = None,

@@ -37,6 +37,15 @@ class KafkaAccessError(SettingsError):
     names the setting to fix. Retrying cannot help, so a process exits with it."""
 
 
+class KafkaLoginRefused(KafkaAccessError):
+    """The brokers refused this client's SASL login (a wrong password, or no such user for the
+    mechanism): an authentication failure, so ``flywheel`` exits 77 (EX_NOPERM) for it, as for a
+    refused release API token, not 2 like a setting of the wrong form. A script or a supervisor
+    tells "fix the credentials" from "fix the command" by the code alone."""
+
+    exit_code = 77
+
+
 def kafka_python_options(cfg: KafkaSettings) -> dict[str, object]:
     """``bootstrap_servers`` and the security options of a kafka-python client."""
     opts: dict[str, object] = {
@@ -113,7 +122,7 @@ def check_access(cfg: KafkaSettings, timeout_s: float = 10.0) -> bool:
             admin.poll(0)  # serves error_cb
         for err in errors:
             if (problem := access_problem(cfg, err.code(), err.str())) is not None:  # type: ignore[attr-defined]
-                raise KafkaAccessError(problem)
+                raise (KafkaLoginRefused if login_refused(err.code(), err.str()) else KafkaAccessError)(problem)  # type: ignore[attr-defined]
         if not asked_tls:
             # A TLS listener given a plaintext request just drops the connection, which librdkafka
             # reports as any dropped connection ("brokers are down"): ask it for TLS once to tell.
@@ -153,14 +162,20 @@ def _tls_listener(bootstrap: str, timeout_s: float = 2.0) -> str | None:
     return None
 
 
+def login_refused(code: int, text: str) -> bool:
+    """Whether a librdkafka connection error is the brokers refusing the SASL login."""
+    from confluent_kafka import KafkaError
+
+    return code == KafkaError._AUTHENTICATION or "sasl authentication" in text.lower()
+
+
 def access_problem(cfg: KafkaSettings, code: int, text: str) -> str | None:
     """What a librdkafka connection error says about the security settings, naming the setting
     to fix; None for errors that are not about them (a broker down, a timeout)."""
-    from confluent_kafka import KafkaError
 
     lower = text.lower()
     where = f"kafka.bootstrap={cfg.bootstrap}"
-    if code == KafkaError._AUTHENTICATION or "sasl authentication" in lower:
+    if login_refused(code, text):
         return (f"{where} refused the SASL login of kafka.sasl_username={cfg.sasl_username!r} with "
                 f"kafka.sasl_mechanism={cfg.sasl_mechanism}: check kafka.sasl_password (and that the user "
                 f"exists for that mechanism) [{text}]")

@@ -28,7 +28,7 @@ from flywheel.kafka.clients import (
     topic_ids,
 )
 from flywheel.kafka.producers import ConfluentOutput
-from flywheel.kafka.security import KafkaAccessError, connection_of
+from flywheel.kafka.security import KafkaAccessError, KafkaLoginRefused, connection_of
 from flywheel.settings import KafkaSettings
 
 pytestmark = pytest.mark.integration
@@ -94,19 +94,22 @@ def test_every_client_kind_produces_and_consumes_over_the_secured_endpoint(secur
     assert got == [b"from kafka-python", b"from confluent-kafka"]
 
 
-def refused(cfg: KafkaSettings) -> str:
+def refused(cfg: KafkaSettings, kind: type[KafkaAccessError] = KafkaAccessError) -> str:
+    """The refusal's message; only a refused login is a KafkaLoginRefused (``flywheel`` exits 77
+    for it, 2 for the rest)."""
     with pytest.raises(KafkaAccessError) as caught:
         ensure_topics(cfg, [f"t{uuid.uuid4().hex[:10]}.never"])
+    assert type(caught.value) is kind, caught.value
     return str(caught.value)
 
 
 def test_a_wrong_password_is_refused_naming_the_password_setting(secured):
     if not secured.protocol.startswith("SASL_"):
         pytest.skip("no login on this endpoint")
-    said = refused(settings_for(secured, sasl_password="not-" + PASSWORD))
+    said = refused(settings_for(secured, sasl_password="not-" + PASSWORD), KafkaLoginRefused)
     assert "kafka.sasl_password" in said and f"kafka.sasl_username={USER!r}" in said
     assert PASSWORD not in said
-    said = refused(settings_for(secured, sasl_username="nobody"))  # a user it does not know
+    said = refused(settings_for(secured, sasl_username="nobody"), KafkaLoginRefused)  # a user it does not know
     assert "kafka.sasl_password" in said and "'nobody'" in said
 
 
@@ -140,7 +143,8 @@ def _env(b: SecuredBroker, tmp_path: Path, password: str) -> dict[str, str]:
 
 
 def test_a_stage_and_the_deadletters_tool_exit_with_the_setting_to_fix(secured, tmp_path):
-    """Whole processes: a stage started with a wrong password exits 2 saying which setting, as
+    """Whole processes: a stage started with a wrong password exits 77 (an authentication
+    failure, as for a refused release token; 2 is a usage error) saying which setting, as
     ``flywheel deadletters`` does; neither waits for a broker that 'does not answer'."""
     if secured.protocol != "SASL_SSL":
         pytest.skip("one endpoint is enough for whole processes")
@@ -150,7 +154,7 @@ def test_a_stage_and_the_deadletters_tool_exit_with_the_setting_to_fix(secured, 
     for args in (["ingest"], ["deadletters", "summary"]):
         run = subprocess.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True,
                              timeout=120, check=False)
-        assert run.returncode == 2, (args, run.stdout[-2000:], run.stderr[-2000:])
+        assert run.returncode == 77, (args, run.stdout[-2000:], run.stderr[-2000:])
         assert "kafka.sasl_password" in run.stderr and "refused the SASL login" in run.stderr, run.stderr[-2000:]
 
 
