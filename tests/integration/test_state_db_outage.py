@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import psycopg
 import pytest
-from stream_db import STREAM_TEST_POSTGRES_URL, stream_database
+from stream_db import STREAM_TEST_POSTGRES_URL, stream_database, throwaway_database
 from test_pipeline_exactly_once import Stages, build_dataset, check_outcome, produce, stage_env
 
 from flywheel.stream.sql import namespace
@@ -65,3 +65,42 @@ def test_stages_ride_out_their_database_connections_ended_mid_stream(kafka_setti
             assert log.count("the state database failed a turn") >= 2, name
         # repeats come only from acked rows whose delete was cut off, and sends in flight: a few
         assert sum(outcome.repeats.values()) <= 4 * 2 * 200 * 3, outcome.repeats
+
+
+@pytest.mark.slow  # about 25 s: test_state_db_errors.py holds the same for ingest alone in the default suite
+def test_stages_ride_out_their_database_turning_read_only_mid_stream(kafka_settings, topics, tmp_path):
+    """What a failover to a server that is still a standby does: the database refuses every write
+    for seconds, then writes again with nobody ending the stages' sessions (begun read-only, they
+    stay so: the stages must open new ones). Both stages stay up, say so, and the distinct
+    episodes, rewards and dead letters are exactly the expected ones."""
+    with throwaway_database() as (url, admin, name):
+        env = stage_env(kafka_settings, topics, tmp_path, FLYWHEEL_STREAM_DATABASE_URL=url)
+        stages = Stages(env, tmp_path)
+        for stage in ("ingest", "reward"):
+            stages.start(stage)
+        pids = {stage: proc.pid for stage, proc in stages.procs.items()}
+        deadline = time.monotonic() + 60
+        while admin.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)).fetchone()[0] < 4:
+            assert time.monotonic() < deadline, "the stages did not open their state stores"
+            time.sleep(0.2)
+        t0 = time.time() + 3.0
+        ds = build_dataset(topics, chunks=8, per_chunk=200, t0=t0)
+
+        def flip(c: int) -> None:
+            if c == 1:
+                admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+            elif c == 5:
+                admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+
+        try:
+            produce(kafka_settings, ds, t0, during=flip)
+            outcome = check_outcome(kafka_settings, topics, ds, tmp_path, settle=stages.wait_delivered,
+                                    repeats_from={"ingest", "reward"})
+            assert {stage: proc.pid for stage, proc in stages.procs.items() if proc.poll() is None} == pids
+        finally:
+            stages.stop()
+        for stage in ("ingest", "reward"):
+            lines = [line for line in (tmp_path / f"{stage}.log").read_text().splitlines() if "25006" in line]
+            assert len(lines) == 1 and "the state database failed a turn" in lines[0], (stage, lines)
+        assert sum(outcome.repeats.values()) <= 2 * 8 * 200 * 3, outcome.repeats
