@@ -1,6 +1,6 @@
 """The id a product API key is known by outside serving's memory: in generation records (and so
-the episode archive and ``flywheel usage``), serving's token counters and the start-up log. Never
-the key itself.
+the episode archive and ``flywheel usage``), the start-up log and, only where
+``serve.metrics_key_ids`` asks, serving's token counters on ``/metrics``. Never the key itself.
 
 ``key-`` and the first 12 hex digits (48 bits) of ``HMAC-SHA256(serve.user_id_salt, "api-key:" +
 key)``. Keyed with the deployment's secret: a plain hash of a short or guessable key, once
@@ -9,8 +9,10 @@ one cannot be checked without the secret. Stable on every replica and across res
 records that accumulate under it need (the salt is already the one secret every serving replica
 shares for good: user pseudonyms use it too). The ``api-key:`` prefix keeps the id apart from
 the pseudonym of a request that names no user, which is the key's HMAC under the same salt.
-Under the built-in development salt the id is no harder to check a guess against than a plain
-hash: production sets a secret of its own (deploy/k8s/secrets.example.yaml).
+Under the published default salt the id is no harder to check a guess against than a plain hash
+(10^4 guesses at a short key took 0.01 s), so ``flywheel serve`` refuses that salt beside API
+keys (serving/main.py ``salt_refusal``): production sets a secret of its own
+(deploy/k8s/secrets.example.yaml), and ``flywheel up`` makes one and keeps it.
 
 An operator finds a key's id (``SALT``: the deployment's ``serve.user_id_salt``) with::
 

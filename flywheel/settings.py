@@ -218,7 +218,15 @@ class ServeSettings(_Section):
     user_id_salt: str = "flywheel-dev-salt"
     """Secret mixed into user pseudonyms and API key ids (HMAC-SHA256: flywheel/apikeys.py); set a
     real secret in production, the same on every serving replica, and keep it: a new one makes
-    every user a new user and gives every key a new id."""
+    every user a new user and gives every key a new id. ``flywheel serve`` with ``api_keys``
+    refuses to start on this published default (anyone could check a guessed key against its
+    id); ``flywheel up`` and ``flywheel demo`` make a random one and keep it under ``<data_dir>/up``."""
+    metrics_key_ids: bool = False
+    """Label serving's token counters on ``/metrics`` by API key id (``api_key="key-..."``).
+    ``/metrics`` answers without a key, and a key id lets whoever reads it check guesses of the key
+    offline once the salt is known: off, every series is labelled ``api_key="all"``, and usage per
+    key comes from ``flywheel usage`` (the episode archive). Turn it on only where ``/metrics`` is
+    reachable by the monitoring system alone."""
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """How long to wait for a broker ack before an event goes to the local journal instead."""
 
@@ -367,7 +375,8 @@ class TrainerSettings(_Section):
     bench/trainer_throughput.py)."""
     signing_key: Path | None = None
     """Ed25519 private key (``<key id>.key``, from ``flywheel keys generate``) the trainer signs
-    its checkpoint announcements with; the file name is the key id. Unset: announcements go out
+    its checkpoint announcements with, or a directory holding exactly one (a mounted Secret); the
+    file name is the key id. Unset: announcements go out
     unsigned, and a controller with ``release.trusted_checkpoint_keys`` refuses them."""
     host: str = "127.0.0.1"
     """Interface for ``/metrics`` and ``/health``."""
@@ -682,8 +691,9 @@ class ReleaseSettings(_Section):
     tick_s: float = Field(default=1.0, gt=0)
     """How often the controller looks at its candidates."""
     signing_key: Path | None = None
-    """Ed25519 private key (``<key id>.key``) the controller signs its release records with; the
-    file name is the key id. Serving holds the public key (``serve.trusted_release_keys``). Unset:
+    """Ed25519 private key (``<key id>.key``) the controller signs its release records with, or a
+    directory holding exactly one (a mounted Secret); the file name is the key id. Serving holds
+    the public key (``serve.trusted_release_keys``). Unset:
     releases go out unsigned, and a serving that trusts keys refuses them."""
     trusted_checkpoint_keys: tuple[Path, ...] = ()
     """Public keys (files or directories of ``<key id>.pub``) whose signatures the controller

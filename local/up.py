@@ -34,7 +34,8 @@ key and a release-console token when none is configured (printed once at start),
 keys: where neither side of a signed record is configured, a key pair made at the first start
 under ``<data_dir>/keys`` (kept for later runs), so the trainer signs its checkpoint
 announcements and the controller its routings, and each reader trusts only the other's key
-(docs/signing.md).
+(docs/signing.md); and, while ``serve.user_id_salt`` is the published default (which serving
+refuses beside API keys), a random salt kept in ``<data_dir>/up/user-id-salt``.
 """
 
 from __future__ import annotations
@@ -286,9 +287,15 @@ def run(settings: Any, args: Any) -> int:
         env["FLYWHEEL_CONFIG"] = str(Path(args.config).resolve())
     if getattr(args, "log_level", None):
         env["FLYWHEEL_LOG_LEVEL"] = args.log_level
+    if getattr(args, "log_format", None):
+        env["FLYWHEEL_LOG_FORMAT"] = args.log_format
     if not settings.serve.api_keys and not settings.serve.allow_anonymous:
         env["FLYWHEEL_API_KEYS"] = key = "sk-local-" + secrets.token_hex(8)
         print(f"API key for this run: {key}", flush=True)
+    salt = local_salt(settings, data_dir / "up")
+    if salt:
+        env.pop("FLYWHEEL_SERVE_USER_ID_SALT", None)  # the published default said explicitly: replaced, not doubled
+        env.update(salt)
     signing = local_keys(settings, data_dir / "keys")
     if signing:
         env.update(signing)
@@ -364,6 +371,26 @@ def local_keys(settings: Any, keys_dir: Path) -> dict[str, str]:
             generate_key_pair(keys_dir, key_id)  # refuses to overwrite a half pair: the message says which
         env[signer], env[reader] = str(private), str(public)
     return env
+
+
+def local_salt(settings: Any, where: Path) -> dict[str, str]:
+    """Environment that gives serving a random ``serve.user_id_salt`` kept in ``where/user-id-salt``
+    (made on first use, mode 0600), while the settings hold the published default, which serving
+    refuses with API keys (serving/main.py ``salt_refusal``). A file kept in the data directory,
+    not a salt made per run and not a flag that tells serving "you are under up": the key ids and
+    pseudonyms of this data directory's archive stay the same across restarts of ``up``, as a
+    deployment's would, and serving applies one rule everywhere. The demo runs ``up`` in a fresh
+    data directory, so each demo gets a salt of its own. An operator's own salt is left alone."""
+    if not settings.serve.uses_default_salt:
+        return {}
+    path = where / "user-id-salt"
+    if not path.exists():
+        where.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    # the file, not the value: a child's environment is readable in /proc by the same user
+    return {"FLYWHEEL_SERVE_USER_ID_SALT_FILE": str(path)}
 
 
 def _default_port(settings: Any, name: str) -> int:

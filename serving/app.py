@@ -31,6 +31,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -85,13 +86,17 @@ ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/feedback
 
 
 class AppMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, key_ids: bool = False) -> None:
         self.requests = Counter("serving_requests_total", "API requests by route, model version and status",
                                 ["route", "model_version", "status"], registry=registry)
         self.latency = Histogram("serving_request_latency_seconds", "Time to the full response (or stream end)",
                                  ["route", "model_version"], registry=registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self.tokens = TokenCounters.register(registry)
+        self.tokens = TokenCounters.register(registry, by_key=key_ids)  # serve.metrics_key_ids: serving/usage.py
+        # whether this deployment has product users to protect: the signing alert
+        # (FlywheelRecordsNotVerified) fires only where it does
+        self.api_keys = Gauge("serving_api_keys_configured", "Product API keys serving accepts (0: none, an "
+                              "anonymous deployment)", registry=registry)
         self.feedback = Counter("serving_feedback_total", "Feedback events accepted (202), by signal",
                                 ["signal"], registry=registry)
         self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429, by the bucket that was empty",
@@ -167,7 +172,8 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
     ``readiness`` is what ``/readyz`` reads (``flywheel serve`` warms the engines up before it
     says ready); without one the app is ready while its engines live. ``tracing``: the process's
     spans (default: made from ``settings.telemetry``; the caller shuts it down, ``app.state.tracing``)."""
-    metrics = AppMetrics(registry)
+    metrics = AppMetrics(registry, key_ids=settings.serve.metrics_key_ids)
+    metrics.api_keys.set(len(settings.serve.api_keys))
     readiness = readiness if readiness is not None else Readiness(warm=True)
     gate = Gate(settings, metrics)
     if not isinstance(fleet, Fleet):

@@ -31,7 +31,7 @@ from flywheel.contracts import Topics
 from flywheel.extras import require_vllm
 from flywheel.kafka.clients import ensure_topics
 from flywheel.metrics import new_registry
-from flywheel.settings import Settings
+from flywheel.settings import ServeSettings, Settings, SettingsError
 from flywheel.signing import Verifier
 from flywheel.telemetry import Tracing
 from serving.adapters import adapter_slots, lora_on
@@ -55,10 +55,28 @@ def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
                     queue_max=settings.serve.publish_queue_max).start()
 
 
+def salt_refusal(serve: ServeSettings) -> str | None:
+    """Why serving may not start on ``serve.user_id_salt``, or None. With API keys and the
+    published default salt, an API key id (in every generation record, the archive and, with
+    ``serve.metrics_key_ids``, ``/metrics``) gives the key away to anyone who hashes guesses: a
+    short key fell to 10^4 guesses in 0.01 s. ``flywheel up`` and ``flywheel demo`` set a random
+    salt of their own (local/up.py ``local_salt``), so only a hand-made deployment meets this."""
+    if not (serve.api_keys and serve.uses_default_salt):
+        return None
+    return ("serve.user_id_salt is the published default while serve.api_keys are set: anyone can check a guessed "
+            "API key against the key ids serving publishes. Set a long random secret of your own, the same on every "
+            "serving replica and kept for good (a new one gives every user and key a new id): "
+            "FLYWHEEL_SERVE_USER_ID_SALT_FILE=<file holding it> (or FLYWHEEL_SERVE_USER_ID_SALT), e.g. from "
+            "`openssl rand -hex 32` (docs/deploy.md, Secrets)")
+
+
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     # an install without vLLM's extra says so before anything starts, not as an ImportError once
     # the recorder and the journal are up
     require_vllm()
+    refusal = salt_refusal(settings.serve)
+    if refusal is not None:  # a setting to fix: said before the model is read (exit 2)
+        raise SettingsError(refusal)
     from serving.app import create_app
     from serving.engine import VllmEngine
     from serving.readiness import Readiness, warm_up
@@ -71,10 +89,10 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         return 2
     log.info("model %s verified (version %s)", settings.model_dir, manifest["version"])
     raise_open_files(settings.http)  # the connection cap needs its files (logged; warns if short)
-    if settings.serve.uses_default_salt:
-        log.warning("serve.user_id_salt is the built-in default: anyone can compute the user pseudonyms and API "
-                    "key ids serving records; set FLYWHEEL_SERVE_USER_ID_SALT (or its _FILE) to a secret of your own "
-                    "before real users arrive, and keep it")
+    if settings.serve.uses_default_salt:  # no keys: only the pseudonyms are at stake
+        log.warning("serve.user_id_salt is the built-in default: anyone can compute the user pseudonyms serving "
+                    "records; set FLYWHEEL_SERVE_USER_ID_SALT (or its _FILE) to a secret of your own before real "
+                    "users arrive, and keep it")
     if settings.serve.follow_releases and settings.serve.trusted_release_keys:
         # keys that cannot be read stop the start now (KeyFileError: exit 2 with the message),
         # not once the engines have loaded, minutes on a GPU, on every restart of a crash loop

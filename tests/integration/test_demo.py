@@ -84,8 +84,9 @@ def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_p
     logs = root / "logs"
     assert "trusting key ids trainer-local" in (logs / "release.log").read_text()
     assert "trusting key ids release-local" in (logs / "serve.log").read_text()
-    # the demo keeps the published salt, and serving says what that gives away
-    assert "serve.user_id_salt is the built-in default" in (logs / "serve.log").read_text()
+    # flywheel up gave serving a salt of its own: the published one, beside API keys, stops serving
+    assert "serve.user_id_salt is" not in (logs / "serve.log").read_text()  # neither refused nor warned
+    assert (root / "up" / "user-id-salt").stat().st_size == 64
 
 
 @pytest.mark.slow

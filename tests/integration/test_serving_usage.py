@@ -2,8 +2,9 @@
 engine answers requests under two API keys, records them on a real broker, the real ingest stage
 (on a thread of this process) joins and archives them, and ``flywheel usage`` read from that
 archive gives, per key id and version, what the responses' own ``usage`` said and what serving's
-counters counted. A generation written before records carried the key (no ``api_key_id``) is
-archived and counted under no key. The trainer's side is held by
+counters counted (with ``serve.metrics_key_ids``; without it ``/metrics`` names no key id). A
+generation written before records carried the key (no ``api_key_id``) is archived and counted
+under no key. The trainer's side is held by
 tests/integration/test_trainer_store.py (``flywheel usage`` against real DeepSpeed versions).
 """
 
@@ -51,7 +52,7 @@ def _counters(url: str) -> dict[tuple[str, str, str], float]:
 def test_usage_adds_up_to_the_tokens_served(serve, kafka_settings, topics, tmp_path, capsys):
     from ingest.main import run as run_ingest
 
-    app = serve(prefix=topics.prefix, api_keys=(KEY, OTHER))
+    app = serve(prefix=topics.prefix, api_keys=(KEY, OTHER), metrics_key_ids=True)
     want: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for key, route, body in REQUESTS:
         r = app.post(route, {"model": "flywheel", **body}, key=key)
@@ -101,3 +102,19 @@ def test_usage_adds_up_to_the_tokens_served(serve, kafka_settings, topics, tmp_p
             str(other["completion_tokens"])] in lines
     assert ["(none)", "v0", "1", "1", "2", "2"] in lines
     assert lines[-1][:3] == ["total", str(len(REQUESTS) + 1), str(GENERATIONS)]
+
+
+def test_metrics_name_no_api_key_id_unless_a_setting_asks(serve, topics):
+    """``/metrics`` answers without a key; an id there let anyone check guesses of the key against
+    it (under the published salt, 10^4 guesses took 0.01 s). By default the counters keep their
+    shape with ``api_key="all"``; ``flywheel usage`` reads ids from the archive instead."""
+    app = serve(prefix=topics.prefix, api_keys=(KEY, OTHER))
+    for key in (KEY, OTHER):
+        r = app.post("/v1/completions", {"model": "flywheel", "prompt": "the river runs", "max_tokens": 3}, key=key)
+        assert r.status_code == 200, r.text
+    text = httpx.get(app.url + "/metrics", timeout=10).text
+    assert key_id(SALT, KEY) not in text and key_id(SALT, OTHER) not in text and "key-" not in text
+    counters = _counters(app.url)
+    assert {k for _, k, _ in counters} == {"all"}
+    assert counters[("serving_completion_tokens_total", "all", "0")] == 6
+    assert "serving_api_keys_configured 2.0" in text  # what the signing alert asks: a deployment with keys
