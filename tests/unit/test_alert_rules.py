@@ -193,3 +193,48 @@ def test_a_release_controller_stalled_on_its_database_pages(tmp_path, stalled, f
     expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelStageStalled")}]
     done = _promtool(tmp_path, series, "14m", expected if fires else [], alertname="FlywheelStageStalled")
     assert done.returncode == 0, f"{stalled}: {done.stdout}{done.stderr}"
+
+
+SERVE_A, SERVE_B = 'job="flywheel-serving", instance="serving-a:8000"', 'job="flywheel-serving", instance="serving-b:8000"'
+CONTROLLER = 'job="flywheel-release", instance="release:8100"'
+
+
+# (what, serving replicas' verified, controller's verified, serving's API keys) -> the records alerted
+@pytest.mark.parametrize("name, serving, controller, keys, fires", [
+    ("everything verified, with keys", ("1x30", "1x30"), "1x30", "2x30", []),
+    ("nothing verified, but an anonymous deployment", ("0x30", "0x30"), "0x30", "0x30", []),
+    ("one serving replica unverified", ("1x30", "0x30"), "1x30", "2x30", ["release"]),
+    ("the controller unverified", ("1x30", "1x30"), "0x30", "2x30", ["checkpoint"]),
+    ("both unverified", ("0x30", "0x30"), "0x30", "1x30", ["release", "checkpoint"]),
+    ("unverified for a moment (a rollout)", ("1x30", "0x5 1x25"), "1x30", "2x30", []),
+    ("a serving that follows no releases exports nothing", (None, None), "1x30", "2x30", []),
+])
+def test_reading_records_unverified_with_api_keys_is_alerted(tmp_path, name, serving, controller, keys, fires):
+    series = {f"release_checkpoint_signatures_verified{{{CONTROLLER}}}": controller}
+    for instance, values in zip((SERVE_A, SERVE_B), serving, strict=True):
+        series[f"serving_api_keys_configured{{{instance}}}"] = keys
+        if values is not None:
+            series[f"serving_release_signatures_verified{{{instance}}}"] = values
+    expected = [{"exp_labels": {"severity": "ticket", "records": r},
+                 "exp_annotations": {**_annotations("FlywheelRecordsNotVerified"),
+                                     "summary": f"{r} records are read without verifying signatures in a deployment "
+                                                "with API keys"}} for r in fires]
+    done = _promtool(tmp_path, series, "25m", expected, alertname="FlywheelRecordsNotVerified")
+    assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("name, serving, controller, fires", [
+    ("every key file usable", "0x20", "0x20", []),
+    ("a serving key file refused", "1x20", "0x20", ["release"]),
+    ("a checkpoint key file refused", "0x20", "1x20", ["checkpoint"]),
+    ("half written for a minute, then whole (a Secret update)", "1x1 0x19", "0x20", []),
+])
+def test_a_refused_key_file_is_alerted(tmp_path, name, serving, controller, fires):
+    series = {f"serving_release_key_files_refused{{{SERVE_A}}}": serving,
+              f"release_checkpoint_key_files_refused{{{CONTROLLER}}}": controller}
+    expected = [{"exp_labels": {"severity": "ticket", "records": r},
+                 "exp_annotations": {**_annotations("FlywheelKeyFileRefused"),
+                                     "summary": f"A trusted {r} key file cannot be used; records signed with its key "
+                                                "are refused"}} for r in fires]
+    done = _promtool(tmp_path, series, "15m", expected, alertname="FlywheelKeyFileRefused")
+    assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
