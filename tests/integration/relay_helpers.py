@@ -54,8 +54,8 @@ def count_sends(outbox) -> Counter[bytes]:
     sent: Counter[bytes] = Counter()
     real = outbox.producer.send
 
-    def send(token: int, topic: str, key: str | None, value: bytes) -> None:
-        real(token, topic, key, value)
+    def send(token: int, topic: str, key: str | None, value: bytes, headers=None) -> None:
+        real(token, topic, key, value, headers)
         sent[value] += 1
 
     outbox.producer.send = send

@@ -302,7 +302,7 @@ class RefusesOne:
         if value == self.value:
             self.refused.append((token, MessageSizeTooLargeError("simulated")))
         else:
-            self.inner.send(token, topic, key, value)
+            self.inner.send(token, topic, key, value, headers)
 
     def reports(self):
         out, self.refused = self.refused + self.inner.reports(), []
@@ -427,7 +427,7 @@ class Unwritable:
         if self.closed and topic == self.topic:
             self.failed.append((token, KafkaError("simulated: no leader for the partition")))
         else:
-            self.inner.send(token, topic, key, value)
+            self.inner.send(token, topic, key, value, headers)
 
     def reports(self):
         out, self.failed = self.failed + self.inner.reports(), []
