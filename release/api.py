@@ -34,7 +34,10 @@ parse: flywheel/jsonbody.py), a field of the wrong type or out of bounds, a reas
 line of plain text (flywheel/terminal.py), a path or query parameter that is not a version or a
 limit; the message names what is wrong (400, not FastAPI's 422, as serving's API answers). The
 token is checked before the body is read, so a caller without one learns nothing about what the
-route expects.
+route expects. While the database refuses (not answering, read-only after a failover, full) the
+answer is 503 with ``Retry-After``, naming the error's code and kind (flywheel/dberrors.py), not a
+500: the store replaces a connection the error made useless, and the same call works again once
+the database does.
 
 ``/openapi.json`` describes exactly this (release/openapi.py): each route's body and answers, the
 bearer scheme, and no 422; tests/integration/test_release_fuzz.py holds the app to it.
@@ -62,6 +65,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from flywheel.dberrors import classify
 from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
 from flywheel.probes import HealthFn
@@ -304,7 +308,7 @@ def make_app(store: ReleaseStore, settings: ReleaseSettings,
     app.state.registry = registry = registry if registry is not None else new_registry()
     metrics = ApiMetrics(registry)
     app.add_middleware(CountRequests, metrics=metrics)
-    _errors(app)
+    _errors(app, store.db.errors)
     lock = threading.Lock()
     app.state.decisions = DecisionCounter(registry)
     store.listeners.extend((app.state.decisions, *notify))
@@ -501,8 +505,20 @@ def _console(app: FastAPI) -> None:
     app.include_router(console.router)
 
 
-def _errors(app: FastAPI) -> None:
+def _errors(app: FastAPI, db_errors: tuple[type[BaseException], ...]) -> None:
     """Every error as ``{"detail": "<sentence>"}`` (module docstring)."""
+
+    async def database_failed(_: Request, exc: Exception) -> Response:
+        # the database's state for now, not the caller's fault nor a bug: said as such, with the
+        # code an operator looks up (dashboards/runbooks/stage-stalled.md), and no SQL or password
+        outcome = classify(exc)
+        log.warning("an API request failed on the release database (%s)", outcome.code)
+        return JSONResponse({"detail": f"the release database cannot serve this now ({outcome.code}: "
+                                       f"{outcome.kind}); try again shortly"},
+                            status_code=503, headers={"Retry-After": "5"})
+
+    for error in db_errors:
+        app.add_exception_handler(error, database_failed)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:

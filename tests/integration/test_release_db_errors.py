@@ -58,3 +58,32 @@ def test_the_controller_waits_out_a_read_only_database_and_holds_its_lease_again
         finally:
             streams.close()
             store.close()
+
+
+def test_the_api_answers_503_while_the_database_is_read_only_and_works_once_it_writes(tmp_path):
+    """An action while the database refuses writes is the database's state, not a bug: 503 with
+    Retry-After, naming the code, never a 500; and the API's own store gets a writable session
+    once the database is writable again (its read-only one would refuse for good)."""
+    import httpx
+
+    from release.api import make_app
+    from release.main import ApiServer
+
+    with throwaway_database() as (url, admin, name):
+        store = ReleaseStore(url)
+        api = ApiServer(make_app(store, ReleaseSettings(tokens=("ada:admin:tok-admin",))), "127.0.0.1", 0).start()
+        admin_auth = {"Authorization": "Bearer tok-admin"}
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{api.port}", headers=admin_auth, timeout=10) as http:
+                admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+                codes = [http.post("/api/pause", json={"reason": "maintenance"}) for _ in range(3)]
+                assert all(r.status_code == 503 and r.headers["Retry-After"] == "5" for r in codes), \
+                    [(r.status_code, r.text) for r in codes]
+                assert "25006" in codes[-1].json()["detail"] and "read-only" in codes[-1].json()["detail"]
+                admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+                done = http.post("/api/pause", json={"reason": "maintenance"})
+                assert (done.status_code, done.json()) == (200, {"paused": True, "changed": True})
+        finally:
+            api.stop()
+            store.close()
