@@ -1,9 +1,10 @@
 """Stages ride out their state database refusing work, not only going away (flywheel/dberrors.py):
 
-- ingest on the real PostgreSQL whose database turns read-only under it (what a failover to a
-  server that is still a standby looks like): the stage stays up, its stall grows, one log line
-  names the read-only error, and once the database is writable again it goes on by itself (its
-  retries open new sessions: one begun read-only stays so) with every episode out exactly once;
+- ingest on the real PostgreSQL whose database is read-only (what a failover to a server that is
+  still a standby looks like) as it starts, and again under it while it runs: the stage waits
+  instead of exiting, its stall grows, one log line names the read-only error, and once the
+  database is writable again it goes on by itself (its retries open new sessions: one begun
+  read-only stays so) with every episode out exactly once;
 - a deadlock with another connection: the store names it (40P01, not a database that "does not
   answer"), lets the other transaction go on, and carries on on the same connection;
 - SQLite out of space: the store waits instead of the process ending, and loses nothing.
@@ -77,8 +78,8 @@ def _episodes(kafka_settings, topics, expect: int) -> list[str]:
     return [decode(EpisodeEvent, r.value).generation.generation_id for r in recs]
 
 
-def test_ingest_waits_out_a_read_only_database_and_goes_on_exactly_once(kafka_settings, topics, tmp_path,
-                                                                       throwaway_db, caplog):
+def test_ingest_waits_out_a_read_only_database_at_start_and_while_running_and_goes_on_exactly_once(
+        kafka_settings, topics, tmp_path, throwaway_db, caplog):
     from ingest.main import run as run_ingest
 
     url, admin, name = throwaway_db
@@ -86,55 +87,43 @@ def test_ingest_waits_out_a_read_only_database_and_goes_on_exactly_once(kafka_se
     settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_STREAM_DATABASE_URL=url,
                               FLYWHEEL_INGEST_PORT=str(port), FLYWHEEL_INGEST_WINDOW_S="0.3",
                               FLYWHEEL_INGEST_ORPHAN_WAIT_S="0.3", FLYWHEEL_INGEST_GRACE_S="0")
-    caplog.set_level(logging.WARNING, logger="flywheel.stream.runner")
+    caplog.set_level(logging.WARNING, logger="flywheel.stream")
     first, second = [f"a{i}" for i in range(20)], [f"b{i}" for i in range(20)]
 
-    def backends() -> None:  # the stage's sessions end; its new ones start with the database's defaults
-        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
+    def read_only(on: bool) -> None:
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if on else "off"}')
 
+    def logged(what: str) -> list[str]:
+        return [r.getMessage() for r in caplog.records if "25006" in r.getMessage() and what in r.getMessage()]
+
+    read_only(True)
     with running(run_ingest, settings) as stage:
-        _until(lambda: _health(port).get("shards"), "ingest holds its shards")
+        # started during a failover: it waits, alive and not ready, instead of exiting to be restarted in a loop
+        _until(lambda: logged("the state database fails at start"), "a log line names the read-only error at start",
+               timeout_s=30)
+        assert stage.is_alive() and _health(port) == {"ok": False, "starting": "opening the state store"}
+        read_only(False)
+        _until(lambda: _health(port).get("shards"), "ingest runs once the database writes")
         _send(kafka_settings, topics, first)
         assert sorted(_episodes(kafka_settings, topics, len(first))) == sorted(first)
         _until(lambda: _health(port)["owed"] == 0, "the first episodes' outbox rows deleted")
 
-        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
-        backends()
+        # read-only under the running stage; its sessions end, and new ones start read-only
+        read_only(True)
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
         _send(kafka_settings, topics, second)
         _until(lambda: _health(port)["stalled_s"] >= 2, "the stall clock runs while the database is read-only")
         assert stage.is_alive()
-        lines = [r.getMessage() for r in caplog.records if "25006" in r.getMessage()]
+        lines = logged("the state database failed a turn")
         assert len(lines) == 1 and "read-only" in lines[0] and "ReadOnlySqlTransaction" in lines[0], lines
-        assert "the state database failed a turn" in lines[0]
+        assert len(logged("the state database fails at start")) == 1  # once, however many retries
 
         # writable again; the stage's read-only sessions are left as they are: it must open new ones
-        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+        read_only(False)
         got = _episodes(kafka_settings, topics, len(first) + len(second))
         _until(lambda: _health(port)["stalled_s"] == 0, "the stall ends")
         assert stage.is_alive()
     assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
-
-
-def test_ingest_started_on_a_read_only_database_waits_for_it(kafka_settings, topics, tmp_path, throwaway_db, caplog):
-    """A stage (re)started during a failover waits, alive and not ready, instead of exiting to be
-    restarted in a loop; it starts by itself once the database writes."""
-    from ingest.main import run as run_ingest
-
-    url, admin, name = throwaway_db
-    admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
-    port = free_port()
-    settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_STREAM_DATABASE_URL=url,
-                              FLYWHEEL_INGEST_PORT=str(port))
-    caplog.set_level(logging.WARNING, logger="flywheel.stream.serve")
-    with running(run_ingest, settings) as stage:
-        _until(lambda: any("25006" in r.getMessage() for r in caplog.records), "a log line names the read-only error",
-               timeout_s=20)
-        time.sleep(1.2)  # a retry
-        lines = [r.getMessage() for r in caplog.records if "25006" in r.getMessage()]
-        assert len(lines) == 1 and "the state database fails at start" in lines[0], lines
-        assert stage.is_alive() and _health(port) == {"ok": False, "starting": "opening the state store"}
-        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
-        _until(lambda: _health(port).get("shards"), "ingest runs once the database writes")
 
 
 def test_a_deadlocked_turn_is_named_and_goes_on_on_the_same_connection(throwaway_db):
