@@ -51,6 +51,12 @@ def _health(port: int) -> dict:
         return json.load(exc)
 
 
+def _metric(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        lines = [line for line in resp.read().decode().splitlines() if line.startswith(name + " ")]
+    return float(lines[0].split()[1])
+
+
 def _until(check, what: str, timeout_s: float = 60.0):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -112,7 +118,7 @@ def test_ingest_waits_out_a_read_only_database_at_start_and_while_running_and_go
         read_only(True)
         admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s", (name,))
         _send(kafka_settings, topics, second)
-        _until(lambda: _health(port)["stalled_s"] >= 2, "the stall clock runs while the database is read-only")
+        _until(lambda: _metric(port, "ingest_stalled_seconds") >= 2, "the stall metric rises while it is read-only")
         assert stage.is_alive()
         lines = logged("the state database failed a turn")
         assert len(lines) == 1 and "read-only" in lines[0] and "ReadOnlySqlTransaction" in lines[0], lines
@@ -121,7 +127,7 @@ def test_ingest_waits_out_a_read_only_database_at_start_and_while_running_and_go
         # writable again; the stage's read-only sessions are left as they are: it must open new ones
         read_only(False)
         got = _episodes(kafka_settings, topics, len(first) + len(second))
-        _until(lambda: _health(port)["stalled_s"] == 0, "the stall ends")
+        _until(lambda: _metric(port, "ingest_stalled_seconds") == 0, "the stall ends")
         assert stage.is_alive()
     assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
 
