@@ -33,6 +33,7 @@ from trainer_helpers import ROOT, make_trainer
 pytestmark = pytest.mark.integration
 
 RID = "req-e2e.1:a"
+CLIENT_TRACE, CLIENT_SPAN = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 
 
 def header(record, name: str) -> str | None:
@@ -71,7 +72,9 @@ def test_a_request_id_rides_from_the_answer_to_the_trainers_ledger_in_one_trace(
             assert r.status_code == 200, r.text
             assert r.headers["x-request-id"] == RID
             gid = r.json()["choices"][0]["generation_id"]
-            fb = app.post("/v1/feedback", {"feedback_id": "fb-1", "generation_id": gid, "signal": "accept"})
+            # a client's own trace: the feedback request's span joins it
+            fb = app.post("/v1/feedback", {"feedback_id": "fb-1", "generation_id": gid, "signal": "accept"},
+                          headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
             assert fb.status_code == 202, fb.text
             feedback_rid = fb.headers["x-request-id"]
             assert re.fullmatch(r"[0-9a-f]{32}", feedback_rid)  # none given: one made
@@ -120,8 +123,9 @@ def test_a_request_id_rides_from_the_answer_to_the_trainers_ledger_in_one_trace(
                                                                      "flywheel-reward")
     assert request.attributes["flywheel.request_id"] == RID and labeled.attributes["flywheel.generation_id"] == gid
     assert header(reward, TRACEPARENT).split("-")[1:3] == [request.trace_id, labeled.span_id]
-    feedback_trace = spans["POST /v1/feedback"][0].trace_id
-    assert feedback_trace != request.trace_id and spans["publish feedback"][0].trace_id == feedback_trace
+    fb_span = spans["POST /v1/feedback"][0]
+    assert (fb_span.trace_id, fb_span.parent_id) == (CLIENT_TRACE, CLIENT_SPAN)
+    assert spans["publish feedback"][0].trace_id == CLIENT_TRACE
 
 
 def test_every_answer_names_its_request_id_and_no_trace_leaves_when_traces_are_off(serve, broker, topics,
