@@ -1,6 +1,7 @@
 """``flywheel serve``: verify the weights, start the engine and the API, stop cleanly on SIGTERM.
 
-    FLYWHEEL_MODEL_DIR=data/model FLYWHEEL_API_KEYS=sk-local flywheel serve
+    openssl rand -hex 32 > salt    # serve.user_id_salt: refused at its published default beside API keys
+    FLYWHEEL_MODEL_DIR=data/model FLYWHEEL_API_KEYS=sk-local FLYWHEEL_SERVE_USER_ID_SALT_FILE=salt flywheel serve
 
 Start-up order: the model directory is checked against its manifest (unverified weights are never
 served), the topics are created if missing, the recorder starts and replays any journal a previous
