@@ -13,7 +13,8 @@ routes (``/v1/*``) declare the bearer-key scheme; ``/health`` and ``/metrics`` n
 one ``/health`` says only ``ok``). Every error is documented with what it means on that route, its
 body (``ErrorResponse``, the shape every 4xx and 5xx has) and the headers it always carries
 (``WWW-Authenticate`` on a 401, ``Retry-After`` on a 429 or 503); no route answers 422 (a body that
-fails validation is a 400), so none is documented.
+fails validation is a 400), so none is documented. Every answer carries ``X-Request-Id``
+(serving/request_ids.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic import BaseModel
 
 from flywheel.openapi import base_schema
 from flywheel.settings import ServeSettings
+from flywheel.telemetry import HTTP_REQUEST_ID
 from serving.protocol import (
     ChatCompletionChunk,
     ChatRequest,
@@ -134,10 +136,19 @@ def build(app: FastAPI, serve: ServeSettings, vocab_size: int) -> dict[str, Any]
         "description": "A product key (serve.api_keys, FLYWHEEL_API_KEYS): `Authorization: Bearer <key>`.",
     }}
     for path, operations in schema["paths"].items():
-        if path.startswith("/v1/"):
-            for op in operations.values():
+        for op in operations.values():
+            if path.startswith("/v1/"):
                 op["security"] = [{BEARER: []}]
+            for answer in op.get("responses", {}).values():
+                answer.setdefault("headers", {})[HTTP_REQUEST_ID] = _REQUEST_ID_HEADER
     return schema
+
+
+#: On every answer (flywheel/telemetry.py): the request's own id when it sent a safe one.
+_REQUEST_ID_HEADER = {
+    "required": True, "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
+    "description": "The request's id: the X-Request-Id it sent when that is at most 128 characters of "
+                   "A-Z a-z 0-9 . _ : -, else a new one. Its records and log lines carry it."}
 
 
 def _add(schemas: dict[str, Any], model: type[BaseModel], mode: Any) -> None:
