@@ -239,8 +239,10 @@ def server_config(app: Any, host: str, port: int, limits: HttpSettings, guard: C
                   **extra: Any) -> uvicorn.Config:
     """uvicorn's config for ``app`` held by ``guard`` (a new one over ``limits`` if None)."""
     guard = guard if guard is not None else ConnectionGuard(limits)
+    # log_config=None: uvicorn's lines (its errors) go to the process's own handler and format
+    # (flywheel/logs.py: JSON with --log-format json), not to a text handler of uvicorn's
     return uvicorn.Config(app, host=host, port=port, http=guard.protocol, timeout_keep_alive=limits.keep_alive_s,
-                          log_level="warning", access_log=False, lifespan="off", **extra)
+                          log_level="warning", access_log=False, lifespan="off", log_config=None, **extra)
 
 
 @dataclass(frozen=True)

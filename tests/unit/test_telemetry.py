@@ -105,3 +105,17 @@ def test_the_outbox_keeps_headers_and_a_store_from_before_them_gets_the_column(t
         store.append(0, "t", "k2", b"w")
     rows = store.pending([0])
     assert [(r.key, r.headers) for r in rows] == [("k0", None), ("k1", [(REQUEST_ID_HEADER, b"r-1")]), ("k2", None)]
+
+
+def test_uvicorn_logs_through_the_process_handler_in_its_format():
+    """uvicorn's own logging config put a text handler on its loggers: with --log-format json its
+    error lines ("Exception in ASGI application") were the only text among the JSON."""
+    import subprocess
+    import sys
+
+    code = ("import logging; from flywheel.logs import configure; configure('json', 'INFO'); "
+            "from flywheel.connections import server_config; from flywheel.settings import HttpSettings; "
+            "server_config(object(), '127.0.0.1', 0, HttpSettings()); "
+            "logging.getLogger('uvicorn.error').error('boom')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(out.stderr)["logger"] == "uvicorn.error"
