@@ -10,10 +10,13 @@ slow-loris attack; no API key needed). :class:`ConnectionGuard` adds, per server
   byte of a kept-alive connection's next request arrives, cancelled once the headers are complete;
 - a body deadline (``http.body_timeout_s``) from the headers to the request's last byte. Only
   reading the request is timed: a response (a stream, a long generation) never is;
+- a cap on a request's line and headers (``http.max_head_bytes``): httptools keeps a head whole
+  until it ends, and a fast client could otherwise fill the memory within the header deadline
+  (86 MB of one header in 10 s on loopback);
 - a cap on open connections per process and per client address, judged by :func:`admit` when a
   connection opens, before it costs a request.
 
-A request cut by a deadline gets 408 and its connection is closed (closed with no answer when not
+A request cut by a deadline gets 408 (431 for a head too large) and its connection is closed (closed with no answer when not
 one byte came: what a browser's idle pre-connection expects); a connection over a cap gets 429 (its
 address holds its share) or 503 (the process is full) and is closed. Cuts are counted in
 ``<component>_connections_cut_total{reason}`` and logged once a minute per reason.
@@ -66,6 +69,8 @@ class Cut(enum.Enum):
     """Its request's headers were not complete within ``http.header_timeout_s``: 408."""
     BODY_TIMEOUT = "body_timeout"
     """Its request's body was not complete within ``http.body_timeout_s``: 408."""
+    HEAD_TOO_LARGE = "head_too_large"
+    """Its request's line and headers went past ``http.max_head_bytes``: 431."""
     CLIENT_CAP = "client_cap"
     """Its address already held ``http.max_connections_per_client`` connections: 429."""
     PROCESS_CAP = "process_cap"
@@ -86,6 +91,7 @@ def admit(open_total: int, open_client: int, limits: HttpSettings) -> Cut | None
 _REFUSALS = {
     Cut.HEADER_TIMEOUT: (408, "Request Timeout", "the request was not received in time"),
     Cut.BODY_TIMEOUT: (408, "Request Timeout", "the request was not received in time"),
+    Cut.HEAD_TOO_LARGE: (431, "Request Header Fields Too Large", "the request line and headers are too long"),
     Cut.CLIENT_CAP: (429, "Too Many Requests", "too many open connections from this address"),
     Cut.PROCESS_CAP: (503, "Service Unavailable", "the server holds as many connections as it may"),
 }
@@ -97,7 +103,7 @@ def refusal(cut: Cut) -> bytes:
     body = f'{{"error": {{"message": "{text}", "type": "{cut.value}"}}}}'.encode()
     head = (f"HTTP/1.1 {status} {phrase}\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n")
-    if status != 408:  # a full process or address may have room again soon
+    if status in (429, 503):  # a full process or address may have room again soon
         head += "retry-after: 1\r\n"
     return head.encode() + b"\r\n" + body
 
@@ -150,7 +156,7 @@ class ConnectionGuard:
 
 
 def _setting_of(cut: Cut) -> str:
-    return {Cut.HEADER_TIMEOUT: "header_timeout_s", Cut.BODY_TIMEOUT: "body_timeout_s",
+    return {Cut.HEADER_TIMEOUT: "header_timeout_s", Cut.BODY_TIMEOUT: "body_timeout_s", Cut.HEAD_TOO_LARGE: "max_head_bytes",
             Cut.CLIENT_CAP: "max_connections_per_client", Cut.PROCESS_CAP: "max_connections"}[cut]
 
 
@@ -162,6 +168,8 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._client: str | None = None  # set once admitted
         self._deadline: asyncio.TimerHandle | None = None
         self._began = False  # a byte of the request being read has arrived
+        self._in_head = True  # reading a request's line and headers (a new connection's first)
+        self._head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         peer = get_remote_addr(transport)
@@ -185,17 +193,31 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._client is not None:
-            super().data_received(data)
+        if self._client is None:
+            return
+        # httptools holds a head until it ends, so its size is counted here, in the chunks read
+        # while it lasts. A chunk in which a kept-alive connection's next head begins is not
+        # counted (at most one read, 256 kB): a whole chunk would count the last request's tail.
+        counted = self._in_head
+        super().data_received(data)
+        if counted and self._in_head and not self.transport.is_closing():
+            self._head_bytes += len(data)
+            if self._head_bytes > self.guard.limits.max_head_bytes:
+                self._disarm()
+                self.guard.cut(Cut.HEAD_TOO_LARGE)
+                self.transport.write(refusal(Cut.HEAD_TOO_LARGE))
+                self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._began = True
+        self._in_head, self._head_bytes = True, 0
         if self._deadline is None:  # a kept-alive connection's next request: its clock starts now
             self._arm(self.guard.limits.header_timeout_s, Cut.HEADER_TIMEOUT)
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._in_head = False
         super().on_headers_complete()
         self._arm(self.guard.limits.body_timeout_s, Cut.BODY_TIMEOUT)
 

@@ -771,6 +771,10 @@ class HttpSettings(_Section):
     """A request's body must have arrived this long after its headers: else 408 and the connection
     is closed. Only reading the request is timed: a response, a stream or a long generation is
     never cut by it. The APIs' bodies are JSON of a few MB at most; 30 s allows 100 kB/s."""
+    max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    """A request's line and headers may be this long at most: more is answered 431 and the
+    connection closed. The HTTP parser keeps a head whole until it ends, so without a cap one
+    client could fill the memory before ``header_timeout_s``. Browsers and SDKs send a few kB."""
     keep_alive_s: float = Field(default=5.0, gt=0)
     """An idle kept-alive connection is closed after this long. Behind a load balancer that reuses
     connections, keep it above the balancer's own idle timeout (else it may send a request on a

@@ -27,7 +27,8 @@ def test_admit(open_total, open_client, limits, verdict):
 
 
 @pytest.mark.parametrize(("cut", "status"), [(Cut.HEADER_TIMEOUT, 408), (Cut.BODY_TIMEOUT, 408),
-                                             (Cut.CLIENT_CAP, 429), (Cut.PROCESS_CAP, 503)])
+                                             (Cut.HEAD_TOO_LARGE, 431), (Cut.CLIENT_CAP, 429),
+                                             (Cut.PROCESS_CAP, 503)])
 def test_a_cut_connection_is_told_why_and_that_it_closes(cut, status):
     head, _, body = refusal(cut).partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
@@ -35,7 +36,8 @@ def test_a_cut_connection_is_told_why_and_that_it_closes(cut, status):
     assert "connection: close" in lines
     assert f"content-length: {len(body)}" in lines
     assert cut.value.encode() in body
-    assert ("retry-after: 1" in lines) is (status != 408)  # a cap may have room again; a timeout is the client's
+    # a cap may have room again; a timeout or a head too large is the client's doing
+    assert ("retry-after: 1" in lines) is (status in (429, 503))
 
 
 def test_a_client_cap_above_the_process_cap_is_refused_at_start():
