@@ -454,8 +454,8 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
         with store.txn():
             db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
     if "hdr" not in columns:
-        with store.txn():
-            db.execute("ALTER TABLE gens ADD COLUMN hdr BLOB")
+        # as a script: PostgreSQL's has the types translated (BLOB is BYTEA there); one statement
+        db.executescript("ALTER TABLE gens ADD COLUMN hdr BLOB")
     db.executescript("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 

@@ -209,6 +209,30 @@ def test_ingest_replicas_join_close_and_shift_only_their_own_windows(shared):
     assert [(e.generation_id, e.signal) for e in episodes] == [("g0", "accept")]
 
 
+def test_a_store_from_before_headers_gets_their_columns_and_an_episode_carries_its_request_id(shared):
+    """Stores made before records carried headers (flywheel/telemetry.py) have neither
+    ``outbox.headers`` nor ``gens.hdr``: both are added at open, on SQLite and PostgreSQL alike,
+    and a generation's request id reaches its episode through them."""
+    from kafka.consumer.fetcher import ConsumerRecord
+
+    old = shared(INGEST_SCHEMA.replace(", hdr BLOB);", ");"))
+    old.db.execute("ALTER TABLE outbox DROP COLUMN headers")
+    assert "hdr" not in old.columns("gens") and "headers" not in old.columns("outbox")
+    store = shared(INGEST_SCHEMA)
+    stage = IngestStage(IngestSettings(window_s=10, grace_s=0, emit_after_signal_s=0.0), T, store, CollectorRegistry())
+    assert "hdr" in store.columns("gens") and "headers" in store.columns("outbox")
+    store.take([0])
+    gen = consumer_record(T.generations, 0, 0, "g0", encode(_gen("g0", 100.0)))
+    gen = ConsumerRecord(**{**gen._asdict(), "headers": [("flywheel-request-id", b"req-1")]})
+    fb = FeedbackEvent(feedback_id="f0", generation_id="g0", signal="accept", created_at=101.0, received_at=101.0)
+    with store.txn():
+        stage.process([gen, consumer_record(T.feedback, 0, 0, "g0", encode(fb))], now=102.0)
+    with store.txn():
+        stage.tick({0}, now=103.0)
+    [episode] = [r for r in store.pending([0]) if r.topic == T.episodes]
+    assert episode.headers == [("flywheel-request-id", b"req-1")]
+
+
 def test_reward_guard_counts_move_with_their_shard(shared):
     cfg = RewardSettings()
     a_store, b_store = shared(REWARD_SCHEMA), shared(REWARD_SCHEMA)
