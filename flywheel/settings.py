@@ -1042,6 +1042,8 @@ def describe(settings: Settings) -> str:
         release["webhooks"] = [f"{(u := urlsplit(url)).scheme}://{u.netloc.rpartition('@')[2]}/***"
                                for url in release["webhooks"]]
     serve["user_id_salt"] = "***"
+    if data.get("telemetry", {}).get("otlp_endpoint"):  # a collector's password may ride in its URL
+        data["telemetry"]["otlp_endpoint"] = redact_database_url(data["telemetry"]["otlp_endpoint"])
     if data.get("kafka", {}).get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"
     return json.dumps(data, sort_keys=True)

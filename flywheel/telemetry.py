@@ -35,7 +35,7 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from flywheel.settings import TelemetrySettings
+from flywheel.settings import TelemetrySettings, redact_database_url
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,8 @@ class Tracing:
         exporter = OTLPSpanExporter(endpoint=f"{settings.otlp_endpoint}/v1/traces", timeout=settings.export_timeout_s)
         self.provider.add_span_processor(BatchSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("flywheel")
-        log.info("traces: exporting to %s/v1/traces as %s-%s", settings.otlp_endpoint, settings.service_name, role)
+        log.info("traces: exporting to %s/v1/traces as %s-%s", redact_database_url(settings.otlp_endpoint),
+                 settings.service_name, role)
 
     @property
     def enabled(self) -> bool:

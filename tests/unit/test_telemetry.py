@@ -119,3 +119,12 @@ def test_uvicorn_logs_through_the_process_handler_in_its_format():
             "logging.getLogger('uvicorn.error').error('boom')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stderr)["logger"] == "uvicorn.error"
+
+
+def test_a_collector_password_in_its_url_is_masked_in_the_start_up_log():
+    from flywheel.settings import describe, load_settings
+
+    settings = load_settings(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "https://otel:s3cret@collector:4318/"})
+    assert settings.telemetry.otlp_endpoint == "https://otel:s3cret@collector:4318"  # (the standard variable)
+    shown = describe(settings)
+    assert "s3cret" not in shown and "https://otel:***@collector:4318" in shown
