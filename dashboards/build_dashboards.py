@@ -49,6 +49,14 @@ ROWS = [
             ('sum(serving_journal_depth_records)', "journal records"),
             ('sum(rate(serving_publish_failures_total[5m]))', "publish failures/s"),
             ('sum(rate(serving_dropped_events_total[5m]))', "dropped/s")]),
+        # whether the records that choose weights are verified (docs/signing.md): 0 is signing off
+        ("Signatures: verified (1) or not, trusted keys, key files refused", "short", [
+            ('min(serving_release_signatures_verified)', "serving verifies releases"),
+            ('min(release_checkpoint_signatures_verified)', "controller verifies checkpoints"),
+            ('max(serving_release_trusted_keys)', "release keys trusted"),
+            ('max(release_checkpoint_trusted_keys)', "checkpoint keys trusted"),
+            ('(max(serving_release_key_files_refused) or vector(0)) + (max(release_checkpoint_key_files_refused) or vector(0))',
+             "key files refused")]),
     ]),
     # vLLM's own statistics per engine (slot) and the version it served (serving/engine_stats.py)
     ("Engines", [
