@@ -116,7 +116,7 @@ class ReleaseFollower:
     """See the module docstring. ``run_on_loop`` runs a coroutine on the engines' event loop."""
 
     def __init__(self, settings: Settings, fleet: Fleet, run_on_loop: Callable[[Any], Any],
-                 registry: CollectorRegistry) -> None:
+                 registry: CollectorRegistry, verifier: Verifier | None = None) -> None:
         self.settings, self.fleet, self.run_on_loop = settings, fleet, run_on_loop
         self.deployment = settings.release.deployment
         self.topic = Topics(settings.topic_prefix).releases
@@ -132,7 +132,9 @@ class ReleaseFollower:
         self.state_file = Path(settings.data_dir) / "serving" / "release.json"
         self.metrics = FollowerMetrics(registry)
         # only the release controller's key may say what serving runs (flywheel/signing.py)
-        self.verifier = Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
+        # (``verifier``: the one flywheel serve loaded at start, so a refused key file is logged once)
+        self.verifier = verifier if verifier is not None else Verifier.load(
+            settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
         # serving_release_signatures_verified, _trusted_keys, _key_files_refused: an unverified
         # serving, or a key file it cannot use, shows on every scrape (alerts: dashboards/)
         self.verifier.register(registry, SERVING_RELEASE)

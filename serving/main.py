@@ -94,10 +94,13 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         log.warning("serve.user_id_salt is the built-in default: anyone can compute the user pseudonyms serving "
                     "records; set FLYWHEEL_SERVE_USER_ID_SALT (or its _FILE) to a secret of your own before real "
                     "users arrive, and keep it")
-    if settings.serve.follow_releases and settings.serve.trusted_release_keys:
-        # keys that cannot be read stop the start now (KeyFileError: exit 2 with the message),
-        # not once the engines have loaded, minutes on a GPU, on every restart of a crash loop
-        Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
+    verifier = None
+    if settings.serve.follow_releases:
+        # trusted keys none of which can be used stop the start now (KeyFileError: exit 2 with the
+        # reasons), not once the engines have loaded, minutes on a GPU, on every restart of a crash
+        # loop; a bad file beside a good key is refused and logged here, once, and the follower
+        # goes on with this verifier
+        verifier = Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
     topics = Topics(settings.topic_prefix)
     try:
         ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.serving_status,
@@ -123,7 +126,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
                 engines.append(loop.call(lambda: _engine(VllmEngine, settings)))
             fleet = Fleet(engines, registry)
         if settings.serve.follow_releases:
-            follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=600), registry)
+            follower = ReleaseFollower(settings, fleet, lambda fn: loop.call(fn, timeout_s=600), registry,
+                                       verifier=verifier)
             follower.catch_up(settings.serve.release_wait_s)  # before the port opens
             follower.start()
         readiness = Readiness()
