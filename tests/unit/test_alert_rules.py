@@ -238,3 +238,16 @@ def test_a_refused_key_file_is_alerted(tmp_path, name, serving, controller, fire
                                                 "are refused"}} for r in fires]
     done = _promtool(tmp_path, series, "15m", expected, alertname="FlywheelKeyFileRefused")
     assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("component, port", [("serving", "serving-a:8000"), ("release", "release:8100")])
+@pytest.mark.parametrize("per_minute, fires", [(30, False), (120, True)])
+def test_connections_cut_past_one_a_second_ticket(tmp_path, component, port, per_minute, fires):
+    """A client on a bad network now and then tickets nobody; a slow-loris attack (or a proxy whose
+    clients share one address) cutting two a second for a quarter of an hour does."""
+    series = {f'{component}_connections_cut_total{{job="flywheel-{component}", instance="{port}", '
+              f'reason="header_timeout"}}': f"0+{per_minute}x40"}
+    labels = {"severity": "ticket", "job": f"flywheel-{component}", "instance": port, "reason": "header_timeout"}
+    expected = [{"exp_labels": labels, "exp_annotations": _annotations("FlywheelConnectionsCut")}]
+    done = _promtool(tmp_path, series, "30m", expected if fires else [], alertname="FlywheelConnectionsCut")
+    assert done.returncode == 0, f"{per_minute}/min: {done.stdout}{done.stderr}"

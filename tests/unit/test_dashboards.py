@@ -27,6 +27,8 @@ def _registered() -> set[str]:
     names.add("release_deadletters_total")  # release/streams.py's, likewise
     for stage in ("ingest", "reward"):  # flywheel/stream/runner.py builds these from the stage name
         names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
+    for api in ("serving", "release"):  # flywheel/connections.py builds these from the API's component
+        names.update({f"{api}_connections_cut_total", f"{api}_connections_open"})
     return names
 
 
