@@ -156,8 +156,9 @@ class ConnectionGuard:
 
 
 def _setting_of(cut: Cut) -> str:
-    return {Cut.HEADER_TIMEOUT: "header_timeout_s", Cut.BODY_TIMEOUT: "body_timeout_s", Cut.HEAD_TOO_LARGE: "max_head_bytes",
-            Cut.CLIENT_CAP: "max_connections_per_client", Cut.PROCESS_CAP: "max_connections"}[cut]
+    return {Cut.HEADER_TIMEOUT: "header_timeout_s", Cut.BODY_TIMEOUT: "body_timeout_s",
+            Cut.HEAD_TOO_LARGE: "max_head_bytes", Cut.CLIENT_CAP: "max_connections_per_client",
+            Cut.PROCESS_CAP: "max_connections"}[cut]
 
 
 class _GuardedProtocol(HttpToolsProtocol):
