@@ -173,7 +173,7 @@ class Tracing:
         if self.provider is not None:
             try:
                 self.provider.shutdown()
-            except Exception:  # noqa: BLE001 - a process stops whether its last spans got out or not
+            except Exception:
                 log.warning("traces: the last spans could not be exported", exc_info=True)
 
 

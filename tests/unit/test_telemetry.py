@@ -12,7 +12,14 @@ import pytest
 
 from flywheel.logs import GENERATION_ID, REQUEST_ID, ContextIds, JsonFormatter
 from flywheel.stream.store import StateStore
-from flywheel.telemetry import REQUEST_ID_HEADER, TRACEPARENT, TRACESTATE, carried, request_id_of, valid_request_id
+from flywheel.telemetry import (
+    REQUEST_ID_HEADER,
+    TRACEPARENT,
+    TRACESTATE,
+    carried,
+    request_id_of,
+    valid_request_id,
+)
 from serving.journal import Journal
 
 PARENT = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
