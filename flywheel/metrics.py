@@ -9,8 +9,12 @@ judge); serving and the release controller mount the same routes on their FastAP
 from __future__ import annotations
 
 import json
+import socket
 import threading
+from collections import Counter
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -25,14 +29,81 @@ def new_registry() -> CollectorRegistry:
     return CollectorRegistry(auto_describe=True)
 
 
-def serve_ops(registry: CollectorRegistry, probes: Probes, host: str, port: int) -> ThreadingHTTPServer:
+@dataclass(frozen=True)
+class OpsLimits:
+    """How the ops port holds against slow and greedy clients. Its clients (the kubelet's probes,
+    Prometheus) send one small request at once and read a small answer, while a connection that
+    sends its request a byte every few seconds would hold one of its threads for ever: enough of
+    them and ``/livez`` is never answered, and the kubelet restarts a healthy stage. So a
+    connection lives ``connection_s`` at most (request and answer: HTTP/1.0, one request each), an
+    address holds ``per_client`` connections, and the process ``total``; one over a cap is closed
+    at once, without a thread."""
+
+    connection_s: float = 5.0
+    per_client: int = 16
+    total: int = 128
+
+
+class _OpsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], limits: OpsLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._open: Counter[str] = Counter()
+        self._admitted: dict[int, str] = {}  # id(socket) -> its client's address
+        super().__init__(address, handler)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        host = client_address[0]
+        with self._lock:
+            if self._open.total() >= self.limits.total or self._open[host] >= self.limits.per_client:
+                return False  # socketserver closes it
+            self._open[host] += 1
+            self._admitted[id(request)] = host
+        return True
+
+    def close_request(self, request: Any) -> None:
+        with self._lock:
+            host = self._admitted.pop(id(request), None)
+            if host is not None:  # a refused one was never counted
+                self._open[host] -= 1
+                if self._open[host] <= 0:
+                    del self._open[host]
+        super().close_request(request)
+
+
+def serve_ops(registry: CollectorRegistry, probes: Probes, host: str, port: int,
+              limits: OpsLimits = OpsLimits()) -> ThreadingHTTPServer:
     """Serve :data:`OPS_PATHS` on a daemon thread; returns the server (``.server_port``).
 
     ``/livez`` and ``/readyz`` answer ``{"ok": ...}`` with what their check reports; ``/health``
-    is ``/readyz``'s answer for people, under the same status code."""
+    is ``/readyz``'s answer for people, under the same status code. Slow and greedy clients are
+    held off by ``limits`` (:class:`OpsLimits`)."""
     checks: dict[str, HealthFn] = {"/livez": probes.live, "/readyz": probes.ready, "/health": probes.ready}
 
     class Handler(BaseHTTPRequestHandler):
+        def setup(self) -> None:
+            super().setup()
+            # one deadline for the whole connection, not a timeout per read: a byte every few
+            # seconds passes any read timeout
+            self._deadline = threading.Timer(limits.connection_s, self._cut)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def _cut(self) -> None:
+            try:
+                self.connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            try:
+                super().finish()
+            except OSError:
+                pass  # the deadline shut the socket under a buffered write
+
         def do_GET(self) -> None:
             if self.path == "/metrics":
                 body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
@@ -51,6 +122,6 @@ def serve_ops(registry: CollectorRegistry, probes: Probes, host: str, port: int)
         def log_message(self, *args: object) -> None:  # keep scrapes out of the logs
             return
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _OpsServer((host, port), Handler, limits)
     threading.Thread(target=server.serve_forever, name="ops-http", daemon=True).start()
     return server

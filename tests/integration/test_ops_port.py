@@ -1,0 +1,113 @@
+"""The stages' ops port (flywheel/metrics.py serve_ops) against slow and greedy clients.
+
+Its ``/livez`` is the kubelet's liveness probe: a client that keeps its threads busy would get a
+healthy stage restarted. Every connection lives ``OpsLimits.connection_s`` at most, and an address
+holds ``per_client`` of them; another address (127.0.0.2, the kubelet's here) is still answered.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from flywheel.metrics import OpsLimits, new_registry, serve_ops
+from flywheel.probes import Probes
+
+
+def _ok() -> tuple[bool, dict]:
+    return True, {}
+
+
+def _slow_sender(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n")  # the headers never end
+    return sock
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closed ``sock`` within ``seconds`` (EOF or a reset on read)."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _livez_from(port: int, source: str) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as sock:
+        sock.sendall(b"GET /livez HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    status = int(answer.split(b" ", 2)[1])
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {"ok": True}
+    return status
+
+
+@pytest.fixture
+def ops():
+    server = serve_ops(new_registry(), Probes(_ok, _ok), "127.0.0.1", 0,
+                       OpsLimits(connection_s=1.0, per_client=4, total=8))
+    yield server.server_port
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_slow_request_is_cut_at_the_connection_deadline(ops):
+    """Before: a request sent a byte at a time held its thread for ever (no timeout at all)."""
+    sock = _slow_sender(ops)
+    started = time.monotonic()
+    try:
+        assert _closed_within(sock, 4.0)
+    finally:
+        sock.close()
+    assert time.monotonic() - started < 3.0
+
+
+def test_an_address_over_its_share_is_refused_and_livez_answers_another(ops):
+    """Four slow connections fill 127.0.0.1's share: its fifth is closed at once, while the
+    kubelet's address is answered; once the deadline cut them, 127.0.0.1 is answered again."""
+    held = [_slow_sender(ops) for _ in range(4)]
+    try:
+        extra = _slow_sender(ops)
+        assert _closed_within(extra, 0.5), "an address over its share is closed at once"
+        extra.close()
+        assert _livez_from(ops, "127.0.0.2") == 200
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + 5
+    while True:  # the closed ones are released as their threads end
+        try:
+            assert _livez_from(ops, "127.0.0.1") == 200
+            break
+        except (AssertionError, IndexError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_the_process_cap_closes_the_rest_and_the_server_goes_on(ops):
+    """Eight connections from two addresses fill the process: a ninth is closed at once; after
+    the deadline every address is answered again. A plain urllib client reads /metrics."""
+    held = [_slow_sender(ops) for _ in range(4)]
+    for _ in range(4):
+        sock = socket.create_connection(("127.0.0.1", ops), timeout=5, source_address=("127.0.0.3", 0))
+        sock.sendall(b"GET /")
+        held.append(sock)
+    try:
+        with pytest.raises((OSError, IndexError)):
+            _livez_from(ops, "127.0.0.2")
+    finally:
+        for sock in held:
+            sock.close()
+    time.sleep(0.3)
+    assert _livez_from(ops, "127.0.0.2") == 200
+    with urllib.request.urlopen(f"http://127.0.0.1:{ops}/metrics", timeout=5) as resp:
+        assert resp.status == 200
