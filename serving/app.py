@@ -159,7 +159,7 @@ class Gate:
         refused = self.limits.take(user_id, key)
         if refused is not None:
             self.metrics.rate_limited.labels(refused.scope).inc()
-            who = "this user" if refused.scope == "user" else "this API key"
+            who = "this user of this API key" if refused.scope == "user" else "this API key"
             raise ApiError(429, f"rate limit exceeded for {who}; retry in {refused.wait_s:.1f}s",
                            type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": retry_after_header(refused.wait_s)})
