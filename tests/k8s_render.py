@@ -102,3 +102,33 @@ def _apply(doc: dict[str, Any], op: dict[str, Any]) -> None:
         del parent[int(last) if isinstance(parent, list) else last]
     else:
         raise ValueError(f"JSON patch operation this renderer does not know: {op['op']}")
+
+
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    """What ``kubectl kustomize`` makes of ``folder``, as a cluster would get it; this module's
+    :func:`render` only where kubectl is not installed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("kubectl") is None:
+        return render(folder)
+    out = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, check=True).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+def image_env(dockerfile: Path) -> dict[str, str]:
+    """The ``ENV`` of a Dockerfile's last stage (the image a pod runs), as the runtime sees it
+    before the pod's own env: the variables a manifest does not set come from here."""
+    import shlex
+
+    text = dockerfile.read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.split(None, 1)
+        if words and words[0].upper() == "FROM":
+            env = {}  # a new stage starts with nothing of the previous one's
+        elif len(words) == 2 and words[0].upper() == "ENV":
+            for pair in shlex.split(words[1]):
+                name, _, value = pair.partition("=")
+                env[name] = value.replace("$PATH", env.get("PATH", "$PATH"))
+    return env

@@ -18,7 +18,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from k8s_render import apply_patches, load_docs, pod_spec, render
+from k8s_render import apply_patches, kustomize, load_docs, pod_spec, render
 
 from flywheel.environment import FILE_SUFFIX
 from flywheel.metrics import OPS_PATHS
@@ -304,3 +304,102 @@ def test_the_deploy_guide_and_example_secrets_name_keys_by_dated_ids():
     assert {n: sorted(example[n]) for n in MID_ROTATION} == {n: sorted(MID_ROTATION[n]) for n in MID_ROTATION} | {
         "flywheel-release-key": ["release-2026-11.key"]}
     assert all(dated.fullmatch(f) for n in MID_ROTATION for f in example[n])
+
+
+# -- every path a role opens is on a volume of its pod -----------------------------------------------
+#: The path settings each role opens, and whether it writes there (False: it only reads, so its
+#: mount is read-only). ``model_dir`` is also the LoRA base: the trainer trains an adapter on it and
+#: the release gate applies adapter versions to it. ``trainer.store`` in serving: a release record
+#: names versions by their path in the controller's store, so serving mounts it where that is.
+ROLE_PATHS: dict[str, dict[str, bool]] = {
+    "serve": {"model_dir": False, "trainer.store": False, "data_dir": True, "serve.trusted_release_keys": False},
+    "trainer": {"model_dir": False, "trainer.store": True, "data_dir": True, "trainer.signing_key": False,
+                "trainer.deepspeed_config": False, "trainer.reference_dir": False},
+    "release": {"model_dir": False, "trainer.store": False, "data_dir": True, "release.signing_key": False,
+                "release.trusted_checkpoint_keys": False, "release.prompts_file": False},
+    "ingest": {"data_dir": True, "archive": True},
+    "reward": {"data_dir": True, "archive": True},
+}
+#: Read by every role that talks to the broker.
+COMMON_PATHS = {"kafka.ssl_cafile": False, "kafka.ssl_certfile": False, "kafka.ssl_keyfile": False}
+
+
+#: Path settings whose files must exist while the settings load (settings check them).
+_CHECKED_AT_LOAD = ("FLYWHEEL_KAFKA_SSL_CAFILE", "FLYWHEEL_KAFKA_SSL_CERTFILE", "FLYWHEEL_KAFKA_SSL_KEYFILE")
+
+
+def pod_settings(workload: dict[str, Any], resources: list[dict[str, Any]],
+                 tmp_path: Path) -> tuple[Settings, dict[str, str]]:
+    """The settings a pod's process loads, as the kubelet starts it: the image's ENV (from
+    deploy/Dockerfile), then the container's env and envFrom, then the mounted ConfigMap's TOML.
+    Every path setting keeps its value in the pod but the files read or checked while the settings
+    load (``*_FILE`` secrets, the TOML, the Kafka TLS files), made here; the second value maps
+    each of those back to its path in the pod."""
+    from k8s_render import image_env
+
+    c = pod_spec(workload)["containers"][0]
+    maps = {r["metadata"]["name"]: r.get("data", {}) for r in resources if r["kind"] == "ConfigMap"}
+    env = image_env(K8S.parents[1] / "deploy" / "Dockerfile")
+    for source in c.get("envFrom", []):
+        env.update(maps[source["configMapRef"]["name"]] if "configMapRef" in source else {})
+    for e in c.get("env", []):
+        ref = e.get("valueFrom", {}).get("configMapKeyRef")
+        env[e["name"]] = maps[ref["name"]][ref["key"]] if ref else e.get("value", "")
+    made = {}
+    for name, value in list(env.items()):
+        if name.endswith(FILE_SUFFIX) or name in _CHECKED_AT_LOAD:
+            local = tmp_path / "files" / name
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_text(_FILES.get(Path(value).name, "x"))
+            env[name], made[str(local)] = str(local), value
+    config = next(m for m in c["volumeMounts"] if m["mountPath"] == env["FLYWHEEL_CONFIG"])
+    volume = next(v for v in pod_spec(workload)["volumes"] if v["name"] == config["name"])
+    toml = tmp_path / "flywheel.toml"
+    toml.write_text(maps[volume["configMap"]["name"]][config["subPath"]])
+    return load_settings(env={**env, "FLYWHEEL_CONFIG": str(toml)}), made
+
+
+def path_values(settings: Settings, setting: str) -> list[str]:
+    """The pod paths one path setting names (none when unset, or a URL: no volume holds that)."""
+    from flywheel.checkpoints.store import store_root
+
+    if setting == "trainer.store":
+        return [] if "://" in settings.trainer.store else [str(store_root(settings))]
+    if setting == "archive":
+        return [str(settings.archive_root)]
+    value: Any = settings
+    for part in setting.split("."):
+        value = getattr(value, part)
+    values = value if isinstance(value, tuple) else (value,)
+    return [str(v) for v in values if v is not None and str(v)]
+
+
+def covering_mount(workload: dict[str, Any], path: str) -> dict[str, Any] | None:
+    """The volume mount a path is on: the deepest mount path that holds it."""
+    mounts = [m for m in pod_spec(workload)["containers"][0]["volumeMounts"]
+              if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+    return max(mounts, key=lambda m: len(m["mountPath"]), default=None)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_path_a_role_opens_is_on_a_volume_of_its_pod(overlay, tmp_path):
+    """The release controller's pod set no model directory and mounted none, so it took the image's
+    ``/models/current``, which no volume of its pod holds: every gate against version 0 raised
+    OSError and each version was rejected after three tries. Each role's settings load here as its
+    pod's would, and every path they name for the role must be on one of the pod's mounts,
+    read-only where the role only reads."""
+    resources = kustomize(K8S / "overlays" / overlay)
+    kafka = yaml.safe_load((K8S / "components" / "kafka-sasl-ssl" / "kustomization.yaml").read_text())
+    missing = []
+    for w in workloads(apply_patches(resources, kafka["patches"])):
+        r = role(w)
+        settings, made = pod_settings(w, resources, tmp_path / w["metadata"]["name"])
+        for setting, writes in (ROLE_PATHS[r] | COMMON_PATHS).items():
+            for path in (made.get(p, p) for p in path_values(settings, setting)):
+                mount = covering_mount(w, path)
+                if mount is None:
+                    missing.append(f"{r}: {setting}={path} is on no volume of the pod")
+                elif bool(mount.get("readOnly")) == writes:
+                    missing.append(f"{r}: {setting}={path} is on {mount['mountPath']} mounted "
+                                   f"{'read-only, but the role writes there' if writes else 'writable, but the role only reads'}")
+    assert not missing, "\n".join(missing)
