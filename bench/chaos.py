@@ -549,12 +549,13 @@ def drop_database(db: RunDatabase) -> None:
 
 
 # -- what the run left ------------------------------------------------------------------------------
-def read_topic(kafka: Any, topic: str) -> list[Any]:
+def read_topic(kafka: Any, topics: Any, topic: str) -> list[Any]:
     from kafka import TopicPartition
 
     from flywheel.kafka.clients import read_to_end
+    from flywheel.topology import declared_partitions
 
-    starts = {TopicPartition(topic, p): None for p in range(kafka.partitions)}
+    starts = {TopicPartition(topic, p): None for p in range(declared_partitions(topic, topics, kafka))}
     return [rec for _, rec in read_to_end(kafka, starts, client_id="chaos-reader")]
 
 
@@ -595,7 +596,7 @@ def read_accounting(kafka: Any, topics: Any) -> Records:
     from flywheel.contracts import DeadLetterEvent, RewardEvent, decode
 
     rewards: dict[str, set[bytes]] = {}
-    for rec in read_topic(kafka, topics.rewards):
+    for rec in read_topic(kafka, topics, topics.rewards):
         try:
             gid = decode(RewardEvent, rec.value).generation_id
         except ValueError:
@@ -603,7 +604,7 @@ def read_accounting(kafka: Any, topics: Any) -> Records:
         rewards.setdefault(gid, set()).add(rec.value)
     dead: dict[str, set[str]] = {}
     dead_keys, details = set(), {}
-    for rec in read_topic(kafka, topics.deadletter):
+    for rec in read_topic(kafka, topics, topics.deadletter):
         dl = decode(DeadLetterEvent, rec.value, max_bytes=len(rec.value) + 1)
         if dl.key_b64:
             dead_keys.add((dl.source_topic, base64.b64decode(dl.key_b64).decode(errors="replace")))
@@ -641,7 +642,7 @@ def served_versions(kafka: Any, topics: Any, rows: list[dict[str, Any]]) -> dict
         if v is not None:
             first[v] = min(first.get(v, at), at)
 
-    for rec in read_topic(kafka, topics.generations):
+    for rec in read_topic(kafka, topics, topics.generations):
         try:
             g = decode(GenerationEvent, rec.value)
         except ValueError:
@@ -649,7 +650,7 @@ def served_versions(kafka: Any, topics: Any, rows: list[dict[str, Any]]) -> dict
         note(g.model_version, g.created_at)
         for span in g.version_spans:
             note(span.version, g.created_at)
-    for rec in read_topic(kafka, topics.serving_status):
+    for rec in read_topic(kafka, topics, topics.serving_status):
         try:
             s = decode(ServingStatusEvent, rec.value)
         except ValueError:
@@ -670,7 +671,7 @@ def routing_facts(kafka: Any, topics: Any, store: Any) -> tuple[dict[str, Any] |
     from flywheel.contracts import CheckpointEvent, ReleaseEvent, decode
 
     last, routed = None, {}
-    for rec in read_topic(kafka, topics.releases):
+    for rec in read_topic(kafka, topics, topics.releases):
         try:
             ev = decode(ReleaseEvent, rec.value)
         except ValueError:
@@ -681,7 +682,7 @@ def routing_facts(kafka: Any, topics: Any, store: Any) -> tuple[dict[str, Any] |
             if v is not None:
                 routed[v] = min(routed.get(v, ev.updated_at), ev.updated_at)
     announced = {}
-    for rec in read_topic(kafka, topics.checkpoints):
+    for rec in read_topic(kafka, topics, topics.checkpoints):
         try:
             ck = decode(CheckpointEvent, rec.value)
         except ValueError:

@@ -9,7 +9,7 @@ transformers) happen inside the role, so ``flywheel --help`` stays instant.
     flywheel model import [SRC] DIR        a Hugging Face directory or a GGUF file (default: the packaged
                                            SmolLM2), checked, as a model dir
     flywheel serve                         OpenAI-compatible API + feedback, records to Kafka
-    flywheel topics                        create the topics this deployment uses
+    flywheel topics [manifests|table|acls] create the declared topics and report drift; or what is made from them
     flywheel ingest | reward | train       the pipeline stages
     flywheel deadletters summary|show|replay   what the stages could not use, and its replay
     flywheel keys generate --out DIR --key-id ID   an Ed25519 pair that signs releases or checkpoints
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.extras import MissingExtra
-from flywheel.output import add_output, emit
+from flywheel.output import add_output, emit, table
 from flywheel.settings import Settings, SettingsError, describe, load_settings
 
 log = logging.getLogger("flywheel")
@@ -124,14 +124,38 @@ def cmd_model_import(args: argparse.Namespace) -> int:
 
 
 def cmd_topics(args: argparse.Namespace) -> int:
+    """``flywheel topics``: the declared topics (flywheel/topology.py) created where missing and
+    checked where they exist, exit 1 on any drift; ``manifests``, ``table`` and ``acls`` print
+    what is generated from the same registry (the Strimzi component, the docs' tables)."""
+    from flywheel import topology
     from flywheel.contracts import Topics
-    from flywheel.kafka.clients import ensure_topics
 
     settings = _settings(args)
-    topics = Topics(settings.topic_prefix)
-    ensure_topics(settings.kafka, topics.all())
-    emit(args, {"topics": list(topics.all())}, lambda body: "\n".join(body["topics"]))
-    return 0
+    if args.what == "manifests":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in topology.strimzi_files(settings, args.cluster).items():
+            (out / name).write_text(text)
+            print(out / name)
+        return 0
+    if args.what != "check":
+        print({"table": topology.topic_table, "acls": topology.acl_table}[args.what](settings), end="")
+        return 0
+    from flywheel.kafka.topics import Found, check_topics
+
+    checks = check_topics(settings.kafka, Topics(settings.topic_prefix))
+    drifted = [c for c in checks if c.found is Found.DRIFTED]
+    body = {"topics": [c.name for c in checks], "checks": [c.as_dict() for c in checks], "drifted": len(drifted)}
+
+    def render(_: Any) -> str:
+        rows = [(c.name, c.found.value, c.partitions, c.replication_factor,
+                 "; ".join(f"{d.what} {d.actual}, declared {d.declared}" for d in c.differences)
+                 + (f"{'; ' if c.differences else ''}unknown: {', '.join(c.unknown)}" if c.unknown else ""))
+                for c in checks]
+        return table(["topic", "found", "partitions", "replicas", "differences"], rows)
+
+    emit(args, body, render)
+    return 1 if drifted else 0
 
 
 def cmd_keys_generate(args: argparse.Namespace) -> int:
@@ -392,7 +416,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("config_cmd", choices=["show", "example"])
     c.set_defaults(func=cmd_config)
 
-    t = sub.add_parser("topics", help="create this deployment's topics if missing")
+    t = sub.add_parser("topics", help="create this deployment's topics if missing and report any that differ from "
+                                      "flywheel/topology.py (exit 1); or print what is generated from it")
+    t.add_argument("what", nargs="?", default="check", choices=["check", "manifests", "table", "acls"],
+                   help="check (default): create and compare; manifests: the Strimzi KafkaTopic and KafkaUser "
+                        "resources; table, acls: the docs' topic and ACL tables")
+    t.add_argument("--cluster", default="kafka", help="manifests: the Strimzi cluster's name (strimzi.io/cluster)")
+    t.add_argument("--out", default="deploy/k8s/components/strimzi-topics",
+                   help="manifests: the component's directory, whose generated files are written")
     add_output(t)
     t.set_defaults(func=cmd_topics)
 

@@ -257,7 +257,7 @@ def run(settings: Any, args: Any) -> int:
     """``flywheel up``."""
     from flywheel.contracts import Topics
     from flywheel.extras import require_vllm
-    from flywheel.kafka.clients import ensure_topics
+    from flywheel.kafka.topics import ensure_declared
     from local.broker import EmbeddedBroker, free_port, tansu_binary
     from local.demo import ensure_model
 
@@ -277,7 +277,7 @@ def run(settings: Any, args: Any) -> int:
     kafka = settings.kafka.model_copy(update={"bootstrap": bootstrap})
 
     def topics() -> None:
-        ensure_topics(kafka, Topics(settings.topic_prefix).all())
+        ensure_declared(kafka, Topics(settings.topic_prefix))
 
     topics()
     env = dict(os.environ, FLYWHEEL_KAFKA_BOOTSTRAP=bootstrap, FLYWHEEL_DATA_DIR=str(data_dir),

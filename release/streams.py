@@ -43,13 +43,13 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.kafka.clients import (
-    ensure_topics,
     high_watermarks,
     make_consumer,
     make_producer,
     partitions_of,
 )
 from flywheel.kafka.producers import KafkaSink
+from flywheel.kafka.topics import ensure_declared
 from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, RELEASE_CHECKPOINT, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
@@ -84,7 +84,7 @@ class Streams:
         self.verifier.register(registry, RELEASE_CHECKPOINT)
         self.signer = Signer.load(settings.release.signing_key, setting="release.signing_key")
         self.topics = Topics(settings.topic_prefix)
-        ensure_topics(self.kafka, self.topics.all())
+        ensure_declared(self.kafka, self.topics)  # as flywheel/topology.py declares them
         self.checkpoints = make_consumer(self.kafka, "release", settings.release.group_id, [self.topics.checkpoints])
         self._uncommitted = False
         self.reader = make_consumer(self.kafka, "release-measure", None)

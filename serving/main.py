@@ -30,11 +30,12 @@ from flywheel.checkpoints import ManifestError, verify_dir
 from flywheel.connections import raise_open_files
 from flywheel.contracts import Topics
 from flywheel.extras import require_vllm
-from flywheel.kafka.clients import ensure_topics
+from flywheel.kafka.topics import ensure_declared
 from flywheel.metrics import new_registry
 from flywheel.settings import ServeSettings, Settings, SettingsError
 from flywheel.signing import Verifier
 from flywheel.telemetry import Tracing
+from flywheel.topology import Role, role_topics
 from serving.adapters import adapter_slots, lora_on
 from serving.follow import ReleaseFollower
 from serving.journal import Journal
@@ -103,8 +104,9 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         verifier = Verifier.load(settings.serve.trusted_release_keys, setting="serve.trusted_release_keys")
     topics = Topics(settings.topic_prefix)
     try:
-        ensure_topics(settings.kafka, [topics.generations, topics.feedback, topics.releases, topics.serving_status,
-                                       topics.deadletter])
+        # its own topics, as flywheel/topology.py declares them (so a serving pod that starts
+        # first makes the same topics as the others would)
+        ensure_declared(settings.kafka, topics, role_topics(Role.SERVING))
     except Exception as exc:  # noqa: BLE001 - serving still starts: events wait in the journal for the broker
         log.warning("could not ensure topics (%r); events will be journaled until the broker is back", exc)
 

@@ -58,10 +58,10 @@ def topics(kafka_settings, topic_prefix):
     from kafka import KafkaAdminClient
 
     from flywheel.contracts import Topics
-    from flywheel.kafka.clients import ensure_topics
+    from flywheel.kafka.topics import ensure_declared
 
     t = Topics(topic_prefix)
-    ensure_topics(kafka_settings, t.all())
+    ensure_declared(kafka_settings, t)  # as every role makes them (flywheel/topology.py)
     yield t
     admin = KafkaAdminClient(bootstrap_servers=kafka_settings.bootstrap)
     try:

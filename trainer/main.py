@@ -47,11 +47,13 @@ def build(settings: Settings):
     """Everything but the loop: process group, policy, store, Kafka clients (rank 0), metrics."""
     from flywheel.checkpoints import open_store
     from flywheel.contracts import Topics
-    from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+    from flywheel.kafka.clients import make_consumer, make_producer
     from flywheel.kafka.lag import LagGauge
     from flywheel.kafka.producers import KafkaSink
+    from flywheel.kafka.topics import ensure_declared
     from flywheel.metrics import new_registry
     from flywheel.stream.deadletters import DeadLetters
+    from flywheel.topology import Role, role_topics
     from trainer import dist
     from trainer.batching import DEADLETTER_REASONS
     from trainer.loop import Trainer
@@ -69,7 +71,7 @@ def build(settings: Settings):
     kw: dict[str, Any] = {}
     if rank == 0:
         topics = Topics(settings.topic_prefix)
-        ensure_topics(settings.kafka, [topics.rewards, topics.checkpoints, topics.deadletter])
+        ensure_declared(settings.kafka, topics, role_topics(Role.TRAINER))  # as flywheel/topology.py declares them
         # bounded like the stages' output producer: a broker that does not answer holds a send
         # for seconds, and the sink retries it later (flywheel/kafka/producers.py, KafkaSink)
         sink = KafkaSink(lambda: make_producer(settings.kafka, "trainer", max_block_ms=5000,

@@ -89,9 +89,10 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
     from kafka.coordinator.assignors.range import RangePartitionAssignor
 
     from flywheel.contracts import Topics
-    from flywheel.kafka.clients import ensure_topics, make_consumer
+    from flywheel.kafka.clients import make_consumer
     from flywheel.kafka.lag import LagGauge
     from flywheel.kafka.producers import make_output_producer
+    from flywheel.kafka.topics import ensure_declared
     from flywheel.metrics import new_registry, serve_ops
     from flywheel.probes import Probes
 
@@ -103,7 +104,7 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
         held.callback(ops.shutdown)
         log.info("%s: checking the topics on the broker at %s (ops on %s:%d)", name, settings.kafka.bootstrap,
                  spec.host, ops.server_port)
-        if not until_the_broker_answers(lambda: ensure_topics(settings.kafka, Topics(settings.topic_prefix).all()),
+        if not until_the_broker_answers(lambda: ensure_declared(settings.kafka, Topics(settings.topic_prefix)),
                                         stop, name):
             log.info("%s: stopped before the broker answered", name)
             return  # nothing but the ops server was opened yet

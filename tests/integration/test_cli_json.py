@@ -90,7 +90,10 @@ def test_topics_lists_the_deployments_topics_as_json(kafka_settings, topics, tmp
     for key, value in stage_env(kafka_settings, topics, tmp_path).items():
         monkeypatch.setenv(key, value)
     assert main(["topics", "-o", "json"]) == 0
-    assert one_object(capsys.readouterr().out) == {"topics": list(topics.all())}
+    body = one_object(capsys.readouterr().out)
+    assert body["topics"] == list(topics.all()) and body["drifted"] == 0
+    # each topic's check beside the names (tests/integration/test_topics.py: drift)
+    assert [(c["name"], c["found"]) for c in body["checks"]] == [(t, "as_declared") for t in topics.all()]
 
 
 #: A child that runs until SIGTERM.

@@ -42,6 +42,7 @@ from flywheel.contracts import (
 from flywheel.kafka.clients import make_producer, read_to_end
 from flywheel.metrics import new_registry
 from flywheel.settings import ReleaseSettings, Settings
+from flywheel.topology import declared_partitions
 from release.controller import Controller
 from release.gate import DEFAULT_PROMPTS
 from release.states import State
@@ -121,7 +122,8 @@ def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: f
 
 def releases(kafka_settings, topics) -> list[ReleaseEvent]:
     """The releases topic up to its end, in revision order."""
-    starts = {TopicPartition(topics.releases, p): None for p in range(kafka_settings.partitions)}
+    starts = {TopicPartition(topics.releases, p): None
+              for p in range(declared_partitions(topics.releases, topics, kafka_settings))}
     got = [decode(ReleaseEvent, rec.value) for _, rec in read_to_end(kafka_settings, starts, client_id="t")]
     return sorted(got, key=lambda r: r.revision)
 
