@@ -107,6 +107,7 @@ def test_vllm_is_pinned_through_one_constraints_file_with_the_torch_it_requires(
     assert "source=deploy/constraints-gpu.txt,target=/constraints-gpu.txt" in dockerfile
     assert 'else set -- -c /constraints-gpu.txt; fi' in dockerfile
     assert "!deploy/constraints-gpu.txt" in (ROOT / ".dockerignore").read_text().splitlines()
+    assert "-c deploy/constraints-gpu.txt" in (ROOT / "docs" / "architecture.md").read_text()  # the install it documents
 
 
 def test_torch_compile_is_on_only_in_an_image_that_can_compile():
