@@ -185,3 +185,14 @@ def test_the_strimzi_component_is_the_registry_under_every_roles_settings(overla
                         if "secret" in s and s["secret"]["items"][0]["key"] == "password")
         assert username == password == d["metadata"]["name"] and username in users, d["metadata"]["name"]
         assert "secret" not in kafka_volume  # the shared flywheel-kafka login is gone
+
+
+def test_no_role_makes_topics_but_through_the_registry():
+    # ensure_topics makes ad-hoc topics with kafka.partitions alike (tests, benches); a role that
+    # called it would make checkpoints with the stage count and releases uncompacted
+    offenders = []
+    for package in ("serving", "ingest", "reward", "trainer", "release", "cli", "local", "flywheel"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path.relative_to(ROOT).as_posix() != "flywheel/kafka/clients.py" and "ensure_topics(" in path.read_text():
+                offenders.append(path.relative_to(ROOT).as_posix())
+    assert offenders == []
