@@ -341,7 +341,9 @@ def pod_settings(workload: dict[str, Any], resources: list[dict[str, Any]],
     maps = {r["metadata"]["name"]: r.get("data", {}) for r in resources if r["kind"] == "ConfigMap"}
     env = image_env(K8S.parents[1] / "deploy" / "Dockerfile")
     for source in c.get("envFrom", []):
-        env.update(maps[source["configMapRef"]["name"]] if "configMapRef" in source else {})
+        if "configMapRef" not in source:  # a Secret's values are not in the manifests: say so, never guess
+            pytest.fail(f"{workload['metadata']['name']}: envFrom {source} is not a ConfigMap this test can read")
+        env.update(maps[source["configMapRef"]["name"]])
     for e in c.get("env", []):
         ref = e.get("valueFrom", {}).get("configMapKeyRef")
         env[e["name"]] = maps[ref["name"]][ref["key"]] if ref else e.get("value", "")
