@@ -17,9 +17,11 @@ the rendered objects and nothing else, and the harness stays out of what the man
   Each volumeMount is a symbolic link at its mountPath to the volume's directory: a
   PersistentVolumeClaim is one directory shared by every pod that mounts it (``subPath`` a folder
   in it), an emptyDir a directory of the pod's own (kept across container restarts, wiped when
-  the pod is deleted), a ConfigMap or Secret a directory of its keys (``items`` honoured), written
-  read-only. A path outside every mount is in the image: ``readOnlyRootFilesystem`` is checked by
-  :meth:`Pod.writes_outside_mounts` (the root may be where permissions do not bind).
+  the pod is deleted), a ConfigMap or Secret a directory of its keys (``items`` and modes
+  honoured, less the write bits). Read-only: a ``readOnly`` mount links to a view of the volume
+  that the container's own mount namespace binds read-only over it, and so is the pod's root
+  with ``readOnlyRootFilesystem`` (``unshare``, as root); without root, the write bits are off and
+  :meth:`Pod.writes_outside_mounts` finds afterwards what the container wrote where it may not.
 - **Ports**: pods here share one loopback, so each containerPort gets a free port of its own, and
   the variable that names the role's port (``*_PORT`` whose value is the containerPort) gets it.
   Service DNS names (``kafka-bootstrap.kafka.svc:9092``) are mapped by the test to loopback
@@ -134,6 +136,8 @@ class Pod:
     deleted: bool = False
     _made: set[Path] = field(default_factory=set)
     _read_only: dict[Path, str] = field(default_factory=dict)
+    #: (volume, view): bound read-only in the container's mount namespace
+    _binds: list[tuple[Path, Path]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -169,6 +173,8 @@ class Pod:
             self._mount(m, volumes[m["name"]])
         workdir = self.root / "home" / "flywheel"  # the image's WORKDIR, in its read-only root
         workdir.mkdir(parents=True, exist_ok=True)
+        if self.container.get("securityContext", {}).get("readOnlyRootFilesystem") and _can_isolate():
+            self._binds.append((self.root, self.root))  # the mounts are links out of it: they stay as mounted
         self._made = set(self._walk_root())
 
     def _mount(self, mount: dict[str, Any], volume: dict[str, Any]) -> None:
@@ -181,10 +187,19 @@ class Pod:
         target.parent.mkdir(parents=True, exist_ok=True)
         if target.is_symlink() or target.exists():
             raise ValueError(f"{self.name}: {mount['mountPath']} is mounted twice")
-        target.symlink_to(source)
-        if mount.get("readOnly") or "configMap" in volume or "secret" in volume:
+        read_only = bool(mount.get("readOnly")) or "configMap" in volume or "secret" in volume
+        if read_only and _can_isolate():
+            # a view of the volume of this pod's own, bound read-only over it in the container's
+            # mount namespace (see start): a claim another pod writes stays writable there
+            view = self.dir / "views" / str(len(self._binds))
+            view.parent.mkdir(parents=True, exist_ok=True)
+            view.mkdir() if source.is_dir() else view.touch()
+            self._binds.append((source, view))
+            source = view
+        if read_only:
             for f in ([source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]):
                 self._read_only[f] = _digest(f)
+        target.symlink_to(source)
 
     def environment(self) -> dict[str, str]:
         """The container's environment, as the kubelet makes it, with its paths read under the
@@ -220,11 +235,18 @@ class Pod:
         return value
 
     def argv(self) -> list[str]:
+        """The container's command: ENTRYPOINT or ``command``, then CMD or ``args``; run in a
+        mount namespace of its own where read-only mounts are bound read-only, as the kernel
+        refuses a container's writes to them (root only; elsewhere :meth:`writes_outside_mounts`
+        checks afterwards what the container wrote)."""
         c = self.container
-        entry = c.get("command") or [str(Path(sys.executable).parent / "flywheel")]  # ENTRYPOINT ["flywheel"]
-        if entry and entry[0] == "flywheel":
-            entry = [str(Path(sys.executable).parent / "flywheel"), *entry[1:]]
-        return [*entry, *c.get("args", ["--help"])]
+        flywheel = str(Path(sys.executable).parent / "flywheel")  # the image's ENTRYPOINT ["flywheel"]
+        entry = [flywheel if w == "flywheel" else w for w in c.get("command") or ["flywheel"]]
+        argv = [*entry, *c.get("args", ["--help"])]
+        if not self._binds:
+            return argv
+        binds = " && ".join(f"mount --bind -o ro '{src}' '{dst}'" for src, dst in self._binds)
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", f'{binds} && exec "$@"', "sh", *argv]
 
     # -- running -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -314,6 +336,21 @@ class Pod:
             self.start()
 
 
+def _can_isolate() -> bool:
+    """Whether containers get a mount namespace of their own, where read-only mounts are bound
+    read-only (root, with util-linux's unshare)."""
+    return os.geteuid() == 0 and shutil.which("unshare") is not None
+
+
+def _remove(folder: Path) -> None:
+    """``folder`` and all in it, the read-only volumes' directories included."""
+    for top, dirs, _ in os.walk(folder):
+        for d in dirs:
+            if not (Path(top) / d).is_symlink():
+                (Path(top) / d).chmod(0o755)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -379,7 +416,9 @@ class Cluster:
             f = d / item["path"]
             f.parent.mkdir(parents=True, exist_ok=True)
             f.write_text(data[item["key"]])
-            f.chmod(0o444)
+            # read-only for whom permissions bind (not root: see Pod.argv)
+            f.chmod(item.get("mode", ref.get("defaultMode", 0o644)) & 0o555)
+        d.chmod(0o555)
         return d
 
     # -- pods --------------------------------------------------------------------------------------
@@ -412,7 +451,7 @@ class Cluster:
         with pod._lock:
             pod.deleted = True
         pod.stop(grace_s)
-        shutil.rmtree(pod.dir / "volumes", ignore_errors=True)
+        _remove(pod.dir / "volumes")
         self.events.append(f"{pod.name} deleted")
         return self.start_pod(self.deployment(pod.deployment)) if replace else None
 
