@@ -8,8 +8,9 @@ slow-loris attack; no API key needed). :class:`ConnectionGuard` adds, per server
 
 - a header deadline (``http.header_timeout_s``), armed when a connection opens and when the first
   byte of a kept-alive connection's next request arrives, cancelled once the headers are complete;
-- a body deadline (``http.body_timeout_s``) from the headers to the request's last byte. Only
-  reading the request is timed: a response (a stream, a long generation) never is;
+- a body deadline (``http.body_timeout_s``) from the headers to the request's last byte (for a
+  pipelined request queued behind a response, from its turn: uvicorn reads nothing meanwhile).
+  Only reading the request is timed: a response (a stream, a long generation) never is;
 - a cap on a request's line and headers (``http.max_head_bytes``): httptools keeps a head whole
   until it ends, and a fast client could otherwise fill the memory within the header deadline
   (86 MB of one header in 10 s on loopback);
@@ -24,11 +25,12 @@ address holds its share) or 503 (the process is full) and is closed. Cuts are co
 The hooks are uvicorn's ``Config(http=<protocol class>)`` with a subclass of its httptools
 protocol: ``connection_made``/``connection_lost``/``data_received`` are asyncio's protocol
 interface and ``on_message_begin``/``on_headers_complete``/``on_message_complete`` httptools'
-parser callbacks. Two uvicorn details are used beyond them, each held by a test in
+parser callbacks. Three uvicorn details are used beyond them, each held by a test in
 tests/integration/test_connections.py: ``self.cycle`` (the request's ASGI state, marked
 disconnected when its body times out, so the app sees ``http.disconnect`` and writes nothing after
-the 408) and ``self.connections`` (uvicorn's set of open connections, left untouched for a refused
-one, which is never uvicorn's). :func:`raise_open_files` lifts the open-file limit the caps need.
+the 408), ``self.pipeline`` with ``on_response_complete`` (pipelined requests queued behind a
+response, and the call that starts the next) and ``self.connections`` (uvicorn's set of open
+connections, left untouched for a refused one, which is never uvicorn's). :func:`raise_open_files` lifts the open-file limit the caps need.
 """
 
 from __future__ import annotations
@@ -220,7 +222,19 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._disarm()
         self._in_head = False
         super().on_headers_complete()
-        self._arm(self.guard.limits.body_timeout_s, Cut.BODY_TIMEOUT)
+        if not self.pipeline:
+            self._arm(self.guard.limits.body_timeout_s, Cut.BODY_TIMEOUT)
+        # else: queued behind a response being answered (a pipelined request): uvicorn stopped
+        # reading, so its body cannot come; its clock starts when its turn does (on_response_complete)
+
+    def on_response_complete(self) -> None:
+        queued = bool(self.pipeline)
+        super().on_response_complete()
+        # uvicorn started the next queued request and reads again: if it is the one whose body is
+        # being read (the last queued) and its body is not all here, its body deadline starts now
+        if (queued and not self.pipeline and self._client is not None and not self.transport.is_closing()
+                and not self._in_head and self.cycle is not None and self.cycle.more_body):
+            self._arm(self.guard.limits.body_timeout_s, Cut.BODY_TIMEOUT)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -20,9 +20,10 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 
+from flywheel.connections import Cut, refusal
 from flywheel.metrics import new_registry
 from flywheel.settings import HttpSettings, ReleaseSettings
 
@@ -253,3 +254,50 @@ def test_a_stream_longer_than_every_timeout_is_not_cut():
         server.stop()
         loop.stop()
 
+
+
+def test_a_pipelined_request_behind_a_stream_is_timed_from_its_turn():
+    # uvicorn queues a request pipelined behind a response and stops reading: its body cannot come
+    # until the stream ends, so a body deadline armed at its headers wrote a 408 into the stream
+    from serving.server import AppServer, LoopThread
+
+    app = FastAPI()
+
+    @app.get("/stream")
+    async def stream() -> StreamingResponse:
+        async def ticks():
+            for i in range(10):
+                await asyncio.sleep(0.1)
+                yield f"data: {i}\n\n"
+        return StreamingResponse(ticks(), media_type="text/event-stream")
+
+    @app.post("/echo")
+    async def echo(request: Request) -> Response:
+        return Response(await request.body())
+
+    loop = LoopThread("test-connections")
+    server = AppServer(app, loop, limits=HttpSettings(header_timeout_s=5, body_timeout_s=0.3)).start()
+    try:
+        s = dial(server.port)
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        got = s.recv(65536)
+        while b"data: 0" not in got:
+            got += s.recv(65536)
+        s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")  # its body after the stream
+        while b"\r\n0\r\n\r\n" not in got:  # the stream's last chunk (1 s: three body timeouts)
+            chunk = s.recv(65536)
+            assert chunk, f"closed mid-stream: {got[-300:]!r}"
+            got += chunk
+        assert b" 408 " not in got and got.count(b"data: ") == 10
+        s.sendall(b"hello")
+        echoed = s.recv(65536)
+        assert echoed.startswith(b"HTTP/1.1 200 ") and echoed.endswith(b"hello"), echoed
+        assert not server.guard.cuts
+        # once its turn comes, its body deadline holds it as any other's
+        s.sendall(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\nPOST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhe")
+        got = answer(s)
+        assert got.count(b"data: ") == 10 and got.endswith(b"\r\n0\r\n\r\n" + refusal(Cut.BODY_TIMEOUT)), got[-400:]
+        assert server.guard.cuts == {Cut.BODY_TIMEOUT: 1}
+    finally:
+        server.stop()
+        loop.stop()
