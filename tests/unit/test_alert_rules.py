@@ -121,7 +121,8 @@ REPLICAS = ('job="flywheel-release", instance="release-a:8100"', 'job="flywheel-
     ("neither holds it", "1x2 0x8", "0x10", True),
 ])
 def test_no_controller_holding_the_lease_pages(tmp_path, name, a, b, fires):
-    series = {f"release_lease_held{{{REPLICAS[0]}}}": a, f"release_lease_held{{{REPLICAS[1]}}}": b}
+    series = {f"release_lease_held{{{REPLICAS[0]}}}": a, f"release_lease_held{{{REPLICAS[1]}}}": b,
+              **{f"up{{{r}}}": "1x10" for r in REPLICAS}}
     expected = [{"exp_labels": {"severity": "page"}, "exp_annotations": _annotations("FlywheelReleaseNoController")}]
     done = _promtool(tmp_path, series, "9m", expected if fires else [], alertname="FlywheelReleaseNoController")
     assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
@@ -251,3 +252,63 @@ def test_connections_cut_past_one_a_second_ticket(tmp_path, component, port, per
     expected = [{"exp_labels": labels, "exp_annotations": _annotations("FlywheelConnectionsCut")}]
     done = _promtool(tmp_path, series, "30m", expected if fires else [], alertname="FlywheelConnectionsCut")
     assert done.returncode == 0, f"{per_minute}/min: {done.stdout}{done.stderr}"
+
+
+# -- two deployments in one Prometheus, scraped through the prometheus-operator's PodMonitors -----
+# A PodMonitor's job is <namespace>/<PodMonitor name>, and every series carries its namespace
+# (deploy/k8s/components/prometheus-operator).
+
+def _pod(namespace: str, role: str, pod: str) -> str:
+    return f'job="{namespace}/flywheel-{role}", namespace="{namespace}", pod="{pod}", instance="10.0.0.{len(pod)}:9101"'
+
+
+TEAM_A_INGEST, TEAM_B_INGEST = _pod("team-a", "ingest", "ingest-a"), _pod("team-b", "ingest", "ingest-bb")
+TEAM_A_RELEASE, TEAM_B_RELEASE = _pod("team-a", "release", "release-a"), _pod("team-b", "release", "release-bb")
+
+
+def test_a_process_down_under_a_podmonitor_pages_with_its_namespace(tmp_path):
+    """The compose-only job regex (flywheel-.+) never matched team-b/flywheel-ingest."""
+    series = {f"up{{{TEAM_A_INGEST}}}": "1x10", f"up{{{TEAM_B_INGEST}}}": "0x10"}
+    labels = {"severity": "page", **dict(kv.split("=") for kv in TEAM_B_INGEST.replace('"', "").split(", "))}
+    expected = [{"exp_labels": labels, "exp_annotations": {
+        "summary": f"Prometheus cannot scrape team-b/flywheel-ingest on {labels['instance']}",
+        "runbook_url": _link("process-down.md")}}]
+    done = _promtool(tmp_path, series, "9m", expected, alertname="FlywheelProcessDown")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name, team_b_release", [
+    ("team-b's controllers hold no lease", {"up": "1x10", "release_lease_held": "0x10"}),
+    ("team-b's controllers are gone, its ingest is still scraped", {}),
+])
+def test_one_namespaces_controller_does_not_mask_anothers_absence(tmp_path, name, team_b_release):
+    """team-a's leader held max(release_lease_held) at 1 for the whole Prometheus: team-b's failing
+    canaries went unjudged, and nobody was paged."""
+    series = {f"up{{{TEAM_A_RELEASE}}}": "1x10", f"release_lease_held{{{TEAM_A_RELEASE}}}": "1x10",
+              f"up{{{TEAM_A_INGEST}}}": "1x10", f"up{{{TEAM_B_INGEST}}}": "1x10",
+              **{f"{metric}{{{TEAM_B_RELEASE}}}": values for metric, values in team_b_release.items()}}
+    expected = [{"exp_labels": {"severity": "page", "namespace": "team-b"},
+                 "exp_annotations": _annotations("FlywheelReleaseNoController")}]
+    done = _promtool(tmp_path, series, "9m", expected, alertname="FlywheelReleaseNoController")
+    assert done.returncode == 0, f"{name}: {done.stdout}{done.stderr}"
+
+
+def test_one_namespaces_journal_pages_for_that_namespace_alone(tmp_path):
+    """A page says which deployment is journaling; the other's empty journal does not hide it."""
+    series = {f'serving_journal_depth_records{{{_pod("team-a", "serve", "serve-a")}}}': "0x10",
+              f'serving_journal_depth_records{{{_pod("team-b", "serve", "serve-b")}}}': "40x10"}
+    expected = [{"exp_labels": {"severity": "page", "namespace": "team-b"},
+                 "exp_annotations": _annotations("FlywheelFeedbackJournaling")}]
+    done = _promtool(tmp_path, series, "9m", expected, alertname="FlywheelFeedbackJournaling")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_feedback_in_one_namespace_does_not_hide_its_absence_in_another(tmp_path):
+    requests = 'serving_requests_total{{{}, route="/v1/chat/completions", status="200"}}'
+    series = {requests.format(_pod("team-a", "serve", "serve-a")): "0+60x150",
+              requests.format(_pod("team-b", "serve", "serve-b")): "0+60x150",
+              f'serving_feedback_total{{{_pod("team-a", "serve", "serve-a")}, signal="accept"}}': "0+10x150"}
+    expected = [{"exp_labels": {"severity": "ticket", "namespace": "team-b"},
+                 "exp_annotations": _annotations("FlywheelNoFeedback")}]
+    done = _promtool(tmp_path, series, "150m", expected, alertname="FlywheelNoFeedback")
+    assert done.returncode == 0, done.stdout + done.stderr
