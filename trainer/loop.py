@@ -448,9 +448,7 @@ class Trainer:
         if (rid := request_id_of(rec.headers)) is not None:
             self.request_ids[ev.generation_id] = rid
         self.m.staleness.observe(self.version - ev.model_version)
-        for s, reason in self.batcher.add(Sample(ev, rec.topic, rec.partition, rec.offset)):
-            self.request_ids.pop(s.event.generation_id, None)  # (not a duplicate's: that one keeps its original's)
-            self._drop(s, reason)
+        self._evict(self.batcher.add(Sample(ev, rec.topic, rec.partition, rec.offset)))
 
     def _dead(self, rec: Any, reason: str, detail: str) -> None:
         self.deadletters.send_record(rec, reason, detail)
@@ -461,6 +459,13 @@ class Trainer:
         self.m.dropped.labels(reason).inc()
         self.book.settle(rec.topic, rec.partition, rec.offset)
         self.ledger.drop(reason, _key(rec))
+
+    def _evict(self, dropped: list[tuple[Sample, str]]) -> None:
+        """Drop samples the batcher held: their request ids go with them (a duplicate's drop, in
+        :meth:`_intake`, keeps the id of the original it repeats)."""
+        for s, reason in dropped:
+            self.request_ids.pop(s.event.generation_id, None)
+            self._drop(s, reason)
 
     def _drop(self, s: Sample, reason: str) -> None:
         self.m.dropped.labels(reason).inc()
@@ -549,8 +554,7 @@ class Trainer:
             return False
         self.version = version
         dist.barrier(self.world)
-        for s, reason in self.batcher.evict_stale(self.version, self.cfg.max_staleness):
-            self._drop(s, reason)
+        self._evict(self.batcher.evict_stale(self.version, self.cfg.max_staleness))
         self.m.publish_time.observe(time.monotonic() - t0)
         self.m.busy.inc(time.monotonic() - t0)
         return True
