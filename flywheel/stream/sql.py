@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import re
+import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,55 @@ class PgConnection:
         return {r[0] for r in self.conn.execute(
             "SELECT column_name FROM information_schema.columns WHERE table_schema=%s AND table_name=%s",
             (self.ns, table))}
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+class SqliteConnection:
+    """A stage's SQLite file as one connection that :meth:`reconnect` replaces in place, as
+    :class:`PgConnection` does: whoever holds it (a stage keeps ``store.db`` from its start) goes
+    on on the new connection, never on a closed one. The sqlite3 calls the stages make go to the
+    current connection."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # autocommit mode: transactions are opened explicitly by the store, nothing implicit
+        self.conn = self._connect(str(path), uri=False)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+
+    @staticmethod
+    def _connect(target: str, uri: bool) -> sqlite3.Connection:
+        conn = sqlite3.connect(target, uri=uri, isolation_level=None, timeout=30.0)
+        # FULL: a committed transaction survives power loss too, not just a process crash.
+        conn.execute("PRAGMA synchronous=FULL")
+        # Some builds (Debian's among them) default to ON, which rewrites every freed page with
+        # zeros: the outbox frees a batch's pages as soon as Kafka acks it, so that doubled the
+        # cost of each delete. FAST zeroes only what costs no extra I/O.
+        conn.execute("PRAGMA secure_delete=FAST")
+        return conn
+
+    def reconnect(self) -> None:
+        """A new connection to the same file (one opened read-only stays so; handles of a disk
+        that failed may be stale). ``mode=rw``: a file gone is an error, never a new empty store
+        that would start every partition afresh. Raises, keeping the old one, while it fails."""
+        conn = self._connect(f"{self.path.absolute().as_uri()}?mode=rw", uri=True)  # WAL is the file's own
+        old, self.conn = self.conn, conn
+        with contextlib.suppress(sqlite3.Error):
+            old.close()
+
+    def execute(self, sql: str, params: Any = ()) -> sqlite3.Cursor:
+        return self.conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: Iterable[Any]) -> sqlite3.Cursor:
+        return self.conn.executemany(sql, rows)
+
+    def executescript(self, script: str) -> sqlite3.Cursor:
+        return self.conn.executescript(script)
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.conn.in_transaction
 
     def close(self) -> None:
         self.conn.close()

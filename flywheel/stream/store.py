@@ -17,7 +17,6 @@ group's: the group's offsets are committed afterwards, for lag tools only.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
 import math
@@ -35,7 +34,13 @@ import msgspec
 
 from flywheel.dberrors import Reconnect, classify, describe, url_secrets
 from flywheel.settings import SettingsError, redact_database_url
-from flywheel.stream.sql import PgConnection, is_postgres, sqlite_columns, sqlite_path
+from flywheel.stream.sql import (
+    PgConnection,
+    SqliteConnection,
+    is_postgres,
+    sqlite_columns,
+    sqlite_path,
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -223,16 +228,8 @@ class StateStore:
         """Namespace ``ns`` (flywheel/stream/sql.py ``namespace``) of the shared database ``url``."""
         return cls(None, stage_schema, url=url, ns=ns)
 
-    def _open_sqlite(self, path: Path, stage_schema: str) -> sqlite3.Connection:
-        # autocommit mode: transactions are opened explicitly by txn(), nothing implicit.
-        db = sqlite3.connect(str(path), isolation_level=None, timeout=30.0)
-        db.execute("PRAGMA journal_mode=WAL")
-        # FULL: a committed transaction survives power loss too, not just a process crash.
-        db.execute("PRAGMA synchronous=FULL")
-        # Some builds (Debian's among them) default to ON, which rewrites every freed page with
-        # zeros: the outbox frees a batch's pages as soon as Kafka acks it, so that doubled the
-        # cost of each delete. FAST zeroes only what costs no extra I/O.
-        db.execute("PRAGMA secure_delete=FAST")
+    def _open_sqlite(self, path: Path, stage_schema: str) -> SqliteConnection:
+        db = SqliteConnection(path)
         db.executescript(_SCHEMA)
         if "shard" not in sqlite_columns(db, "archive_queue"):  # a store from before shards moved
             db.execute("ALTER TABLE archive_queue ADD COLUMN shard INTEGER")
@@ -330,13 +327,10 @@ class StateStore:
         highest SQLite has seen). The leases are not taken again: another process may hold some
         since, which the next transaction's fence finds out.
         """
-        if self._reopen:
-            if self.postgres:
-                self.db.reconnect()
-                if self._seq_db is not self.db:
-                    self._seq_db.reconnect()
-            else:
-                self._reopen_sqlite()
+        if self._reopen:  # in place: whoever holds ``db`` (a stage does) goes on on the new one
+            self.db.reconnect()
+            if self._seq_db is not self.db:
+                self._seq_db.reconnect()
             self._reopen = False
         for fn in self._on_rollback:
             fn()
@@ -347,19 +341,6 @@ class StateStore:
             self._next_seq = max(self._next_seq, (row[0] if row else 0) + 1)
         self._rescope()
         self.broken = None
-
-    def _reopen_sqlite(self) -> None:
-        """A new connection to the store's SQLite file (one opened read-only stays so; handles of
-        a disk that failed may be stale). ``mode=rw``: a file gone is an error, never a new empty
-        store that would start every partition afresh."""
-        assert self.path is not None
-        db = sqlite3.connect(f"{self.path.absolute().as_uri()}?mode=rw", uri=True, isolation_level=None, timeout=30.0)
-        db.execute("PRAGMA synchronous=FULL")  # (WAL is the file's own, kept across connections)
-        db.execute("PRAGMA secure_delete=FAST")
-        old, self.db = self.db, db
-        self._seq_db = db
-        with contextlib.suppress(sqlite3.Error):
-            old.close()
 
     # -- leases (shared stores) ------------------------------------------------------------
     def take(self, shards: Iterable[int]) -> None:

@@ -224,3 +224,42 @@ def test_a_sqlite_store_opens_its_file_again_and_never_makes_a_new_empty_one(tmp
         store.set_offsets({("in", 0): 6})
     assert store.offsets() == {("in", 0): 6}
     store.close()
+
+
+def test_an_sqlite_stage_goes_on_after_its_store_opens_the_file_again_with_every_episode_once(
+        kafka_settings, topics, tmp_path, caplog, monkeypatch):
+    """A real ingest on its SQLite store: its connection turns read-only (SQLITE_READONLY, as a
+    file opened read-only stays), the store opens the file again, and the stage writes on the new
+    connection: it goes on by itself with every episode out once. A stage that kept the first
+    connection wrote through a closed one for ever."""
+    from ingest.main import run as run_ingest
+
+    port = free_port()
+    settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_INGEST_PORT=str(port),
+                              FLYWHEEL_INGEST_WINDOW_S="0.3", FLYWHEEL_INGEST_ORPHAN_WAIT_S="0.3",
+                              FLYWHEEL_INGEST_GRACE_S="0")
+    caplog.set_level(logging.WARNING, logger="flywheel.stream")
+    opened: list[sqlite3.Connection] = []
+    connect = sqlite3.connect
+
+    def shared_connect(target, *args, **kwargs):  # the test reaches the stage's connection from its thread
+        conn = connect(target, *args, check_same_thread=False, **kwargs)
+        if "ingest" in str(target):
+            opened.append(conn)
+        return conn
+
+    monkeypatch.setattr(sqlite3, "connect", shared_connect)
+    first, second = [f"c{i}" for i in range(10)], [f"d{i}" for i in range(10)]
+    with running(run_ingest, settings) as stage:
+        _until(lambda: _health(port).get("shards") is not None and opened, "ingest runs")
+        _send(kafka_settings, topics, first)
+        assert sorted(_episodes(kafka_settings, topics, len(first))) == sorted(first)
+        opened[-1].execute("PRAGMA query_only=ON")  # every write on it fails from here: SQLITE_READONLY
+        _send(kafka_settings, topics, second)
+        got = _episodes(kafka_settings, topics, len(first) + len(second))
+        _until(lambda: _metric(port, "ingest_stalled_seconds") == 0, "the stall ends")
+        assert stage.is_alive()
+    lines = [r.getMessage() for r in caplog.records if "the state database failed a turn" in r.getMessage()]
+    assert len(lines) == 1 and "SQLITE_READONLY" in lines[0], lines
+    assert len(opened) == 2  # the file opened once more, not once per turn
+    assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
