@@ -219,8 +219,9 @@ class ServeSettings(_Section):
     """Secret mixed into user pseudonyms and API key ids (HMAC-SHA256: flywheel/apikeys.py); set a
     real secret in production, the same on every serving replica, and keep it: a new one makes
     every user a new user and gives every key a new id. ``flywheel serve`` with ``api_keys``
-    refuses to start on this published default (anyone could check a guessed key against its
-    id); ``flywheel up`` and ``flywheel demo`` make a random one and keep it under ``<data_dir>/up``."""
+    refuses to start on this published default or on one shorter than 16 characters (anyone could
+    check a guessed key against its id: serving/main.py ``MIN_SALT_CHARS``); ``flywheel up`` and
+    ``flywheel demo`` make a random one and keep it under ``<data_dir>/up``."""
     metrics_key_ids: bool = False
     """Label serving's token counters on ``/metrics`` by API key id (``api_key="key-..."``).
     ``/metrics`` answers without a key, and a key id lets whoever reads it check guesses of the key

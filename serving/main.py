@@ -1,6 +1,6 @@
 """``flywheel serve``: verify the weights, start the engine and the API, stop cleanly on SIGTERM.
 
-    openssl rand -hex 32 > salt    # serve.user_id_salt: refused at its published default beside API keys
+    openssl rand -hex 32 > salt    # serve.user_id_salt: refused at its published default or short, beside API keys
     FLYWHEEL_MODEL_DIR=data/model FLYWHEEL_API_KEYS=sk-local FLYWHEEL_SERVE_USER_ID_SALT_FILE=salt flywheel serve
 
 Start-up order: the model directory is checked against its manifest (unverified weights are never
@@ -57,19 +57,36 @@ def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
                     queue_max=settings.serve.publish_queue_max).start()
 
 
+#: The shortest ``serve.user_id_salt`` serving takes beside API keys. The salt is the HMAC key of
+#: every key id serving publishes, so a guessed salt gives the keys away as the published one does.
+#: One Python core checked 7*10^4 salts a second (flywheel/apikeys.py ``key_id``); a GPU running
+#: HMAC-SHA256 does on the order of 10^9: 8 lowercase letters (2*10^11) fall in minutes there, 16
+#: hex digits (64 bits) take centuries. Length proves no randomness, but it turns away placeholders
+#: ("", "x", "changeme") and single words.
+MIN_SALT_CHARS = 16
+
+_HOW_TO_SET = ("Set a long random secret of your own, the same on every serving replica and kept for good (a new "
+               "one gives every user and key a new id): FLYWHEEL_SERVE_USER_ID_SALT_FILE=<file holding it> (or "
+               "FLYWHEEL_SERVE_USER_ID_SALT), e.g. from `openssl rand -hex 32` (docs/deploy.md, Secrets)")
+
+
 def salt_refusal(serve: ServeSettings) -> str | None:
     """Why serving may not start on ``serve.user_id_salt``, or None. With API keys and the
-    published default salt, an API key id (in every generation record, the archive and, with
-    ``serve.metrics_key_ids``, ``/metrics``) gives the key away to anyone who hashes guesses: a
-    short key fell to 10^4 guesses in 0.01 s. ``flywheel up`` and ``flywheel demo`` set a random
-    salt of their own (local/up.py ``local_salt``), so only a hand-made deployment meets this."""
-    if not (serve.api_keys and serve.uses_default_salt):
+    published default salt, or one shorter than :data:`MIN_SALT_CHARS`, an API key id (in every
+    generation record, the archive and, with ``serve.metrics_key_ids``, ``/metrics``) gives the key
+    away to anyone who hashes guesses: a short key fell to 10^4 guesses in 0.01 s. ``flywheel up``
+    and ``flywheel demo`` set a random salt of their own (local/up.py ``local_salt``, 64 hex
+    digits), so only a hand-made deployment meets this."""
+    if not serve.api_keys:
         return None
-    return ("serve.user_id_salt is the published default while serve.api_keys are set: anyone can check a guessed "
-            "API key against the key ids serving publishes. Set a long random secret of your own, the same on every "
-            "serving replica and kept for good (a new one gives every user and key a new id): "
-            "FLYWHEEL_SERVE_USER_ID_SALT_FILE=<file holding it> (or FLYWHEEL_SERVE_USER_ID_SALT), e.g. from "
-            "`openssl rand -hex 32` (docs/deploy.md, Secrets)")
+    if serve.uses_default_salt:
+        return ("serve.user_id_salt is the published default while serve.api_keys are set: anyone can check a "
+                f"guessed API key against the key ids serving publishes. {_HOW_TO_SET}")
+    if len(serve.user_id_salt) < MIN_SALT_CHARS:
+        return (f"serve.user_id_salt is {len(serve.user_id_salt)} characters long while serve.api_keys are set; it "
+                f"needs at least {MIN_SALT_CHARS}: a short salt is guessed, and with it every API key from the key "
+                f"ids serving publishes. {_HOW_TO_SET}")
+    return None
 
 
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:

@@ -65,7 +65,7 @@ def test_serve_process_starts_on_the_released_versions_and_flushes_on_sigterm(br
     producer.close()
     port = free_port()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
-           "FLYWHEEL_API_KEYS": "sk-cli", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt",
+           "FLYWHEEL_API_KEYS": "sk-cli", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt-of-sixteen-characters",
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port)}
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env,
@@ -121,7 +121,8 @@ def test_serve_process_refuses_unverified_weights(tiny_model_dir, tmp_path):
     bad = tmp_path / "model"
     shutil.copytree(tiny_model_dir, bad)
     (bad / "flywheel-manifest.json").unlink()
-    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(bad), "FLYWHEEL_API_KEYS": "k", "FLYWHEEL_SERVE_USER_ID_SALT": "s"}
+    env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(bad), "FLYWHEEL_API_KEYS": "k",
+           "FLYWHEEL_SERVE_USER_ID_SALT": "a-salt-of-sixteen-or-more"}
     done = subprocess.run([sys.executable, "-m", "cli", "serve"], env=env, capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 2

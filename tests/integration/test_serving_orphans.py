@@ -59,7 +59,7 @@ def _alive(pid: int) -> bool:
 def test_a_killed_serving_process_leaves_no_engine_running(broker, topics, tiny_model_dir, tmp_path):
     port = free_port()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
-           "FLYWHEEL_API_KEYS": "sk-orphans", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt",
+           "FLYWHEEL_API_KEYS": "sk-orphans", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt-of-sixteen-characters",
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port)}
     # its own session, as under flywheel up: the group is what is checked for leftovers below

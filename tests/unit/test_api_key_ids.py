@@ -1,11 +1,12 @@
 """API key ids given away: under the published ``serve.user_id_salt`` a key id (flywheel/apikeys.py)
-is checked against guesses as fast as a plain hash, so serving refuses that salt beside API keys
-(serving/main.py ``salt_refusal``), and ``flywheel up`` gives serving a random salt it keeps
+is checked against guesses as fast as a plain hash, so serving refuses that salt, or a short one,
+beside API keys (serving/main.py ``salt_refusal``), and ``flywheel up`` gives serving a random salt it keeps
 (local/up.py ``local_salt``). ``/metrics`` showing no key id is held by
 tests/integration/test_serving_usage.py."""
 
 from __future__ import annotations
 
+import secrets
 import stat
 import time
 
@@ -13,7 +14,7 @@ import pytest
 
 from flywheel.apikeys import key_id
 from flywheel.settings import ServeSettings, Settings, load_settings
-from serving.main import salt_refusal
+from serving.main import MIN_SALT_CHARS, salt_refusal
 
 DEFAULT = ServeSettings().user_id_salt
 
@@ -24,6 +25,13 @@ CASES = [
     (("sk-a", "sk-b"), DEFAULT, True),
     (("sk-a",), "a-secret-of-our-own", False),
     ((), "a-secret-of-our-own", False),
+    (("sk-a",), "", True),                # placeholders and words are guessed as the default is
+    (("sk-a",), "x", True),
+    (("sk-a",), "changeme", True),
+    (("sk-a",), "a" * (MIN_SALT_CHARS - 1), True),
+    (("sk-a",), "a" * MIN_SALT_CHARS, False),
+    (("sk-a",), secrets.token_hex(32), False),  # what `openssl rand -hex 32` and `flywheel up` make
+    ((), "x", False),                     # no key id to give away
 ]
 
 
@@ -31,8 +39,9 @@ CASES = [
 def test_api_keys_with_the_published_salt_are_refused(keys, salt, refused):
     why = salt_refusal(ServeSettings(api_keys=keys, user_id_salt=salt, allow_anonymous=not keys))
     assert (why is not None) == refused
-    if why is not None:  # says how to set one
+    if why is not None:  # says how to set one, never quoting the salt
         assert "FLYWHEEL_SERVE_USER_ID_SALT_FILE" in why and "sk-a" not in why
+        assert salt == DEFAULT or (f"at least {MIN_SALT_CHARS}" in why and (len(salt) < 2 or salt not in why))
 
 
 def test_a_key_id_under_the_published_salt_gives_a_short_key_away():
@@ -73,7 +82,7 @@ def test_flywheel_up_gives_serving_a_random_salt_it_keeps_and_leaves_an_operator
     assert env == {"FLYWHEEL_SERVE_USER_ID_SALT_FILE": str(path)}
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
     serve = load_settings(env={**env, "FLYWHEEL_API_KEYS": "sk-local"}).serve
-    assert not serve.uses_default_salt and salt_refusal(serve) is None
+    assert not serve.uses_default_salt and salt_refusal(serve) is None and len(serve.user_id_salt) >= MIN_SALT_CHARS
     before = path.read_text()
     assert local_salt(Settings(), tmp_path / "up") == env and path.read_text() == before  # ids stay across restarts
     assert local_salt(Settings(serve=ServeSettings(user_id_salt="theirs")), tmp_path / "other") == {}
