@@ -7,11 +7,13 @@ object per line, for a log shipper to parse without a grammar of its own::
     {"time": "2026-11-29T06:19:43.123Z", "level": "INFO", "logger": "serving.app",
      "message": "POST /v1/completions 200 in 0.412 s", "request_id": "3f2a...", "generation_id": "cmpl-..."}
 
-``request_id`` and ``generation_id`` appear when the line was logged while serving a request (the
-ids of the context it was logged in: :data:`REQUEST_ID`, :data:`GENERATION_ID`, set by serving's
-middleware), or when the caller names them (``log.info(..., extra={"request_id": rid})``, as
-the stages do for a record that carried one). An exception's traceback is the ``exception``
-field, one string. The standard library only: every process already logs through it, kafka-python
+``request_id`` and ``generation_id`` appear on serving's lines logged while it answers a request
+(the ids of the context it was logged in: :data:`REQUEST_ID`, set by serving's middleware, and
+:data:`GENERATION_ID`, set by its completion handler), or when the caller names them
+(``log.error(..., extra={"request_id": rid})``, as serving's crash handler does). No other process
+logs them: past serving a request id travels in the Kafka header ``flywheel-request-id`` of the
+records through ingest and reward, and the trainer's ``ledger.json`` names it per generation
+(docs/deploy.md, "Request ids"). An exception's traceback is the ``exception`` field, one string. The standard library only: every process already logs through it, kafka-python
 and vLLM included, and their lines come out in the same format.
 """
 
@@ -87,12 +89,16 @@ def configure(fmt: LogFormat, level: int | str) -> None:
     """Log to stderr in ``fmt`` at ``level``; called again, changes the format and the level.
 
     As ``logging.basicConfig``: a process whose root logger already has handlers of someone else's
-    (a test runner's capture) keeps them, with the ids filter added, and gets no second one.
+    (a test runner's capture) keeps them, with the ids filter added (once), and gets no second one.
     """
     root = logging.getLogger()
     root.setLevel(level)
     ours = [h for h in root.handlers if isinstance(h, _Ours)]
-    if not ours and any(not isinstance(h, _Held) for h in root.handlers):
+    theirs = [h for h in root.handlers if not isinstance(h, (_Ours, _Held))]
+    if not ours and theirs:
+        for h in theirs:
+            if not any(isinstance(f, ContextIds) for f in h.filters):
+                h.addFilter(ContextIds())
         return
     handler = ours[0] if ours else _Ours()
     handler.setFormatter(formatter(fmt))

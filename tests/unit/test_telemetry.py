@@ -135,3 +135,30 @@ def test_a_collector_password_in_its_url_is_masked_in_the_start_up_log():
     assert settings.telemetry.otlp_endpoint == "https://otel:s3cret@collector:4318"  # (the standard variable)
     shown = describe(settings)
     assert "s3cret" not in shown and "https://otel:***@collector:4318" in shown
+
+
+def test_configure_adds_the_ids_filter_once_to_handlers_it_keeps():
+    # a process whose root logger has someone else's handler (a test runner's capture) keeps it;
+    # its records carry the context's ids all the same
+    from flywheel.logs import configure
+
+    root = logging.getLogger()
+    saved, level = root.handlers[:], root.level
+    theirs = logging.Handler()
+    seen: list[logging.LogRecord] = []
+    theirs.emit = seen.append
+    root.handlers[:] = [theirs]
+    try:
+        configure("json", "INFO")
+        configure("json", "INFO")  # a second command in one process
+        assert root.handlers == [theirs]
+        assert sum(isinstance(f, ContextIds) for f in theirs.filters) == 1
+        token = REQUEST_ID.set("r-kept")
+        try:
+            logging.getLogger("t.kept").warning("hello")
+        finally:
+            REQUEST_ID.reset(token)
+        assert [r.request_id for r in seen] == ["r-kept"]
+    finally:
+        root.handlers[:] = saved
+        root.setLevel(level)
