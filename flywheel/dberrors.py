@@ -27,7 +27,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from urllib.parse import unquote
+
+from flywheel.dburl import url_secrets  # noqa: F401 - where the stores and the controller take it
 
 
 @dataclass(frozen=True)
@@ -152,15 +153,6 @@ def driver_errors(url: str) -> tuple[type[BaseException], ...]:
     import psycopg
 
     return (sqlite3.Error, psycopg.Error)
-
-
-def url_secrets(url: str) -> list[str]:
-    """The password in a database URL's userinfo, as written and unescaped, longest first, for
-    :func:`describe` to mask (the host is after the last "@" before the query, as
-    ``flywheel.settings.redact_database_url`` reads it)."""
-    userinfo, at, _ = url.partition("://")[2].partition("?")[0].rpartition("@")
-    password = userinfo.split(":", 1)[1] if at and ":" in userinfo else ""
-    return sorted({password, unquote(password)} - {""}, key=len, reverse=True)
 
 
 def describe(exc: BaseException, secrets: Iterable[str] = ()) -> str:

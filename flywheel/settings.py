@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -43,6 +42,7 @@ from pydantic import (
 from flywheel.addresses import is_internal, literal_ip
 from flywheel.apikeys import key_id
 from flywheel.contracts import MAX_OUTPUT_REQUEST_BYTES
+from flywheel.dburl import database_url_refusal, redact_database_url
 from flywheel.environment import VariableError, read_environment, warn_once
 
 
@@ -1048,54 +1048,6 @@ def describe(settings: Settings) -> str:
     if data.get("kafka", {}).get("sasl_password"):
         data["kafka"]["sasl_password"] = "***"
     return json.dumps(data, sort_keys=True)
-
-
-#: A libpq ``key=value`` connection string's password (``password=x``, ``sslpassword = 'x y'``).
-_CONNINFO_PASSWORD = re.compile(r"""(?i)\b(\w*password)\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S+)""")
-
-
-def redact_database_url(url: str) -> str:
-    """``url`` with every password it holds replaced by ``***``: the userinfo's
-    (``user:pw@host``; the user stays), a query parameter whose name ends in ``password``
-    (libpq reads ``?password=`` and ``?sslpassword=``), or a libpq ``key=value`` string's."""
-    if "://" not in url:
-        return _CONNINFO_PASSWORD.sub(r"\1=***", url)
-    scheme, _, rest = url.partition("://")
-    # the query starts at the first "?"; the host at the last "@" before it (a password may hold
-    # an unescaped "/" or "@", and must not leak through a split at it)
-    before, q, query = rest.partition("?")
-    userinfo, at, hostpath = before.rpartition("@")
-    if at and ":" in userinfo:
-        userinfo = userinfo.split(":", 1)[0] + ":***"
-    params = "&".join(_redact_param(p) for p in query.split("&")) if q else ""
-    return f"{scheme}://{userinfo}{at}{hostpath}{q}{params}"
-
-
-def _redact_param(param: str) -> str:
-    name, eq, _ = param.partition("=")
-    return f"{name}=***" if eq and unquote_plus(name).lower().endswith("password") else param
-
-
-#: What a URL's user name and password may hold unencoded (RFC 3986 ``userinfo``).
-_USERINFO = re.compile(r"(?:[A-Za-z0-9._~!$&'()*+,;=:-]|%[0-9A-Fa-f]{2})*")
-
-
-def database_url_refusal(url: str) -> str | None:
-    """Why a PostgreSQL ``url`` would leak its password through the driver's errors, else None.
-
-    libpq ends the user name and password at the first ``@``: a password holding one puts its
-    tail in the host name, and the driver says so (``failed to resolve host '<tail>@db'``); a
-    ``%`` that starts no escape is quoted with the whole password (``invalid percent-encoded
-    token``). Everything before the URL's last ``@`` must therefore be valid userinfo. The reason
-    quotes no part of the URL."""
-    if not url.startswith(("postgresql://", "postgres://")):
-        return None
-    userinfo, at, _ = url.partition("://")[2].rpartition("@")
-    if not at or _USERINFO.fullmatch(userinfo):
-        return None
-    return ("its user name or password holds a character a URL must percent-encode: write '@' as %40, '/' as "
-            "%2F, '?' as %3F, '#' as %23, '%' as %25, a space as %20 (Python: urllib.parse.quote(password, "
-            "safe='')), and an '@' after the host as %40")
 
 
 def refuse_leaking_url(url: str) -> None:

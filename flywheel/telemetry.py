@@ -35,7 +35,8 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from flywheel.settings import TelemetrySettings, redact_database_url
+from flywheel.dburl import redact_database_url
+from flywheel.settings import TelemetrySettings
 
 log = logging.getLogger(__name__)
 

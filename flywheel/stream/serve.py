@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
-from flywheel.dberrors import classify, describe, driver_errors, url_secrets
+from flywheel.dberrors import classify, describe, driver_errors
+from flywheel.dburl import url_secrets
 from flywheel.probes import alive
 from flywheel.settings import SettingsError
 from flywheel.stream.claims import STOP_CHECK_S, ShardClaims

@@ -32,8 +32,9 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from flywheel.dberrors import Reconnect, classify, describe, url_secrets
-from flywheel.settings import SettingsError, redact_database_url
+from flywheel.dberrors import Reconnect, classify, describe
+from flywheel.dburl import redact_database_url, url_secrets
+from flywheel.settings import SettingsError
 from flywheel.stream.sql import (
     PgConnection,
     SqliteConnection,
