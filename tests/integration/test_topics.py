@@ -7,6 +7,7 @@ the judge's whole table."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 
@@ -16,8 +17,9 @@ from prometheus_client import CollectorRegistry
 
 from cli.main import main
 from flywheel.contracts import Topics
+from flywheel.kafka.topics import ensure_declared
 from flywheel.settings import Settings
-from flywheel.topology import TOPICS, PartitionRule
+from flywheel.topology import TOPICS, PartitionRule, Role, role_topics
 from release.streams import Streams
 
 
@@ -42,7 +44,8 @@ def _cleanup(bootstrap: str, names) -> None:
         admin.close()
 
 
-def test_flywheel_topics_creates_the_declared_topics_then_reports_drift(kafka_settings, monkeypatch, capsys):
+def test_flywheel_topics_creates_the_declared_topics_then_reports_drift(kafka_settings, monkeypatch, capsys,
+                                                                         caplog):
     topics = Topics(f"t{uuid.uuid4().hex[:10]}.")
     monkeypatch.setenv("FLYWHEEL_KAFKA_BOOTSTRAP", kafka_settings.bootstrap)
     monkeypatch.setenv("FLYWHEEL_TOPIC_PREFIX", topics.prefix)
@@ -82,6 +85,15 @@ def test_flywheel_topics_creates_the_declared_topics_then_reports_drift(kafka_se
         assert main(["topics"]) == 1  # the table for a person says the same
         out = capsys.readouterr().out
         assert re.search(rf"{re.escape(topics.checkpoints)} +drifted .*partitions 3, declared 1", out), out
+
+        # a role's start-up changes no existing topic, and says so
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="flywheel.kafka.topics"):
+            ensure_declared(kafka_settings, topics, role_topics(Role.TRAINER))
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+            (f"topic {topics.checkpoints} has 3 partitions, flywheel/topology.py declares 1: `flywheel topics` "
+            "reports every difference (docs/deploy.md, Topics)")]
+        assert _shapes(kafka_settings.bootstrap, [topics.checkpoints]) == {topics.checkpoints: 3}
     finally:
         _cleanup(kafka_settings.bootstrap, topics.all())
 
