@@ -208,7 +208,10 @@ def high_watermarks(cfg: KafkaSettings, tps: Iterable[TopicPartition], *, client
 
 
 def ensure_topics(cfg: KafkaSettings, names: Iterable[str], partitions: int | None = None) -> None:
-    """Create the topics that do not exist yet; existing ones are left alone.
+    """Create the topics that do not exist yet, all alike; existing ones are left alone.
+
+    For topics of no deployment (tests, benches): the deployment's own topics are made as
+    flywheel/topology.py declares them, by :func:`~flywheel.kafka.topics.ensure_declared`.
 
     Each takes records as large as a produce request (``kafka.max_request_bytes``): Kafka's
     default ``max.message.bytes`` (about 1 MB) is below the largest valid episode, and a record

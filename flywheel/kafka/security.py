@@ -11,8 +11,9 @@ A client with a wrong password, an untrusted certificate authority or the wrong 
 fail: it logs, reconnects and retries, so a process would wait for a broker that "does not
 answer" forever. :func:`check_access` asks once with librdkafka, whose connection errors say what
 went wrong, and raises :class:`KafkaAccessError` (a :class:`~flywheel.settings.SettingsError`:
-the process exits with the message) naming the setting. :func:`ensure_topics` (the first broker
-call of every role) and the CLI tools call it.
+the process exits with the message) naming the setting.
+:func:`~flywheel.kafka.topics.ensure_declared` (the first broker call of every role),
+:func:`ensure_topics` and the CLI tools call it.
 """
 
 from __future__ import annotations
