@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cli.main import build_parser
-from flywheel import topology
+from flywheel import contracts, topology
 from flywheel.contracts import Topics
 from flywheel.kafka.topics import Difference, Found, judge
 from flywheel.settings import KafkaSettings, Settings, load_settings
@@ -62,6 +62,7 @@ def test_every_role_named_is_real():
     for t in topology.TOPICS:
         assert t.producers and t.consumers and set(t.producers + t.consumers) <= roles, t.suffix
         assert t.signer is None or t.signer in t.producers, t.suffix
+        assert isinstance(getattr(contracts, t.record), type), t.suffix  # a real wire type
     # the two records that move weights have one writer each, who signs them
     assert [(t.producers, t.signer) for t in map(topology.spec, ("checkpoints", "releases"))] == [
         ((Role.TRAINER,), Role.TRAINER), ((Role.RELEASE,), Role.RELEASE)]
@@ -196,3 +197,12 @@ def test_no_role_makes_topics_but_through_the_registry():
             if path.relative_to(ROOT).as_posix() != "flywheel/kafka/clients.py" and "ensure_topics(" in path.read_text():
                 offenders.append(path.relative_to(ROOT).as_posix())
     assert offenders == []
+
+
+def test_the_architecture_docs_topics_carry_the_registrys_records_and_keys():
+    # docs/architecture.md's contracts table is prose around the registry's facts: its record and
+    # key columns must be the registry's
+    rows = re.findall(r"^\| `flywheel\.([a-z-]+)` \| `(\w+)` \| ([^|]+?) \|", (ROOT / "docs" / "architecture.md")
+                      .read_text(), re.MULTILINE)
+    assert {name: (record, key) for name, record, key in rows} == {
+        t.suffix: (t.record, t.key) for t in topology.TOPICS}
