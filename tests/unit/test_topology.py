@@ -11,6 +11,7 @@ import subprocess
 from datetime import timedelta
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -186,6 +187,9 @@ def test_the_strimzi_component_is_the_registry_under_every_roles_settings(overla
                         if "secret" in s and s["secret"]["items"][0]["key"] == "password")
         assert username == password == d["metadata"]["name"] and username in users, d["metadata"]["name"]
         assert "secret" not in kafka_volume  # the shared flywheel-kafka login is gone
+    for r in rendered:  # what Kubernetes itself validates (Strimzi's kinds are its operator's)
+        if not r["apiVersion"].startswith("kafka.strimzi.io/"):
+            kubernetes_validate.validate(r, "1.37.0", strict=True)
 
 
 def test_no_role_makes_topics_but_through_the_registry():
