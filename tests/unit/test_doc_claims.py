@@ -89,3 +89,16 @@ def test_serving_adapters_and_the_stream_stages_database_are_stated_as_they_are(
     assert "Only the release controller may use a database server" not in architecture
     assert "Ingest and reward keep their state in PostgreSQL too" in architecture
     assert "database_url" in type(Settings().stream).model_fields
+
+
+def test_the_key_rotation_waits_for_every_serving_replica_before_the_signer_switches():
+    """Serving reads a changed Secret within about a minute: a signer restarted at once signs
+    routings a replica still on the old key alone refuses (unknown_key). Step 1 ends with the wait,
+    on the gauge serving really exports."""
+    from flywheel.signing import SERVING_RELEASE
+
+    guide = (ROOT / "docs" / "deploy.md").read_text()
+    section = guide.split("### Rotating the signing keys", 1)[1].split("\n## ", 1)[0]
+    step1 = section.split("# 1.", 1)[1].split("# 2.", 1)[0]
+    assert "wait until every serving replica trusts both" in step1
+    assert f"{SERVING_RELEASE.trusted} < 2" in step1
