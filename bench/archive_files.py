@@ -30,9 +30,10 @@ from pathlib import Path
 import pandas as pd
 
 from flywheel.contracts import FeedbackEvent, GenerationEvent, SamplingParams, Topics, encode
-from flywheel.kafka.clients import ensure_topics, make_consumer, make_producer
+from flywheel.kafka.clients import make_consumer, make_producer
 from flywheel.kafka.lag import LagGauge
 from flywheel.kafka.producers import make_output_producer
+from flywheel.kafka.topics import ensure_declared
 from flywheel.metrics import new_registry
 from flywheel.settings import ArchiveSettings, IngestSettings, KafkaSettings
 from flywheel.stream.archive import ParquetArchive
@@ -68,7 +69,7 @@ def trickle(cfg: KafkaSettings, topics: Topics, rate: float, seconds: float, don
 
 def run(base: KafkaSettings, archive: ArchiveSettings, rate: float, seconds: float, work: Path) -> dict:
     topics = Topics(f"b{uuid.uuid4().hex[:6]}.")
-    ensure_topics(base, topics.all())
+    ensure_declared(base, topics)
     arch = ParquetArchive(work / "episodes", EPISODE_SCHEMA, episode_row, episode_table)
     store = StateStore(work / "state.sqlite3", SCHEMA)
     registry = new_registry()

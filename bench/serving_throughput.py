@@ -113,7 +113,7 @@ class Api:
 
     def __init__(self, model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, bootstrap: str) -> None:
         from flywheel.contracts import Topics
-        from flywheel.kafka.clients import ensure_topics
+        from flywheel.kafka.topics import ensure_declared
         from flywheel.metrics import new_registry
         from flywheel.settings import KafkaSettings, ServeSettings, Settings
         from serving.app import create_app
@@ -126,7 +126,7 @@ class Api:
                               rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind)
         settings = Settings(model_dir=model_dir, data_dir=Path(tempfile.mkdtemp(prefix="bench-serving-")),
                             topic_prefix="bench.", kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
-        ensure_topics(settings.kafka, Topics("bench.").all())
+        ensure_declared(settings.kafka, Topics("bench."))
         self.registry = new_registry()
         self.recorder = make_recorder(settings, self.registry)
         self.loop = LoopThread()

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the feed and raw consumer of i
 from ingest_throughput import WINDOW_S, produce, raw_rate
 
 from flywheel.contracts import Topics
-from flywheel.kafka.clients import ensure_topics
+from flywheel.kafka.topics import ensure_declared
 from flywheel.settings import KafkaSettings
 from local.broker import EmbeddedBroker
 
@@ -96,7 +96,7 @@ def run(bootstrap: str, procs: int, pairs: int, work: Path) -> list[tuple[str, f
     cfg = KafkaSettings(bootstrap=bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500,
                         partitions=partitions)
     topics = Topics(f"s{uuid.uuid4().hex[:6]}.")
-    ensure_topics(cfg, topics.all())
+    ensure_declared(cfg, topics)
     produce(cfg, topics, pairs)
     env = {**os.environ, "FLYWHEEL_KAFKA_BOOTSTRAP": bootstrap, "FLYWHEEL_KAFKA_PARTITIONS": str(partitions),
            "FLYWHEEL_KAFKA_SESSION_TIMEOUT_MS": "2000", "FLYWHEEL_KAFKA_HEARTBEAT_INTERVAL_MS": "500",

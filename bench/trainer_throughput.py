@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "integrat
 from trainer_helpers import reward_event
 
 from flywheel.contracts import Topics, encode
-from flywheel.kafka.clients import ensure_topics, make_producer
+from flywheel.kafka.clients import make_producer
+from flywheel.kafka.topics import ensure_declared
 from flywheel.modelinit import ModelSpec, init_model
 from flywheel.settings import KafkaSettings, Settings, TrainerSettings
 from local.broker import EmbeddedBroker
@@ -96,7 +97,7 @@ def main() -> None:
     with EmbeddedBroker() as broker, tempfile.TemporaryDirectory() as d:
         kafka = KafkaSettings(bootstrap=broker.bootstrap, session_timeout_ms=2000, heartbeat_interval_ms=500, partitions=2)
         topics = Topics(f"b{uuid.uuid4().hex[:8]}.")
-        ensure_topics(kafka, topics.all())
+        ensure_declared(kafka, topics)
         model = init_model(Path(d) / "model", ModelSpec())
         events = produce(kafka, topics.rewards, args.samples)
         settings = Settings(

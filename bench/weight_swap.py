@@ -105,7 +105,7 @@ class Rig:
         from kafka import KafkaProducer
 
         from flywheel.contracts import Topics
-        from flywheel.kafka.clients import ensure_topics
+        from flywheel.kafka.topics import ensure_declared
         from flywheel.metrics import new_registry
         from flywheel.settings import KafkaSettings, ServeSettings, Settings
         from serving.app import create_app
@@ -121,7 +121,7 @@ class Rig:
         self.settings = Settings(model_dir=model_dir, data_dir=Path(tempfile.mkdtemp(prefix="bench-swap-")),
                                  topic_prefix=prefix, kafka=KafkaSettings(bootstrap=bootstrap), serve=serve)
         self.topics = Topics(prefix)
-        ensure_topics(self.settings.kafka, self.topics.all())
+        ensure_declared(self.settings.kafka, self.topics)
         self.registry = new_registry()
         self.recorder = make_recorder(self.settings, self.registry)
         self.loop = LoopThread()
