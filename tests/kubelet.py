@@ -138,6 +138,7 @@ class Pod:
     _read_only: dict[Path, str] = field(default_factory=dict)
     #: (volume, view): bound read-only in the container's mount namespace
     _binds: list[tuple[Path, Path]] = field(default_factory=list)
+    _found: list[str] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -188,17 +189,18 @@ class Pod:
         if target.is_symlink() or target.exists():
             raise ValueError(f"{self.name}: {mount['mountPath']} is mounted twice")
         read_only = bool(mount.get("readOnly")) or "configMap" in volume or "secret" in volume
+        if read_only and ("configMap" in volume or "secret" in volume):
+            # this pod's own copy, which nobody else writes: any change is the container's
+            for f in ([source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]):
+                self._read_only[f] = _digest(f)
         if read_only and _can_isolate():
             # a view of the volume of this pod's own, bound read-only over it in the container's
-            # mount namespace (see start): a claim another pod writes stays writable there
+            # mount namespace (see argv): a claim another pod writes stays writable there
             view = self.dir / "views" / str(len(self._binds))
             view.parent.mkdir(parents=True, exist_ok=True)
             view.mkdir() if source.is_dir() else view.touch()
             self._binds.append((source, view))
             source = view
-        if read_only:
-            for f in ([source] if source.is_file() else [p for p in source.rglob("*") if p.is_file()]):
-                self._read_only[f] = _digest(f)
         target.symlink_to(source)
 
     def environment(self) -> dict[str, str]:
@@ -280,7 +282,10 @@ class Pod:
 
     def writes_outside_mounts(self) -> list[str]:
         """Files the container made in the image's (read-only) root filesystem, and read-only
-        mounts' files it changed: what ``readOnlyRootFilesystem`` and ``readOnly`` refuse."""
+        mounts' files it changed: what ``readOnlyRootFilesystem`` and ``readOnly`` refuse. A
+        deleted pod's, as they were when it was deleted."""
+        if self.deleted and self._found is not None:
+            return self._found
         made = sorted(str(p.relative_to(self.root)) for p in self._walk_root() if p not in self._made)
         changed = sorted(str(f) for f, digest in self._read_only.items() if not f.exists() or _digest(f) != digest)
         return made + changed
@@ -451,6 +456,7 @@ class Cluster:
         with pod._lock:
             pod.deleted = True
         pod.stop(grace_s)
+        pod._found = pod.writes_outside_mounts()  # before its volumes go
         _remove(pod.dir / "volumes")
         self.events.append(f"{pod.name} deleted")
         return self.start_pod(self.deployment(pod.deployment)) if replace else None
