@@ -156,6 +156,12 @@ class TrustState:
         return {"verified": self.verified, "trusted_key_ids": list(self.key_ids),
                 "refused_key_files": [{"path": p, "reason": r} for p, r in self.refused]}
 
+    def counts(self) -> dict[str, object]:
+        """Key ids and counts, no file: for serving's ``/health``, which any product key holder
+        reads and which must not map the server's files (the files and reasons are in the log)."""
+        return {"verified": self.verified, "trusted_key_ids": list(self.key_ids),
+                "key_files_refused": len(self.refused)}
+
 
 @dataclass(frozen=True)
 class Signer:

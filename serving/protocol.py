@@ -518,19 +518,16 @@ class EngineState(_Resp):
     """Loading a version now (its requests pause)."""
 
 
-class RefusedKeyFile(_Resp):
-    path: str
-    reason: str
-
-
 class SignatureState(_Resp):
     """Whether release records are verified (``serve.trusted_release_keys``, docs/signing.md)."""
 
     verified: bool
     """False: no trusted keys are configured, and any record on the releases topic is followed."""
     trusted_key_ids: list[str]
-    refused_key_files: list[RefusedKeyFile]
-    """Key files that cannot be used (logged with the reason); their signer's releases are refused."""
+    key_files_refused: int
+    """Key files that cannot be used; their signer's releases are refused. Which files, and why, are
+    in serving's log only: ``/health`` answers any product key holder, who has no business with the
+    server's paths."""
 
 
 class ReleaseState(_Resp):
