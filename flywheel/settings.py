@@ -228,6 +228,12 @@ class ServeSettings(_Section):
     offline once the salt is known: off, every series is labelled ``api_key="all"``, and usage per
     key comes from ``flywheel usage`` (the episode archive). Turn it on only where ``/metrics`` is
     reachable by the monitoring system alone."""
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    """Serve ``/metrics`` on a port of its own (with the probes beside it, as the stages' ops port),
+    and not on the API port, which then answers it 404: whoever reaches the product's API (the
+    product, its users' network) does not read the deployment's metrics, and Prometheus scrapes
+    without a key. Unset, ``/metrics`` is on the API port, as under ``flywheel up``. The Kubernetes
+    manifests set 9100, the port the PodMonitor and the NetworkPolicy name ``metrics``."""
     ack_timeout_s: float = Field(default=2.0, gt=0)
     """How long to wait for a broker ack before an event goes to the local journal instead."""
 

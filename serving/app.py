@@ -272,10 +272,11 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
             state["releases"] = follower.state()
         return JSONResponse(state, status_code=200 if ok else 503)
 
-    @app.get("/metrics", response_class=PlainTextResponse,
-             responses={200: {"description": "Prometheus text format"}})
-    async def prometheus() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    if settings.serve.metrics_port is None:  # else on its own port (serving/main.py): 404 here
+        @app.get("/metrics", response_class=PlainTextResponse,
+                 responses={200: {"description": "Prometheus text format"}})
+        async def prometheus() -> Response:
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

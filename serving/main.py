@@ -22,7 +22,9 @@ import argparse
 import logging
 import signal
 import threading
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
 
@@ -31,7 +33,8 @@ from flywheel.connections import raise_open_files
 from flywheel.contracts import Topics
 from flywheel.extras import require_vllm
 from flywheel.kafka.topics import ensure_declared
-from flywheel.metrics import new_registry
+from flywheel.metrics import new_registry, serve_ops
+from flywheel.probes import Probes
 from flywheel.settings import ServeSettings, Settings, SettingsError
 from flywheel.signing import Verifier
 from flywheel.telemetry import Tracing
@@ -42,11 +45,33 @@ from serving.journal import Journal
 from serving.recorder import Recorder
 from serving.versions import Fleet
 
+if TYPE_CHECKING:
+    from serving.readiness import Readiness
+
 log = logging.getLogger("serving")
 
 
 def journal_dir(settings: Settings) -> Path:
     return Path(settings.data_dir) / "serving" / "journal"
+
+
+def metrics_server(settings: Settings, registry: CollectorRegistry, readiness: Readiness,
+                   fleet: Fleet) -> ThreadingHTTPServer | None:
+    """``serve.metrics_port``: ``/metrics`` on a port of its own, served as the stages' ops port is
+    (slow clients cut, connections capped: flywheel/metrics.py), its ``/livez`` and ``/readyz``
+    answering as the API's; the API port then answers ``/metrics`` 404 (serving/app.py). None
+    when unset. A daemon thread: it ends with the process."""
+    if settings.serve.metrics_port is None:
+        return None
+
+    def ready() -> tuple[bool, dict[str, object]]:
+        not_ready = readiness.check(fleet)
+        return not_ready is None, {} if not_ready is None else {"reason": not_ready.value}
+
+    server = serve_ops(registry, Probes(live=lambda: (True, {}), ready=ready), settings.serve.host,
+                       settings.serve.metrics_port)
+    log.info("metrics on %s:%d/metrics", settings.serve.host, server.server_port)
+    return server
 
 
 def make_recorder(settings: Settings, registry: CollectorRegistry) -> Recorder:
@@ -153,6 +178,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
         app = create_app(settings, fleet, recorder, registry, follower, readiness, tracing)
         server = AppServer(app, loop, settings.serve.host, settings.serve.port, drain_s=settings.serve.drain_s,
                            limits=settings.http, registry=registry).start()
+        metrics_server(settings, registry, readiness, fleet)
         log.info("serving %s %s on %s; warming the engines up", settings.serve.model_name,
                  fleet.served_versions(), server.url)
         loop.call(lambda: warm_up(fleet), timeout_s=600)

@@ -133,7 +133,9 @@ def test_each_role_loads_its_settings_and_listens_where_its_manifest_says(overla
         section = getattr(settings, "serve" if r == "serve" else r)
         assert section.host == "0.0.0.0", f"{r} listens on loopback only"
         ports = pod_spec(w)["containers"][0]["ports"]
-        assert [p["containerPort"] for p in ports] == [section.port], r
+        # serving's /metrics on a port of its own, never the API's (serve.metrics_port)
+        want = [section.port, section.metrics_port] if r == "serve" else [section.port]
+        assert [p["containerPort"] for p in ports] == want, r
         assert settings.kafka.security_protocol == "SASL_SSL" and settings.kafka.sasl_password == "pw"
         services = [s for s in resources if s["kind"] == "Service" and s["spec"]["selector"] ==
                     w["spec"]["selector"]["matchLabels"]]
