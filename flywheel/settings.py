@@ -288,6 +288,15 @@ class ServeSettings(_Section):
     release_wait_s: float = Field(default=30.0, gt=0)
     """How long serving waits at start for the releases topic and the checkpoint store before it
     opens its port on the last release it applied (or the model directory)."""
+    routing_wait_s: float = Field(default=120.0, ge=0)
+    """How long a serving that has applied no release (none on the topic and none saved under
+    ``data_dir``, or the newest one's versions not fetched yet) answers ``/readyz`` 503 (``no
+    routing yet``) while it waits for the release controller, which announces its routing at its
+    start and every ``release.reannounce_s`` (docs/serving-releases.md, "At start"). Past it,
+    serving takes traffic on the model directory as version 0, loudly: an error in its log,
+    ``serving_release_routing_unconfirmed`` 1 on ``/metrics`` and ``releases.routing`` on
+    ``/health`` say so until a routing arrives. Keep it above ``release.reannounce_s``; 0 serves
+    the model directory at once (still marked unconfirmed)."""
     drain_s: float = Field(default=25.0, ge=0)
     """On SIGTERM serving stops taking new requests (its port closes, ``/readyz`` stops
     answering) and lets the requests in flight finish for up to this many seconds, streams
@@ -697,6 +706,13 @@ class ReleaseSettings(_Section):
     controller then takes over."""
     tick_s: float = Field(default=1.0, gt=0)
     """How often the controller looks at its candidates."""
+    reannounce_s: float = Field(default=60.0, gt=0)
+    """How often the controller holding the lease sends its current routing again on the releases
+    topic (the newest revision Kafka acked, or revision 0, every user on the model directory, when
+    it has decided nothing yet), and it does so as it takes the lease too. The record is the one
+    it published, so serving skips it as a repeat; a serving that starts after retention, or a
+    recreated topic, lost every record gets the routing within this period instead of serving the
+    model directory (``serve.routing_wait_s``, docs/serving-releases.md)."""
     signing_key: Path | None = None
     """Ed25519 private key (``<key id>.key``) the controller signs its release records with, or a
     directory holding exactly one (a mounted Secret); the file name is the key id. Serving holds
@@ -900,6 +916,18 @@ class Settings(_Section):
         if self.stream.database_url and self.ingest.group_id == self.reward.group_id:
             raise ValueError("ingest.group_id and reward.group_id must differ: with stream.database_url each "
                              "stage's state is found by its consumer group")
+        return self
+
+
+    @model_validator(mode="after")
+    def _routing_wait_outlasts_the_reannouncement(self) -> Settings:
+        # a serving that starts just after an announcement hears the next one reannounce_s later:
+        # a shorter wait would serve the model directory in a deployment where nothing is wrong
+        wait, period = self.serve.routing_wait_s, self.release.reannounce_s
+        if 0 < wait <= period:
+            raise ValueError(f"serve.routing_wait_s={wait:g} must be above release.reannounce_s={period:g}: the "
+                             "controller sends its routing again only that often; raise serve.routing_wait_s "
+                             "(or lower release.reannounce_s), or set it to 0 to serve the model directory at once")
         return self
 
 

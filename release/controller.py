@@ -17,7 +17,14 @@ database; another takes over when the lease lapses):
    release/sequential.py ``canary_alpha``) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
    the state; PASS promotes under the auto-promote policy, else awaits an approver;
    INCONCLUSIVE past the deadline holds it for a person;
-5. publish every routing revision not yet acked.
+5. publish every routing revision not yet acked;
+6. at the lease's take and every ``release.reannounce_s``: send the current routing again (the
+   newest revision acked, or revision 0, every user on the model directory, when nothing was ever
+   decided). Releases are level-triggered: serving's state follows the newest record on the topic,
+   and retention, or a topic deleted and made again, can leave none; a serving that starts then
+   waits, unready, for this record (``serve.routing_wait_s``, docs/serving-releases.md). The same
+   revision, so a serving that applied it skips it as a repeat; a controller that lost the lease
+   mid-turn and sends an older one is skipped as older.
 
 A turn that fails on the database (not answering, read-only after a failover, a full disk, a
 deadlock: any error of it) is waited out: the next turn tries again (on a new connection where
@@ -84,6 +91,11 @@ log = logging.getLogger(__name__)
 
 #: A point is added to the console's history at most this often.
 HISTORY_EVERY_S = 2.0
+#: An announcement Kafka did not ack is tried again this soon (or at ``release.reannounce_s`` if
+#: shorter), not at once: each try may wait out the producer's timeouts inside the turn.
+ANNOUNCE_RETRY_S = 10.0
+#: Revision 0: the routing before the controller decided anything, every user on the model directory.
+NO_DECISION_YET = "no routing decided yet: every user on the model directory (version 0)"
 
 
 class Controller:
@@ -113,6 +125,10 @@ class Controller:
         self.metrics.stalled.set_function(self.stalled_s)
         #: The newest revision a serving instance reported applied (-1: none heard yet).
         self.serving_applied = -1
+        #: When the current routing is next sent again (on ``clock``; 0: on the next turn that holds the lease).
+        self._next_announce = 0.0
+        #: The announcements' clock: monotonic, so a wall-clock jump neither floods nor starves them.
+        self.clock = time.monotonic
 
     # -- the turn ---------------------------------------------------------------------------
     def tick(self, now: float | None = None) -> None:
@@ -158,6 +174,7 @@ class Controller:
             return
         if not was_active:
             log.info("holding the controller lease as %s", self.holder)
+            self._next_announce = 0.0  # a new leader says what the routing is, before any period
         for event in self.streams.new_checkpoints():
             if self.store.add_candidate(event, self.actor):
                 log.info("version %d is a candidate", event["version"])
@@ -169,6 +186,7 @@ class Controller:
         elif not self.store.paused():
             self._next_candidate()
         self._publish()
+        self._announce()
 
     def status(self) -> dict[str, Any]:
         """This loop's own report, for the API: what it knows in memory, no database read. The API
@@ -404,6 +422,23 @@ class Controller:
         if todo:
             done = self.streams.publish(todo, self.cfg.deployment, self._ref)
             self.store.mark_published(done)
+            if done:  # the newest routing just went out: that is this period's announcement
+                self._next_announce = self.clock() + self.cfg.reannounce_s
+
+    def _announce(self) -> None:
+        """Send the current routing again when its period is up (module docstring, step 6)."""
+        if self.clock() < self._next_announce or self.store.unpublished():
+            return  # a revision waiting to be published goes first, and is the newer word
+        rev = self.store.current_routing()
+        if rev is None and self.store.latest_revision() is None:
+            # the first start of a deployment: a serving waits for a routing, and this is it
+            rev = Revision(0, 0, None, 0.0, NO_DECISION_YET, time.time())
+        if rev is None:
+            return  # revisions exist and none was ever acked (all skipped): nothing true to repeat
+        sent = self.streams.announce(rev, self.cfg.deployment, self._ref)
+        self.metrics.announcements.labels("sent" if sent else "failed").inc()
+        self._next_announce = self.clock() + (self.cfg.reannounce_s if sent
+                                                  else min(self.cfg.reannounce_s, ANNOUNCE_RETRY_S))
 
     def _publishable(self, rev: Revision) -> bool:
         """False for a revision no release record can carry (a version recorded before the

@@ -60,6 +60,13 @@ class ControllerMetrics:
                                      "Newest routing revision a serving instance reported applied (-1: none heard "
                                      "by this replica)", registry=registry)
         self.serving_applied.set(-1)
+        self.announcements = Counter(
+            "release_routing_announcements_total",
+            "The current routing sent again on the releases topic (at the lease's take and every "
+            "release.reannounce_s), by outcome: sent (acked), failed (not acked: tried again sooner)",
+            ["outcome"], registry=registry)
+        for outcome in ("sent", "failed"):
+            self.announcements.labels(outcome)
         self.stalled = Gauge("release_stalled_seconds",
                              "Seconds this replica's controller turns have failed on the release database in a "
                              "row: not answering, read-only, full (0 while it works)", registry=registry)

@@ -465,6 +465,13 @@ class ReleaseStore:
         row = self.db.execute("SELECT max(revision) FROM release_revisions WHERE published=?", (PUBLISHED,)).fetchone()
         return row[0] if row and row[0] is not None else None
 
+    def current_routing(self) -> Revision | None:
+        """The newest revision Kafka acknowledged, whole: the routing serving should be on, which
+        the controller sends again (None: none published yet)."""
+        row = self.db.execute("SELECT * FROM release_revisions WHERE published=? ORDER BY revision DESC LIMIT 1",
+                              (PUBLISHED,)).fetchone()
+        return _revision(row) if row else None
+
     def undo(self, version: int, actor: str, reason: str) -> Revision:
         """Return stable to ``version``, a version promoted before (Argo Rollouts' ``undo``): a new
         revision routing every user to it, and its audit entry (evidence ``{"undo": {"from",

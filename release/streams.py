@@ -13,8 +13,9 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
   controller acts on them (release/serving_state.py) and then saves the new offsets.
 - Revisions are sent keyed by the deployment, signed with ``release.signing_key`` (serving
   verifies them), and counted published only once Kafka acked them; the store keeps the rest
-  for the next turn. A canary's revisions carry its salt (:func:`canary_salt`), which picks the
-  canary's users.
+  for the next turn. The current routing is sent again (:meth:`Streams.announce`) at the
+  lease's take and every ``release.reannounce_s``: releases are level-triggered. A canary's
+  revisions carry its salt (:func:`canary_salt`), which picks the canary's users.
 """
 
 from __future__ import annotations
@@ -264,9 +265,7 @@ class Streams:
                 log.error("revision %d cannot be published: %s", rev.revision, exc)
                 continue
             try:
-                value = encode(event)
-                self.producer.send(self.topics.releases, key=deployment, value=value,
-                                   headers=self.signer.headers(value)).get(timeout=10)
+                self._send(event)
             except Exception as exc:  # noqa: BLE001 - the broker did not ack: kept for the next turn
                 log.warning("revision %d not published yet: %s", rev.revision, exc)
                 break
@@ -275,6 +274,24 @@ class Streams:
                      f"v{rev.canary_version}" if rev.canary_version is not None else "none", 100 * rev.canary_share,
                      rev.reason)
         return done
+
+    def announce(self, rev: Revision, deployment: str, ref: Callable[[int], VersionRef | None]) -> bool:
+        """Send the record of ``rev``, a routing already published (or revision 0), again: the
+        same revision, so a serving that applied it skips it as a repeat. Whether Kafka acked it."""
+        try:
+            self._send(release_event(rev, deployment, ref))
+        except Exception as exc:  # noqa: BLE001 - not acked, or no longer buildable: the controller tries again
+            log.warning("routing revision %d not announced again: %r", rev.revision, exc)
+            return False
+        log.debug("announced routing revision %d again", rev.revision)
+        return True
+
+    def _send(self, event: ReleaseEvent) -> None:
+        """One release record, signed, keyed by its deployment (the key a compacted topic keeps the
+        newest record of), waited for until Kafka acks it."""
+        value = encode(event)
+        self.producer.send(self.topics.releases, key=event.deployment, value=value,
+                           headers=self.signer.headers(value)).get(timeout=10)
 
 
 def release_event(rev: Revision, deployment: str, ref: Callable[[int], VersionRef | None]) -> ReleaseEvent:

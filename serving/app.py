@@ -174,7 +174,8 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
     spans (default: made from ``settings.telemetry``; the caller shuts it down, ``app.state.tracing``)."""
     metrics = AppMetrics(registry, key_ids=settings.serve.metrics_key_ids)
     metrics.api_keys.set(len(settings.serve.api_keys))
-    readiness = readiness if readiness is not None else Readiness(warm=True)
+    readiness = readiness if readiness is not None else Readiness(
+        warm=True, routing=follower.routing if follower is not None else None)
     gate = Gate(settings, metrics)
     if not isinstance(fleet, Fleet):
         fleet = Fleet([fleet], registry)
@@ -250,7 +251,7 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
 
     @app.get("/readyz", responses=openapi.probe_responses(
         ProbeAnswer, "Takes traffic: every engine is alive and has answered its warm-up",
-        "Warming up, draining on SIGTERM, or an engine is dead"))
+        "Warming up, waiting for a routing (serve.routing_wait_s), draining on SIGTERM, or an engine is dead"))
     async def readyz() -> Response:
         not_ready = readiness.check(fleet)
         if not_ready is None:

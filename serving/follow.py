@@ -36,6 +36,13 @@ has; a newer release arriving meanwhile replaces the one being retried.
 The applied release is written to ``<data_dir>/serving/release.json``: a restart that cannot
 reach the broker, or finds the newest release refused, comes back on it from the local cache
 (verified again) rather than on the bare model directory.
+
+Releases are level-triggered: the controller sends its current routing again at its start and
+every ``release.reannounce_s`` (a repeat here, skipped). A serving with no release applied (a new
+pod whose emptyDir holds none, on a topic retention or a re-creation emptied) reports
+:attr:`RoutingState.WAITING` and ``/readyz`` 503 until one arrives, for up to
+``serve.routing_wait_s``; past that it serves the model directory, ``unconfirmed``, loudly
+(serving/readiness.py says why).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, SERVING_RELEASE, SignatureRefused, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from serving.adapters import LORA_REFUSALS, Refusal, judge_version, lora_on
+from serving.readiness import RoutingState, judge_routing
 from serving.routing import Want, canary_unservable
 from serving.versions import Fleet
 
@@ -106,6 +114,9 @@ class FollowerMetrics:
         self.revision = Gauge("serving_release_revision", "Revision of the release applied (-1: none yet)",
                               registry=registry)
         self.revision.set(-1)
+        self.unconfirmed = Gauge("serving_release_routing_unconfirmed",
+                                 "1 while serving takes traffic on the model directory with no routing from the "
+                                 "release controller, its wait for one (serve.routing_wait_s) over", registry=registry)
         for outcome in OUTCOMES:
             self.releases.labels(outcome)
         for reason in REFUSAL_REASONS + SERVING_REFUSALS:
@@ -155,6 +166,24 @@ class ReleaseFollower:
         self._pending: tuple[ReleaseEvent, Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        #: Since when serving waits for a routing (monotonic): the process's start, reset by catch_up.
+        self._waiting_since = time.monotonic()
+        self._said_unconfirmed = False
+        self.metrics.unconfirmed.set_function(lambda: float(self.routing() is RoutingState.UNCONFIRMED))
+
+    def routing(self) -> RoutingState:
+        """Whether a routing is applied, or how the wait for one stands (serving/readiness.py)."""
+        return judge_routing(self.applied is not None, time.monotonic() - self._waiting_since,
+                             self.settings.serve.routing_wait_s)
+
+    def _say_unconfirmed(self) -> None:
+        """One error line when the wait for a routing runs out (the follower thread's turns)."""
+        if not self._said_unconfirmed and self.routing() is RoutingState.UNCONFIRMED:
+            self._said_unconfirmed = True
+            log.error("no routing for deployment %r after %.0fs (serve.routing_wait_s): taking traffic on the model "
+                      "directory as version 0, which may not be the version the release controller routes users to; "
+                      "is the release controller running and publishing to %s?", self.deployment,
+                      self.settings.serve.routing_wait_s, self.topic)
 
     # -- start-up ---------------------------------------------------------------------------------
     def catch_up(self, wait_s: float) -> None:
@@ -163,6 +192,7 @@ class ReleaseFollower:
         # release, and the controller is told the stable serving ends up serving, not the
         # model directory it held for a moment
         self._held_reports = []
+        self._waiting_since = time.monotonic()
         try:
             self._catch_up(wait_s)
         finally:
@@ -192,8 +222,9 @@ class ReleaseFollower:
             log.warning("starting on the last release this process applied (revision %d)", saved.revision)
             self._apply(saved, None, deadline=deadline, restoring=True)
         if self.applied is None:
-            log.info("no release for deployment %r yet: serving the model directory as version %d",
-                     self.deployment, self.fleet.slots[0].version)
+            log.warning("no release for deployment %r applied yet: not ready until the release controller's routing "
+                        "arrives, for up to %.0fs (serve.routing_wait_s), then serving the model directory as "
+                        "version %d", self.deployment, self.settings.serve.routing_wait_s, self.fleet.slots[0].version)
 
     def _read_to_end(self, wait_s: float) -> tuple[ReleaseEvent, Any] | None:
         self._consumer = make_consumer(self.settings.kafka, "serving-releases", None,
@@ -230,6 +261,7 @@ class ReleaseFollower:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._say_unconfirmed()
             try:
                 if self._consumer is None:  # the broker was down at start: follow from the beginning
                     self._consumer = make_consumer(self.settings.kafka, "serving-releases", None, [self.topic],
@@ -446,7 +478,7 @@ class ReleaseFollower:
     # -- what /health shows, and the saved release ------------------------------------------------
     def state(self) -> dict[str, Any]:
         a = self.applied
-        return {"deployment": self.deployment, "revision": a.revision if a else None,
+        return {"deployment": self.deployment, "revision": a.revision if a else None, "routing": self.routing().value,
                 "versions": self.fleet.served_versions(),
                 "canary_share": a.canary_share if a and a.canary_version is not None else 0.0,
                 "last_apply": self.last_apply, "last_refusal": self.last_refusal, "last_error": self.last_error,

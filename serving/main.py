@@ -9,7 +9,8 @@ process left under ``<data_dir>/serving/journal``, the engines start (``serve.en
 adapter versions, ``serve.lora``, one engine of the model directory: serving/adapters.py), the newest
 release for ``release.deployment`` is fetched, verified and loaded (serving/follow.py), and only
 then uvicorn opens ``serve.host:serve.port``; ``/livez`` answers from then on, ``/readyz`` once
-every engine has answered a warm-up (serving/readiness.py). SIGTERM/SIGINT stop the server: its
+every engine has answered a warm-up (serving/readiness.py) and a routing is applied (with no release
+on the topic, a wait of up to ``serve.routing_wait_s`` for the controller's). SIGTERM/SIGINT stop the server: its
 port closes, ``/readyz`` says draining, and in-flight requests (streams included) finish for up
 to ``serve.drain_s``; then the release follower stops, the recorder delivers or journals
 everything queued, and the engines shut down. Kubernetes' grace period covers all of it
@@ -174,7 +175,8 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
                                        verifier=verifier)
             follower.catch_up(settings.serve.release_wait_s)  # before the port opens
             follower.start()
-        readiness = Readiness()
+        # with releases followed, not ready while no routing is applied (serve.routing_wait_s)
+        readiness = Readiness(routing=follower.routing if follower is not None else None)
         app = create_app(settings, fleet, recorder, registry, follower, readiness, tracing)
         server = AppServer(app, loop, settings.serve.host, settings.serve.port, drain_s=settings.serve.drain_s,
                            limits=settings.http, registry=registry).start()

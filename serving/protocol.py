@@ -536,6 +536,9 @@ class ReleaseState(_Resp):
     deployment: str
     revision: int | None
     """The release applied; null before the first."""
+    routing: Literal["applied", "waiting", "unconfirmed"]
+    """``applied``: a release applied; ``waiting``: none yet, not ready for up to
+    ``serve.routing_wait_s``; ``unconfirmed``: none after the wait, the model directory served."""
     versions: dict[str, int]
     canary_share: float
     last_apply: dict[str, Any] | None

@@ -71,8 +71,9 @@ def rig(engine, broker, kafka_settings, topics, tiny_model_dir, tmp_path):
                             None, registry)
     controller.store.listeners.append(DecisionCounter(registry))  # as release/main.py does
     person = ReleaseStore(settings.release.database_url)  # a person's, as the API's: not fenced
-    controller.tick()  # takes the lease, hears nothing yet
+    controller.tick()  # takes the lease, hears nothing yet, and announces revision 0 (nothing decided yet)
     assert controller.active
+    wait_for(lambda: follower.applied is not None and follower.applied.revision == 0, "serving to apply revision 0")
     yield controller, follower, person, registry
     follower.stop()
     controller.streams.close()
@@ -96,7 +97,7 @@ def test_a_canary_serving_refuses_is_rolled_back_within_a_turn_with_servings_rea
     controller.tick()  # publishes the canary's routing
     wait_for(lambda: follower.last_refusal is not None, "serving to refuse the canary")
     assert follower.last_refusal["reason"] == "no_canary_engine" and follower.fleet.served_versions() == {"stable": 0}
-    [report] = statuses(broker, topics, expect=1)
+    [_, report] = statuses(broker, topics, expect=2)  # after revision 0's, applied at the start
     assert (report.outcome, report.revision, report.canary_version, report.serving_stable_version) == ("refused", 1, 1, 0)
 
     turns = 0
@@ -113,7 +114,8 @@ def test_a_canary_serving_refuses_is_rolled_back_within_a_turn_with_servings_rea
 
     # serving applies the rollback and says so; the controller hears it and acts no more
     wait_for(lambda: follower.applied is not None and follower.applied.revision == 2, "serving to apply revision 2")
-    assert [(s.revision, s.outcome) for s in statuses(broker, topics, expect=2)] == [(1, "refused"), (2, "applied")]
+    assert [(s.revision, s.outcome) for s in statuses(broker, topics, expect=3)] == [
+        (0, "applied"), (1, "refused"), (2, "applied")]
     controller.tick()
     controller.tick()
     assert registry.get_sample_value("release_serving_revision_applied") == 2
@@ -130,7 +132,7 @@ def test_a_forged_version_promoted_is_refused_and_stable_stays_what_serving_serv
     controller.tick()  # publishes stable v1
     wait_for(lambda: follower.last_refusal is not None, "serving to refuse version 1")
     assert follower.last_refusal["reason"] == "manifest_mismatch" and follower.fleet.served_versions() == {"stable": 0}
-    statuses(broker, topics, expect=1)
+    statuses(broker, topics, expect=2)  # revision 0's report, then the refusal's
 
     turns = 0
     while controller.store.stable_version() != 0 and turns < 2:
