@@ -11,6 +11,7 @@ prometheus/recording.yml as one object, so a cluster's alerts are the ones promt
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import yaml
@@ -29,8 +30,8 @@ def _by_engine(q: float, histogram: str) -> str:
 ROWS = [
     ("Processes", [
         ("Processes up by job, of their scrape targets", "short", [
-            ('sum by (job) (up{job=~"flywheel-.+"})', "{{job}} up"),
-            ('count by (job) (up{job=~"flywheel-.+"})', "{{job}} targets")]),
+            ('sum by (job) (up{job=~"(.+/)?flywheel-.+"})', "{{job}} up"),
+            ('count by (job) (up{job=~"(.+/)?flywheel-.+"})', "{{job}} targets")]),
     ]),
     ("Serving", [
         ("Requests/s by route and status", "reqps", [
@@ -158,6 +159,23 @@ ROWS = [
 ]
 
 
+#: A series the board reads: ``up``, a recorded ratio, or a metric a component registers, with its
+#: matchers if it has any.
+_SELECTOR = re.compile(r"\b(up|flywheel:[a-z0-9_:]+|(?:serving|ingest|reward|trainer|release)_[a-z0-9_]+)(\{[^}]*\})?")
+#: The board's deployment: one Prometheus may scrape several (a namespace each, through the
+#: prometheus-operator component's PodMonitors). ``.*`` (All) also matches compose's series, which
+#: have no namespace.
+NAMESPACE = 'namespace=~"$namespace"'
+
+
+def scoped(expr: str) -> str:
+    """``expr`` with every series it reads limited to the chosen namespace."""
+    def one(m: re.Match[str]) -> str:
+        inner = (m.group(2) or "{}")[1:-1]
+        return m.group(1) + "{" + NAMESPACE + (", " + inner if inner else "") + "}"
+    return _SELECTOR.sub(one, expr)
+
+
 def build() -> dict:
     panels, y, pid = [], 0, 1
     for title, row in ROWS:
@@ -169,14 +187,23 @@ def build() -> dict:
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
                 "gridPos": {"h": 8, "w": 8, "x": (i % 3) * 8, "y": y + (i // 3) * 8},
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-                "targets": [{"expr": e, "legendFormat": l, "refId": chr(65 + k)} for k, (e, l) in enumerate(targets)],
+                "targets": [{"expr": scoped(e), "legendFormat": l, "refId": chr(65 + k)}
+                            for k, (e, l) in enumerate(targets)],
             })
             pid += 1
         y += 8 * ((len(row) + 2) // 3)
     return {
         "title": "Flywheel overview", "uid": "flywheel-overview", "schemaVersion": 39, "version": 1,
         "tags": ["flywheel"], "time": {"from": "now-6h", "to": "now"}, "refresh": "30s",
-        "templating": {"list": [{"name": "datasource", "type": "datasource", "query": "prometheus"}]},
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus"},
+            {"name": "namespace", "label": "Deployment (namespace)", "type": "query",
+             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+             "query": {"query": 'label_values(up{job=~"(.+/)?flywheel-.+"}, namespace)', "refId": "namespace"},
+             "definition": 'label_values(up{job=~"(.+/)?flywheel-.+"}, namespace)', "refresh": 2,
+             "includeAll": True, "allValue": ".*", "multi": False,
+             "current": {"selected": True, "text": "All", "value": "$__all"}},
+        ]},
         "panels": panels,
     }
 

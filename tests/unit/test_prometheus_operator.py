@@ -248,3 +248,63 @@ def test_the_allowed_namespaces_are_an_overlays_patch(tmp_path):
     assert _flow(policies, pods, shop, "serving", "http") and not _flow(policies, pods, PRODUCT, "serving", "http")
     assert _flow(policies, pods, observability, "ingest", "ops")
     assert not _flow(policies, pods, MONITORING, "ingest", "ops")
+
+
+# -- the board: one deployment at a time ----------------------------------------------------------
+
+def _board() -> dict[str, Any]:
+    import json
+
+    return json.loads((ROOT / "dashboards" / "grafana" / "flywheel-overview.json").read_text())
+
+
+def _selectors(node: Any) -> list[Any]:
+    """Every vector selector of a parsed PromQL expression (promql_parser's tree)."""
+    import promql_parser
+
+    if isinstance(node, promql_parser.VectorSelector):
+        return [node]
+    if isinstance(node, promql_parser.MatrixSelector):
+        return [node.vector_selector]
+    children = [getattr(node, a) for a in ("lhs", "rhs", "expr", "param") if hasattr(node, a)]
+    children += list(getattr(node, "args", None) or [])
+    return [s for c in children if c is not None for s in _selectors(c)]
+
+
+def test_every_panel_reads_the_chosen_namespace_only():
+    import promql_parser
+
+    variables = {v["name"]: v for v in _board()["templating"]["list"]}
+    assert variables["namespace"]["includeAll"] and variables["namespace"]["allValue"] == ".*"
+    unscoped = []
+    for panel in _board()["panels"]:
+        for target in panel.get("targets", []):
+            for sel in _selectors(promql_parser.parse(target["expr"])):
+                if ("namespace", "$namespace") not in {(m.name, m.value) for m in sel.matchers.matchers}:
+                    unscoped.append(f"{panel['title']}: {target['expr']}")
+    assert not unscoped, "\n".join(unscoped)
+
+
+@pytest.mark.parametrize("chosen, jobs", [
+    ("team-b", {"team-b/flywheel-ingest": 0}),  # team-a's healthy ingest does not show
+    (".*", {"team-a/flywheel-ingest": 1, "team-b/flywheel-ingest": 0, "flywheel-ingest": 1}),  # All, compose's too
+])
+def test_the_processes_panel_under_prometheus_shows_the_chosen_deployment(tmp_path, chosen, jobs):
+    """The board's first panel, evaluated by Prometheus' engine (promtool) with the variable as
+    Grafana substitutes it."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is not installed (apt-get install prometheus)")
+    expr = next(t["expr"] for p in _board()["panels"] if p["title"].startswith("Processes up")
+                for t in p["targets"] if t["refId"] == "A").replace("$namespace", chosen)
+    series = {'up{job="team-a/flywheel-ingest", namespace="team-a", instance="10.0.0.1:9101"}': "1x5",
+              'up{job="team-b/flywheel-ingest", namespace="team-b", instance="10.0.0.2:9101"}': "0x5",
+              'up{job="flywheel-ingest", instance="ingest-a:9101"}': "1x5"}
+    spec = {"rule_files": [], "evaluation_interval": "1m", "tests": [{
+        "interval": "1m", "input_series": [{"series": s, "values": v} for s, v in series.items()],
+        "promql_expr_test": [{"expr": expr, "eval_time": "3m", "exp_samples": [
+            {"labels": f'{{job="{job}"}}', "value": value} for job, value in jobs.items()]}]}]}
+    path = tmp_path / "board_test.yml"
+    path.write_text(yaml.safe_dump(spec))
+    done = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
