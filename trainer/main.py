@@ -105,7 +105,7 @@ def run(settings: Settings, args: argparse.Namespace | None = None) -> NoReturn:
         # startupProbe waits for it (deploy/k8s/base/trainer.yaml)
         probes = Probes(alive(trainer.heartbeat, settings.probes.hung_s),
                         lambda: trainer.healthy(settings.probes.stale_s))
-        server = serve_ops(registry, probes, settings.trainer.host, settings.trainer.port)
+        server = serve_ops(registry, probes, settings.trainer.host, settings.trainer.port, component="trainer")
         log.info("trainer ops on %s:%d, version %d", settings.trainer.host, server.server_port, trainer.version)
         trainer.subscribe()
     try:

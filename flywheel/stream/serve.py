@@ -101,7 +101,7 @@ def serve_stage(settings: Settings, spec: StageSpec, stop: StopFlag | None = Non
     name, registry = spec.name, new_registry()
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
         probes = StageProbes(settings.probes)
-        ops = serve_ops(registry, Probes(probes.live, probes.ready), spec.host, spec.port)
+        ops = serve_ops(registry, Probes(probes.live, probes.ready), spec.host, spec.port, component=name)
         held.callback(ops.shutdown)
         log.info("%s: checking the topics on the broker at %s (ops on %s:%d)", name, settings.kafka.bootstrap,
                  spec.host, ops.server_port)

@@ -3,6 +3,7 @@
 Its ``/livez`` is the kubelet's liveness probe: a client that keeps its threads busy would get a
 healthy stage restarted. Every connection lives ``OpsLimits.connection_s`` at most, and an address
 holds ``per_client`` of them; another address (127.0.0.2, the kubelet's here) is still answered.
+Each connection closed so is counted in ``<component>_connections_cut_total{reason}``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import time
 import urllib.request
 
 import pytest
+from prometheus_client import CollectorRegistry
 
-from flywheel.metrics import OpsLimits, new_registry, serve_ops
+from flywheel.connections import Cut
+from flywheel.metrics import OPS_CUTS, OpsLimits, new_registry, serve_ops
 from flywheel.probes import Probes
 
 
@@ -23,7 +26,7 @@ def _ok() -> tuple[bool, dict]:
 
 
 def _slow_sender(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock = socket.create_connection(("127.0.0.1", int(port)), timeout=5)
     sock.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\n")  # the headers never end
     return sock
 
@@ -40,7 +43,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bool:
 
 
 def _livez_from(port: int, source: str) -> int:
-    with socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0)) as sock:
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=5, source_address=(source, 0)) as sock:
         sock.sendall(b"GET /livez HTTP/1.0\r\n\r\n")
         answer = b""
         while chunk := sock.recv(4096):
@@ -50,13 +53,30 @@ def _livez_from(port: int, source: str) -> int:
     return status
 
 
+class Ops(int):
+    """The server's port, with its registry (``<component>_connections_cut_total``)."""
+
+    registry: CollectorRegistry
+
+    def cuts(self, reason: str) -> float:
+        return self.registry.get_sample_value("ingest_connections_cut_total", {"reason": reason})
+
+
 @pytest.fixture
 def ops():
-    server = serve_ops(new_registry(), Probes(_ok, _ok), "127.0.0.1", 0,
-                       OpsLimits(connection_s=1.0, per_client=4, total=8))
-    yield server.server_port
+    registry = new_registry()
+    server = serve_ops(registry, Probes(_ok, _ok), "127.0.0.1", 0,
+                       OpsLimits(connection_s=1.0, per_client=4, total=8), component="ingest")
+    port = Ops(server.server_port)
+    port.registry = registry
+    yield port
     server.shutdown()
     server.server_close()
+
+
+def test_every_cut_reason_is_exported_at_zero_and_the_caps_are_named_as_the_apis_are(ops):
+    assert {reason: ops.cuts(reason) for reason in OPS_CUTS} == dict.fromkeys(OPS_CUTS, 0.0)
+    assert {"client_cap", "process_cap"} <= {cut.value for cut in Cut}
 
 
 def test_a_slow_request_is_cut_at_the_connection_deadline(ops):
@@ -68,6 +88,7 @@ def test_a_slow_request_is_cut_at_the_connection_deadline(ops):
     finally:
         sock.close()
     assert time.monotonic() - started < 3.0
+    assert ops.cuts("connection_timeout") == 1
 
 
 def test_an_address_over_its_share_is_refused_and_livez_answers_another(ops):
@@ -78,6 +99,7 @@ def test_an_address_over_its_share_is_refused_and_livez_answers_another(ops):
         extra = _slow_sender(ops)
         assert _closed_within(extra, 0.5), "an address over its share is closed at once"
         extra.close()
+        assert ops.cuts("client_cap") == 1
         assert _livez_from(ops, "127.0.0.2") == 200
     finally:
         for sock in held:
@@ -98,12 +120,13 @@ def test_the_process_cap_closes_the_rest_and_the_server_goes_on(ops):
     the deadline every address is answered again. A plain urllib client reads /metrics."""
     held = [_slow_sender(ops) for _ in range(4)]
     for _ in range(4):
-        sock = socket.create_connection(("127.0.0.1", ops), timeout=5, source_address=("127.0.0.3", 0))
+        sock = socket.create_connection(("127.0.0.1", int(ops)), timeout=5, source_address=("127.0.0.3", 0))
         sock.sendall(b"GET /")
         held.append(sock)
     try:
         with pytest.raises((OSError, IndexError)):
             _livez_from(ops, "127.0.0.2")
+        assert ops.cuts("process_cap") == 1
     finally:
         for sock in held:
             sock.close()
