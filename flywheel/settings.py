@@ -381,7 +381,13 @@ class TrainerSettings(_Section):
     """Module names the adapter wraps (``q_proj``, ``v_proj``, ...), or ``all-linear``: every linear
     layer but the output head, as PEFT resolves it (vLLM serves adapters on those)."""
     store: str = ""
-    """Checkpoint store: a local directory or an fsspec URL; empty means ``<data_dir>/checkpoints``."""
+    """Checkpoint store: a local directory, or an object store's URL (``s3://bucket/prefix``, with
+    the ``s3`` extra; the endpoint is ``AWS_ENDPOINT_URL`` for MinIO, Ceph and other S3-compatible
+    stores, the credentials the standard AWS variables). With a URL the trainer keeps a working copy
+    under ``<data_dir>/checkpoints``, publishes each version to the URL before announcing it, and
+    pulls the newest one there at start; the release controller and serving fetch the announced
+    URL into caches of their own: no volume is shared (flywheel/checkpoints/remote.py). Empty
+    means ``<data_dir>/checkpoints``."""
     seed: int = 0
     """Seed for sampling primitives and data order."""
     cpu_threads: int = Field(default=1, ge=0)
@@ -406,6 +412,23 @@ class TrainerSettings(_Section):
             raise ValueError("name at least one module (or all-linear), and no empty name")
         if "all-linear" in v and len(v) > 1:
             raise ValueError("all-linear already names every linear layer; give it alone or list modules")
+        return v
+
+    @field_validator("store")
+    @classmethod
+    def _store_reachable(cls, v: str) -> str:
+        if "://" not in v:
+            return v
+        import fsspec
+
+        protocol = v.split("://", 1)[0]
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except ValueError:
+            raise ValueError(f"{v!r}: fsspec knows no protocol {protocol!r}") from None
+        except ImportError:
+            extra = " (pip install 'flywheel[s3]')" if protocol in ("s3", "s3a") else ""
+            raise ValueError(f"{v!r} needs the client library of {protocol!r}{extra}") from None
         return v
 
     @field_validator("loss")

@@ -52,8 +52,7 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import ServingStatusEvent, VersionRef
-from flywheel.dberrors import Bug, classify, describe
-from flywheel.dburl import url_secrets
+from flywheel.dberrors import classify, describe, url_secrets
 from flywheel.degeneracy import compare
 from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
@@ -140,8 +139,6 @@ class Controller:
             self.metrics.lease_held.set(0)
             log.warning("stopped mid-turn: %s; standing by", exc)
         except self.store.db.errors as exc:
-            if isinstance(classify(exc), Bug):  # the statement is wrong: no wait fixes it (raised, logged whole)
-                raise
             self._database_failed(exc)
             return
         if self._db_failing_since is not None:
@@ -300,7 +297,8 @@ class Controller:
         verify_version(self.checkpoints, cand)
 
     def _verified_dir(self, version: int, manifest_sha256: str, out: Path) -> Path:
-        return verified_dir(self.checkpoints, version, manifest_sha256, out)
+        cand = self.store.get(version)
+        return verified_dir(self.checkpoints, version, manifest_sha256, out, cand.uri if cand is not None else None)
 
     def _stable_dir(self, stable: int, out: Path) -> Path:
         if stable == 0:
@@ -464,14 +462,30 @@ class Controller:
                                                      base=cand.checkpoint.get("base"))
 
 
-def verified_dir(checkpoints: CheckpointStore | None, version: int, manifest_sha256: str, out: Path) -> Path:
+#: Versions an object store's cache keeps (the newest fetched): a gate reads the candidate and
+#: stable, and the next candidate's delta chain usually starts at one of them.
+CACHE_KEEP = 3
+
+
+def verified_dir(checkpoints: CheckpointStore | None, version: int, manifest_sha256: str, out: Path,
+                 uri: str | None = None) -> Path:
     """The version rebuilt from its delta chain into ``out``, every hash checked, and its manifest
-    the one the checkpoint event announced."""
-    from flywheel.checkpoints import verify_dir
+    the one the checkpoint event announced. A ``uri`` that is an object store's URL (the trainer's
+    ``store`` an ``s3://`` one) is fetched into a cache under the local store first, as serving
+    fetches it (flywheel/checkpoints/fetch.py): no volume is shared with the trainer."""
+    from flywheel.checkpoints import CheckpointStore, verify_dir
+    from flywheel.checkpoints.fetch import fetch_version, prune_cache
+    from flywheel.checkpoints.remote import is_url
 
     if checkpoints is None:
         raise GateError("this controller was given no checkpoint store to load versions from")
-    checkpoints.export(version, out)
+    if uri is not None and is_url(uri):
+        cache = CheckpointStore(checkpoints.root / "fetched")
+        fetch_version(uri, version, manifest_sha256, cache)
+        cache.export(version, out)
+        prune_cache(cache, set(cache.versions()[-CACHE_KEEP:]))
+    else:
+        checkpoints.export(version, out)
     verify_dir(out, expect_manifest_sha256=manifest_sha256)
     return out
 
@@ -481,4 +495,4 @@ def verify_version(checkpoints: CheckpointStore | None, cand: Candidate) -> None
     announcement named: ``release undo`` calls it before routing users back to a version, since
     the store may have lost or damaged it after it was promoted. Raises on any mismatch."""
     with tempfile.TemporaryDirectory(prefix="flywheel-verify-") as tmp:
-        verified_dir(checkpoints, cand.version, cand.manifest_sha256, Path(tmp) / "version")
+        verified_dir(checkpoints, cand.version, cand.manifest_sha256, Path(tmp) / "version", cand.uri)

@@ -81,6 +81,44 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A local S3 API on loopback (moto's server mode), and the standard AWS variables pointing
+    every S3 client of this process at it, as a pod's env points it at MinIO or S3."""
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "flywheel-test",
+           "AWS_SECRET_ACCESS_KEY": "flywheel-test", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env["AWS_ENDPOINT_URL"]
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_url(s3_endpoint) -> str:
+    """``s3://<a new bucket>/checkpoints`` on the session's local S3 API."""
+    import fsspec
+
+    bucket = f"flywheel-{uuid.uuid4().hex[:12]}"
+    fsspec.filesystem("s3").mkdir(bucket)
+    return f"s3://{bucket}/checkpoints"
+
+
+@pytest.fixture(scope="session")
 def sharded_hf_dir(tmp_path_factory) -> Path:
     """The tiny model as a user's Hugging Face directory: six safetensors shards with their index,
     tied embeddings, tokenizer and chat template, no Flywheel manifest (tests/hf_helpers.py).

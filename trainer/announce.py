@@ -17,7 +17,7 @@ import logging
 import os
 from pathlib import Path
 
-from flywheel.checkpoints import CheckpointStore, adapter_of, manifest, mirror
+from flywheel.checkpoints import CheckpointStore, adapter_of, manifest
 from flywheel.contracts import BaseModelRef, CheckpointEvent, now
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,17 @@ def announced(store: CheckpointStore) -> int:
 
     Call it at start, before publishing: a store without the mark gets one then. A fresh store
     starts at -1; one written before the mark existed counts as announced through its latest
-    version, as its trainer announced each version before it went on.
+    version, as its trainer announced each version before it went on. With an object store
+    (``store.remote``) a local store without the mark (a fresh disk) takes the object store's.
     """
     path = store.root / MARK
     try:
         return int(path.read_text())
     except FileNotFoundError:
+        theirs = store.remote.announced() if store.remote is not None else None
+        if theirs is not None:
+            _write_mark(store, theirs)
+            return theirs
         latest = store.latest()
         mark_announced(store, -1 if latest is None else latest)
         return -1 if latest is None else latest
@@ -45,21 +50,30 @@ def announced(store: CheckpointStore) -> int:
 
 
 def mark_announced(store: CheckpointStore, version: int) -> None:
+    _write_mark(store, version)
+    if store.remote is not None:  # a trainer restarted on a fresh disk reads it there
+        store.remote.mark_announced(version)
+
+
+def _write_mark(store: CheckpointStore, version: int) -> None:
     path = store.root / MARK
     tmp = path.with_name(f".{MARK}.tmp")
     tmp.write_text(str(version))
     os.replace(tmp, path)
 
 
-def checkpoint_event(store: CheckpointStore, version: int, mirror_url: str | None = None) -> CheckpointEvent:
+def checkpoint_event(store: CheckpointStore, version: int) -> CheckpointEvent:
     """The announcement of a committed ``version``, from what the store holds.
 
-    ``mirror_url``: the store's fsspec URL (the trainer's ``store`` setting); the version is uploaded
-    there first (again, after a crash: the upload is idempotent) and announced with that URI.
+    With an object store (``store.remote``, the trainer's ``store`` setting a URL) the version is
+    published there first (again, after a crash: it uploads nothing when the same manifest is
+    there, flywheel/checkpoints/remote.py) and announced with its URL.
     """
     path = store.path(version)
     man = store.manifest(version)
-    uri = mirror(path, mirror_url) if mirror_url else str(path.resolve())
+    uri = store.remote.publish(path) if store.remote is not None else str(path.resolve())
+    if store.remote is not None:
+        store.remote.prune(store.keep_full, store.keep_optimizer)
     return CheckpointEvent(
         version=version, parent=man.get("parent"), step=man.get("step", 0), uri=uri,
         manifest_sha256=manifest.sha256_file(path / manifest.MANIFEST_NAME), dtype=_dtype(man, path),

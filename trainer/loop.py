@@ -236,7 +236,7 @@ class Trainer:
     def _resume_point(self) -> int | None:
         """Rank 0: the newest version, checked to be of this trainer's kind; the versions owed an
         announcement since the last run."""
-        latest = self.store.latest()
+        latest = self._pull_newest()
         self._check_kind(latest)
         if self.sink is not None:
             # versions a previous run committed but could not announce go out first
@@ -246,11 +246,27 @@ class Trainer:
                 log.info("versions %s were never announced; announcing them now", self._owed)
         return latest
 
+    def _pull_newest(self) -> int | None:
+        """The newest version, pulled first from the object store when there is one and the local
+        store lacks it (a fresh disk: flywheel/checkpoints/remote.py), optimizer state included.
+        A newer local version was committed and not yet published: it is owed, and goes out."""
+        local = self.store.latest()
+        theirs = self.store.remote.latest() if self.store.remote is not None else None
+        if theirs is not None and (local is None or theirs > local):
+            self.store.remote.pull(theirs, self.store)
+            return theirs
+        return local
+
     def _resume_state(self, latest: int) -> tuple[dict[str, Any], set[str]]:
         """The manifest to resume from, and the recent trained ids (a duplicate record is dropped, not retrained)."""
         seen: set[str] = set()
-        for v in self.store.versions()[-20:]:
+        held = self.store.versions()
+        for v in held[-20:]:
             seen.update(self.store.ledger(v)["trained"])
+        if self.store.remote is not None:  # a fresh disk pulled the newest version only
+            for v in self.store.remote.versions()[-20:]:
+                if v not in held:
+                    seen.update(self.store.remote.ledger(v)["trained"])
         return self.store.manifest(latest), seen
 
     def _check_kind(self, latest: int | None) -> None:
@@ -347,13 +363,9 @@ class Trainer:
         self.store.sync()  # a version is announced once its rename is durable
         while self._owed:
             version = self._owed[0]
-            value = encode(checkpoint_event(self.store, version, self._mirror_url))
+            value = encode(checkpoint_event(self.store, version))
             self.sink.write(self.topics.checkpoints, str(version), value, headers=self.signer.headers(value))
             self._announcing = self._owed.pop(0)
-
-    @property
-    def _mirror_url(self) -> str | None:
-        return self.cfg.store if self.cfg.store and "://" in self.cfg.store else None
 
     def _may_publish(self, settled: bool) -> bool:
         """A due version waits while Kafka has not acked the dead letters whose offsets it would

@@ -13,9 +13,9 @@ hash (``adapter_of(manifest)``, ``verify_base(base_dir, adapter)``).
     store.export(v, out)                  # reconstruct: a verified, loadable model directory in ``out``
     verify_dir(model_dir)                 # check any model directory against its manifest
 
-Modules: :mod:`.store` (layout, atomic publish, pruning, reconstruction, fsspec mirror),
-:mod:`.manifest` (manifests and hashes), :mod:`.delta` (the delta codec), :mod:`.cli`
-(``flywheel checkpoint verify|reconstruct``). Nothing here imports torch or a stage package.
+Modules: :mod:`.store` (layout, atomic publish, pruning, reconstruction), :mod:`.remote` (the
+store on S3 or any fsspec URL: publish, pull, the publish rule), :mod:`.manifest` (manifests and
+hashes), :mod:`.delta` (the delta codec), :mod:`.cli` (``flywheel checkpoint verify|reconstruct``). Nothing here imports torch or a stage package.
 """
 
 from flywheel.checkpoints.delta import DeltaError
@@ -28,13 +28,13 @@ from flywheel.checkpoints.manifest import (
     verify_base,
     verify_dir,
 )
+from flywheel.checkpoints.remote import ObjectStore
 from flywheel.checkpoints.store import (
     ADAPTER_WEIGHTS,
     DELTA,
     LEDGER,
     WEIGHTS,
     CheckpointStore,
-    mirror,
     open_store,
     store_root,
     verify_tensors,
@@ -52,8 +52,8 @@ __all__ = [
     "CheckpointStore",
     "DeltaError",
     "ManifestError",
+    "ObjectStore",
     "adapter_of",
-    "mirror",
     "open_store",
     "store_root",
     "verify_base",

@@ -64,6 +64,7 @@ from flywheel.durable import fsync_dir, fsync_tree
 from flywheel.progress import SILENT, Progress
 
 if TYPE_CHECKING:
+    from flywheel.checkpoints.remote import ObjectStore
     from flywheel.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,8 @@ class CheckpointStore:
         self.keep_optimizer = keep_optimizer
         #: a version was renamed into the root, but the root's fsync failed (:meth:`sync`)
         self.unsynced = False
+        #: the object store versions are published to and pulled from (remote.py), if any
+        self.remote: ObjectStore | None = None
         self.root.mkdir(parents=True, exist_ok=True)
 
     def out_of_reach(self, exc: BaseException) -> OSError | None:
@@ -314,17 +317,23 @@ class CheckpointStore:
 
 def store_root(settings: Settings) -> Path:
     """Where the local store ``settings`` name lives: the trainer's ``store`` when it is a
-    directory, else ``<data_dir>/checkpoints`` (an fsspec URL there is a mirror the trainer uploads
-    to). A reader that must not create it (``flywheel usage``) checks it exists first."""
+    directory, else ``<data_dir>/checkpoints`` (with an object store's URL there, the trainer's
+    working copy: remote.py). A reader that must not create it (``flywheel usage``) checks it exists first."""
     cfg = settings.trainer
     return Path(cfg.store) if cfg.store and "://" not in cfg.store else settings.data_dir / "checkpoints"
 
 
 def open_store(settings: Settings) -> CheckpointStore:
-    """The local store ``settings`` name (:func:`store_root`), created if missing."""
+    """The local store ``settings`` name (:func:`store_root`), created if missing, with the object
+    store it publishes to when ``trainer.store`` is a URL (remote.py)."""
+    from flywheel.checkpoints.remote import ObjectStore, is_url
+
     cfg = settings.trainer
-    return CheckpointStore(store_root(settings), full_every=cfg.full_every, keep_full=cfg.keep_full,
-                           keep_optimizer=cfg.keep_optimizer)
+    store = CheckpointStore(store_root(settings), full_every=cfg.full_every, keep_full=cfg.keep_full,
+                            keep_optimizer=cfg.keep_optimizer)
+    if cfg.store and is_url(cfg.store):
+        store.remote = ObjectStore(cfg.store)
+    return store
 
 
 def pruned(directory: Path, man: dict[str, Any]) -> bool:
@@ -389,18 +398,3 @@ def _copy_model_files(source: Path, dest: Path) -> None:
         wanted = p.is_file() and p.name not in _SKIP_COPY and not p.name.endswith(_SKIP_SUFFIXES)
         if wanted and not (dest / p.name).exists():  # a file the trainer wrote itself wins
             shutil.copy2(p, dest / p.name)
-
-
-def mirror(local_version_dir: Path, url: str) -> str:
-    """Upload a committed version to an fsspec URL; the manifest goes last, so a reader that finds
-    a manifest finds every file it lists (object stores have no atomic directory rename)."""
-    import fsspec
-
-    fs, base = fsspec.core.url_to_fs(url)
-    dest = f"{base.rstrip('/')}/{local_version_dir.name}"
-    fs.makedirs(dest, exist_ok=True)
-    for p in sorted(local_version_dir.iterdir()):
-        if p.is_file() and p.name != manifest.MANIFEST_NAME:
-            fs.put_file(str(p), f"{dest}/{p.name}")
-    fs.put_file(str(local_version_dir / manifest.MANIFEST_NAME), f"{dest}/{manifest.MANIFEST_NAME}")
-    return f"{url.rstrip('/')}/{local_version_dir.name}"

@@ -151,12 +151,12 @@ def test_intake_drops_stale_and_dead_letters_unknown_versions(chain):
     assert chain.book.is_settled("r", 0, 100) and not chain.book.is_settled("r", 0, 101)
 
 
-def test_mirror_to_an_fsspec_url(chain):
+def test_publish_to_an_fsspec_url(chain):
     import fsspec
 
-    from flywheel.checkpoints import mirror
+    from flywheel.checkpoints import ObjectStore
 
-    uri = mirror(chain.store.path(6), "memory://bucket/ckpt")
+    uri = ObjectStore("memory://bucket/ckpt").publish(chain.store.path(6))
     fs = fsspec.filesystem("memory")
     names = {p.rsplit("/", 1)[-1] for p in fs.ls(uri.removeprefix("memory:/"), detail=False)}
     assert {"flywheel-manifest.json", "model.safetensors", "config.json", "ledger.json"} <= names

@@ -42,7 +42,7 @@ def test_the_runtime_stage_installs_the_built_wheel_and_no_source():
         "the runtime stage copies from the build context"
     installs = [args for op, args in runtime if op == "RUN" and "pip install" in args and "flywheel-*.whl" in args]
     assert installs and "from=builder,source=/wheels" in installs[0]
-    assert "[${EXTRA}]" in installs[0] and "demo" not in installs[0]  # a production install
+    assert "[${EXTRA},s3]" in installs[0] and "demo" not in installs[0]  # a production install, s3:// ready
 
 
 def test_base_image_and_extra_are_build_arguments():
