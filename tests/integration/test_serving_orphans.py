@@ -61,7 +61,9 @@ def test_a_killed_serving_process_leaves_no_engine_running(broker, topics, tiny_
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
            "FLYWHEEL_API_KEYS": "sk-orphans", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt-of-sixteen-characters",
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
-           "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port)}
+           "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port),
+           # no release controller here: ready at once on the model directory, not after the wait for one
+           "FLYWHEEL_SERVE_ROUTING_WAIT_S": "0"}
     # its own session, as under flywheel up: the group is what is checked for leftovers below
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
