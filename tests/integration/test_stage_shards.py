@@ -29,6 +29,7 @@ from flywheel.settings import SettingsError, load_settings
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.slow  # a fault run, about 18 s on 2 cores: the default suite must stay under 14 minutes
 def test_shard_processes_exactly_once_through_kills(kafka_settings, topics, tmp_path):
     """Two processes per stage, each on one shard with a data_dir of its own, SIGKILLed at random:
     the distinct outcome is exact (the reward guards count per process), repeats come only from
