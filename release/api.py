@@ -65,7 +65,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from flywheel.dberrors import classify
+from flywheel.dberrors import Bug, classify
 from flywheel.jsonbody import BodyError, load_body
 from flywheel.metrics import new_registry
 from flywheel.probes import HealthFn
@@ -512,6 +512,10 @@ def _errors(app: FastAPI, db_errors: tuple[type[BaseException], ...]) -> None:
         # the database's state for now, not the caller's fault nor a bug: said as such, with the
         # code an operator looks up (dashboards/runbooks/stage-stalled.md), and no SQL or password
         outcome = classify(exc)
+        if isinstance(outcome, Bug):  # the statement is wrong, not the database's state: a 500 with the trace
+            log.error("an API request failed on a wrong statement (%s)", outcome.code, exc_info=exc)
+            return JSONResponse({"detail": f"internal error: {type(exc).__name__}; see the controller's log"},
+                                status_code=500)
         log.warning("an API request failed on the release database (%s)", outcome.code)
         return JSONResponse({"detail": f"the release database cannot serve this now ({outcome.code}: "
                                        f"{outcome.kind}); try again shortly"},

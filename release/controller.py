@@ -52,7 +52,8 @@ from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from flywheel.contracts import ServingStatusEvent, VersionRef
-from flywheel.dberrors import classify, describe, url_secrets
+from flywheel.dberrors import Bug, classify, describe
+from flywheel.dburl import url_secrets
 from flywheel.degeneracy import compare
 from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
@@ -139,6 +140,8 @@ class Controller:
             self.metrics.lease_held.set(0)
             log.warning("stopped mid-turn: %s; standing by", exc)
         except self.store.db.errors as exc:
+            if isinstance(classify(exc), Bug):  # the statement is wrong: no wait fixes it (raised, logged whole)
+                raise
             self._database_failed(exc)
             return
         if self._db_failing_since is not None:

@@ -20,7 +20,9 @@ recovered (on new connections where the error asks for them, flywheel/dberrors.p
 again what the failed transaction may have left in memory (``StateStore.reconnect``), and every
 owned input partition is read again from its stored offset. One log line names each kind of
 error of an outage (its SQLSTATE or SQLite error name and message). Other errors (a bug) still
-stop the process, whose restart resumes from the stored state.
+stop the process, whose restart resumes from the stored state: a database error that says the
+statement or its data is wrong (flywheel/dberrors.py ``Bug``: a syntax error, a missing table, a
+NUL byte in a text) among them, since waiting cannot fix it.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from flywheel.contracts import (
     GenerationEvent,
     decode,
 )
-from flywheel.dberrors import Reconnect, classify
+from flywheel.dberrors import Bug, Reconnect, classify
 from flywheel.kafka.batches import unreadable_batch
 from flywheel.kafka.clients import partitions_of, topic_ids
 from flywheel.kafka.ends import readable_end
@@ -494,6 +496,8 @@ class StreamRunner(ConsumerRebalanceListener):
             except BROKER_ERRORS as exc:
                 self._failed_turn(exc, stop, "the broker")
             except self.store.lost_errors as exc:
+                if isinstance(classify(exc), Bug):  # waiting cannot fix the statement: stop (docstring)
+                    raise
                 self.store.lost(exc)
                 self._failed_turn(exc, stop, "the state database")
             else:

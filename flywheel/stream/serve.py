@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, TypeVar
 
-from flywheel.dberrors import classify, describe, driver_errors
+from flywheel.dberrors import Bug, LoginRefused, classify, describe, driver_errors
 from flywheel.dburl import url_secrets
 from flywheel.probes import alive
 from flywheel.settings import SettingsError
@@ -41,6 +41,8 @@ from flywheel.stream.runner import (
 )
 from flywheel.stream.sql import is_postgres
 from flywheel.stream.store import StateStore
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -166,14 +168,26 @@ def open_store(settings: Settings, spec: StageSpec, held: ExitStack, stop: StopF
     return store
 
 
-def until_the_database_works(make: Callable[[], StateStore], url: str, stop: StopFlag, name: str) -> StateStore | None:
-    """``make()`` the state store, again every RETRY_PAUSE_S while it fails on the database
+class DatabaseLoginRefused(SettingsError):
+    """The database refused the login of a database URL's user at start (a wrong password, a role
+    that may not log in): an authentication failure, exit 77 as for a refused Kafka login
+    (flywheel/kafka/security.py). A running process waits such a refusal out instead
+    (flywheel/dberrors.py ``LoginRefused``)."""
+
+    exit_code = 77
+
+
+def until_the_database_works(make: Callable[[], T], url: str, stop: StopFlag, name: str,
+                             setting: str = "stream.database_url") -> T | None:
+    """``make()`` (a store on ``url``), again every RETRY_PAUSE_S while it fails on the database
     (refused, read-only, full: any error of its driver, flywheel/dberrors.py); None if ``stop``
-    came first. A stage started during a failover waits for it, saying once per kind of error
-    what the database does, as a running stage does, instead of exiting to be restarted in a
-    loop. A connection a failed attempt opened is left to the garbage collector."""
+    came first. A process started during a failover waits for it, saying once per kind of error
+    what the database does, as a running one does, instead of exiting to be restarted in a loop.
+    A refused login raises :class:`DatabaseLoginRefused` naming ``setting`` (never the password),
+    and an error of the statement itself (``Bug``) is raised as it is: waiting fixes neither. A
+    connection a failed attempt opened is left to the garbage collector."""
     errors, said = driver_errors(url), set[str]()
-    made: list[StateStore] = []
+    made: list[T] = []
     while not stop.is_set():
         try:
             if is_postgres(url):  # a server's connect may hang: a stop must not wait for it
@@ -182,8 +196,15 @@ def until_the_database_works(make: Callable[[], StateStore], url: str, stop: Sto
                 return made[0]
             return make()  # a file of this host (and its sqlite3 connection is for this thread only)
         except errors as exc:
-            if classify(exc).code not in said:
-                said.add(classify(exc).code)
+            outcome = classify(exc)
+            if isinstance(outcome, Bug):
+                raise
+            if isinstance(outcome, LoginRefused):
+                raise DatabaseLoginRefused(
+                    f"{name}: the database refused the login of {setting}'s user ({describe(exc, url_secrets(url))}): "
+                    f"set the user and password it accepts in {setting}") from None
+            if outcome.code not in said:
+                said.add(outcome.code)
                 log.warning("%s: the state database fails at start (%s); retrying every %.0fs until it works",
                             name, describe(exc, url_secrets(url)), RETRY_PAUSE_S)
         end = time.monotonic() + RETRY_PAUSE_S

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from flywheel.dberrors import Reconnect, classify, describe
+from flywheel.dberrors import Bug, Reconnect, classify, describe
 from flywheel.dburl import redact_database_url, url_secrets
 from flywheel.settings import SettingsError
 from flywheel.stream.sql import (
@@ -267,9 +267,9 @@ class StateStore:
             self._queue.clear()
             self._owed_change = self._unqueued = 0
             self._next_seq, self._block_end = first_seq, block_end
-            if isinstance(exc, self.lost_errors):
+            if isinstance(exc, self.lost_errors) and not isinstance(classify(exc), Bug):
                 self._refused(exc)
-            else:
+            else:  # not the database's doing (a bug raised from the statement too): the process stops
                 self._roll_back()
             raise
         else:

@@ -90,16 +90,17 @@ def test_the_api_answers_503_while_the_database_is_read_only_and_works_once_it_w
 
 
 def test_an_sqlite_release_store_opens_its_file_again_after_an_error_that_asks_for_it(tmp_path):
-    """The controller's and the API's store on SQLite: a connection an error made useless (here
-    closed; a file opened read-only stays so) is replaced at the next use, on the same file."""
+    """The controller's and the API's store on SQLite: a connection an error made useless (a
+    file opened read-only stays so, as this connection does) is replaced at the next use, on the
+    same file."""
     import sqlite3
 
     store = ReleaseStore(f"sqlite:///{tmp_path / 'release.sqlite3'}")
     try:
         assert store.set_paused(True, "ada", "maintenance")
-        store.db.conn.close()
-        with pytest.raises(sqlite3.ProgrammingError):
-            store.paused()
+        store.db.conn.execute("PRAGMA query_only=ON")  # SQLITE_READONLY on every write from here
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            store.take_lease("me", 5)
         assert store.paused() is True  # the same file, opened again
         assert store.take_lease("me", 5)
     finally:

@@ -202,16 +202,16 @@ def test_a_sqlite_store_waits_out_a_full_database_and_loses_nothing(tmp_path):
 
 
 def test_a_sqlite_store_opens_its_file_again_and_never_makes_a_new_empty_one(tmp_path):
-    """An error that asks for a new connection (a file opened read-only stays so; here a connection
-    gone) opens the same file again; a file gone meanwhile is an error to wait out, never an empty
-    store that would start every partition afresh."""
+    """An error that asks for a new connection (a file opened read-only stays so, as this
+    connection does) opens the same file again; a file gone meanwhile is an error to wait out,
+    never an empty store that would start every partition afresh."""
     path = tmp_path / "state.sqlite3"
     store = StateStore(path, KV)
     with store.txn():
         store.set_offsets({("in", 0): 5})
-    store.db.close()  # the connection is unusable from here
-    with pytest.raises(sqlite3.ProgrammingError), store.txn():
-        pass
+    store.db.execute("PRAGMA query_only=ON")  # this connection writes nothing from here
+    with pytest.raises(sqlite3.OperationalError), store.txn():
+        store.set_offsets({("in", 0): 6})
     assert store.broken is not None
     moved = path.rename(tmp_path / "elsewhere.sqlite3")
     with pytest.raises(sqlite3.OperationalError):
@@ -223,6 +223,20 @@ def test_a_sqlite_store_opens_its_file_again_and_never_makes_a_new_empty_one(tmp
     with store.txn():
         store.set_offsets({("in", 0): 6})
     assert store.offsets() == {("in", 0): 6}
+    store.close()
+
+
+def test_a_statement_the_database_refuses_as_wrong_stops_instead_of_waiting(tmp_path):
+    """A bug (a missing table; a closed connection) is no outage: the transaction rolls back and
+    the error goes up, the store is not broken, and nothing waits for a reconnect that cannot fix it."""
+    store = StateStore(tmp_path / "state.sqlite3", KV)
+    with pytest.raises(sqlite3.OperationalError, match="no such table"), store.txn():
+        store.set_offsets({("in", 0): 1})
+        store.db.execute("INSERT INTO nowhere VALUES (1)")
+    assert store.broken is None and store.offsets() == {}
+    with store.txn():
+        store.set_offsets({("in", 0): 1})
+    assert store.offsets() == {("in", 0): 1}
     store.close()
 
 
@@ -263,3 +277,53 @@ def test_an_sqlite_stage_goes_on_after_its_store_opens_the_file_again_with_every
     assert len(lines) == 1 and "SQLITE_READONLY" in lines[0], lines
     assert len(opened) == 2  # the file opened once more, not once per turn
     assert sorted(got) == sorted(first + second)  # each once: nothing lost, nothing doubled
+
+
+def test_a_refused_login_exits_77_at_start_and_is_waited_out_while_running(throwaway_db):
+    """The rule of flywheel/dberrors.py ``LoginRefused``, on the real server refusing a role's
+    login (SQLSTATE class 28): at start an authentication failure that names the setting to fix
+    and never the password; while running, a refusal waited out like a lost connection, the store
+    going on once the role may log in again (a rotated password reaching the server first)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    from flywheel.stream.serve import DatabaseLoginRefused, until_the_database_works
+
+    url, admin, name = throwaway_db
+    role = f"r_{name[-12:]}"
+    admin.execute(f'CREATE ROLE "{role}" LOGIN')
+    admin.execute(f'GRANT ALL ON DATABASE "{name}" TO "{role}"')
+    parts = urlsplit(url)
+    as_role = urlunsplit(parts._replace(netloc=f"{role}:s3cret-pw@{parts.hostname}:{parts.port or 5432}"))
+    ns = unique_namespace()
+
+    def make() -> StateStore:
+        return StateStore.shared_store(as_role, ns, KV)
+
+    admin.execute(f'ALTER ROLE "{role}" NOLOGIN')
+    with pytest.raises(DatabaseLoginRefused) as refused:
+        until_the_database_works(make, as_role, threading.Event(), "ingest")
+    assert refused.value.exit_code == 77
+    assert "stream.database_url" in str(refused.value) and "28000" in str(refused.value)
+    assert "s3cret" not in str(refused.value)
+
+    admin.execute(f'ALTER ROLE "{role}" LOGIN')
+    store = until_the_database_works(make, as_role, threading.Event(), "ingest")
+    try:
+        admin.execute(f'ALTER ROLE "{role}" NOLOGIN')
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        with pytest.raises(psycopg.Error), store.txn():
+            store.set_offsets({("in", 0): 1})
+        with pytest.raises(psycopg.OperationalError, match="not permitted to log in"):
+            store.reconnect()  # refused: the store stays broken, and the runner waits on
+        assert store.broken is not None
+        admin.execute(f'ALTER ROLE "{role}" LOGIN')
+        store.reconnect()
+        with store.txn():
+            store.set_offsets({("in", 0): 1})
+        assert store.offsets() == {("in", 0): 1}
+    finally:
+        store.close()
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        with psycopg.connect(url, autocommit=True) as owner:  # its schema is in the throwaway database
+            owner.execute(f'DROP OWNED BY "{role}"')
+        admin.execute(f'DROP ROLE "{role}"')

@@ -10,7 +10,9 @@ import psycopg.errors as pg
 import pytest
 
 from flywheel.dberrors import (
+    Bug,
     Conflict,
+    LoginRefused,
     Reconnect,
     Retry,
     classify,
@@ -39,8 +41,13 @@ from flywheel.dberrors import (
     ("55P03", Retry),  # lock not available
     ("58030", Retry),  # I/O error
     ("XX001", Retry),  # data corrupted: waits for a person, named in the log
-    ("42P01", Retry),  # undefined table (a schema dropped under the stage): waits, named
-    ("22001", Retry),  # any class nobody foresaw waits too
+    ("42P01", Bug),  # undefined table: the code's (or its migration's) error, raised
+    ("42601", Bug),  # syntax error
+    ("22001", Bug),  # data exception (a string too long): the data the code sends
+    ("0A000", Bug),  # feature not supported
+    ("28P01", LoginRefused),  # wrong password
+    ("28000", LoginRefused),  # invalid authorization (a role that may not log in)
+    ("P0001", Retry),  # any class nobody foresaw waits, named
     ("23505", Conflict),  # unique violation
     ("23503", Conflict),  # foreign key violation
 ])
@@ -62,18 +69,34 @@ def test_postgres_errors_by_sqlstate(sqlstate, want):
     ("SQLITE_CANTOPEN", "unable to open database file", Reconnect),
     ("SQLITE_CONSTRAINT_PRIMARYKEY", "UNIQUE constraint failed: t.k", Conflict),
     ("SQLITE_CORRUPT", "database disk image is malformed", Retry),
-    ("SQLITE_ERROR", "no such table: t", Retry),
+    ("SQLITE_ERROR", "no such table: t", Bug),
     # no error name (raised by the module itself): the message decides
     (None, "database is locked", Retry),
     (None, "database or disk is full", Retry),
     (None, "disk I/O error", Reconnect),
     (None, "attempt to write a readonly database", Reconnect),
-    (None, "Cannot operate on a closed database.", Reconnect),
+    (None, "Cannot operate on a closed database.", Retry),  # by message alone nothing says what it is
     (None, "UNIQUE constraint failed: t.k", Conflict),
     (None, "something else", Retry),
 ])
 def test_sqlite_errors_by_name_or_message(name, message, want):
     assert type(classify_sqlite(name, message)) is want
+
+
+@pytest.mark.parametrize(("message", "want"), [
+    ('connection failed: connection to server at "db" (10.0.0.5), port 5432 failed: FATAL:  password '
+     'authentication failed for user "flywheel"', LoginRefused("28P01", "login refused")),
+    ('connection failed: FATAL:  role "flywheel" is not permitted to log in', LoginRefused("28000", "login refused")),
+    ('connection failed: FATAL:  role "flywheel" does not exist', LoginRefused("28000", "login refused")),
+    ('connection failed: FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "flywheel"',
+     LoginRefused("28000", "login refused")),
+    ("connection failed: fe_sendauth: no password supplied", LoginRefused("28P01", "login refused")),
+    ('connection failed: FATAL:  database "flywheel" does not exist', Reconnect(
+        "OperationalError", "connection lost or refused")),  # a database still being made: waited for
+    ("connection failed: Connection refused", Reconnect("OperationalError", "connection lost or refused")),
+])
+def test_a_refused_login_is_told_from_a_lost_connection_by_libpqs_message(message, want):
+    assert classify(psycopg.OperationalError(message)) == want
 
 
 @pytest.mark.parametrize(("exc", "want"), [
@@ -85,6 +108,17 @@ def test_sqlite_errors_by_name_or_message(name, message, want):
     (pg.UniqueViolation("duplicate key"), Conflict("23505", "constraint violation")),
     (psycopg.OperationalError("connection failed"), Reconnect("OperationalError", "connection lost or refused")),
     (psycopg.InterfaceError("the connection is closed"), Reconnect("InterfaceError", "connection lost or refused")),
+    (pg.InvalidPassword("password authentication failed"), LoginRefused("28P01", "login refused")),
+    (pg.UndefinedTable('relation "gens" does not exist'), Bug("42P01", "syntax error or access rule violation")),
+    # raised by psycopg itself, no SQLSTATE: our code's error, not a connection lost
+    (psycopg.DataError("PostgreSQL text fields cannot contain NUL (0x00) bytes"), Bug(
+        "DataError", "statement or data refused by the driver")),
+    (psycopg.ProgrammingError("the query has 2 placeholders but 1 parameters were passed"), Bug(
+        "ProgrammingError", "statement or data refused by the driver")),
+    (sqlite3.ProgrammingError("Cannot operate on a closed database."), Bug(
+        "ProgrammingError", "misuse of the database module")),
+    (sqlite3.InterfaceError("Error binding parameter 1: type 'dict' is not supported"), Bug(
+        "InterfaceError", "misuse of the database module")),
 ])
 def test_the_drivers_exceptions(exc, want):
     assert classify(exc) == want
