@@ -197,6 +197,22 @@ def test_a_release_controller_stalled_on_its_database_pages(tmp_path, stalled, f
 
 
 SERVE_A, SERVE_B = 'job="flywheel-serving", instance="serving-a:8000"', 'job="flywheel-serving", instance="serving-b:8000"'
+
+
+@pytest.mark.parametrize("unconfirmed, fires", [
+    ("0x10", False),  # every pod runs a routing the controller announced
+    ("0x2 1x8", True),  # a pod's wait for one ran out: it serves the model directory
+    ("1x1 0x9", False),  # the controller's announcement arrived a minute later: cleared
+])
+def test_a_serving_pod_without_a_routing_pages(tmp_path, unconfirmed, fires):
+    series = {f"serving_release_routing_unconfirmed{{{SERVE_A}}}": unconfirmed,
+              f"serving_release_routing_unconfirmed{{{SERVE_B}}}": "0x10"}
+    expected = [{"exp_labels": {"severity": "page", "job": "flywheel-serving", "instance": "serving-a:8000"},
+                 "exp_annotations": {**_annotations("FlywheelServingWithoutRouting"),
+                                     "summary": "A serving pod (serving-a:8000) serves the model directory with no "
+                                                "routing from the release controller"}}]
+    done = _promtool(tmp_path, series, "9m", expected if fires else [], alertname="FlywheelServingWithoutRouting")
+    assert done.returncode == 0, f"{unconfirmed}: {done.stdout}{done.stderr}"
 CONTROLLER = 'job="flywheel-release", instance="release:8100"'
 
 
