@@ -68,6 +68,13 @@ ROWS = [
             ('max(release_checkpoint_trusted_keys)', "checkpoint keys trusted"),
             ('(max(serving_release_key_files_refused) or vector(0)) + (max(release_checkpoint_key_files_refused) or vector(0))',
              "key files refused")]),
+        # what runbooks/slow-clients.md has on-call read beside FlywheelConnectionsCut
+        # (flywheel/connections.py): the connections held against the http caps, and the cuts
+        ("API connections open per replica, and cut/s by reason", "short", [
+            ('max by (job) (serving_connections_open)', "serving open (max replica)"),
+            ('max by (job) (release_connections_open)', "release API open (max replica)"),
+            ('sum by (reason) (rate(serving_connections_cut_total[5m]))', "serving cut {{reason}}/s"),
+            ('sum by (reason) (rate(release_connections_cut_total[5m]))', "release API cut {{reason}}/s")]),
     ]),
     # vLLM's own statistics per engine (slot) and the version it served (serving/engine_stats.py)
     ("Engines", [

@@ -27,18 +27,65 @@ def _registered() -> set[str]:
     names.add("release_deadletters_total")  # release/streams.py's, likewise
     for stage in ("ingest", "reward"):  # flywheel/stream/runner.py builds these from the stage name
         names.update({f"{stage}_archive_queue_rows", f"{stage}_stalled_seconds", f"{stage}_outbox_rows"})
-    for api in ("serving", "release"):  # flywheel/connections.py builds these from the API's component
-        names.update({f"{api}_connections_cut_total", f"{api}_connections_open"})
-    return names
+    return names | _connection_metrics()
+
+
+def _code() -> str:
+    return "\n".join(p.read_text() for pkg in (*STAGES, "flywheel") for p in (ROOT / pkg).rglob("*.py"))
+
+
+def _connection_metrics() -> set[str]:
+    """The connection metrics the code registers, by the code itself, for the components its call
+    sites name: the APIs' guards (flywheel/connections.py ``count_in(registry, "<component>")``)
+    and the ops ports (flywheel/metrics.py ``serve_ops(..., component=...)``: the trainer's by
+    name, the stream stages' by their ``StageSpec`` name)."""
+    from prometheus_client import CollectorRegistry
+
+    from flywheel.connections import ConnectionGuard
+    from flywheel.metrics import serve_ops
+    from flywheel.probes import Probes
+    from flywheel.settings import HttpSettings
+
+    code = _code()
+    apis = set(re.findall(r'count_in\(\s*\w+,\s*"(\w+)"\)', code))
+    ops = set(re.findall(r'serve_ops\([^)]*component="(\w+)"', code))
+    if "component=name" in (ROOT / "flywheel" / "stream" / "serve.py").read_text():
+        ops |= set(re.findall(r'StageSpec\(\s*name="(\w+)"', code))
+    # the call sites as the code has them: a pattern above that stopped matching fails here
+    assert apis == {"serving", "release"} and ops >= {"ingest", "reward", "trainer"}, (apis, ops)
+    registry = CollectorRegistry()
+    for component in apis:
+        ConnectionGuard(HttpSettings()).count_in(registry, component)
+    def ok() -> tuple[bool, dict]:
+        return True, {}
+
+    for component in ops:
+        server = serve_ops(registry, Probes(ok, ok), "127.0.0.1", 0, component=component)
+        server.shutdown()
+        server.server_close()
+    return {sample.name for metric in registry.collect() for sample in metric.samples}
+
+
+def test_the_slow_clients_runbooks_metrics_are_on_the_board():
+    """The runbook has on-call read each API's open connections beside its cuts: the board shows both."""
+    runbook = (DASH / "runbooks" / "slow-clients.md").read_text()
+    assert "`<component>_connections_open`" in runbook
+    board = {_base(m) for e in _board_exprs() for m in METRIC.findall(e)}
+    for api in ("serving", "release"):
+        assert {f"{api}_connections_open", f"{api}_connections_cut_total"} <= board, api
 
 
 def _base(name: str) -> str:
     return re.sub(r"_(bucket|sum|count|created)$", "", name)
 
 
-def _exprs() -> list[str]:
+def _board_exprs() -> list[str]:
     dash = json.loads((DASH / "grafana" / "flywheel-overview.json").read_text())
-    out = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    return [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+
+
+def _exprs() -> list[str]:
+    out = _board_exprs()
     for f in (DASH / "prometheus").glob("*.yml"):
         for group in yaml.safe_load(f.read_text())["groups"]:
             out.extend(rule["expr"] for rule in group["rules"])
