@@ -6,7 +6,9 @@ A real serving app on the session's shared vLLM engine answers a request that na
 the answer, a JSON log line, and the Kafka headers of the generation, episode and reward records,
 and the trainer's ledger names it. With ``telemetry.otlp_endpoint`` set to an in-process OTLP
 collector (tests/otlp_collector.py), the request's span and the stages' spans for its records are
-in one trace. Traces off export nothing, and a collector that fails fails no request.
+in one trace, the collector named by the standard ``OTEL_EXPORTER_OTLP_ENDPOINT`` read through the
+settings. Traces off (``FLYWHEEL_TELEMETRY_OTLP_ENDPOINT`` empty, beside that variable) export
+nothing, and a collector that fails fails no request.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from conftest import read_all, running, stage_settings
 from otlp_collector import Collector
 
 from flywheel.logs import ContextIds, JsonFormatter
-from flywheel.settings import TelemetrySettings
+from flywheel.settings import OTEL_ENDPOINT_ENV, TelemetrySettings, load_settings
 from flywheel.telemetry import REQUEST_ID_HEADER, TRACEPARENT, Tracing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,7 +68,10 @@ def test_a_request_id_rides_from_the_answer_to_the_trainers_ledger_in_one_trace(
     served_logs.setLevel(logging.INFO)
     try:
         with Collector() as collector:
-            app = serve(prefix=topics.prefix, telemetry=TelemetrySettings(otlp_endpoint=collector.url))
+            # the SDK's standard variable, read as production reads it, turns traces on
+            telemetry = load_settings(env={OTEL_ENDPOINT_ENV: collector.url}).telemetry
+            assert telemetry.otlp_endpoint == collector.url
+            app = serve(prefix=topics.prefix, telemetry=telemetry)
             r = app.post("/v1/completions", {"model": "flywheel", "prompt": "the river", "max_tokens": 3},
                          headers={"X-Request-Id": RID})
             assert r.status_code == 200, r.text
@@ -130,12 +135,20 @@ def test_a_request_id_rides_from_the_answer_to_the_trainers_ledger_in_one_trace(
 
 def test_every_answer_names_its_request_id_and_no_trace_leaves_when_traces_are_off(serve, broker, topics,
                                                                                     monkeypatch):
-    """A safe id is kept, an unsafe one replaced; a 401, a 404 and a probe are stamped too. Off,
-    no span is exported even with the SDK's standard variable naming a collector (settings read
-    it; nothing else does), and records carry the request id without a trace."""
+    """A safe id is kept, an unsafe one replaced; a 401, a 404 and a probe are stamped too.
+
+    Traces off while the SDK's standard variable names a collector: set, the variable turns
+    traces on (the settings read it as ``telemetry.otlp_endpoint``, the first test), so off here is
+    ``FLYWHEEL_TELEMETRY_OTLP_ENDPOINT`` set empty, which wins over it. The variable stays in the
+    process's environment too, where the OpenTelemetry SDK's exporter would read it: no span is
+    exported all the same (only the settings turn export on), and records carry the request id
+    without a trace."""
     with Collector() as collector:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", collector.url)
-        app = serve(prefix=topics.prefix)
+        env = {OTEL_ENDPOINT_ENV: collector.url, "FLYWHEEL_TELEMETRY_OTLP_ENDPOINT": ""}
+        monkeypatch.setenv(OTEL_ENDPOINT_ENV, collector.url)
+        telemetry = load_settings(env=env).telemetry
+        assert telemetry.otlp_endpoint == ""
+        app = serve(prefix=topics.prefix, telemetry=telemetry)
         body = {"model": "flywheel", "prompt": "the river", "max_tokens": 2}
         for sent, kept in (("a" * 128, True), ("a" * 129, False), ("two words", False), ("<script>", False)):
             r = app.post("/v1/completions", body, headers={"X-Request-Id": sent})
