@@ -444,18 +444,18 @@ def _migrate(store: StateStore, cfg: IngestSettings) -> None:
     and those stored before ``gens.hdr`` no request id (their episodes carry none).
     """
     db = store.db
-    columns = store.columns("gens")
-    if "close_at" not in columns:
-        with store.txn():
-            db.execute("ALTER TABLE gens ADD COLUMN close_at REAL NOT NULL DEFAULT 0")
-            db.execute("UPDATE gens SET close_at = deadline + ?", (cfg.grace_s,))
-            db.execute("DROP INDEX IF EXISTS gens_due")
-    if "off" not in columns:
-        with store.txn():
-            db.execute("ALTER TABLE gens ADD COLUMN off INTEGER")
-    if "hdr" not in columns:
-        # as a script: PostgreSQL's has the types translated (BLOB is BYTEA there); one statement
-        db.executescript("ALTER TABLE gens ADD COLUMN hdr BLOB")
+    if {"close_at", "off", "hdr"} - store.columns("gens"):
+        # replicas starting together each find them missing: one at a time, reading them again
+        with store.schema_change():
+            columns = store.columns("gens")
+            if "close_at" not in columns:
+                store.add_column("gens", "close_at", "REAL NOT NULL DEFAULT 0")
+                db.execute("UPDATE gens SET close_at = deadline + ?", (cfg.grace_s,))
+                db.execute("DROP INDEX IF EXISTS gens_due")
+            if "off" not in columns:
+                store.add_column("gens", "off", "INTEGER")
+            if "hdr" not in columns:
+                store.add_column("gens", "hdr", "BLOB")
     db.executescript("CREATE INDEX IF NOT EXISTS gens_close ON gens (shard, close_at)")
 
 

@@ -385,16 +385,19 @@ def _migrate(store: StateStore) -> None:
     they move to shard -1, counted with the rest (a store of its own loads every shard's);
     ``win_tot`` is now summed from them. Dedupe ids from before have no shard: pruned by age alike.
     """
-    if "shard" not in store.columns("user_win"):
-        with store.txn():
+    if "shard" in store.columns("user_win") and "shard" in store.columns("seen"):
+        return
+    # replicas starting together each find them missing: one at a time, reading them again
+    with store.schema_change():
+        if "shard" not in store.columns("user_win"):
             store.db.execute("ALTER TABLE user_win RENAME TO user_win_unsharded")
             store.db.execute(_USER_WIN.strip().rstrip(";"))
             store.db.execute('INSERT INTO user_win SELECT -1, win, "user", n, kept, accept, reject, edit, ignore '
                              "FROM user_win_unsharded")
             store.db.execute("DROP TABLE user_win_unsharded")
             store.db.execute("DROP TABLE IF EXISTS win_tot")
-    if "shard" not in store.columns("seen"):
-        store.db.execute("ALTER TABLE seen ADD COLUMN shard INTEGER")
+        if "shard" not in store.columns("seen"):
+            store.add_column("seen", "shard", "INTEGER")
 
 
 def reward_bytes(ep: EpisodeEvent, reward: float, components: dict[str, float], weight: float,

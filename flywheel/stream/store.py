@@ -17,6 +17,7 @@ group's: the group's offsets are committed afterwards, for lag tools only.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import math
@@ -41,6 +42,7 @@ from flywheel.stream.sql import (
     is_postgres,
     sqlite_columns,
     sqlite_path,
+    translate_ddl,
 )
 
 _SCHEMA = """
@@ -232,10 +234,18 @@ class StateStore:
     def _open_sqlite(self, path: Path, stage_schema: str) -> SqliteConnection:
         db = SqliteConnection(path)
         db.executescript(_SCHEMA)
-        if "shard" not in sqlite_columns(db, "archive_queue"):  # a store from before shards moved
-            db.execute("ALTER TABLE archive_queue ADD COLUMN shard INTEGER")
-        if "headers" not in sqlite_columns(db, "outbox"):  # a store from before records carried headers
-            db.execute("ALTER TABLE outbox ADD COLUMN headers BLOB")
+        # replicas sharing an SQLite store may start together: each reads the columns again in
+        # a transaction of its own (one writer at a time), so only one adds what is missing
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if "shard" not in sqlite_columns(db, "archive_queue"):  # a store from before shards moved
+                db.execute("ALTER TABLE archive_queue ADD COLUMN shard INTEGER")
+            if "headers" not in sqlite_columns(db, "outbox"):  # a store from before records carried headers
+                db.execute("ALTER TABLE outbox ADD COLUMN headers BLOB")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
         db.executescript((_SHARED_SCHEMA if self.shared else "") + stage_schema)
         return db
 
@@ -435,6 +445,29 @@ class StateStore:
                 f"state store {self.path} holds the state of shards {have}, but this process is "
                 f"configured for shards {want}. Run this data_dir with shards {have}, and give other "
                 "shards a data_dir of their own (see docs/exactly-once.md, Scaling out)")
+
+    @contextmanager
+    def schema_change(self) -> Iterator[Any]:
+        """One migration step at a time across the replicas: replicas starting together all find
+        a column missing, and all but one would fail adding it again (DuplicateColumn). Under the
+        namespace's lock on PostgreSQL (the one its DDL takes, ``PgConnection``) and in one
+        transaction (BEGIN IMMEDIATE on SQLite, one writer at a time): read the columns again
+        inside it, then change what is still missing (:meth:`add_column`)."""
+        if self.postgres:
+            self.db.execute("SELECT pg_advisory_lock(hashtext(?))", (self.ns,))
+        try:
+            with self.txn(fenced=False) as db:
+                yield db
+        finally:
+            if self.postgres:
+                with contextlib.suppress(*self.lost_errors):  # a lost session let go of it
+                    self.db.execute("SELECT pg_advisory_unlock(hashtext(?))", (self.ns,))
+
+    def add_column(self, table: str, column: str, decl: str) -> None:
+        """Inside :meth:`schema_change`: add ``column`` (``decl`` in SQLite's types, translated
+        on PostgreSQL, where BLOB is BYTEA) to ``table``."""
+        stmt = f"ALTER TABLE {table} ADD COLUMN {column} {decl}"
+        self.db.execute(translate_ddl(stmt, rowid=False)[0] if self.postgres else stmt)
 
     def on_rollback(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` after a rolled-back transaction (a stage rebuilds its caches there)."""

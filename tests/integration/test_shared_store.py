@@ -233,6 +233,42 @@ def test_a_store_from_before_headers_gets_their_columns_and_an_episode_carries_i
     assert episode.headers == [("flywheel-request-id", b"req-1")]
 
 
+@pytest.mark.parametrize("stage", ["ingest", "reward"])
+def test_replicas_starting_together_on_a_store_from_before_add_each_column_once(shared, monkeypatch, stage):
+    """Replicas of a stage starting at once on a store from before a column (ingest's
+    ``gens.hdr``, reward's ``seen.shard``) all find it missing; one adds it and the others go
+    on (they read the columns again under the schema's lock), none fails on a duplicate column."""
+    import sqlite3
+
+    connect = sqlite3.connect
+    monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: connect(*a, **{**k, "check_same_thread": False}))
+    schema, old_schema = ((INGEST_SCHEMA, INGEST_SCHEMA.replace(", hdr BLOB);", ");")) if stage == "ingest" else
+                          (REWARD_SCHEMA, REWARD_SCHEMA.replace("at REAL NOT NULL, shard INTEGER);", "at REAL NOT NULL);")))
+    assert old_schema != schema
+    old = shared(old_schema)
+    table, column = ("gens", "hdr") if stage == "ingest" else ("seen", "shard")
+    assert column not in old.columns(table)
+    stores = [shared(schema) for _ in range(6)]
+    start, failed = threading.Barrier(len(stores)), []
+
+    def replica(store: StateStore) -> None:
+        try:
+            start.wait(10)
+            if stage == "ingest":
+                IngestStage(IngestSettings(), T, store, CollectorRegistry())
+            else:
+                RewardStage(RewardSettings(), T, store, CollectorRegistry())
+        except Exception as exc:  # noqa: BLE001 - the test reports every replica's failure
+            failed.append(exc)
+
+    threads = [threading.Thread(target=replica, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert failed == [] and column in old.columns(table)
+
+
 def test_reward_guard_counts_move_with_their_shard(shared):
     cfg = RewardSettings()
     a_store, b_store = shared(REWARD_SCHEMA), shared(REWARD_SCHEMA)
