@@ -15,10 +15,14 @@ import logging
 import threading
 import time
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from flywheel.metrics import new_registry
 from flywheel.settings import HttpSettings, Settings
 from flywheel.stream.serve import stop_on_signals
+
+if TYPE_CHECKING:
+    from release.store import ReleaseStore
 
 log = logging.getLogger(__name__)
 
@@ -62,12 +66,10 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     """Serve until SIGTERM/SIGINT, or until ``stop.is_set()`` when a stop flag is given."""
     from flywheel.checkpoints import open_store
     from flywheel.connections import raise_open_files
-    from flywheel.metrics import new_registry
     from flywheel.probes import Heartbeat, alive
     from release.api import make_app
     from release.auth import parse_tokens
     from release.controller import Controller
-    from release.store import ReleaseStore, database_url
     from release.streams import Streams
     from release.webhooks import Webhooks
 
@@ -76,8 +78,13 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
     raise_open_files(settings.http)  # the connection cap needs its files (logged; warns if short)
     stop = stop if stop is not None else stop_on_signals()
     with ExitStack() as held:  # released in reverse on any exit, a refused start included
-        store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
+        # the API gets a connection of its own: one connection is not for two threads' transactions
+        stores = _until_the_database_works(settings, stop)
+        if stores is None:
+            return 0  # stopped while waiting
+        store, api_store = stores
         held.callback(store.close)
+        held.callback(api_store.close)
         # one registry for the process: the API's /metrics shows the streams' dead letters too
         registry = new_registry()
         streams = Streams(settings, registry)
@@ -89,9 +96,6 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
                     if cfg.webhooks else None)
         if webhooks is not None:
             held.callback(webhooks.close)
-        # the API gets a connection of its own: one connection is not for two threads' transactions
-        api_store = ReleaseStore(database_url(cfg.database_url, settings.data_dir))
-        held.callback(api_store.close)
         heartbeat = Heartbeat()  # beaten when a turn starts and ends: /livez (flywheel/probes.py)
         notify = (webhooks,) if webhooks is not None else ()
         app = make_app(api_store, cfg, controller.status, registry, live=alive(heartbeat, settings.probes.hung_s),
@@ -112,6 +116,31 @@ def run(settings: Settings, args: argparse.Namespace | None = None, stop: Any = 
             heartbeat.beat()
             stop.wait(cfg.tick_s) if hasattr(stop, "wait") else time.sleep(cfg.tick_s)
     return 0
+
+
+def _until_the_database_works(settings: Settings, stop: Any) -> tuple[ReleaseStore, ReleaseStore] | None:
+    """The controller's store and the API's, opened (their tables made) once the release database
+    takes writes: a controller started during a failover (read-only, or not answering) waits for
+    it, as a stream stage does (flywheel/stream/serve.py), with one log line per kind of error,
+    instead of exiting with a traceback to be restarted in a loop. Meanwhile its port answers
+    ``/livez`` 200 and ``/readyz`` 503 (``waiting for the release database``), so the kubelet
+    neither restarts it nor sends it traffic. A refused login exits 77 naming
+    ``release.database_url``. None: stopped first."""
+    from flywheel.metrics import serve_ops
+    from flywheel.probes import Probes
+    from flywheel.stream.serve import until_the_database_works
+    from release.store import ReleaseStore, database_url
+
+    url, cfg = database_url(settings.release.database_url, settings.data_dir), settings.release
+    waiting: dict[str, object] = {"starting": "waiting for the release database"}
+    ops = serve_ops(new_registry(), Probes(live=lambda: (True, waiting), ready=lambda: (False, waiting)),
+                    cfg.host, cfg.port)
+    try:
+        return until_the_database_works(lambda: (ReleaseStore(url), ReleaseStore(url)), url, stop, "release",
+                                        setting="release.database_url")
+    finally:  # the API takes the port over
+        ops.shutdown()
+        ops.server_close()
 
 
 def _import_gate_libraries() -> None:

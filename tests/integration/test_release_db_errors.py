@@ -105,3 +105,60 @@ def test_an_sqlite_release_store_opens_its_file_again_after_an_error_that_asks_f
         assert store.take_lease("me", 5)
     finally:
         store.close()
+
+
+def test_the_controller_started_on_a_read_only_database_waits_alive_and_unready_then_starts(kafka_settings, topics,
+                                                                                            tmp_path, caplog):
+    """``flywheel release serve`` during a failover (its database read-only: the tables cannot be
+    made) waits instead of exiting with a traceback: ``/livez`` 200 and ``/readyz`` 503 on its
+    port, one line naming 25006; writable again, it starts by itself and its API is ready."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from local.broker import free_port
+    from release.main import run
+
+    def probe(path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+                return resp.status, json.load(resp)
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.load(exc)
+
+    def until(check, what: str, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if got := check():
+                    return got
+            except OSError:  # the port is not open yet, or changing hands
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"never: {what}")
+
+    caplog.set_level(logging.WARNING)
+    port = free_port()
+    with throwaway_database() as (url, admin, name):
+        settings = Settings(model_dir=tmp_path, data_dir=tmp_path, topic_prefix=topics.prefix, kafka=kafka_settings,
+                            release=ReleaseSettings(database_url=url, tick_s=0.1, host="127.0.0.1", port=port,
+                                                    group_id=f"release-{topics.prefix}"))
+        admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on')
+        stop = threading.Event()
+        thread = threading.Thread(target=run, args=(settings, None, stop), daemon=True)
+        thread.start()
+        try:
+            until(lambda: probe("/readyz")[0] == 503, "the port answers while waiting")
+            assert probe("/livez") == (200, {"ok": True, "starting": "waiting for the release database"})
+            until(lambda: [r for r in caplog.records if "25006" in r.getMessage()], "a line names the read-only error")
+            time.sleep(1.5)  # a retry or two
+            assert thread.is_alive() and len([r for r in caplog.records if "25006" in r.getMessage()]) == 1
+            assert not any(r.exc_info for r in caplog.records)
+
+            admin.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = off')
+            until(lambda: probe("/readyz")[0] == 200, "the API ready once the database takes writes")
+            assert thread.is_alive()
+        finally:
+            stop.set()
+            thread.join(30)
