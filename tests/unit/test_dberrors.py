@@ -84,8 +84,8 @@ def test_sqlite_errors_by_name_or_message(name, message, want):
 
 
 @pytest.mark.parametrize(("message", "want"), [
-    ('connection failed: connection to server at "db" (10.0.0.5), port 5432 failed: FATAL:  password '
-     'authentication failed for user "flywheel"', LoginRefused("28P01", "login refused")),
+    (('connection failed: connection to server at "db" (10.0.0.5), port 5432 failed: FATAL:  password '
+      'authentication failed for user "flywheel"'), LoginRefused("28P01", "login refused")),
     ('connection failed: FATAL:  role "flywheel" is not permitted to log in', LoginRefused("28000", "login refused")),
     ('connection failed: FATAL:  role "flywheel" does not exist', LoginRefused("28000", "login refused")),
     ('connection failed: FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "flywheel"',
