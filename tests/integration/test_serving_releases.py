@@ -361,6 +361,26 @@ def test_an_unreachable_store_is_retried_while_serving_keeps_answering(engine, r
     assert rig.health()["versions"] == {"stable": v} and rig.follower.last_error is None
 
 
+def test_a_version_on_an_object_store_is_fetched_verified_and_served(engine, rig, s3_url):
+    """The trainer's versions on an ``s3://`` store (moto's S3 server on loopback), nothing shared
+    with serving: the release names the URL, serving fetches v1 (a delta from v0 there) into its
+    own cache, rebuilds and verifies it, and answers with it."""
+    from flywheel.checkpoints import ObjectStore
+
+    remote = ObjectStore(s3_url)
+    for v in rig.store.versions():
+        remote.publish(rig.store.path(v))
+    assert not remote.fs.exists(f"{remote.base}/v00000001/model.safetensors")  # v1 is only its delta there
+    rig.release(0)
+    v = min({1, 2, 3} - {s.version for s in rig.fleet.slots})  # one no engine holds: it must be fetched
+    assert not rig.follower.cache.path(v).exists()
+    rig.release(v, stable_ref=rig.ref(v, uri=remote.uri(v)))
+    assert rig.health()["versions"] == {"stable": v}
+    assert _complete(rig, "from-s3", "hello")["model"] == f"flywheel@v{v}"
+    cached = rig.follower.cache.path(v) / "model.safetensors"
+    assert cached.read_bytes() == rig.store.materialize_bytes(v)
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
