@@ -327,3 +327,35 @@ def test_a_refused_login_exits_77_at_start_and_is_waited_out_while_running(throw
         with psycopg.connect(url, autocommit=True) as owner:  # its schema is in the throwaway database
             owner.execute(f'DROP OWNED BY "{role}"')
         admin.execute(f'DROP ROLE "{role}"')
+
+
+def test_a_stage_whose_statement_is_wrong_stops_instead_of_stalling(kafka_settings, topics, tmp_path, caplog):
+    """A bug is no outage (flywheel/dberrors.py ``Bug``): a real ingest whose table is gone (no
+    such table: SQLITE_ERROR) stops with the error, as any bug stops a stage, instead of waiting
+    for ever behind a log line that blames the database."""
+    from ingest.main import run as run_ingest
+
+    port = free_port()
+    settings = stage_settings(kafka_settings, topics, tmp_path / "data", FLYWHEEL_INGEST_PORT=str(port))
+    stop, raised = threading.Event(), []
+
+    def stage() -> None:
+        try:
+            run_ingest(settings, None, stop)
+        except Exception as exc:  # noqa: BLE001 - what the process would exit with
+            raised.append(exc)
+
+    thread = threading.Thread(target=stage, daemon=True)
+    thread.start()
+    try:
+        _until(lambda: _health(port).get("shards") is not None, "ingest runs")
+        with sqlite3.connect(tmp_path / "data" / "ingest" / "state.sqlite3") as db:
+            db.execute("DROP TABLE gens")
+        _send(kafka_settings, topics, ["e0"])
+        thread.join(60)
+        assert not thread.is_alive(), "the stage waits on a statement no wait can fix"
+        assert isinstance(raised[0], sqlite3.OperationalError) and "no such table" in str(raised[0])
+        assert not [r for r in caplog.records if "the state database failed a turn" in r.getMessage()]
+    finally:
+        stop.set()
+        thread.join(30)
