@@ -10,8 +10,9 @@ the rendered objects and nothing else, and the harness stays out of what the man
   ``args`` (or the image's CMD).
 - **Environment**: the image's ENV read from deploy/Dockerfile, then ``envFrom``, then ``env``
   (``value``, ``valueFrom`` ConfigMap and Secret keys, ``$(VAR)`` expanded), as the kubelet orders
-  them. ``enableServiceLinks`` true would add the Services' variables; the manifests turn it off,
-  and so does this (it refuses a pod that leaves it on, rather than inventing the addresses).
+  them; ``HOME`` the image user's home when the pod sets none, as container runtimes set it.
+  ``enableServiceLinks`` true would add the Services' variables: the manifests turn it off, and a
+  pod that leaves it on is refused here rather than given invented addresses.
 - **Filesystem**: each pod has a root directory that stands for the image's root filesystem; every
   absolute path in the environment is read under it (``/etc/flywheel/x`` -> ``<root>/etc/flywheel/x``).
   Each volumeMount is a symbolic link at its mountPath to the volume's directory: a
@@ -86,6 +87,12 @@ def image_env(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
             for key, value in re.findall(r"([A-Za-z_][A-Za-z0-9_]*)=(\S+)", line[4:]):
                 env[key] = value
     return env
+
+
+def image_home(dockerfile: Path = DOCKERFILE) -> str:
+    """The home directory of the image's user (its ``useradd --home-dir``), ``/`` if none."""
+    found = re.search(r"--home-dir\s+(\S+)", dockerfile.read_text())
+    return found.group(1) if found else "/"
 
 
 def _expand(value: str, env: dict[str, str]) -> str:
@@ -223,6 +230,9 @@ class Pod:
                 ref = e["valueFrom"].get("secretKeyRef") or e["valueFrom"]["configMapKeyRef"]
                 kind = "Secret" if "secretKeyRef" in e["valueFrom"] else "ConfigMap"
                 made[e["name"]] = self.cluster.data_of(kind, ref["name"])[ref["key"]]
+        # the container runtime sets HOME to the image user's home when the pod does not: in the
+        # read-only root, so what a role caches there is a write refused
+        made.setdefault("HOME", image_home())
         for name, value in made.items():
             env[name] = self._localise(name, value)
         return env
@@ -494,7 +504,14 @@ class Cluster:
         live = self.pods_of_all()
         for pod in live:
             pod.deleted = True
-        for pod in sorted(live, key=lambda p: p.deployment != "flywheel-serving"):  # serving first
-            pod.stop(grace_s=30)
+        # serving's pods first (no request reaches a pipeline being stopped), then the rest, each
+        # group at once, as a namespace deleted stops its pods
+        for group in ([p for p in live if p.deployment == "flywheel-serving"],
+                      [p for p in live if p.deployment != "flywheel-serving"]):
+            stopping = [threading.Thread(target=p.stop, kwargs={"grace_s": 30}) for p in group]
+            for t in stopping:
+                t.start()
+            for t in stopping:
+                t.join()
         for t in self._threads:
             t.join(timeout=5)

@@ -218,6 +218,7 @@ def test_the_shipped_manifests_start_every_stage_and_get_ready(cluster):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 8.5 to 10 minutes measured on 2 shared cores
 def test_the_shipped_manifests_promote_and_survive_pod_deletions_and_a_rolling_restart(cluster):
     """Through every pod of the cpu overlay: users' feedback trains a version, which the
     controller gates, canaries and promotes, and serving follows; a serving pod killed comes back,
