@@ -30,6 +30,7 @@ that keep a delta (readers rebuild them from the chain) and old optimizer states
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -50,6 +51,32 @@ MARK = "announced"
 def is_url(store: str) -> bool:
     """Whether a ``trainer.store`` setting names an object store rather than a directory."""
     return "://" in store
+
+
+def unreachable(exc: BaseException) -> OSError | None:
+    """The error saying an object store does not answer for now, if that is why ``exc`` (or an
+    error it was raised from) was raised: its endpoint refused or timed out, a connection cut, or
+    access refused (s3fs raises PermissionError for a 403, as a local store's EACCES: a policy or
+    key being fixed). The trainer waits these out as it does a local store's (trainer/outage.py);
+    s3fs has retried each before raising it. None for anything else: a broken store fails."""
+    denied: tuple[type[BaseException], ...] = (PermissionError,)
+    away: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
+    try:
+        from aiohttp import ClientConnectionError
+        from botocore.exceptions import ConnectionError as BotoConnectionError
+        from botocore.exceptions import HTTPClientError, NoCredentialsError
+
+        denied += (NoCredentialsError,)
+        away += (BotoConnectionError, HTTPClientError, ClientConnectionError)
+    except ImportError:  # no s3 extra: no S3 client to raise them
+        pass
+    seen: BaseException | None = exc
+    while seen is not None:
+        for kinds, code in ((denied, errno.EACCES), (away, errno.EHOSTUNREACH)):
+            if isinstance(seen, kinds):
+                return OSError(code, f"the object store does not answer: {type(seen).__name__}: {seen}")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class ObjectStore:

@@ -115,6 +115,11 @@ class CheckpointStore:
         no longer says the cause. None while the store answers: ``exc`` is something else."""
         if isinstance(exc, OSError) and exc.errno in OUT_OF_REACH:
             return exc
+        if self.remote is not None:  # an object store's client raises its own errors
+            from flywheel.checkpoints.remote import unreachable
+
+            if (err := unreachable(exc)) is not None:
+                return err
         try:
             os.listdir(self.root)
         except OSError as probe:

@@ -8,6 +8,7 @@ directory are in tests/integration/test_object_store_slow.py.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import struct
 from pathlib import Path
@@ -101,3 +102,24 @@ def test_a_trainer_on_a_fresh_disk_pulls_the_newest_version_with_its_optimizer_s
     assert (path / "model.safetensors").read_bytes() == _weights(tiny_model_dir, 1)
     manifest.verify_dir(path, allow_dirs={"ds"})
     assert remote.announced() == 1
+
+
+def test_an_object_store_that_does_not_answer_is_out_of_reach_and_a_broken_one_is_not(tmp_path):
+    """The trainer waits out a store that is away (trainer/outage.py asks ``out_of_reach``) and
+    fails on a broken one. An S3 client's errors are its own classes, not an OSError with an
+    errno: the old store judged them by listing its local root, which answers, so a trainer
+    stopped on an endpoint that did not answer. The errors are the clients' real classes, as
+    s3fs raises them after its retries (a dead endpoint takes it about 10 s to give up)."""
+    from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+
+    store = CheckpointStore(tmp_path / "trainer")
+    store.remote = ObjectStore("memory://bucket/checkpoints")
+    try:
+        raise OSError("upload failed") from EndpointConnectionError(endpoint_url="http://minio:9000/bucket")
+    except OSError as wrapped:
+        err = store.out_of_reach(wrapped)
+    assert err is not None and err.errno == errno.EHOSTUNREACH and "minio:9000" in str(err)
+    assert store.out_of_reach(NoCredentialsError()).errno == errno.EACCES
+    assert store.out_of_reach(PermissionError("Access Denied")).errno == errno.EACCES
+    assert store.out_of_reach(ManifestError("a hash that does not match")) is None
+    assert store.out_of_reach(FileNotFoundError("v00000003/delta.fwd")) is None
