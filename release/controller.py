@@ -473,16 +473,17 @@ CACHE_KEEP = 3
 def verified_dir(checkpoints: CheckpointStore | None, version: int, manifest_sha256: str, out: Path,
                  uri: str | None = None) -> Path:
     """The version rebuilt from its delta chain into ``out``, every hash checked, and its manifest
-    the one the checkpoint event announced. A ``uri`` that is an object store's URL (the trainer's
-    ``store`` an ``s3://`` one) is fetched into a cache under the local store first, as serving
-    fetches it (flywheel/checkpoints/fetch.py): no volume is shared with the trainer."""
+    the one the checkpoint event announced. A ``uri`` on an object store (the trainer's ``store``
+    an ``s3://`` URL) is fetched into a cache under the local store first, as serving fetches it
+    (flywheel/checkpoints/fetch.py): no volume is shared with the trainer. A path or a ``file://``
+    URL is read from this controller's own store (the shared volume)."""
     from flywheel.checkpoints import CheckpointStore, verify_dir
     from flywheel.checkpoints.fetch import fetch_version, prune_cache
-    from flywheel.checkpoints.remote import is_url
+    from flywheel.checkpoints.remote import is_remote
 
     if checkpoints is None:
         raise GateError("this controller was given no checkpoint store to load versions from")
-    if uri is not None and is_url(uri):
+    if uri is not None and is_remote(uri):
         cache = CheckpointStore(checkpoints.root / "fetched")
         fetch_version(uri, version, manifest_sha256, cache)
         cache.export(version, out)

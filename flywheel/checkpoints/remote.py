@@ -79,6 +79,12 @@ def unreachable(exc: BaseException) -> OSError | None:
     return None
 
 
+def is_remote(uri: str) -> bool:
+    """Whether an announced ``uri`` is on an object store a reader must fetch from; a path or a
+    ``file://`` URL is a directory the reader may have mounted (a shared volume)."""
+    return is_url(uri) and not uri.startswith(("file://", "local://"))
+
+
 class ObjectStore:
     """Published versions under one fsspec URL (module docstring). Writer: the trainer's rank 0."""
 
