@@ -115,6 +115,11 @@ class BackToStable:
     gate committed the canary left the version rejected and still routed, beyond any rollback."""
 
 
+#: The advisory lock the release store's replicas take turns on to make its schema (any number
+#: no other part of a deployment's database takes; "FLYW" "RELS" in ASCII).
+SCHEMA_LOCK = 0x464C5957_52454C53
+
+
 class _Db:
     """The one place that knows which database it is: placeholders, ids, row locks, and what an
     error of it asks for (flywheel/dberrors.py): a connection that one made useless (lost, or a
@@ -140,8 +145,14 @@ class _Db:
             # on this lock (readers are not blocked); SQLite's BEGIN IMMEDIATE serialises already.
             self.lock_revisions = "LOCK TABLE release_revisions IN SHARE ROW EXCLUSIVE MODE"
             ddl = _SCHEMA.replace("{ID}", "BIGSERIAL PRIMARY KEY")
-            for stmt in filter(str.strip, ddl.split(";")):
-                self.conn.execute(stmt)
+            # The replicas of a fresh install make the schema at once, and concurrent CREATE
+            # TABLE IF NOT EXISTS of one table collide in PostgreSQL's catalog (UniqueViolation
+            # on pg_type's name index): one replica crashed on every fresh install. They take
+            # turns on a lock held to the end of the DDL's transaction.
+            with self.conn.transaction():
+                self.conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                for stmt in filter(str.strip, ddl.split(";")):
+                    self.conn.execute(stmt)
         else:
             path = Path(url.removeprefix("sqlite:///"))
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -498,3 +498,30 @@ def test_a_dropped_database_connection_is_made_again(url):
         assert s.transition(1, State.CANARY, "controller", "after the reconnect", routing=Routing(0, 1, 0.1))
     finally:
         s.close()
+
+
+def test_replicas_starting_together_on_an_empty_database_all_open_it(url):
+    """The release Deployment runs two replicas, and on a fresh install both make the schema at
+    once: on PostgreSQL concurrent CREATE TABLE IF NOT EXISTS of one table collide in the catalog
+    (UniqueViolation on pg_type's name index), and one replica crashed and was restarted on every
+    fresh install (the whole-deployment run saw it every time). Eight stores open together here."""
+    barrier, errors, stores = threading.Barrier(8), [], []
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            stores.append(ReleaseStore(url))
+        except Exception as exc:  # noqa: BLE001 - the test reports every failure
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        assert not errors, errors
+        assert len(stores) == 8 and all(s.current_routing() is None for s in stores)  # each reads it
+    finally:
+        for s in stores:
+            s.close()
