@@ -71,6 +71,11 @@ class _OpsServer(ThreadingHTTPServer):
         self._admitted: dict[int, str] = {}  # id(socket) -> its client's address
         super().__init__(address, handler)
 
+    def open_connections(self) -> int:
+        """Connections admitted and not yet closed."""
+        with self._lock:
+            return self._open.total()
+
     def verify_request(self, request: Any, client_address: Any) -> bool:
         host = client_address[0]
         with self._lock:

@@ -20,7 +20,7 @@ from flywheel.contracts import GenerationEvent, Topics, decode
 from flywheel.settings import ServeSettings, Settings
 
 KEY = "sk-test"
-SALT = "test-salt"
+SALT = "test-salt-of-sixteen-characters"  # serving refuses a shorter one beside API keys
 
 #: A value that asks for something, per vLLM extra this API refuses unless neutral
 #: (serving/vllm_extras.py): type-correct for vLLM, so the refusal is the reason.
