@@ -62,6 +62,7 @@ def test_decode_cost_prints_a_row_per_record_kind():
         assert float(ratio) == pytest.approx(float(full) / float(parse), abs=0.01)
 
 
+@pytest.mark.slow  # 12 s, a bench's smoke run  # the default suite must stay under 14 minutes on 2 cores
 def test_canary_stats_prints_every_table(tmp_path):
     rows = run_bench("canary_stats.py", "--quick", "--json", str(tmp_path / "canary.json"))
     import json

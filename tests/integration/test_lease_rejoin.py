@@ -45,6 +45,7 @@ def _until(port: int, want: list[int], timeout_s: float) -> float:
     return time.monotonic() - began
 
 
+@pytest.mark.slow  # a fault run, 10 s  # the default suite must stay under 14 minutes on 2 cores
 def test_a_replica_whose_lease_a_late_settle_took_rejoins_and_takes_it_back(kafka_settings, topics, tmp_path):
     group = f"{topics.prefix}ingest"
     with stream_database("postgres", tmp_path, [namespace(group)]) as url:

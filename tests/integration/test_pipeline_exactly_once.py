@@ -826,9 +826,10 @@ def run_with_kills(kafka_settings, topics, tmp_path, chunks: int, per_chunk: int
 
 
 # A fault run (about 18 s on 2 cores): in the slow suite with both producer clients, so the default
-# suite stays under 14 minutes; the default suite keeps a kill at a named crash point
-# (test_pipeline_recovers_at_crash_point) and each client's send and report paths have unit tests
-# of their own (tests/unit/test_kafka_producers.py)
+# suite stays under 14 minutes; the default suite keeps the crash between commit and send
+# (test_ingest_recovery.py) and the whole pipeline in process with intruders in its groups
+# (test_pipeline_survives_a_foreign_member_of_its_consumer_groups), and each client's send and
+# report paths have unit tests of their own (tests/unit/test_kafka_producers.py)
 @pytest.mark.slow
 @pytest.mark.parametrize("kafka_settings", ["confluent", "kafka-python"], indirect=True)
 def test_pipeline_survives_sigkill(kafka_settings, topics, tmp_path):
@@ -931,6 +932,7 @@ def flood_env(kafka_settings, topics, data_dir: Path, ds: Dataset, **extra: str)
             "FLYWHEEL_REWARD_USER_CAP_SHARE": str(FLOOD_CAP_SHARE), **extra}
 
 
+@pytest.mark.slow  # 10 s whole stages; the cap's rule is table-tested (tests/unit/test_reward_rules.py)  # the default suite must stay under 14 minutes on 2 cores
 @pytest.mark.parametrize("kafka_settings", ["confluent"], indirect=True)
 def test_flooding_user_is_capped(kafka_settings, topics, tmp_path):
     """A user sends half of a window's generations, rated accept and reject: the reward stage keeps
@@ -1049,8 +1051,9 @@ def run_crash_point(kafka_settings, topics, tmp_path, stage: str, plan: tuple[st
 
 @pytest.mark.parametrize("kafka_settings", ["confluent"], indirect=True)
 @pytest.mark.parametrize(("stage", "point"), [
-    ("ingest", "resent"),
-    # 12-16 s each: in the slow suite, to keep the default one under 15 minutes on 2 cores
+    # 12-16 s each, all of them: the crash between commit and send keeps a short test of its own
+    # in the default suite (test_ingest_recovery.py)
+    pytest.param("ingest", "resent", marks=pytest.mark.slow),
     pytest.param("reward", "delivered", marks=pytest.mark.slow),
     pytest.param("ingest", "committed", marks=pytest.mark.slow),
     pytest.param("ingest", "archived", marks=pytest.mark.slow)])
