@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from local.evidence import lift_z, user_outcomes
 from local.simulate import PREFERENCES, quality
 
 #: The demo's goals. Learning: over the last HOLD_S of traffic, the accept rate of the versions
@@ -46,12 +47,16 @@ HOLD_S = 60.0
 MIN_ENTROPY_SHARE = 0.5
 MIN_DISTINCT = 0.95
 #: The second learning goal, the one a run too short to hold a doubling can meet: the last version
-#: that went live and stayed is accepted more often than the start by this many standard errors
-#: of the difference (one-sided p 0.0013: sampling noise explains it about once in 740 runs).
+#: that went live and stayed was accepted by more of its canary's users than the stable arm's over
+#: the same seconds, by this many standard errors of the difference (one outcome per user, as the
+#: controller counts; one-sided p 0.0013: sampling noise explains it about once in 740 runs).
+#: Judged against the concurrent stable arm, not against the traffic before it: accept rates that
+#: drift over a run would otherwise read as a lift (local/evidence.py).
 LIFT_Z = 3.0
 #: The third, measured offline (local/taste.py): the newest version's answers, sampled from its
-#: checkpoint and judged by the simulated users, accepted more often than the starting model's by
-#: this many standard errors (1,024 answers each). The draws are paired: identical weights score z 0.
+#: checkpoint and judged by the simulated users, accepted more often than the starting model's,
+#: prompt by prompt (16 prompts x 64 answers, the same draws: identical weights score z 0), by a
+#: t over prompts whose one-sided p is a normal z's of 4 (p 3.2e-5; local/evidence.py).
 TASTE_Z = 4.0
 #: Accept rates are plotted over windows this long; the start is the first of them.
 WINDOW_S = 30.0
@@ -59,6 +64,8 @@ WINDOW_S = 30.0
 MIN_JUDGED = 20
 #: Release states that put a version in front of users.
 LIVE_STATES = ("canary", "promoted")
+#: Release states in which a version serves its canary's share of users (release/states.py's LIVE).
+CANARY_STATES = ("canary", "awaiting_approval", "held")
 #: A version that reached one of these failed its trial: its traffic is no evidence of what users
 #: kept, so the learning goals leave it out.
 FALLEN_STATES = ("rolled_back", "rejected")
@@ -169,39 +176,66 @@ def held_rate(rows: list[dict[str, Any]], started_at: float, ended_at: float,
     return _rate(inside), len(inside)
 
 
-def lift_z(before: tuple[int, int], after: tuple[int, int]) -> float | None:
-    """Two-proportion z of ``after``'s accept rate over ``before``'s, each (accepts, judgements);
-    pooled standard error, the one that holds when nothing changed. None without judgements on
-    either side or with no spread at all."""
-    (a0, n0), (a1, n1) = before, after
-    if not n0 or not n1:
-        return None
-    pooled = (a0 + a1) / (n0 + n1)
-    se = math.sqrt(pooled * (1 - pooled) * (1 / n0 + 1 / n1))
-    return (a1 / n1 - a0 / n0) / se if se > 0 else None
+@dataclass(frozen=True)
+class Canary:
+    """A version's canary: from when it went to canary until it left that state (promoted, rolled
+    back, ...; None: still a canary when the audit was read), against ``stable``, the version
+    stable meanwhile."""
+
+    version: int
+    start: float
+    end: float | None
+    stable: int
 
 
-def _counts(judged: list[dict[str, Any]]) -> tuple[int, int]:
-    return sum(r["signal"] == "accept" for r in judged), len(judged)
+def canaries(audit: list[dict[str, Any]]) -> list[Canary]:
+    """Every canary of the audit log, in the order they started."""
+    out, stable, current = [], 0, None
+    for e in sorted(audit, key=lambda e: e["at"]):
+        v, to = e.get("version"), e.get("to_state")
+        if v is None:
+            continue
+        if current is not None and int(v) == current.version and to not in CANARY_STATES:
+            out.append(Canary(current.version, current.start, float(e["at"]), current.stable))
+            current = None
+        if to == "canary":
+            if current is not None:  # a newer canary replaced it: it ended there
+                out.append(Canary(current.version, current.start, float(e["at"]), current.stable))
+            current = Canary(int(v), float(e["at"]), None, stable)
+        elif to == "promoted":
+            stable = int(v)
+    return out + ([current] if current is not None else [])
 
 
-def last_live(rows: list[dict[str, Any]], live: dict[int, float], gone: frozenset[int]) -> dict[str, Any]:
-    """The trained version that went live last and stayed, among those users judged
-    :data:`MIN_JUDGED` times (one canaried in the run's last seconds is no evidence either way),
-    against the judgements before the first trained version went live (all answered by the
-    starting model; at least :data:`MIN_JUDGED`, but a stretch of any length, unlike the start
-    rate's full window: a start that held a canary's answers would measure the canary against
-    itself)."""
-    first = min((t for v, t in live.items() if v > 0), default=None)
-    before = [r for r in _judged(rows) if first is not None and r["at"] < first]
-    judged = {v: _judged([r for r in rows if r.get("version") == v]) for v in live if v > 0 and v not in gone}
-    stayed = [v for v, mine in judged.items() if len(mine) >= MIN_JUDGED]
-    if not stayed or len(before) < MIN_JUDGED:
-        return {"version": None, "accept_rate": None, "judged": 0, "before": _rate(before),
-                "before_judged": len(before), "z": None}
-    v = max(stayed, key=lambda x: live[x])
-    return {"version": v, "accept_rate": _rate(judged[v]), "judged": len(judged[v]), "before": _rate(before),
-            "before_judged": len(before), "z": lift_z(_counts(before), _counts(judged[v]))}
+def arm_outcomes(rows: list[dict[str, Any]], canary: Canary) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(stable arm, canary arm) over the canary's own seconds: one outcome per user
+    (local/evidence.py's ``user_outcomes``), from the answers each arm's version gave then."""
+    inside = [r for r in _judged(rows) if canary.start <= r["at"] and (canary.end is None or r["at"] < canary.end)]
+    return (user_outcomes([r for r in inside if r.get("version") == canary.stable]),
+            user_outcomes([r for r in inside if r.get("version") == canary.version]))
+
+
+def last_live(rows: list[dict[str, Any]], audit: list[dict[str, Any]], gone: frozenset[int]) -> dict[str, Any]:
+    """The trained version that went live last and stayed, among those whose canary had
+    :data:`MIN_JUDGED` users judging on each arm (one canaried in the run's last seconds is no
+    evidence either way), against the stable arm over the same seconds: one outcome per user on
+    each side, as the controller counts them. A version promoted without a canary has no
+    concurrent arm to compare with, and traffic before or after a canary is never the comparison:
+    accept rates drift over a run (local/evidence.py)."""
+    measured = []
+    for c in canaries(audit):
+        if c.version > 0 and c.version not in gone:
+            stable, canary = arm_outcomes(rows, c)
+            if min(stable[1], canary[1]) >= MIN_JUDGED:
+                measured.append((c, stable, canary))
+    if not measured:
+        return {"version": None, "stable_version": None, "accept_rate": None, "users": 0, "stable_rate": None,
+                "stable_users": 0, "z": None}
+    c, stable, canary = max(measured, key=lambda m: m[0].start)
+    return {"version": c.version, "stable_version": c.stable, "accept_rate": canary[0] / canary[1],
+            "users": canary[1], "stable_rate": stable[0] / stable[1], "stable_users": stable[1],
+            "canary_s": (c.end if c.end is not None else max(r["at"] for r in rows)) - c.start,
+            "z": lift_z(stable, canary)}
 
 
 def live_times(audit: list[dict[str, Any]]) -> dict[int, float]:
@@ -308,7 +342,7 @@ def learning(rows: list[dict[str, Any]], audit: list[dict[str, Any]], start: flo
     held, n = held_rate(stayed, started_at, ended_at)
     windows = accept_windows(stayed, started_at, ended_at, window_s=HOLD_S)
     return {"held": held, "held_judged": n, "hold_s": HOLD_S, "held_2x_from_s": held_from(windows, start),
-            "left_out": sorted(gone), "last_live": last_live(rows, live_times(audit), gone),
+            "left_out": sorted(gone), "last_live": last_live(rows, audit, gone),
             "lift_z_goal": LIFT_Z, "held_windows": [{"t": t, "accept_rate": r, "judged": k} for t, r, k in windows]}
 
 
@@ -363,7 +397,8 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
     distinct = len(set(served)) / len(served) if served else None
     goals = {
         "accept_rate_doubled_and_held": learned["held"] is not None and bool(start) and learned["held"] >= 2 * start,
-        "last_live_version_beat_the_start": learned["last_live"]["z"] is not None and learned["last_live"]["z"] >= LIFT_Z,
+        "last_live_version_beat_its_stable_arm": (learned["last_live"]["z"] is not None
+                                                  and learned["last_live"]["z"] >= LIFT_Z),
         "newest_version_learned_the_taste": bool(taste) and taste.get("z") is not None and taste["z"] >= TASTE_Z,
         "a_version_canaried_and_promoted": bool(promoted) and any(v > 0 for v in live),
         "entropy_above_half_its_start": (entropy_start is not None and entropy_min is not None
@@ -477,10 +512,12 @@ def learning_line(acc: dict[str, Any]) -> str:
                + (f"; at twice the start from {since:.0f} s of traffic to the end. " if since is not None
                   else "; not at twice the start to the end. "))
     if last["version"] is None or last["z"] is None:
-        return out + "No trained version stayed live with enough judgements to compare with the start."
-    return out + (f"The last version live and kept, v{last['version']}, was accepted {last['accept_rate']:.2f} of "
-                  f"{last['judged']} judged, against {last['before']:.2f} of {last['before_judged']} before the first "
-                  f"trained version went live: z {last['z']:.1f} (goal {acc['lift_z_goal']:g}).")
+        return out + ("No trained version stayed live after a canary with enough users on both arms to compare "
+                      "with its stable arm.")
+    return out + (f"The last version live and kept, v{last['version']}, was accepted by {last['accept_rate']:.2f} of "
+                  f"its canary's {last['users']} users, against {last['stable_rate']:.2f} of {last['stable_users']} "
+                  f"on stable v{last['stable_version']} over the same {last['canary_s']:.0f} s (one outcome per "
+                  f"user): z {last['z']:.1f} (goal {acc['lift_z_goal']:g}).")
 
 
 def taste_line(taste: dict[str, Any]) -> str:
@@ -489,8 +526,9 @@ def taste_line(taste: dict[str, Any]) -> str:
         return "The newest version was not measured offline."
     (a0, n0), (a1, n1) = taste["start"], taste["newest"]
     return (f"Sampled offline and judged by the simulated users, the newest version v{taste['version']} was accepted "
-            f"{a1 / n1:.2f} of {n1} judged against the starting model's {a0 / n0:.2f} of {n0}, the same draws: "
-            f"z {taste['z']:.1f} (goal {taste['z_goal']:g}).")
+            f"{a1 / n1:.2f} of {n1} judged against the starting model's {a0 / n0:.2f} of {n0}, the same draws, "
+            f"compared prompt by prompt over {taste['prompts']} prompts: z {taste['z']:.1f} "
+            f"(goal {taste['z_goal']:g}).")
 
 
 def column_title(col: dict[str, Any]) -> str:

@@ -8,7 +8,11 @@ prompts ``flywheel simulate`` asks (temperature 1, 24 tokens, as simulated users
 has each answer judged by a random user of local/simulate.py's population, noise and missing
 feedback included, the abusive user left out. :func:`compare` does that for two models with the
 same draws: the same prompts, users, sampling noise and judging noise, batch for batch, so two
-identical models get identical counts and a difference comes from the weights alone.
+identical models get identical counts and a difference comes from the weights alone. Each batch
+asks a different prompt (a seeded order through the prompt set), and the two models are compared
+prompt by prompt (local/evidence.py's ``prompt_paired``): answers to one prompt are not
+independent evidence, and a version that only moved prompts about, better on some and worse on
+others, must not read as having learned.
 
 ``flywheel demo`` compares its newest version with the starting model this way once traffic
 ends: a short run has too little live traffic on any one version to show learning beyond noise
@@ -29,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from local.report import lift_z
+from local.evidence import prompt_paired
 from local.simulate import TASTES, judge, population, taste_prompts
 
 #: (accepts, judgements).
@@ -49,13 +53,15 @@ class Sampler:
         self.max_tokens = max_tokens
         self.batches = 0
 
-    def sample(self, n: int) -> tuple[Any, int, list[str | None]]:
-        """``n`` answers to one prompt: token ids (prompt and answer), the prompt's length, and each
-        answer's judgement (None: no feedback). The sampling noise of batch ``i`` is seeded by the
-        seed and ``i``, so another Sampler of the same seed draws the same."""
+    def sample(self, n: int, prompt: str | None = None) -> tuple[Any, int, list[str | None]]:
+        """``n`` answers to one prompt (``prompt``, else one drawn from the taste's): token ids
+        (prompt and answer), the prompt's length, and each answer's judgement (None: no feedback).
+        The sampling noise of batch ``i`` is seeded by the seed and ``i``, so another Sampler of the
+        same seed, asked the same, draws the same."""
         import torch
 
-        ids = self.tok.apply_chat_template([{"role": "user", "content": self.rng.choice(self.prompts)}],
+        prompt = prompt if prompt is not None else self.rng.choice(self.prompts)
+        ids = self.tok.apply_chat_template([{"role": "user", "content": prompt}],
                                            add_generation_prompt=True, return_tensors="pt")
         ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
         torch.manual_seed(self.seed * 1_000_003 + self.batches)
@@ -111,15 +117,27 @@ def compare(start: Path, newest: Path, *, users: int, seed: int, gameable: bool 
             batch: int = 64, budget_s: float = 30.0, taste: str = "built", base: Path | None = None,
             max_tokens: int = 24) -> dict[str, Any]:
     """The two models' answers, drawn alike, batch by batch in turn until ``samples`` each or
-    ``budget_s`` (a large model gets fewer: its z says how much evidence that was)."""
+    ``budget_s`` (a large model gets fewer: its z says how much evidence that was), each batch a
+    prompt of a seeded order through the taste's prompts (all of them before any is asked again).
+    ``start`` and ``newest``: the pooled counts; ``by_prompt``: each prompt's (start, newest)
+    counts; ``z``: the paired-by-prompt comparison (local/evidence.py), with ``prompts``, ``t``
+    and ``mean_lift``."""
     import torch
 
     torch.set_num_threads(1)  # the loop's processes may still be stopping beside it
     a, b = (Sampler(d, seed=seed, users=users, gameable=gameable, taste=taste, base=base, max_tokens=max_tokens)
             for d in (start, newest))
-    before, after = (0, 0), (0, 0)
+    order = random.Random(seed).sample(a.prompts, len(a.prompts))
+    by_prompt: dict[str, tuple[Counts, Counts]] = {}
     deadline = time.monotonic() + budget_s
     while a.batches * batch < samples and time.monotonic() < deadline:
-        before = tuple(map(sum, zip(before, counts(a.sample(batch)[2]))))
-        after = tuple(map(sum, zip(after, counts(b.sample(batch)[2]))))
-    return {"start": list(before), "newest": list(after), "z": lift_z(before, after)}
+        prompt = order[a.batches % len(order)]
+        was = by_prompt.get(prompt, ((0, 0), (0, 0)))
+        now = counts(a.sample(batch, prompt)[2]), counts(b.sample(batch, prompt)[2])
+        by_prompt[prompt] = tuple(tuple(map(sum, zip(x, y))) for x, y in zip(was, now))
+    pairs = list(by_prompt.values())
+    pooled = [[sum(c[side][i] for c in pairs) for i in (0, 1)] for side in (0, 1)]
+    paired = prompt_paired(pairs)
+    return {"start": pooled[0], "newest": pooled[1], "z": paired.z, "t": paired.t, "prompts": paired.prompts,
+            "mean_lift": paired.mean_lift,
+            "by_prompt": [[p, list(s), list(n)] for p, (s, n) in by_prompt.items()]}

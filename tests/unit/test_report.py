@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
+from local.evidence import prompt_paired
 from local.report import (
     HOLD_S,
     MIN_JUDGED,
     TASTE_Z,
+    Canary,
     Version,
     accept_windows,
+    canaries,
     decisions,
     fallen,
     held_from,
@@ -33,19 +37,28 @@ from local.report import (
 )
 
 T0 = 1000.0
+_USERS = itertools.count()
 
 
 def row(at: float, signal: str | None, version: int = 0, *, cohort: str = "vowels", gid: str | None = None,
-        feedback_at: float | None = None, text: str | None = None, status: int = 200, latency: float = 0.1) -> dict:
+        feedback_at: float | None = None, text: str | None = None, status: int = 200, latency: float = 0.1,
+        user: str | None = None) -> dict:
+    """One request; by a user of its own unless ``user`` names one."""
     return {"at": T0 + at, "signal": signal, "version": version, "cohort": cohort, "generation_id": gid,
             "feedback_at": feedback_at, "text": text if text is not None else f"answer {at}", "status": status,
-            "latency_s": latency}
+            "latency_s": latency, "user": user if user is not None else f"u{next(_USERS)}"}
 
 
-def judged(start: float, n: int, accepts: int, version: int = 0, spacing: float = 1.0) -> list[dict]:
+def judged(start: float, n: int, accepts: int, version: int = 0, spacing: float = 1.0, user: str | None = None) -> list[dict]:
     """``n`` judgements spread over ``spacing`` seconds, ``accepts`` of them accepts, spread evenly."""
-    return [row(start + i * spacing / n, "accept" if (i + 1) * accepts // n > i * accepts // n else "reject", version)
-            for i in range(n)]
+    return [row(start + i * spacing / n, "accept" if (i + 1) * accepts // n > i * accepts // n else "reject", version,
+                user=user) for i in range(n)]
+
+
+def audit_of(*events: tuple[int, str, float]) -> list[dict]:
+    """(version, to state, seconds after T0) as audit entries."""
+    return [{"at": T0 + at, "version": v, "from_state": None, "to_state": to, "actor": "controller", "reason": ""}
+            for v, to, at in events]
 
 
 def test_windows_rate_only_with_enough_judgements_and_leave_out_the_abuser():
@@ -107,21 +120,59 @@ def test_lift_is_a_two_proportion_z(before, after, z):
     assert got == (pytest.approx(z, abs=1e-3) if z is not None else None)
 
 
-def test_the_last_live_version_that_stayed_is_compared_with_the_start():
-    live = {1: T0 + 40, 2: T0 + 70, 3: T0 + 100}
-    rows = (judged(0, 100, 25, spacing=40) + judged(40, 40, 12, version=1, spacing=30)
-            + judged(70, 60, 36, version=2, spacing=30) + judged(100, 60, 6, version=3, spacing=20))
-    got = last_live(rows, live, frozenset({3}))  # v3 rolled back: v2 is the last that stayed
-    assert got["version"] == 2 and got["accept_rate"] == pytest.approx(0.6) and got["judged"] == 60
-    assert got["before"] == 0.25 and got["before_judged"] == 100
-    assert got["z"] == pytest.approx(lift_z((25, 100), (36, 60)))
-    # a version canaried in the last seconds, judged too few times, is no evidence either way
-    thin = rows + judged(118, MIN_JUDGED - 1, 19, version=4, spacing=1)
-    assert last_live(thin, {**live, 4: T0 + 118}, frozenset({3}))["version"] == 2
-    assert last_live(rows, live, frozenset({1, 2, 3}))["version"] is None
-    # live after 5 s: too few judgements before it to compare with
-    early = last_live(rows, {**live, 1: T0 + 5}, frozenset())
-    assert early["z"] is None and early["before_judged"] == 13
+@pytest.mark.parametrize("events, want", [
+    ([], []),
+    # promoted: its canary ran from +10 to +40 against v0; v2's against v1, still running
+    ([(1, "canary", 10), (1, "promoted", 40), (2, "canary", 50)],
+     [Canary(1, T0 + 10, T0 + 40, 0), Canary(2, T0 + 50, None, 1)]),
+    # held and awaiting approval still serve the canary's share; a rollback ends it, stable stays
+    ([(1, "canary", 10), (1, "held", 55), (1, "rolled_back", 70), (2, "canary", 80), (2, "awaiting_approval", 90),
+      (2, "promoted", 99)], [Canary(1, T0 + 10, T0 + 70, 0), Canary(2, T0 + 80, T0 + 99, 0)]),
+    ([(3, "candidate", 1), (3, "gating", 2), (3, "superseded", 3)], []),  # never served
+])
+def test_canaries_run_from_canary_to_leaving_the_canary_states_against_the_stable_of_the_time(events, want):
+    assert canaries(audit_of(*events)) == want
+
+
+def test_the_last_live_version_is_judged_against_its_stable_arm_over_the_same_seconds():
+    # v1 canaried at +40 (against v0, promoted at +70), v2 at +70 (against v1, promoted at +100),
+    # v3 at +100 and rolled back: v2 is the last that stayed
+    audit = audit_of((1, "canary", 40), (1, "promoted", 70), (2, "canary", 70), (2, "promoted", 100),
+                     (3, "canary", 100), (3, "rolled_back", 120))
+    rows = (judged(0, 100, 25, spacing=40) + judged(40, 30, 9, spacing=30) + judged(40, 30, 12, version=1, spacing=30)
+            + judged(70, 40, 16, version=1, spacing=30) + judged(70, 40, 28, version=2, spacing=30)
+            + judged(100, 30, 6, version=3, spacing=20) + judged(100, 30, 21, version=2, spacing=20))
+    got = last_live(rows, audit, frozenset({3}))
+    assert (got["version"], got["stable_version"]) == (2, 1)
+    assert (got["accept_rate"], got["users"], got["stable_rate"], got["stable_users"]) == (0.7, 40, 0.4, 40)
+    assert got["z"] == pytest.approx(lift_z((16, 40), (28, 40))) and got["canary_s"] == 30
+    # a version canaried in the last seconds, with too few users on an arm, is no evidence either way
+    thin = rows + judged(118, MIN_JUDGED - 1, 19, version=4, spacing=1) + judged(118, 30, 10, version=2, spacing=1)
+    assert last_live(thin, audit + audit_of((4, "canary", 118)), frozenset({3}))["version"] == 2
+    assert last_live(rows, audit, frozenset({1, 2, 3}))["version"] is None
+    # promoted without a canary: no arm ran beside it, so there is nothing to compare with
+    assert last_live(rows, audit_of((1, "promoted", 40)), frozenset())["version"] is None
+
+
+def test_a_rise_over_time_that_lifts_both_arms_is_no_lift():
+    # every user accepts more often from +60 on, whichever version answers (a later crowd, a time
+    # of day): v1 is no better than v0 beside it. Against the traffic before its canary (the old
+    # measure) it read as z 3.7
+    rows = judged(0, 100, 25, spacing=60) + judged(60, 100, 50, spacing=60) + judged(60, 100, 50, version=1, spacing=60)
+    audit = audit_of((1, "canary", 60), (1, "promoted", 120))
+    s = summarise(rows, audit, {}, T0, T0 + 120)
+    assert s["accept_rate"]["last_live"]["z"] == 0.0
+    assert not s["goals"]["last_live_version_beat_its_stable_arm"]
+
+
+def test_a_user_who_judges_often_counts_once_on_the_live_comparison():
+    # 30 users on each arm, 9 of whom accept first; one canary user then accepts 60 more answers
+    # (the controller counts one outcome per user: their first)
+    heavy = [row(61 + i * 0.5, "accept", 1, user="heavy") for i in range(60)]
+    rows = (judged(60, 30, 9, spacing=30) + judged(60, 29, 9, version=1, spacing=30)
+            + [row(60.5, "reject", 1, user="heavy")] + heavy)
+    got = last_live(rows, audit_of((1, "canary", 60)), frozenset())
+    assert (got["users"], got["accept_rate"], got["stable_rate"]) == (30, 0.3, 0.3) and got["z"] == 0.0
 
 
 def test_the_start_is_every_judgement_before_the_first_trained_version_went_live():
@@ -207,8 +258,9 @@ def test_per_version_quality_is_the_simulators_score_of_its_answers(texts, score
 
 
 def _run_rows() -> list[dict]:
-    """0.25 accepted for the first minute (v0), then 0.6 (v1, canaried at +60 in RUN_AUDIT)."""
-    return judged(0, 60, 15, spacing=60) + judged(60, 60, 36, version=1, spacing=60)
+    """0.25 accepted for the first minute (v0), then 0.75 (v1, canaried at +60 in RUN_AUDIT), and
+    v0 beside it at 0.25 until its promotion at +95: 20 users of the stable arm."""
+    return judged(0, 60, 15, spacing=60) + judged(60, 20, 5, spacing=35) + judged(60, 60, 45, version=1, spacing=60)
 
 
 #: AUDIT 55 s later: v1 canaried at +60 (as _run_rows' traffic has it), promoted at +95; v3
@@ -219,19 +271,22 @@ RUN_AUDIT = [{**e, "at": e["at"] + 55} for e in AUDIT]
 def test_summary_states_each_goal():
     versions = {1: Version(1, T0 + 3, 16, 16, frozenset(), {"entropy": 6.0}),
                 2: Version(2, T0 + 30, 32, 16, frozenset(), {"entropy": 3.5})}
-    taste = {"version": 2, "start": [240, 900], "newest": [400, 900], "z": lift_z((240, 900), (400, 900))}
+    taste = {**_taste([((15, 60), (26 + (i < 6), 60)) for i in range(15)]), "version": 2}
     s = summarise(_run_rows(), RUN_AUDIT, versions, T0, T0 + 120, {"promotion": "auto"}, taste=taste)
     acc = s["accept_rate"]
     assert acc["start"] == 0.25  # the first minute, before v1 went live
-    assert acc["held"] == pytest.approx(0.6) and acc["held_judged"] == 60 and acc["hold_s"] == HOLD_S
-    # the minute ending at 105 s holds 15 judgements at 0.25 and 45 at 0.6: 0.51, the first at 2x
-    assert acc["held_2x_from_s"] == 105 and acc["left_out"] == [3]
-    assert acc["last_live"]["version"] == 1 and acc["last_live"]["z"] == pytest.approx(lift_z((15, 60), (36, 60)))
+    assert acc["held"] == pytest.approx(0.625) and acc["held_judged"] == 80 and acc["hold_s"] == HOLD_S
+    # the minute ending at 100 s holds 40 judgements at 0.25 (before v1, and beside it) and 40 at
+    # 0.75: 0.5, the first at 2x
+    assert acc["held_2x_from_s"] == 100 and acc["left_out"] == [3]
+    # v1's 35 users in its canary (26 accepted) against v0's 20 over the same 35 s
+    assert acc["last_live"]["version"] == 1 and acc["last_live"]["z"] == pytest.approx(lift_z((5, 20), (26, 35)))
     assert s["promoted"] == [1] and s["canaried"] == [1, 3]
-    assert s["goals"] == {"accept_rate_doubled_and_held": True, "last_live_version_beat_the_start": True,
+    assert s["goals"] == {"accept_rate_doubled_and_held": True, "last_live_version_beat_its_stable_arm": True,
                           "newest_version_learned_the_taste": True, "a_version_canaried_and_promoted": True,
                           "entropy_above_half_its_start": True, "completions_distinct": True}
     assert s["taste"]["z"] > TASTE_Z and "v2 was accepted 0.44 of 900" in taste_line(s["taste"])
+    assert "prompt by prompt over 15 prompts" in taste_line(s["taste"])
     collapsed = {**versions, 3: Version(3, T0 + 45, 48, 16, frozenset(), {"entropy": 2.9})}
     s = summarise(_run_rows(), AUDIT[:3], collapsed, T0, T0 + 120)
     assert not s["goals"]["entropy_above_half_its_start"]
@@ -249,18 +304,29 @@ def test_traffic_of_a_version_rolled_back_does_not_count_as_learning():
     assert s["accept_rate"]["held"] == pytest.approx(0.25, abs=0.02) and s["accept_rate"]["left_out"] == [1]
     assert s["accept_rate"]["last_live"]["version"] is None
     assert not s["goals"]["accept_rate_doubled_and_held"]
-    assert not s["goals"]["last_live_version_beat_the_start"]
+    assert not s["goals"]["last_live_version_beat_its_stable_arm"]
     # the same traffic with v1 promoted instead: users kept it
     s = summarise(rows, [audit[0], {**audit[1], "to_state": "promoted"}], {}, T0, T0 + 120)
-    assert s["accept_rate"]["last_live"]["version"] == 1 and s["goals"]["last_live_version_beat_the_start"]
+    assert s["accept_rate"]["last_live"]["version"] == 1 and s["goals"]["last_live_version_beat_its_stable_arm"]
+
+
+def _taste(by_prompt: list[tuple[tuple[int, int], tuple[int, int]]]) -> dict:
+    """What local/taste.py's compare reports for these per-prompt (start, newest) counts."""
+    paired = prompt_paired(by_prompt)
+    return {"version": 3, "start": [sum(s[0] for s, _ in by_prompt), sum(s[1] for s, _ in by_prompt)],
+            "newest": [sum(n[0] for _, n in by_prompt), sum(n[1] for _, n in by_prompt)], "z": paired.z,
+            "t": paired.t, "prompts": paired.prompts}
 
 
 @pytest.mark.parametrize("taste, met", [
     (None, False),  # not measured: no goal met
-    ({"version": 3, "start": [240, 900], "newest": [240, 900], "z": 0.0}, False),  # identical weights, same draws
-    ({"version": 3, "start": [240, 900], "newest": [300, 900], "z": lift_z((240, 900), (300, 900))}, False),  # z 3.1
-    ({"version": 3, "start": [240, 900], "newest": [320, 900], "z": lift_z((240, 900), (320, 900))}, True),  # z 4.1
-    ({"version": 3, "start": [0, 0], "newest": [0, 0], "z": None}, False),
+    (_taste([((16, 64), (16, 64))] * 16), False),  # identical weights, same draws: z 0
+    # better on every prompt, by 8 to 20 answers of 64: z 5.9
+    (_taste([((16, 64), (16 + 8 + i % 13, 64)) for i in range(16)]), True),
+    # 24 answers better on 10 prompts, 24 worse on 6: 0.09 on average, z 1.0 over prompts (the
+    # 1,024 answers of each side pooled, as if independent: z 4.3, the old goal met)
+    (_taste([((16, 64), (40, 64))] * 10 + [((40, 64), (16, 64))] * 6), False),
+    (_taste([]), False),
 ])
 def test_the_newest_version_learned_the_taste_offline_by_four_standard_errors(taste, met):
     s = summarise(_run_rows(), RUN_AUDIT, {}, T0, T0 + 120, taste=taste)
@@ -271,13 +337,14 @@ def test_the_newest_version_learned_the_taste_offline_by_four_standard_errors(ta
 def test_a_learning_goal_not_met_reads_as_a_sentence_without_dashes():
     s = summarise(judged(0, 40, 10, spacing=40), [], {}, T0, T0 + 45)
     assert s["goals"]["accept_rate_doubled_and_held"] is False
-    assert s["goals"]["last_live_version_beat_the_start"] is False
+    assert s["goals"]["last_live_version_beat_its_stable_arm"] is False
     line = learning_line(s["accept_rate"])
     assert " - " not in line and "shorter than the 60 s" in line and "No trained version" in line
     line = learning_line(summarise(judged(0, 40, 10, spacing=40), [], {}, T0, T0 + 100)["accept_rate"])
     assert "held 0 judgements: too few" in line
     line = learning_line(summarise(_run_rows(), RUN_AUDIT, {}, T0, T0 + 120)["accept_rate"])
-    assert "0.60 over 60 judged" in line and "from 105 s" in line and "v3" in line and "v1" in line
+    assert "0.62 over 80 judged" in line and "from 100 s" in line and "v3" in line and "v1" in line
+    assert "0.74 of its canary's 35 users, against 0.25 of 20 on stable v0 over the same 35 s" in line
 
 
 def test_versions_are_read_from_a_checkpoint_store(tmp_path):
