@@ -537,9 +537,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     d.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
-    d.add_argument("--control", action="store_true",
-                   help="learning off (trainer.lr = 0): every version the loop publishes equals the first, "
-                        "so the learning goals must not be met")
+    d.add_argument("--control", nargs="?", const="lr0", default=None, choices=["lr0", "shuffled"],
+                   help="a control run, whose learning goals must not be met: lr0 (the default) turns learning "
+                        "off (trainer.lr = 0: every version equals the first, so it fails by construction); "
+                        "shuffled keeps learning on and sends each user's feedback with another answer's "
+                        "judgement, so the rewards carry no signal")
     d.add_argument("--start-timeout", type=float, default=300, help="longest wait for serving to answer, s")
     d.add_argument("--model", default="built", choices=["built", "smollm2"],
                    help="built: the small built model (model_dir); smollm2: SmolLM2-135M-Instruct, imported into "

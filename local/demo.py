@@ -3,6 +3,7 @@
     flywheel demo                       # under 6 minutes on two cores: start, 3.5 min of traffic, report
     flywheel demo --duration 120 --rate 8 --seed 3 --users 500 --gameable
     flywheel demo --control             # the same with learning off: its learning goals must not be met
+    flywheel demo --control shuffled    # learning on, the users' signals shuffled among answers: the same
     flywheel demo --model smollm2       # a real model, SmolLM2-135M-Instruct, trained as LoRA adapters
     flywheel demo --model-dir DIR       # any model `flywheel model import` wrote
 
@@ -33,11 +34,22 @@ What it does, in order:
    (local/report.py), and prints the summary with each goal MET or NOT MET.
 
 The learning goals (local/report.py): counting only versions that stayed live, the accept rate
-over the last 60 s of traffic at least twice the start's, and the last version live accepted
-more often than the start by 3 standard errors; and, measured offline while the loop stops
-(local/taste.py), the newest version's answers accepted more often than the first version's by 4.
-``--control`` sets ``trainer.lr`` to 0 for the stages; the loop runs the same, and a sound report
-must then say NOT MET for all three.
+over the last 60 s of traffic at least twice the start's, and the last version live accepted by
+more of its canary's users than the stable arm's over the same seconds by 3 standard errors; and,
+measured offline while the loop stops (local/taste.py), the newest version's answers accepted
+more often than the first version's, prompt by prompt, by 4.
+
+Two controls, and a sound report says NOT MET for all three learning goals on each:
+
+- ``--control`` (``--control lr0``) sets ``trainer.lr`` to 0 for the stages. Every version then
+  equals the first, so its failure is by construction: it shows the goals are not met by a loop
+  that changes nothing, not that they need the users' signal.
+- ``--control shuffled`` leaves learning on and destroys the signal: the simulated users judge as
+  always and the report measures those judgements, but each feedback sent carries another answer's
+  judgement (local/simulate.py's ``Shuffler``). The trainer takes steps as large and as many on
+  rewards as frequent, and the release controller judges canaries on them; versions change,
+  learning nothing of the taste. Goals this control met would be measuring something other than
+  learning from feedback (chance drift, a statistic's error).
 
 Nothing here imports a stage: the stages are processes meeting over the broker, as in production.
 The release controller promotes on its own in the demo (``release.auto_promote``), and the report
@@ -214,7 +226,8 @@ def run(settings: Settings, args: Any) -> int:
                # every stage and both engines share the cores: a spinning OpenMP thread starves the rest
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                **{var: str(port) for var, port in ports.items()})
-    if getattr(args, "control", False):
+    control = getattr(args, "control", None)
+    if control == "lr0":
         env["FLYWHEEL_TRAINER_LR"] = "0"  # trainer.lr, through the settings every stage reads
     demo = load_settings(env=env, config_file=config)  # what the stages will run with
     serve_url = f"http://127.0.0.1:{ports['FLYWHEEL_SERVE_PORT']}"
@@ -234,7 +247,8 @@ def run(settings: Settings, args: Any) -> int:
              f"seed {args.seed}; {_training(demo)}")
         sim = Simulator(Config(url=serve_url, key=key, duration_s=duration, rate=rate, users=args.users,
                                max_tokens=preset.max_tokens, seed=args.seed, gameable=args.gameable,
-                               abuser=not args.no_abuser, taste=preset.taste))
+                               abuser=not args.no_abuser, taste=preset.taste,
+                               shuffle_signals=control == "shuffled"))
         started = time.time()
         ticker = threading.Thread(target=_progress, args=(sim, started, release_url, token, stop), daemon=True)
         ticker.start()
@@ -249,7 +263,7 @@ def run(settings: Settings, args: Any) -> int:
     rows = [asdict(r) for r in sim.rows]
     (root / "simulate.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     versions = read_versions(root / "checkpoints")
-    policy = _policy(demo)
+    policy = _policy(demo, control)
     measured = taste()
     answers = _answers(root / "checkpoints", preset, model_dir, audit)
     summary = summarise(rows, audit, versions, started, ended, policy, read_stage_times(root / "archive"), measured,
@@ -339,12 +353,17 @@ def _training(s: Settings) -> str:
     return f"full weights (every parameter trained; each version a whole model); {served}"
 
 
-def _policy(s: Settings) -> dict[str, Any]:
+def _policy(s: Settings, control: str | None = None) -> dict[str, Any]:
     """What the report states about how this run released and trained."""
     r, t = s.release, s.trainer
+    learning = ("OFF: a control run (trainer.lr = 0; every version equals the first), whose learning goals "
+                "must not be met" if t.lr == 0 else f"on (trainer.lr {t.lr:g})")
+    if control == "shuffled":
+        learning = (f"SHUFFLED: a control run, learning on (trainer.lr {t.lr:g}) from the users' signals shuffled "
+                    "among their answers (each feedback carries another answer's judgement), whose learning goals "
+                    "must not be met")
     return {
-        "learning": ("OFF: a control run (trainer.lr = 0; every version equals the first), whose learning goals "
-                     "must not be met" if t.lr == 0 else f"on (trainer.lr {t.lr:g})"),
+        "learning": learning,
         "promotion": ("auto-promote: the controller promoted a canary that passed its analysis, with no person"
                       if r.auto_promote else "a person approves each promotion"),
         "canary": f"{r.canary_share:.0%} of users; verdict after {r.min_events} outcomes per arm (one per user, "

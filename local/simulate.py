@@ -26,6 +26,11 @@ accepts everything. A version's accept rate is measured on the cohort users' jud
 
 Every request is a line of ``--out`` (JSONL): time, user, cohort, version that answered, latency,
 signal (or none), quality score: what a report plots (``summarise``).
+
+A control (``Config.shuffle_signals``, ``flywheel demo --control shuffled``): the cohort users
+judge as always, and their rows keep those judgements, but each feedback sent carries another
+answer's judgement (:class:`Shuffler`). The loop then learns from rewards as frequent as real
+ones that say nothing about the answers they are attached to.
 """
 
 from __future__ import annotations
@@ -196,6 +201,31 @@ def judge(user: User, text: str, rng: random.Random) -> str | None:
     return "accept" if liked else "reject"
 
 
+class Shuffler:
+    """Judgements sent in place of one another: a shuffle of the signals over time.
+
+    Each judgement takes a random place in a pool of ``size`` and sends the one it displaced, so
+    every signal is sent once, for another answer, within about ``size`` judgements (the last
+    ``size`` are never sent). While the pool fills, a judgement sends a random one of those
+    before it (the run's very first sends its own: one of a run's thousands). Its own random draws,
+    apart from the simulator's: the users, prompts and judgements of a run stay those of the same
+    seed without the shuffle."""
+
+    def __init__(self, seed: int, size: int = 64) -> None:
+        self.rng = random.Random(f"shuffle-{seed}")
+        self.size = size
+        self.pool: list[str] = []
+
+    def swap(self, signal: str) -> str:
+        if len(self.pool) < self.size:
+            sent = self.rng.choice(self.pool) if self.pool else signal
+            self.pool.append(signal)
+            return sent
+        j = self.rng.randrange(self.size)
+        sent, self.pool[j] = self.pool[j], signal
+        return sent
+
+
 @dataclass
 class Config:
     url: str
@@ -213,6 +243,9 @@ class Config:
     #: A name in :data:`TASTES`: the users' cohorts, their prompts (unless ``prompts`` is given)
     #: and the API they call.
     taste: str = "built"
+    #: Send each cohort user's feedback with another answer's judgement (:class:`Shuffler`): a
+    #: control whose rewards carry no signal. Rows keep the users' own judgements.
+    shuffle_signals: bool = False
 
 
 @dataclass
@@ -245,6 +278,7 @@ class Simulator:
         self._feedback: list[asyncio.Task] = []
         self.feedback_sent = 0
         self.feedback_failed = 0
+        self.shuffler = Shuffler(cfg.seed) if cfg.shuffle_signals else None
 
     def run(self) -> list[Row]:
         asyncio.run(self._run())
@@ -299,7 +333,9 @@ class Simulator:
         self.rows.append(row)
         if signal is not None:
             delay = self.rng.uniform(0, self.cfg.max_delay_s)
-            self._feedback.append(asyncio.create_task(self._feedback_later(http, user, row, signal, delay)))
+            # the abuser's accepts are its behaviour, not a judgement of the answer: never shuffled
+            sent = self.shuffler.swap(signal) if self.shuffler is not None and user.cohort is not None else signal
+            self._feedback.append(asyncio.create_task(self._feedback_later(http, user, row, sent, delay)))
 
     async def _feedback_later(self, http: Any, user: User, row: Row, signal: str, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -50,3 +50,23 @@ def test_summary_measures_each_version_on_the_cohorts_judgements_only():
     assert s["refused"] == {429: 1}
     assert s["versions"][0] == {"requests": 2, "judged": 2, "accept_rate": 0.5, "quality": 0.8}
     assert s["versions"][3]["judged"] == 1 and s["versions"][3]["accept_rate"] == 1.0
+
+
+def test_shuffled_feedback_keeps_the_accept_rate_and_loses_the_answer():
+    from collections import Counter
+
+    from local.simulate import Shuffler
+
+    rng = random.Random(7)
+    own = ["accept" if rng.random() < 0.3 else "reject" for _ in range(4000)]
+    shuffler = Shuffler(seed=1, size=64)
+    sent = [shuffler.swap(s) for s in own]
+    # every judgement enters the pool once, and from the 65th on each sends the one it displaced:
+    # what was sent then, with what the pool still holds, is every judgement made
+    assert Counter(sent[64:]) + Counter(shuffler.pool) == Counter(own)
+    # ... and what is sent says nothing of the answer's own judgement: an accept is sent as often
+    # after an accepted answer as after a rejected one (0.3 each, 1,200 and 2,800 answers: a
+    # standard error near 0.015)
+    after = {s: [x == "accept" for o, x in zip(own, sent) if o == s] for s in ("accept", "reject")}
+    rates = {s: sum(v) / len(v) for s, v in after.items()}
+    assert abs(rates["accept"] - rates["reject"]) < 0.06 and abs(rates["reject"] - 0.3) < 0.05, rates
