@@ -686,6 +686,19 @@ class ReleaseSettings(_Section):
     edits before the accept rate is."""
     deadline_s: float = Field(default=3600.0, gt=0)
     """A canary with no verdict by then is held for a person (Inconclusive)."""
+    outcome_window_s: float = Field(default=60.0, ge=0)
+    """A canary user's outcome is their first accept, reject or edit on an answer completed within
+    this many seconds after their first answer in the canary (none: not accepted), read this long
+    plus ``ingest.window_s`` and ``ingest.grace_s`` after that first answer, whatever and whenever
+    they answered, and users are paired in the order of their first answers: so which users pair
+    never depends on their feedback (release/README.md, "Outcome-blind pairs"). Feedback that
+    reaches the controller after that counts for nothing. Longer: more of each user's answers can
+    give their outcome, and each outcome, so each verdict, comes later."""
+    new_users: Literal["exclude", "count"] = "exclude"
+    """Users first seen after a canary started (no generation of theirs made before it reached the
+    controller): ``exclude`` counts them apart (``new_users`` in the analysis), never as outcomes,
+    so ids made up during a canary cannot vote in it; ``count`` counts them like any user
+    (release/README.md, "Who counts")."""
     on_inconclusive: Literal["hold", "rollback"] = "hold"
     """A canary with no verdict by ``deadline_s``: ``hold`` it for a person (it keeps its share,
     and newer candidates wait), or ``rollback`` so the newest candidate, which holds all training

@@ -69,6 +69,7 @@ from release.judge import (
     judge_gate,
 )
 from release.measure import Tally
+from release.outcomes import Windows
 from release.metrics import ControllerMetrics
 from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
 from release.serving_state import Act, respond
@@ -279,6 +280,7 @@ class Controller:
             tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time(),
                           alpha=self._pass_alpha(State.CANARY))
             tally.offsets = offsets
+            tally.windows = Windows.of(self.settings)
             self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
                             tally=tally.to_dict())
         else:
@@ -382,6 +384,7 @@ class Controller:
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
                       started_at=rev.at if rev else now, alpha=self._pass_alpha(cand.state))
         tally.offsets = self.streams.ends()  # measure what users do from now on
+        tally.windows = Windows.of(self.settings)
         return tally
 
     def _pass_alpha(self, state: State) -> float:
@@ -417,7 +420,7 @@ class Controller:
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
             "alpha": self.canary_policy.alpha, "pass_alpha": tally.alpha or self.canary_policy.alpha,
             "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,
-            "elapsed_s": m.elapsed_s, "history": tally.history},
+            "elapsed_s": m.elapsed_s, "history": tally.history, **tally.left_apart()},
             tally=tally.to_dict())
 
     # -- routing ----------------------------------------------------------------------------

@@ -18,22 +18,30 @@ goes on exactly where it stopped. What it does with each record:
   ``rater_id``, else the generation's user). A user reward flags on any of their rewards (any
   version, any time) is excluded from this canary's comparison from then on: their signals are
   neither outcomes nor rejects. The exclusions are counted and shown (:class:`Counts`).
-- **One outcome per user per canary**: their first explicit signal (``accept`` is an accept,
-  ``reject`` and ``edit`` are not, ``ignore`` is none). Users, not requests, are what the hash
-  assigns to an arm, and one user's outcomes are correlated: counted ten times each, a few heavy
-  users of differing taste (or one abusive user) moved verdicts far more often than alpha.
-- **Settling.** An outcome counts once reward has judged its signal, when the reward record of
-  its generation arrives (before or after the episode): dropped if that reward or an earlier one
-  flagged the user, else folded into the pairs. So a flag on the signal itself always comes in
-  time; a user flagged only after their outcome counted keeps it (a pair once formed is never
-  rebuilt) and is counted apart (``flagged_after_counting``). An outcome reward never judges
-  (the labeler failed, or reward is down) waits, shown as ``pending``, and is given up after
-  ``MAX_PENDING`` newer ones.
-- **Pairs** (release/sequential.py :class:`~release.sequential.Pairing`): outcomes in the order
-  they settle, each meeting the most recent waiting outcome of the other arm. **Late feedback**
-  follows the same rule: an outcome counts when it settles, whenever its generation was made
-  after the canary started, and pairs with what waits then; it never moves a pair already
-  formed. A generation made before the canary started never counts, however late its feedback.
+- **One outcome per user per canary, read at a fixed time** (release/outcomes.py). A user's
+  window opens at their first answer in the canary; their outcome is read
+  ``release.outcome_window_s`` after it plus ingest's join window and grace (``settle_s``: an
+  answer nobody rated leaves ingest only when its join window closes), whatever they said and
+  whenever they said it: their first explicit signal on an answer in the window (``accept`` is an
+  accept, ``reject`` and ``edit`` are not), **no signal is no accept**. Users, not requests, are
+  what the hash assigns to an arm, and one user's outcomes are correlated: counted ten times each,
+  a few heavy users of differing taste (or one abusive user) moved verdicts far more often than
+  alpha. A signal someone gave on another user's answer (``rater_id``) is no one's outcome.
+- **Reward's judgement.** A signal counts once reward has judged it (its reward record arrived),
+  so a flag on the signal itself always comes in time; a user flagged while their window is open
+  is dropped when it is read (``excluded``), one flagged only after their outcome counted keeps it
+  (a pair once formed is never rebuilt) and is counted apart (``flagged_after_counting``). A
+  window whose signal reward never judges waits ``JUDGE_WAIT_S`` and is given up (``unjudged``).
+- **New users.** A user counts only if a generation of theirs made before the canary started
+  reached the fold (``release.new_users = "exclude"``, the default): ids made up after the start
+  are counted apart (``new``). ``"count"`` counts them.
+- **Pairs** (release/sequential.py :class:`~release.sequential.Pairing`): users in the order of
+  their first answer, as their windows are read, each meeting the most recent waiting user of the
+  other arm: which users pair never depends on what, when or whether they answered. **Late
+  feedback**: a signal whose episode arrives after its user's window was read counts for nothing
+  (ingest itself drops feedback later than its join window), and a user whose first episode comes
+  after later users were read is counted apart (``late``). A generation made before the canary
+  started never counts, however late its feedback.
 
 Repeats (topics are at least once) are dropped by generation id, within a bounded window of ids
 (a repeat arrives soon after its original: ``DEDUPE_IDS``). Latencies are kept as a bounded
@@ -49,6 +57,7 @@ from typing import Any
 from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, EpisodeEvent, RewardEvent
 from flywheel.degeneracy import TextProfile
 from release.judge import ArmStats, CanaryMeasurement
+from release.outcomes import Kind, Read, Windows
 from release.sequential import PairCount, Pairing
 
 ARMS = ("stable", "canary")
@@ -57,15 +66,12 @@ ARMS = ("stable", "canary")
 DEDUPE_IDS = 200_000
 #: Latencies kept per arm for the p95 (the most recent).
 LATENCY_SAMPLE = 5_000
-#: Outcomes kept waiting for reward's judgement; past it the oldest is given up (its user may
-#: count with a later signal: which one depends on reward's records arriving, never on what the
-#: user said).
-MAX_PENDING = 50_000
-#: Rewards kept that came before their episode (the two topics are read side by side).
-MAX_EARLY = 20_000
 
-#: A user's state in one canary (``Tally.users``).
+#: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
+#: (``counted``, or ``new`` or ``unjudged``: release/outcomes.py), or they are left out.
 PENDING, COUNTED, EXCLUDED, FLAGGED_LATE = "pending", "counted", "excluded", "flagged_after_counting"
+NEW, LATE, UNJUDGED = Kind.NEW.value, "late", Kind.UNJUDGED.value
+STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED)
 
 
 @dataclass
@@ -107,18 +113,16 @@ class Tally:
     alpha: float | None = None
     arms: dict[str, Arm] = field(default_factory=lambda: {a: Arm() for a in ARMS})
     pairing: Pairing = field(default_factory=Pairing)
-    #: user -> PENDING, COUNTED, EXCLUDED or FLAGGED_LATE (module docstring)
+    #: user -> one of ``STATES`` (module docstring)
     users: dict[str, str] = field(default_factory=dict)
-    #: generation id -> [arm, accepted, user] of outcomes waiting for their reward, oldest first
-    pending: dict[str, list[Any]] = field(default_factory=dict)
-    #: generation id -> whether its reward flagged the user, for rewards ahead of their episode
-    early: dict[str, bool] = field(default_factory=dict)
     seen_episodes: deque[str] = field(default_factory=deque)
     seen_rewards: deque[str] = field(default_factory=deque)
     #: topic -> partition -> next offset, saved with the tally
     offsets: dict[str, dict[int, int]] = field(default_factory=dict)
     errors: int = 0  # measurements that failed in a row (judge rule 1)
     history: list[dict[str, float]] = field(default_factory=list)
+    #: each user's outcome window (release/outcomes.py), its length fixed as the canary started
+    windows: Windows = field(default_factory=Windows)
 
     def arm_of(self, version: int) -> str | None:
         if version == self.canary_version:
@@ -130,7 +134,7 @@ class Tally:
     def __post_init__(self) -> None:
         self._seen = {"episodes": set(self.seen_episodes), "rewards": set(self.seen_rewards)}
         #: users in each state, kept as they change (the judge reads them after every record)
-        self._states = {s: 0 for s in (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE)}
+        self._states = {s: 0 for s in STATES}
         for state in self.users.values():
             self._states[state] += 1
 
@@ -158,8 +162,11 @@ class Tally:
     def add_episode(self, ep: EpisodeEvent) -> None:
         """Fold one episode record (decoded through the contract: release/streams.py) in."""
         g = ep.generation
-        if g.created_at < self.started_at or g.route == "pinned":
-            return  # before the canary, or evaluation traffic that named its version: no user's arm
+        if g.route == "pinned":
+            return  # evaluation traffic that named its version: no user's arm
+        if g.created_at < self.started_at:
+            self.windows.know(g.user_id)  # a user from before the canary: they may count
+            return
         arm_name = self.arm_of(g.model_version)
         if arm_name is None or not self._first("episodes", g.generation_id):
             return
@@ -171,23 +178,25 @@ class Tally:
         arm.tokens += len(g.completion_token_ids)
         if g.finish_reason != "abort":
             arm.text = arm.text.add(g.completion_text)
-        gid, signal = g.generation_id, ep.signal
-        judged = self.early.pop(gid, None)  # reward's judgement, when it came first
-        user = ep.rater_id or g.user_id
+        self._enter(arm_name, ep)
+        signal, user = ep.signal, ep.rater_id or g.user_id
         if signal not in ("accept", "reject", "edit") or self.users.get(user) in (EXCLUDED, FLAGGED_LATE):
             return
         arm.rejects += signal == "reject"
-        if user in self.users:
-            return  # one outcome per user per canary
-        outcome = [arm_name, signal == "accept", user]
-        self._set(user, PENDING)
-        if judged is not None:
-            self._settle(outcome, judged)
-            return
-        self.pending[gid] = outcome
-        if len(self.pending) > MAX_PENDING:
-            oldest = next(iter(self.pending))
-            self._set(self.pending.pop(oldest)[2], None)
+
+    def _enter(self, arm_name: str, ep: EpisodeEvent) -> None:
+        """Open or extend the window of the answer's user (release/outcomes.py)."""
+        g = ep.generation
+        user, state = g.user_id, self.users.get(g.user_id)
+        if state not in (None, PENDING):
+            return  # read already (one outcome per user per canary), or left out
+        # feedback belongs to the answer's user: another user's word on it is no one's outcome
+        signal = ep.signal if ep.rater_id in (None, user) else "ignore"
+        if self.windows.add(user, arm_name, g.completed_at, g.generation_id, signal):
+            if state is None:
+                self._set(user, PENDING)
+        else:
+            self._set(user, LATE)
 
     def add_reward(self, rw: RewardEvent) -> None:
         """Fold one reward record (decoded through the contract: release/streams.py) in."""
@@ -198,12 +207,6 @@ class Tally:
         if abusive:  # whatever the version or time: it says who the user is
             self._exclude(rw.rater_id or rw.user_id)
         arm_name = self.arm_of(rw.model_version) if rw.generated_at >= self.started_at else None
-        if gid in self.pending:
-            self._settle(self.pending.pop(gid), abusive)
-        elif arm_name is not None and gid not in self._seen["episodes"]:
-            self.early[gid] = abusive  # its episode is still to come
-            if len(self.early) > MAX_EARLY:
-                del self.early[next(iter(self.early))]
         if arm_name is None:
             return  # a generation from before the canary, or of neither arm: no guardrail count
         arm = self.arms[arm_name]
@@ -216,28 +219,39 @@ class Tally:
         if state == COUNTED:
             self._set(user, FLAGGED_LATE)
         elif state not in (EXCLUDED, FLAGGED_LATE):
-            self._set(user, EXCLUDED)  # a pending outcome of theirs is dropped when it settles
+            self._set(user, EXCLUDED)  # an open window of theirs is dropped when it is read
 
-    def _settle(self, outcome: list[Any], abusive: bool) -> None:
-        arm_name, accepted, user = outcome
-        arm = self.arms[arm_name]
-        if abusive or self.users.get(user) == EXCLUDED:
-            self._set(user, EXCLUDED)
+    def close(self, now: float) -> None:
+        """Read the windows due by ``now`` and pair their outcomes (release/outcomes.py). ``now``: a
+        time before which every record published has been folded (release/streams.py calls it when
+        a read has caught up with the topics' ends as they were when it began)."""
+        for read in self.windows.close(now, self._seen["rewards"].__contains__):
+            self._read(read)
+
+    def _read(self, read: Read) -> None:
+        arm = self.arms[read.arm]
+        if self.users.get(read.user) == EXCLUDED:  # flagged while their window was open
             arm.excluded += 1
             return
-        self._set(user, COUNTED)
+        if read.kind is not Kind.OUTCOME:
+            self._set(read.user, read.kind.value)
+            return
+        self._set(read.user, COUNTED)
         arm.outcomes += 1
-        arm.accepts += accepted
-        self.pairing.add(arm_name, accepted)
+        arm.accepts += read.accepted
+        self.pairing.add(read.arm, read.accepted)
 
     # -- what the judge reads ----------------------------------------------------------------
     def pairs(self) -> PairCount:
         return self.pairing.count
 
+    def left_apart(self) -> dict[str, int]:
+        """Users counted apart, by why (module docstring): the analysis and the console show them."""
+        return {"new_users": self._states[NEW], "late_users": self._states[LATE],
+                "unjudged_users": self._states[UNJUDGED]}
+
     def measurement(self, now: float) -> CanaryMeasurement:
-        pending = {a: 0 for a in ARMS}
-        for arm_name, _, _ in self.pending.values():
-            pending[arm_name] += 1
+        pending = {a: 0 for a in ARMS} | self.windows.waiting()  # open windows
         late = self._states[FLAGGED_LATE]
         return CanaryMeasurement(stable=self.arms["stable"].stats(pending["stable"]),
                                  canary=self.arms["canary"].stats(pending["canary"]), pairs=self.pairs(),
@@ -254,8 +268,7 @@ class Tally:
                             "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded,
                             "text": a.text.to_dict()}
                      for name, a in self.arms.items()},
-            "pairing": self.pairing.to_dict(), "users": self.users, "pending": self.pending,
-            "early": self.early,
+            "pairing": self.pairing.to_dict(), "users": self.users, "windows": self.windows.to_dict(),
             "seen_episodes": list(self.seen_episodes), "seen_rewards": list(self.seen_rewards),
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
@@ -267,13 +280,16 @@ class Tally:
         # a list sorted by generation time) keeps its offsets and guardrail counts; its accept-rate
         # test starts afresh from here, its outcomes not being pairs that can be resumed.
         folded = "pairing" in d
+        # A tally saved before outcome windows (pairs in the order reward settled them) keeps its
+        # pairs; its outcomes waiting for reward are dropped, and their users enter windows afresh
+        # (read as soon as due: its canary started under the old rule).
+        windows = Windows.from_dict(d["windows"]) if "windows" in d else Windows()
         arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
                           a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
                           a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile())
                 for name, a in d["arms"].items()}
         return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("alpha"), arms,
                    Pairing.from_dict(d["pairing"]) if folded else Pairing(), dict(d.get("users", {})),
-                   dict(d.get("pending", {})), dict(d.get("early", {})),
                    deque(d["seen_episodes"]), deque(d["seen_rewards"]),
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
-                   d.get("errors", 0), d.get("history", []))
+                   d.get("errors", 0), d.get("history", []), windows=windows)

@@ -8,10 +8,14 @@ chance it EVER reaches 1/alpha is at most alpha.
 
 The construction (exact, no asymptotics):
 
-- Pair outcomes as they come, by a rule that never looks at them (:class:`Pairing`, a fold the
-  controller saves and resumes): an outcome of one arm pairs with the most recent outcome of the
-  other arm still waiting for a partner, or waits itself. A pair once formed is never rebuilt, so
-  the counts below only grow and the e-value is one process, not a new one each look. Keep the
+- Pair outcomes by a rule that never looks at them (:class:`Pairing`, a fold the controller saves
+  and resumes), in an order that does not depend on them either: release/outcomes.py reads each
+  user's outcome at a fixed time after their first answer in the canary and hands them over in
+  the order of those first answers (paired in the order reward settled signals, rejects that came
+  later than accepts made the next discordant pairs go one way: issue 45). An outcome of one arm
+  pairs with the most recent outcome of the other arm still waiting for a partner, or waits
+  itself. A pair once formed is never rebuilt, so the counts below only grow and the e-value is
+  one process, not a new one each look. Keep the
   pairs whose outcomes differ (discordant pairs): W pairs where the canary accepted and stable
   did not, L the other way round.
 - Under H0 (equal rates) each discordant pair is a canary win with probability 1/2, whatever the
@@ -69,13 +73,14 @@ MAX_WAITING = 1_000
 
 @dataclass
 class Pairing:
-    """The pairs of one canary, folded as outcomes come (module docstring).
+    """The pairs of one canary, folded as outcomes are handed over (module docstring).
 
     Only one arm ever has outcomes waiting: an outcome of the other arm pairs at once. Its
     partner is the most recent waiting one, so pairs stay close in time (at a 10% share the
     oldest waiting stable outcome is many minutes old, and a drift of the accept rate over the
-    day would read as a difference); which one it is depends on the order of arrival only, never
-    on what the outcomes were."""
+    day would read as a difference). Which one it is depends on the order outcomes are added in
+    and their arms, never on what they were: valid as long as that order does not depend on the
+    outcomes either, which release/outcomes.py ensures (users in the order of their first answer)."""
 
     count: PairCount = field(default_factory=PairCount)
     waiting_arm: str = ""

@@ -59,6 +59,10 @@ from release.store import Revision
 
 log = logging.getLogger(__name__)
 
+#: A read that reached the topics' ends closes the windows due this long before it began: the ends
+#: it compares with are the high watermarks of its fetches, which may have been answered a little
+#: before the read began (a fetch waits up to ``fetch_max_wait_ms``, 500 ms, and one is sent ahead).
+CLOSE_LAG_S = 2.0
 #: Most episode and reward records folded into a canary's tally per turn.
 MAX_READ = 20_000
 #: Most serving status records read per turn: one per release per serving instance, so a turn
@@ -206,7 +210,10 @@ class Streams:
         return out
 
     def read_into(self, tally: Tally, timeout_s: float = 0.5) -> int:
-        """Fold the episodes and rewards after the tally's offsets into it; returns how many."""
+        """Fold the episodes and rewards after the tally's offsets into it; returns how many. Once
+        the read has reached the topics' ends, the tally's outcome windows due by when it began are
+        read (``Tally.close``): every record published before then is folded by then."""
+        began = time.time() - CLOSE_LAG_S
         tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
         if set(self.reader.assignment()) != set(tps):
             self.reader.assign(tps)
@@ -227,6 +234,8 @@ class Streams:
                     self._fold(tally, tp.topic, rec.value)
                 tally.offsets.setdefault(tp.topic, {})[tp.partition] = recs[-1].offset + 1
                 read += len(recs)
+        if self._caught_up(self.reader, tps):
+            tally.close(began)
         return read
 
     @staticmethod

@@ -352,7 +352,11 @@ function renderAnalysis(a) {
   const passAt = typeof a.pass_alpha === "number" ? a.pass_alpha : a.alpha;
   const threshold = typeof a.alpha === "number"
     ? ` (PASS at ${+(1 / passAt).toFixed(2)}, FAIL at ${+(1 / a.alpha).toFixed(2)})` : "";
-  const left = a.excluded_users ? ` · ${a.excluded_users} users flagged by reward's guards left out` : "";
+  // users counted apart from the comparison, and why (release/README.md, "Outcome-blind pairs")
+  const apart = [[a.excluded_users, "users flagged by reward's guards left out"],
+    [a.new_users, "users new since the canary started left out"], [a.late_users, "users whose answers came late left out"],
+    [a.unjudged_users, "users whose signal reward never judged left out"]];
+  const left = apart.filter(([n]) => n).map(([n, what]) => ` · ${n} ${what}`).join("");
   $("evidence").textContent = `${p.pairs ?? 0} pairs: ${p.wins ?? 0} won by canary, ${p.losses ?? 0} by stable · ` +
     `e-value better ${evalue(a.e_better)}, worse ${evalue(a.e_worse)}${threshold}${left}`;
   fill("reasons", (a.reasons || []).map((r) => el("li", {}, r)));

@@ -41,7 +41,7 @@ from flywheel.contracts import (
 )
 from flywheel.kafka.clients import make_producer, read_to_end
 from flywheel.metrics import new_registry
-from flywheel.settings import ReleaseSettings, Settings
+from flywheel.settings import IngestSettings, ReleaseSettings, Settings
 from flywheel.topology import declared_partitions
 from release.controller import Controller
 from release.gate import DEFAULT_PROMPTS
@@ -82,8 +82,11 @@ def settings_for(kafka_settings, topics, model_dir, data_dir, db_url, **release)
     cfg = {"database_url": db_url, "canary_share": 0.5, "min_events": 40, "alpha": 0.05, "promotion_interval_s": 0,
                "gate_max_new_tokens": 12, "prompts_file": prompts, "tick_s": 0.1, "lease_ttl_s": 5, "deadline_s": 600}
     cfg.update(release)
+    # each user's outcome is read 1 s after their first answer (outcome window, ingest's join
+    # window and grace: release/outcomes.py), so a canary decides in seconds
+    cfg.setdefault("outcome_window_s", 0.5)
     return Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=topics.prefix, kafka=kafka_settings,
-                    release=ReleaseSettings(**cfg))
+                    ingest=IngestSettings(window_s=0.5, grace_s=0.0), release=ReleaseSettings(**cfg))
 
 
 def publish_checkpoint(kafka_settings, topics, event: dict) -> None:
@@ -97,13 +100,20 @@ def simulate_users(kafka_settings, topics, stable: int, canary: int, p_stable: f
     """``n`` episodes per arm from distinct users, accepted with each arm's probability, each with
     the reward record reward's stage would write for it (an outcome counts once reward judged it).
     ``abuser``: (version, count) episodes of one user who accepts everything, whose rewards
-    reward's guards flag ``constant_user``."""
+    reward's guards flag ``constant_user``. Each user also has an unrated answer from an hour
+    before the canary: users new since it started do not count (``release.new_users``)."""
     rnd = random.Random(seed)
     producer = make_producer(kafka_settings, "users")
     now = time.time()
     users = [(version, p, f"u{version}-{i}", i) for i in range(n) for version, p in ((stable, p_stable), (canary, p_canary))]
     if abuser:
-        users += [(abuser[0], 1.0, "abuser", n + i) for i in range(abuser[1])]
+        # answered first, so their window is read first, whenever a verdict comes
+        users += [(abuser[0], 1.0, "abuser", -1 - i) for i in range(abuser[1])]
+    for user in {u[2] for u in users}:
+        gid = f"before{seed}-{user}"
+        gen = small_generation(gid, now - 3600).model_copy(update={"user_id": user})
+        producer.send(topics.episodes, key=gid, value=encode(EpisodeEvent(generation=gen, signal="ignore",
+                                                                          timed_out=True, resolved_at=now - 3300)))
     for version, p, user, i in users:
         gid = f"g{seed}-{version}-{user}-{i}"
         gen = small_generation(gid, now + i / 1000).model_copy(update={"model_version": version, "user_id": user})
@@ -235,7 +245,9 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     # the share-of-rejects guardrail or the sequential test, whichever the evidence reached first
     assert entry.actor == f"controller:{ctl.holder}" and entry.reason.startswith("analysis fail: ")
     assert "share of rejects" in entry.reason or "accepted less often" in entry.reason
-    assert entry.evidence["canary"]["accepts"] < entry.evidence["stable"]["accepts"]
+    # (the guardrail can come before any user's outcome is read: 1 s after their first answer)
+    canary, stable = entry.evidence["canary"], entry.evidence["stable"]
+    assert canary["accepts"] < stable["accepts"] or canary["rejects"] > stable["rejects"]
     tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
     last = releases(kafka_settings, topics)[-1]
     assert (last.stable_version, last.canary_version) == (0, None)

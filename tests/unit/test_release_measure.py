@@ -24,7 +24,8 @@ from flywheel.contracts import (
 )
 from release import measure
 from release.measure import Tally
-from release.sequential import PairCount
+from release.outcomes import Windows
+from release.sequential import PairCount, Pairing
 
 T0 = 1_000.0
 SAMPLING = SamplingParams(temperature=1, top_p=1, max_tokens=4)
@@ -69,16 +70,21 @@ def outcomes(t: Tally) -> dict[str, tuple[int, int, int]]:
 
 # -- which records count ---------------------------------------------------------------------
 
-def test_only_the_two_versions_after_the_start_count_and_only_explicit_signals_are_outcomes():
+#: Past every window and reward's longest wait (release/outcomes.py JUDGE_WAIT_S): all read.
+LATER = T0 + 1_000
+
+
+def test_only_the_two_versions_after_the_start_count_and_every_user_answered_gives_one_outcome():
     t = tally()
     judged(t, "old", 7, T0 - 1, "accept")  # before the canary started
     judged(t, "other", 3, T0 + 1, "accept")  # neither arm
-    t.add_episode(episode("ig", 7, T0 + 2, "ignore"))
+    t.add_episode(episode("ig", 7, T0 + 2, "ignore"))  # silent: an outcome, not accepted
     judged(t, "ab", 7, T0 + 3, "reject")
-    t.add_episode(episode("ab2", 7, T0 + 3, "ignore", finish="abort"))
+    t.add_episode(episode("ab2", 7, T0 + 3, "ignore", finish="abort"))  # an error: not accepted either
     judged(t, "ok", 0, T0 + 4, "edit")
+    t.close(LATER)
     canary, stable = t.arms["canary"].stats(), t.arms["stable"].stats()
-    assert (canary.requests, canary.outcomes, canary.errors, canary.rejects) == (3, 1, 1, 1)
+    assert (canary.requests, canary.outcomes, canary.accepts, canary.errors, canary.rejects) == (3, 3, 0, 1, 1)
     assert (stable.requests, stable.outcomes, stable.accepts, stable.rejects) == (1, 1, 0, 0)
 
 
@@ -94,6 +100,7 @@ def test_a_repeated_record_counts_once():
     for _ in range(3):  # the episodes and rewards topics are at least once
         t.add_episode(episode("g1", 7, T0 + 1, "accept"))
         t.add_reward(reward("g1", 7, T0 + 1, flags=("repetition",)))
+        t.close(LATER)
     arm = t.arms["canary"]
     assert (arm.requests, arm.outcomes, arm.rewards, arm.flagged) == (1, 1, 1, 1)
 
@@ -112,120 +119,178 @@ def test_rewards_of_generations_from_before_the_start_are_no_guardrail_count_but
     t.add_reward(reward("g", 0, T0 - 5, user="abuser", flags=("constant_user", "long")))
     assert t.arms["stable"].rewards == 0 and t.arms["stable"].flagged == 0
     judged(t, "g2", 7, T0 + 1, "accept", user="abuser")  # what reward said of them still holds
+    t.close(LATER)
     assert t.arms["canary"].outcomes == 0 and t.measurement(T0 + 2).excluded_users == 1
 
 
 # -- who counts --------------------------------------------------------------------------------
-# (records in arrival order) -> (outcomes counted, accepts, rejects) per arm, outcomes dropped
-# per arm, users excluded, users flagged after their outcome counted
-E, R = "episode", "reward"
+# (records in arrival order: an episode or reward (kind, generation, version, signal, user, flags,
+# answer time after T0), or C: the controller closing the windows due) -> (outcomes counted,
+# accepts, rejects) per arm, outcomes dropped per arm, users excluded, users flagged after their
+# outcome counted, users counted apart (release/measure.py left_apart)
+E, R, C = "episode", "reward", ("close",)
+NONE_APART = {"new_users": 0, "late_users": 0, "unjudged_users": 0}
 WHO = {
     "a judged signal counts": (
-        [(E, "g1", 7, "accept", "ann", ()), (R, "g1", 7, "accept", "ann", ())],
-        {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0),
-    "a signal reward has not judged yet waits (pending), not an outcome yet": (
-        [(E, "g1", 0, "reject", "ann", ())],
-        {"canary": (0, 0, 0), "stable": (0, 0, 1)}, {"canary": 0, "stable": 0}, 0, 0),
-    "a reward that arrives before its episode settles it when the episode comes": (
-        [(R, "g1", 0, "accept", "ann", ()), (E, "g1", 0, "accept", "ann", ())],
-        {"canary": (0, 0, 0), "stable": (1, 1, 0)}, {"canary": 0, "stable": 0}, 0, 0),
+        [(E, "g1", 7, "accept", "ann", (), 1), (R, "g1", 7, "accept", "ann", (), 1)],
+        {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a user who said nothing is an outcome, not accepted": (
+        [(E, "g1", 7, "ignore", "ann", (), 1)],
+        {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a signal reward never judges is given up, whatever it said": (
+        [(E, "g1", 0, "accept", "ann", (), 1)],
+        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0,
+        NONE_APART | {"unjudged_users": 1}),
+    "a reward that arrives before its episode judges it": (
+        [(R, "g1", 0, "accept", "ann", (), 1), (E, "g1", 0, "accept", "ann", (), 1)],
+        {"canary": (0, 0, 0), "stable": (1, 1, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
     "its own reward flags the user: dropped, and the user excluded": (
-        [(E, "g1", 7, "accept", "abuser", ()), (R, "g1", 7, "accept", "abuser", ("constant_user",))],
-        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 1, "stable": 0}, 1, 0),
-    "flagged on another generation while the outcome waits: dropped": (
-        [(E, "g1", 7, "accept", "abuser", ()), (R, "g0", 3, "accept", "abuser", ("rate_anomaly",)),
-         (R, "g1", 7, "accept", "abuser", ())],
-        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 1, "stable": 0}, 1, 0),
+        [(E, "g1", 7, "accept", "abuser", (), 1), (R, "g1", 7, "accept", "abuser", ("constant_user",), 1)],
+        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 1, "stable": 0}, 1, 0, NONE_APART),
+    "flagged on another generation while the window is open: dropped": (
+        [(E, "g1", 7, "accept", "abuser", (), 1), (R, "g0", 3, "accept", "abuser", ("rate_anomaly",), 1),
+         (R, "g1", 7, "accept", "abuser", (), 1)],
+        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 1, "stable": 0}, 1, 0, NONE_APART),
     "a flagged user's later signals are neither outcomes nor rejects": (
-        [(R, "g0", 3, "accept", "abuser", ("user_cap",)), (E, "g1", 0, "reject", "abuser", ()),
-         (R, "g1", 0, "reject", "abuser", ())],
-        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 1, 0),
+        [(R, "g0", 3, "accept", "abuser", ("user_cap",), 1), (E, "g1", 0, "reject", "abuser", (), 2),
+         (R, "g1", 0, "reject", "abuser", (), 2)],
+        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 1, 0, NONE_APART),
     "flagged after their outcome counted: it stays (pairs are fixed), and is shown": (
-        [(E, "g1", 0, "accept", "late", ()), (R, "g1", 0, "accept", "late", ()),
-         (R, "g2", 0, "accept", "late", ("constant_user",))],
-        {"canary": (0, 0, 0), "stable": (1, 1, 0)}, {"canary": 0, "stable": 0}, 1, 1),
-    "one outcome per user per canary: their first signal to arrive": (
-        [(E, "g1", 7, "reject", "ann", ()), (E, "g2", 7, "accept", "ann", ()), (R, "g2", 7, "accept", "ann", ()),
-         (R, "g1", 7, "reject", "ann", ())],
-        {"canary": (1, 0, 1), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0),
+        [(E, "g1", 0, "accept", "late", (), 1), (R, "g1", 0, "accept", "late", (), 1), C,
+         (R, "g2", 0, "accept", "late", ("constant_user",), 2)],
+        {"canary": (0, 0, 0), "stable": (1, 1, 0)}, {"canary": 0, "stable": 0}, 1, 1, NONE_APART),
+    "one outcome per user: the signal on their earliest answer, whichever arrived first": (
+        [(E, "g2", 7, "accept", "ann", (), 1), (R, "g2", 7, "accept", "ann", (), 1),
+         (E, "g1", 7, "reject", "ann", (), 1 - 1e-3), (R, "g1", 7, "reject", "ann", (), 1)],
+        {"canary": (1, 0, 1), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a signal on an answer past the window is no outcome (window 0 s here)": (
+        [(E, "g1", 7, "ignore", "ann", (), 1), (E, "g2", 7, "accept", "ann", (), 2), (R, "g2", 7, "accept", "ann", (), 2)],
+        {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a signal given after the window was read counts for nothing": (
+        [(E, "g1", 7, "ignore", "ann", (), 1), C, (E, "g2", 7, "accept", "ann", (), 1),
+         (R, "g2", 7, "accept", "ann", (), 1)],
+        {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a user whose first episode comes after later users were read is counted apart": (
+        [(E, "g1", 0, "ignore", "bob", (), 5), C, (E, "g2", 7, "accept", "ann", (), 1),
+         (R, "g2", 7, "accept", "ann", (), 1)],
+        {"canary": (0, 0, 0), "stable": (1, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0,
+        NONE_APART | {"late_users": 1}),
     "a flag about the answer is no flag about the user": (
-        [(E, "g1", 7, "accept", "ann", ()), (R, "g1", 7, "accept", "ann", ("long", "repetition"))],
-        {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0),
+        [(E, "g1", 7, "accept", "ann", (), 1), (R, "g1", 7, "accept", "ann", ("long", "repetition"), 1)],
+        {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "feedback on an answer by another user is no one's outcome": (
+        [(E, "g1", 7, "accept", "owner", (), 1, "rater"), (R, "g1", 7, "accept", "owner", (), 1)],
+        {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
 }
 
 
 @pytest.mark.parametrize("name", list(WHO))
 def test_who_counts(name):
-    records, counted, dropped, excluded, flagged_late = WHO[name]
+    records, counted, dropped, excluded, flagged_late, apart = WHO[name]
     t = tally()
-    for i, (kind, gid, version, signal, user, flags) in enumerate(records):
+    for rec in records:
+        if rec == C:
+            t.close(LATER)
+            continue
+        kind, gid, version, signal, user, flags, at, *rater = rec
         if kind == E:
-            t.add_episode(episode(gid, version, T0 + 1 + i, signal, user=user))
+            t.add_episode(episode(gid, version, T0 + at, signal, user=user, rater=rater[0] if rater else None))
         else:
-            t.add_reward(reward(gid, version, T0 + 1 + i, user=user, flags=flags, signal=signal))
-    m = t.measurement(T0 + 60)
+            t.add_reward(reward(gid, version, T0 + at, user=user, flags=flags, signal=signal))
+    t.close(LATER)
+    m = t.measurement(LATER)
     assert outcomes(t) == counted
     assert {name: arm.excluded for name, arm in t.arms.items()} == dropped
     assert (m.excluded_users, m.flagged_after_counting) == (excluded, flagged_late)
     assert m.canary.excluded == dropped["canary"] and m.stable.excluded == dropped["stable"]
+    assert t.left_apart() == apart
 
 
-def test_the_rater_is_the_user_who_counts():
-    # one account rating other users' generations is one user: its rater id, as reward judges it
-    t = tally()
-    for i in range(3):
-        t.add_episode(episode(f"g{i}", 7, T0 + i, "accept", user=f"owner{i}", rater="rater"))
-        t.add_reward(reward(f"g{i}", 7, T0 + i, user=f"owner{i}", rater="rater"))
-    assert outcomes(t)["canary"] == (1, 1, 0)
+def test_users_new_after_the_start_are_counted_apart_unless_the_setting_counts_them():
+    for count_new, counted in ((False, (1, 1, 0)), (True, (2, 2, 0))):
+        t = tally(windows=Windows(count_new_users=count_new))
+        t.add_episode(episode("before", 0, T0 - 30, "ignore", user="regular"))  # seen before the start
+        judged(t, "g1", 7, T0 + 1, "accept", user="regular")
+        judged(t, "g2", 7, T0 + 2, "accept", user="puppet")  # an id made up after the start
+        t.close(LATER)
+        assert outcomes(t)["canary"] == counted
+        assert t.left_apart()["new_users"] == (0 if count_new else 1)
 
 
-def test_outcomes_waiting_for_reward_are_shown_and_bounded(monkeypatch):
-    monkeypatch.setattr(measure, "MAX_PENDING", 3)
-    t = tally()
-    for i in range(5):
-        t.add_episode(episode(f"g{i}", 0, T0 + i, "accept", user=f"u{i}"))
-    assert t.measurement(T0 + 9).stable.pending == 3  # the two oldest were given up on
-    t.add_episode(episode("g9", 0, T0 + 9, "reject", user="u0"))  # so u0 may count with another signal
-    t.add_reward(reward("g9", 0, T0 + 9, user="u0", signal="reject"))
-    t.add_reward(reward("g0", 0, T0, user="u0"))  # its first one, too late: nothing waits for it
-    assert outcomes(t)["stable"] == (1, 0, 1)
+def test_a_window_is_read_its_length_plus_settle_after_the_first_answer_and_waits_for_reward():
+    t = tally(windows=Windows(window_s=10, settle_s=30))
+    t.add_episode(episode("g1", 7, T0 + 1, "accept", user="ann"))
+    t.close(T0 + 40.9)
+    assert t.measurement(T0 + 41).canary.pending == 1 and outcomes(t)["canary"] == (0, 0, 0)
+    t.close(T0 + 41)  # due; reward has not judged the accept yet: it waits (up to JUDGE_WAIT_S)
+    assert t.measurement(T0 + 41).canary.pending == 1
+    t.add_reward(reward("g1", 7, T0 + 1, user="ann"))
+    t.close(T0 + 42)
+    assert outcomes(t)["canary"] == (1, 1, 0) and t.measurement(T0 + 42).canary.pending == 0
 
 
 # -- pairing -----------------------------------------------------------------------------------
 
-def test_pairs_are_formed_as_outcomes_are_judged_and_never_change():
+def test_users_pair_in_the_order_of_their_first_answer_as_their_windows_are_read():
     t = tally()
+    judged(t, "s2", 0, T0 + 2, "reject")  # arrives first, answered second
     judged(t, "s1", 0, T0 + 1, "accept")
-    judged(t, "s2", 0, T0 + 2, "reject")
-    judged(t, "c1", 7, T0 + 3, "accept")  # meets s2, the most recent waiting stable: a canary win
+    judged(t, "c1", 7, T0 + 3, "accept")
+    t.close(T0 + 3)  # s1, s2, then c1 meets s2, the most recent waiting stable user: a canary win
     assert t.pairs() == PairCount(1, 1, 0)
     judged(t, "c2", 7, T0 + 4, "reject")  # meets s1: a loss
+    assert t.pairs() == PairCount(1, 1, 0)  # not before its window is read
+    t.close(T0 + 4)
     assert t.pairs() == PairCount(2, 1, 1)
-
-
-def test_late_feedback_pairs_when_it_is_judged_and_moves_no_formed_pair():
-    """The rule: outcomes are taken in the order reward judges them, whenever their generation was
-    made after the canary started; a generation from before the start never counts."""
-    t = tally()
-    judged(t, "s1", 0, T0 + 50, "reject")
-    judged(t, "c1", 7, T0 + 51, "accept")
-    before = t.pairs()
-    judged(t, "c0", 7, T0 + 1, "reject")  # made long ago, its feedback late: it waits, pairs later
-    assert t.pairs() == before == PairCount(1, 1, 0)
-    judged(t, "s0", 0, T0 + 60, "accept")
-    assert t.pairs() == PairCount(2, 1, 1)
-    judged(t, "older", 0, T0 - 300, "accept", user="x")  # from before the canary: never counts
-    judged(t, "c3", 7, T0 + 70, "accept", user="y")
-    assert t.pairs() == PairCount(2, 1, 1) and t.arms["stable"].outcomes == 2
 
 
 def test_pairing_never_looks_at_the_outcomes():
-    # the same arrival order with the outcomes swapped pairs the same positions
+    # the same answers with the outcomes swapped pair the same users
     t = tally()
     for i, sig in enumerate(["reject", "accept", "reject", "accept"]):
-        judged(t, f"s{i}", 0, T0 + 1, sig)
-        judged(t, f"c{i}", 7, T0 + 1, "accept" if sig == "reject" else "reject")
+        judged(t, f"s{i}", 0, T0 + 1 + 2 * i, sig)
+        judged(t, f"c{i}", 7, T0 + 2 + 2 * i, "accept" if sig == "reject" else "reject")
+    t.close(LATER)
     assert t.pairs() == PairCount(pairs=4, wins=2, losses=2)
+
+
+ARMS6 = ("stable",) * 2 + ("canary",) * 4  # six users answered a second apart, in this order
+
+
+def settle_order_pairs(accepted: tuple[bool, ...], reject_delay: float) -> PairCount:
+    """The fold before outcome windows: each user's outcome paired when reward settled it (an
+    accept a second after the answer, a reject ``reject_delay`` after)."""
+    settle = sorted(range(6), key=lambda i: (i + (1 if accepted[i] else reject_delay), i))
+    p = Pairing()
+    for i in settle:
+        p.add(ARMS6[i], accepted[i])
+    return p.count
+
+
+def windowed_pairs(accepted: tuple[bool, ...], reject_delay: float) -> PairCount:
+    """The same users through the tally: episodes arrive in the order reward settles them."""
+    t = tally()
+    for i in sorted(range(6), key=lambda i: (i + (1 if accepted[i] else reject_delay), i)):
+        judged(t, f"g{i}", 7 if ARMS6[i] == "canary" else 0, T0 + i, "accept" if accepted[i] else "reject")
+    t.close(LATER)
+    return t.pairs()
+
+
+def test_rejects_settling_late_bias_pairs_in_settle_order_and_not_pairs_by_first_answer():
+    """Identical versions: every user accepts with probability 1/2, whichever arm. Summed over all
+    64 equally likely outcomes of six users, a valid pairing has as many canary wins as losses.
+    Paired as reward settled them, with rejects 20 s late, accepts jumped the queue and took the
+    waiting partners: 48 of the 56 discordant pairs went to the canary (the false PASSes of issue
+    45). Read in windows and paired by first answer: as many wins as losses, and every result is
+    that of pairing by first answer, whenever the feedback came."""
+    old = new = PairCount()
+    for accepted in itertools.product((True, False), repeat=6):
+        a, b = settle_order_pairs(accepted, 20), windowed_pairs(accepted, 20)
+        assert b == windowed_pairs(accepted, 0)  # when feedback arrives changes nothing
+        old = PairCount(old.pairs + a.pairs, old.wins + a.wins, old.losses + a.losses)
+        new = PairCount(new.pairs + b.pairs, new.wins + b.wins, new.losses + b.losses)
+    assert (old.wins, old.losses) == (48, 8)
+    assert new.wins == new.losses and new.pairs == 64 * 2
 
 
 def random_records(seed: int, n: int) -> list[tuple[str, EpisodeEvent | RewardEvent]]:
@@ -244,29 +309,53 @@ def random_records(seed: int, n: int) -> list[tuple[str, EpisodeEvent | RewardEv
     return recs
 
 
-def fold(t: Tally, rec: tuple[str, EpisodeEvent | RewardEvent]) -> None:
+def fold(t: Tally, i: int, rec: tuple[str, EpisodeEvent | RewardEvent]) -> None:
     (t.add_episode if rec[0] == "e" else t.add_reward)(rec[1])
+    if i % 10 == 9:
+        t.close(T0 + i / 4)  # the controller's turns, each reading the windows due
 
 
 def test_a_saved_tally_resumes_exactly_and_its_pairs_only_grow(monkeypatch):
     monkeypatch.setattr(measure, "DEDUPE_IDS", 50)
     recs = random_records(3, 300)
-    whole, counts = tally(alpha=0.02), []
-    for rec in recs:
-        fold(whole, rec)
+    whole, counts = tally(alpha=0.02, windows=Windows(window_s=5, settle_s=5, count_new_users=False)), []
+    for i, rec in enumerate(recs):
+        whole.add_episode(episode(f"pre{i}", 0, T0 - 1, "ignore", user=f"u{i}"))  # known before the start
+    for i, rec in enumerate(recs):
+        fold(whole, i, rec)
         counts.append(whole.pairs())
+    assert counts[-1].pairs > 5
     assert all(b.pairs >= a.pairs and b.wins >= a.wins and b.losses >= a.losses
                for a, b in itertools.pairwise(counts))
-    resumed = tally(alpha=0.02)
+    resumed = tally(alpha=0.02, windows=Windows(window_s=5, settle_s=5, count_new_users=False))
+    for i, rec in enumerate(recs):
+        resumed.add_episode(episode(f"pre{i}", 0, T0 - 1, "ignore", user=f"u{i}"))
     for i, rec in enumerate(recs):
         if i % 37 == 0:  # saved with the candidate as JSON, then read back by a restarted controller
             resumed = Tally.from_dict(json.loads(json.dumps(resumed.to_dict())))
-        fold(resumed, rec)
+        fold(resumed, i, rec)
         assert resumed.pairs() == counts[i]
     assert resumed.to_dict() == whole.to_dict() and resumed.alpha == 0.02
-    assert whole.measurement(T0 + 200).excluded_users == 1  # u3
+    whole.close(LATER)
+    assert whole.measurement(LATER).excluded_users == 1  # u3
     # the dedupe window is bounded, and the restored one remembers the same ids
     assert len(resumed.seen_episodes) == 50
+
+
+def test_a_tally_saved_before_outcome_windows_keeps_its_pairs_and_its_waiting_users_enter_again():
+    t = tally()
+    judged(t, "s1", 0, T0 + 1, "reject")
+    judged(t, "c1", 7, T0 + 2, "accept")
+    t.close(LATER)
+    old = t.to_dict()
+    del old["windows"]
+    old["users"]["waiting"] = "pending"  # an outcome the old fold kept waiting for its reward
+    old["pending"], old["early"] = {"g9": ["stable", True, "waiting"]}, {}
+    back = Tally.from_dict(json.loads(json.dumps(old)))
+    assert back.pairs() == PairCount(1, 1, 0) and back.windows == Windows()
+    judged(back, "g10", 0, LATER + 1, "accept", user="waiting")
+    back.close(LATER + 2)
+    assert outcomes(back)["stable"] == (2, 1, 1)
 
 
 def test_a_tally_saved_by_the_previous_fold_resumes_its_offsets_and_counts_afresh():
