@@ -42,7 +42,7 @@ from flywheel.checkpoints import manifest
 from flywheel.contracts import ReleaseEvent, encode
 from flywheel.kafka.clients import make_producer
 from flywheel.metrics import new_registry
-from flywheel.settings import ReleaseSettings, ServeSettings, Settings
+from flywheel.settings import IngestSettings, ReleaseSettings, ServeSettings, Settings
 from release.controller import Controller
 from release.gate import DEFAULT_PROMPTS
 from release.states import State
@@ -162,11 +162,15 @@ def test_a_sharded_hf_model_imports_serves_trains_and_is_released(broker, kafka_
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text("".join(DEFAULT_PROMPTS.read_text().splitlines(keepends=True)[:8]))
         url = f"sqlite:///{tmp_path / 'release.sqlite3'}"
+        # each user's outcome read 1 s after their first answer (release/outcomes.py), as the
+        # controller tests do: the users below come as episodes, with no ingest before them
         ctl_settings = Settings(model_dir=model, data_dir=tmp_path / "trainer", topic_prefix=topics.prefix,
-                                kafka=kafka_settings, release=ReleaseSettings(
+                                kafka=kafka_settings, ingest=IngestSettings(window_s=0.5, grace_s=0.0),
+                                release=ReleaseSettings(
                                     database_url=url, canary_share=0.5, min_events=40, promotion_interval_s=0,
                                     auto_promote=True, gate_max_new_tokens=12, prompts_file=prompts, tick_s=0.1,
-                                    lease_ttl_s=30, deadline_s=600, group_id=f"release-{topics.prefix}"))
+                                    lease_ttl_s=30, deadline_s=600, group_id=f"release-{topics.prefix}",
+                                    outcome_window_s=0.5))
         rs, streams = ReleaseStore(url), Streams(ctl_settings, new_registry())
         try:
             ctl = Controller(ctl_settings, rs, streams, store)
