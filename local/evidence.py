@@ -129,8 +129,10 @@ def prompt_paired(by_prompt: list[tuple[Counts, Counts]]) -> Paired:
 
 
 def user_outcomes(rows: list[dict[str, Any]]) -> Counts:
-    """One outcome per user, as the release controller counts them (release/measure.py): each
-    user's first explicit judgement among ``rows`` (in time order); (accepts, users)."""
+    """One outcome per user, as the release controller counts users (release/measure.py): each
+    user's first judgement among ``rows`` (in time order); (accepts, users). A user who judged
+    nothing is not counted (the controller counts them as no accept): the report's rates are of
+    what judging users accepted."""
     first: dict[str, bool] = {}
     for r in sorted(rows, key=lambda r: r["at"]):
         first.setdefault(r["user"], r["signal"] == "accept")
