@@ -199,9 +199,17 @@ class FeedbackEvent(_Event):
     edited_text: str | None = None
     #: Milliseconds the user took to decide, when the product measured it.
     decision_ms: Duration | None = None
+    #: The user who sent the feedback, checked by serving to be the generation's own user; None:
+    #: the feedback named no user (or serving could not check the one it named), and it is the
+    #: generation's user's (docs/serving-api.md, "Feedback").
     user_id: str | None = Field(default=None, max_length=128)
     created_at: EpochSeconds
     received_at: EpochSeconds
+    #: True: ``user_id`` is NOT the user the generation was made for, and serving recorded the
+    #: feedback anyway (``serve.feedback_other_user = "record"``, for audit). Such feedback is no
+    #: one's judgement of the answer: ingest never folds it into an episode's signal
+    #: (ingest/join.py ``resolve``), so it never reaches reward, a canary's outcomes or training.
+    other_user: bool = _extra(False)
 
     @model_validator(mode="after")
     def _edit_has_text(self) -> FeedbackEvent:

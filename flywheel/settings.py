@@ -307,6 +307,18 @@ class ServeSettings(_Section):
     """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic);
     empty lets every key pin. Pinned requests are recorded with ``route=pinned`` and left out of
     canary statistics."""
+    version_visible_keys: tuple[str, ...] = ()
+    """API keys (``FLYWHEEL_SERVE_VERSION_VISIBLE_KEYS``, comma-separated) whose answers name the
+    version that produced them (``"model": "flywheel@v12"``) and to which ``GET /v1/models`` and
+    ``/health`` list the loaded versions: an operator's or an evaluation key. Every other key sees
+    the deployment's name only (``"model": "flywheel"``), canary or not, so no user can tell
+    which arm of a canary they are in and steer it (docs/serving-api.md, "Versions"); a request
+    that pins a version (``model: flywheel@v12``) still names it."""
+    feedback_other_user: Literal["refuse", "record"] = "refuse"
+    """Feedback that names a user other than the one its generation was made for: ``refuse``
+    answers 409 (``feedback_user_mismatch``) and records nothing; ``record`` answers 202 and
+    records it marked ``other_user``, for audit only: ingest never counts it as a signal, so it
+    is no one's judgement, in a canary or in training (docs/serving-api.md, "Feedback")."""
     trusted_release_keys: tuple[Path, ...] = ()
     """Public keys (``<key id>.pub`` files, or directories of them such as a mounted Secret) whose
     signatures serving accepts on release records (flywheel/signing.py, docs/signing.md): any
@@ -902,6 +914,14 @@ class Settings(_Section):
     """Journals, checkpoints, archives and databases live under here (``FLYWHEEL_DATA_DIR``)."""
     topic_prefix: str = "flywheel."
     """Prefix of every topic name (``FLYWHEEL_TOPIC_PREFIX``)."""
+    routing_secret: str = ""
+    """Secret serving and the release controller share (``FLYWHEEL_ROUTING_SECRET``, or
+    ``FLYWHEEL_ROUTING_SECRET_FILE``): the hash that splits users between a canary and stable is
+    salted with ``HMAC(routing_secret, canary salt)`` (flywheel/arms.py), so the split cannot be
+    computed from the releases topic, which carries only the canary salt. ``flywheel serve`` with
+    API keys refuses to start while it is empty or shorter than 16 characters; ``flywheel up`` and
+    ``flywheel demo`` make a random one and keep it under ``<data_dir>/up``. The same on every
+    serving replica and the release controller (docs/deploy.md, "Secrets")."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower);
     ``--log-level`` on the command line overrides it. Any case: ``debug`` is ``DEBUG``."""
@@ -1096,7 +1116,7 @@ def describe(settings: Settings) -> str:
     """Settings as one JSON line for the start-up log, with secrets masked."""
     data = settings.model_dump(mode="json")
     serve = data.get("serve", {})
-    for keys in ("api_keys", "pin_api_keys"):
+    for keys in ("api_keys", "pin_api_keys", "version_visible_keys"):
         if serve.get(keys):
             # the id serving records each key under (flywheel/apikeys.py): keyed, so no guess at a
             # short key can be checked against the log, and the same id usage reports name
@@ -1113,6 +1133,8 @@ def describe(settings: Settings) -> str:
         release["webhooks"] = [f"{(u := urlsplit(url)).scheme}://{u.netloc.rpartition('@')[2]}/***"
                                for url in release["webhooks"]]
     serve["user_id_salt"] = "***"
+    if data.get("routing_secret"):
+        data["routing_secret"] = "***"
     if data.get("telemetry", {}).get("otlp_endpoint"):  # a collector's password may ride in its URL
         data["telemetry"]["otlp_endpoint"] = redact_database_url(data["telemetry"]["otlp_endpoint"])
     if data.get("kafka", {}).get("sasl_password"):

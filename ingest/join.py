@@ -45,7 +45,9 @@ generation with different content: ``reused_generation_id``). Decisive signals
 order); an ``edit`` winner carries its text, and the winner's ``user_id`` is the episode's
 ``rater_id``. ``conflicted`` is True when the decisive signals
 disagree (different signals, or edits with different texts). With no feedback at all the
-episode is ``ignore`` with ``timed_out=True``.
+episode is ``ignore`` with ``timed_out=True``. Feedback marked ``other_user`` (serving recorded a
+user's feedback on another user's answer, ``serve.feedback_other_user = "record"``) is left out,
+as if it never came: it is kept on the feedback topic for audit, never counted.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ def closes_on_signal(close_at: float, signal: str, now: float, emit_after_s: flo
     return min(close_at, now + emit_after_s)
 
 
+def signal_of(fb: FeedbackEvent) -> str:
+    """The signal ``fb`` gives its generation, for early emission: none (``ignore``) when it is
+    another user's (``other_user``), which must not close the owner's window either."""
+    return "ignore" if fb.other_user else fb.signal
+
+
 def _order(fb: FeedbackEvent) -> tuple[float, str]:
     return (fb.created_at, fb.feedback_id)
 
@@ -112,7 +120,8 @@ def resolve(feedback: list[FeedbackEvent]) -> Resolution:
     """Fold a generation's feedback into one signal (rule in the module docstring)."""
     unique: dict[str, FeedbackEvent] = {}
     for fb in feedback:
-        unique.setdefault(fb.feedback_id, fb)
+        if not fb.other_user:  # another user's, recorded for audit only: no judgement of this answer
+            unique.setdefault(fb.feedback_id, fb)
     if not unique:
         return Resolution("ignore", None, None, (), timed_out=True, conflicted=False)
     ids = tuple(sorted(unique))

@@ -54,6 +54,7 @@ from ingest.join import (
     is_late,
     orphan_deadline,
     resolve,
+    signal_of,
 )
 
 SCHEMA = """
@@ -201,7 +202,7 @@ class IngestStage:
                 self.dead.send("late_feedback", f"created {created - deadline:.3f}s after the window",
                                source_topic=topic, value=raw, key=key, partition=part, offset=off)
             elif self.cfg.emit_after_signal_s is not None:  # (a waiting signal's bytes were validated)
-                close_at = closes_on_signal(close_at, decode(FeedbackEvent, raw).signal, now,
+                close_at = closes_on_signal(close_at, signal_of(decode(FeedbackEvent, raw)), now,
                                             self.cfg.emit_after_signal_s)
         with self.tracing.record_span("ingest generation", carried(rec.headers), generation_id=gid) as headers:
             view.add_generation((gid, rec.partition, deadline, stored, close_at, rec.offset, packed_headers(headers)))
@@ -232,7 +233,7 @@ class IngestStage:
              rec.topic, rec.partition, rec.offset, rec.key),
         )
         if deadline is not None and self.cfg.emit_after_signal_s is not None:
-            view.close_by(f.generation_id, closes_on_signal(math.inf, f.signal, now, self.cfg.emit_after_signal_s))
+            view.close_by(f.generation_id, closes_on_signal(math.inf, signal_of(f), now, self.cfg.emit_after_signal_s))
 
     def clock_stepped(self, by: float) -> None:
         """The wall clock stepped ``by`` seconds while the stage ran (flywheel/stream/runner.py): move every

@@ -223,6 +223,9 @@ def run(settings: Settings, args: Any) -> int:
     ports = {var: free_port() for _, _, var in STAGES}
     env = dict(os.environ, FLYWHEEL_CONFIG=str(config), FLYWHEEL_DATA_DIR=str(root), FLYWHEEL_MODEL_DIR=str(model_dir),
                FLYWHEEL_API_KEYS=key, FLYWHEEL_RELEASE_TOKENS=f"demo:admin:{token}",
+               # the simulator records which version answered each row (its report compares them);
+               # its users judge the text alone, never the version (local/simulate.py ``judge``)
+               FLYWHEEL_SERVE_VERSION_VISIBLE_KEYS=key,
                # every stage and both engines share the cores: a spinning OpenMP thread starves the rest
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
                **{var: str(port) for var, port in ports.items()})

@@ -35,7 +35,8 @@ keys: where neither side of a signed record is configured, a key pair made at th
 under ``<data_dir>/keys`` (kept for later runs), so the trainer signs its checkpoint
 announcements and the controller its routings, and each reader trusts only the other's key
 (docs/signing.md); and, while ``serve.user_id_salt`` is the published default (which serving
-refuses beside API keys), a random salt kept in ``<data_dir>/up/user-id-salt``.
+refuses beside API keys), a random salt kept in ``<data_dir>/up/user-id-salt``; while
+``routing_secret`` is unset, a random one kept in ``<data_dir>/up/routing-secret``.
 """
 
 from __future__ import annotations
@@ -296,6 +297,9 @@ def run(settings: Any, args: Any) -> int:
     if salt:
         env.pop("FLYWHEEL_SERVE_USER_ID_SALT", None)  # the published default said explicitly: replaced, not doubled
         env.update(salt)
+    if not settings.routing_secret:  # serving refuses to split users without one beside API keys
+        env.pop("FLYWHEEL_ROUTING_SECRET", None)
+        env["FLYWHEEL_ROUTING_SECRET_FILE"] = str(_secret_file(data_dir / "up", "routing-secret"))
     signing = local_keys(settings, data_dir / "keys")
     if signing:
         env.update(signing)
@@ -383,14 +387,21 @@ def local_salt(settings: Any, where: Path) -> dict[str, str]:
     data directory, so each demo gets a salt of its own. An operator's own salt is left alone."""
     if not settings.serve.uses_default_salt:
         return {}
-    path = where / "user-id-salt"
+    # the file, not the value: a child's environment is readable in /proc by the same user
+    return {"FLYWHEEL_SERVE_USER_ID_SALT_FILE": str(_secret_file(where, "user-id-salt"))}
+
+
+def _secret_file(where: Path, name: str) -> Path:
+    """``where/name`` holding 64 random hex digits, made on first use (mode 0600) and kept: the
+    local salt above, and the routing secret serving and the release controller split users by
+    (``routing_secret``, flywheel/arms.py), which the processes ``up`` starts all read."""
+    path = where / name
     if not path.exists():
         where.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_hex(32))
-    # the file, not the value: a child's environment is readable in /proc by the same user
-    return {"FLYWHEEL_SERVE_USER_ID_SALT_FILE": str(path)}
+    return path
 
 
 def _default_port(settings: Any, name: str) -> int:

@@ -47,10 +47,12 @@ from serving import openapi
 from serving.engine import Engine
 from serving.follow import ReleaseFollower
 from serving.identity import (
+    Owner,
     RateLimiter,
     RateLimits,
     bearer_key,
     key_allowed,
+    owner_of,
     pseudonymise,
     raw_user,
     retry_after_header,
@@ -99,6 +101,11 @@ class AppMetrics:
                               "anonymous deployment)", registry=registry)
         self.feedback = Counter("serving_feedback_total", "Feedback events accepted (202), by signal",
                                 ["signal"], registry=registry)
+        self.other_user = Counter("serving_feedback_other_user_total", "Feedback naming another user than the one "
+                                  "its generation was made for, by what serving did (serve.feedback_other_user)",
+                                  ["action"], registry=registry)
+        for action in ("refused", "recorded"):
+            self.other_user.labels(action)
         self.rate_limited = Counter("serving_rate_limited_total", "Requests refused with 429, by the bucket that was empty",
                                     ["scope"], registry=registry)
         for scope in ("user", "key"):
@@ -154,6 +161,21 @@ class Gate:
     def user(self, request: Request, key: str | None, body_user: str | None) -> str:
         raw = raw_user(body_user, request.headers.get("x-flywheel-user"), key)
         return pseudonymise(self.serve.user_id_salt, raw)
+
+    def rater(self, request: Request, body: FeedbackRequest) -> tuple[str | None, bool]:
+        """Who sends ``body`` (a pseudonym, or None: the generation's own user), and whether that
+        is another user than the one the generation was made for (serving/identity.py ``owner_of``)."""
+        named = body.user or request.headers.get("x-flywheel-user")
+        if not named:  # no user named: the answer's own user's, whoever the key would stand for
+            return None, False
+        user_id = pseudonymise(self.serve.user_id_salt, named)
+        owner = owner_of(self.serve.user_id_salt, body.generation_id, user_id)
+        if owner is Owner.UNKNOWN:
+            # an id serving did not tag (made before tags, or not by serving): whose it is cannot be
+            # told, so the feedback counts as the generation's user's, as with no user named, and
+            # the user it named is not recorded: recorded, it would rate someone else's answer
+            return None, False
+        return user_id, owner is Owner.OTHER
 
     def limit(self, user_id: str, key: str | None) -> None:
         refused = self.limits.take(user_id, key)
@@ -223,8 +245,11 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
 
     @app.get("/v1/models", responses=openapi.responses(ModelList, 401))
     async def models(request: Request) -> Response:
-        gate.key(request)
+        key = gate.key(request)
         name, versions = settings.serve.model_name, fleet.served_versions()
+        if not ctx.sees_versions(key):  # the deployment alone: which versions run would tell a canary runs
+            return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                             "owned_by": "flywheel"}]})
         # the deployment (routed by user), then each loaded version a request may pin
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "flywheel",
                  "version": versions["stable"], "root": ctx.model_id(versions["stable"])}]
@@ -233,12 +258,21 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/feedback", status_code=202, openapi_extra=openapi.body(FeedbackRequest),
-              responses=openapi.responses(FeedbackAccepted, 400, 401, 413, 503, ok_status=202))
+              responses=openapi.responses(FeedbackAccepted, 400, 401, 409, 413, 503, ok_status=202))
     async def feedback(request: Request) -> Response:
-        key = gate.key(request)
+        gate.key(request)
         limit = min(settings.serve.max_body_bytes, MAX_FEEDBACK_BODY_BYTES)
         body = parse(FeedbackRequest, await read_body(request, limit))
-        return await _accept_feedback(ctx, body, gate.user(request, key, body.user), metrics)
+        rater, other = gate.rater(request, body)
+        if other and settings.serve.feedback_other_user == "refuse":
+            metrics.other_user.labels("refused").inc()
+            # the users are not named: a pseudonym would tell the caller whose answer it was
+            raise ApiError(409, f"generation {body.generation_id!r} was made for another user than the one this "
+                           "feedback names; feedback belongs to the answer's user: send it as that user, or "
+                           "name no user", "user", code="feedback_user_mismatch")
+        if other:
+            metrics.other_user.labels("recorded").inc()
+        return await _accept_feedback(ctx, body, rater, other, metrics)
 
     @app.get("/livez", responses=openapi.probe_responses(
         ProbeAnswer, "Every engine is alive", "An engine is dead: restart the process"))
@@ -261,7 +295,9 @@ def create_app(settings: Settings, fleet: Fleet | Engine, recorder: Recorder, re
     @app.get("/health", responses=openapi.health_responses(Health | HealthProbe))
     async def health(request: Request) -> Response:
         ok = fleet.healthy()
-        if not gate.sees_details(request):  # a probe: no key, and nothing it does not need
+        # a probe (no key) gets nothing it does not need; a product key that does not see versions
+        # gets no more: the versions and the release state would tell it a canary runs
+        if not gate.sees_details(request) or not ctx.sees_versions(bearer_key(request.headers.get("authorization"))):
             return JSONResponse({"ok": ok}, status_code=200 if ok else 503)
         versions = fleet.served_versions()
         state: dict[str, Any] = {
@@ -318,13 +354,14 @@ class Observe:
             self.metrics.requests.labels(route, version(), str(status[0])).inc()
 
 
-async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str, metrics: AppMetrics) -> Response:
+async def _accept_feedback(ctx: gen.Ctx, body: FeedbackRequest, user_id: str | None, other_user: bool,
+                           metrics: AppMetrics) -> Response:
     received = time.time()
     event = FeedbackEvent(
         feedback_id=body.feedback_id, generation_id=body.generation_id, signal=body.signal,
         edited_text=body.edited_text, decision_ms=body.decision_ms, user_id=user_id,
         created_at=received if body.created_at is None else min(body.created_at, received),
-        received_at=received,
+        received_at=received, other_user=other_user,
     )
     durable = ctx.recorder.record_feedback(ctx.topics.feedback, event,
                                            ctx.tracing.record_headers("feedback", REQUEST_ID.get()))

@@ -60,6 +60,7 @@ from kafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flywheel.adapters import adapter_in
+from flywheel.arms import split_salt
 from flywheel.checkpoints import CheckpointStore, ManifestError, verify_base
 from flywheel.checkpoints.fetch import (
     REFUSAL_REASONS,
@@ -324,7 +325,9 @@ class ReleaseFollower:
         """``applied``, ``refused``, ``unreachable`` (deadline passed) or a newer release that
         arrived while the store was being retried."""
         t0 = time.perf_counter()
-        want = Want(ev.stable_version, ev.canary_version, ev.canary_share, ev.canary_salt)
+        # split by the topic's salt under the shared secret: the topic alone does not give the arms
+        want = Want(ev.stable_version, ev.canary_version, ev.canary_share,
+                    split_salt(self.settings.routing_secret, ev.canary_salt))
         held = [s.version for s in self.fleet.slots]
         if canary_unservable(held, want):
             self._refuse(ev, rec, ev.canary_version or 0, "no_canary_engine",

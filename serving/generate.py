@@ -6,7 +6,10 @@ so the ``prompt_token_ids`` recorded are exactly what the engine saw.
 
 Choices of one request form a group (GRPO): ``group_id`` is the response id; each choice has its
 own ``generation_id`` — the response id itself when ``n == 1`` (so a client can send feedback on
-``response.id``), ``<id>-<i>`` otherwise — returned in the choice as an extra field. Each choice is
+``response.id``), ``<id>-<i>`` otherwise — returned in the choice as an extra field. A response id ends with its
+user's owner tag (serving/identity.py ``owned_response_id``), which feedback is checked against.
+An answer names its version only to keys that see versions (:meth:`Ctx.answer_model`); the
+record always does. Each choice is
 its own engine request with its own seed (``seed + i`` when a seed is given), so the samples of a
 group are independent.
 
@@ -34,7 +37,7 @@ from flywheel.logs import GENERATION_ID, REQUEST_ID
 from flywheel.settings import ServeSettings
 from flywheel.telemetry import Tracing
 from serving.engine import Delta, GenRequest, TopLogprobs
-from serving.identity import key_id
+from serving.identity import key_id, owned_response_id
 from serving.logprobs import LogprobsFormat, Pieces
 from serving.protocol import ApiError, ChatRequest, CompletionRequest
 from serving.recorder import Recorder
@@ -65,6 +68,21 @@ class Ctx:
     def model_id(self, version: int) -> str:
         return f"{self.serve.model_name}@v{version}"
 
+    def sees_versions(self, key: str | None) -> bool:
+        """Whether ``key`` is told which version answers (``serve.version_visible_keys``). On a
+        deployment without keys (``serve.allow_anonymous``, local only) every caller is: it has no
+        product users to protect, and no key to tell an operator by."""
+        return not self.serve.api_keys or (key is not None and key in self.serve.version_visible_keys)
+
+    def answer_model(self, prep: Prepared) -> str:
+        """What an answer names as its ``model``: its version to a key that sees versions and to a
+        request that pinned one (it named it itself); else the deployment's name alone, canary
+        or not, so that no answer tells a user which arm of a canary they are in (a rule that
+        hid versions only during a canary would tell by the change itself when one starts)."""
+        if prep.route == "pinned" or prep.shows_version:
+            return self.model_id(prep.version)
+        return self.serve.model_name
+
 
 @dataclass(frozen=True)
 class Prepared:
@@ -84,6 +102,8 @@ class Prepared:
     version: int = 0
     #: The id of the API key that asked (serving/identity.py ``key_id``); None without keys.
     api_key_id: str | None = None
+    #: The answer names its version (``serve.version_visible_keys``: :meth:`Ctx.answer_model`).
+    shows_version: bool = False
 
     def generation_id(self, i: int) -> str:
         return self.response_id if self.n == 1 else f"{self.response_id}-{i}"
@@ -129,7 +149,9 @@ def route(ctx: Ctx, model: str, user_id: str, key: str | None) -> tuple[Slot, st
         slot, how = ctx.fleet.pick(user_id, pinned)
     except LookupError:
         loaded = ", ".join(f"{ctx.model_id(v)} ({r})" for r, v in ctx.fleet.served_versions().items())
-        raise ApiError(404, f"version {pinned} is not loaded; this deployment serves {loaded}", "model",
+        # which versions run, and whether a canary does, only to a key that sees versions
+        serves = f"; this deployment serves {loaded}" if ctx.sees_versions(key) else ""
+        raise ApiError(404, f"version {pinned} is not loaded{serves}", "model",
                        code="model_not_found") from None
     return slot, how, slot.version
 
@@ -187,7 +209,7 @@ def prepare_completion(ctx: Ctx, body: CompletionRequest, user_id: str) -> Prepa
     max_tokens = body.max_tokens or min(COMPLETION_DEFAULT_MAX_TOKENS, ctx.serve.max_tokens_limit)
     _limits(ctx, body.n, max_tokens, len(ids))
     _check_extras(ctx, body, max_tokens)
-    return Prepared("completions", f"cmpl-{uuid.uuid4().hex}", text, gen_request(ids, body, max_tokens),
+    return Prepared("completions", _response_id(ctx, "cmpl", user_id), text, gen_request(ids, body, max_tokens),
                     body.n, user_id, time.time(), body.top_logprobs_n())
 
 
@@ -204,8 +226,14 @@ def prepare_chat(ctx: Ctx, body: ChatRequest, user_id: str) -> Prepared:
     max_tokens = requested or max(1, min(ctx.serve.max_tokens_limit, room))
     _limits(ctx, body.n, max_tokens, len(ids))
     _check_extras(ctx, body, max_tokens)
-    return Prepared("chat", f"chatcmpl-{uuid.uuid4().hex}", text, gen_request(ids, body, max_tokens),
+    return Prepared("chat", _response_id(ctx, "chatcmpl", user_id), text, gen_request(ids, body, max_tokens),
                     body.n, user_id, time.time(), body.top_logprobs_n())
+
+
+def _response_id(ctx: Ctx, prefix: str, user_id: str) -> str:
+    """A fresh response id that carries its user's owner tag: feedback on it is checked against
+    the user it names (serving/identity.py ``owner_of``, docs/serving-api.md "Feedback")."""
+    return owned_response_id(ctx.serve.user_id_salt, f"{prefix}-{uuid.uuid4().hex}", user_id)
 
 
 def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
@@ -215,7 +243,8 @@ def routed(ctx: Ctx, prep: Prepared, model: str, key: str | None) -> Prepared:
     slot, how, version = route(ctx, model, prep.user_id, key)
     # a deployment without keys takes any bearer string: accounting it would name arbitrary keys
     api_key_id = key_id(ctx.serve.user_id_salt, key) if ctx.serve.api_keys else None
-    return dataclasses.replace(prep, slot=slot, route=how, version=version, api_key_id=api_key_id)
+    return dataclasses.replace(prep, slot=slot, route=how, version=version, api_key_id=api_key_id,
+                               shows_version=ctx.sees_versions(key))
 
 
 def _chat_prompt(tok: Any, messages: list[dict[str, str]], body: ChatRequest) -> str:
@@ -339,14 +368,14 @@ def response_body(ctx: Ctx, prep: Prepared, choices: list[Choice]) -> dict[str, 
             item["text"] = "".join(c.text)
         out.append(item)
     return {"id": prep.response_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(prep.created_at), "model": ctx.model_id(prep.version), "choices": out,
+            "created": int(prep.created_at), "model": ctx.answer_model(prep), "choices": out,
             "usage": _usage(prep, choices)}
 
 
 def _chunk(ctx: Ctx, prep: Prepared, choice: dict[str, Any], usage: Any = None) -> bytes:
     chat = prep.endpoint == "chat"
     body = {"id": prep.response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(prep.created_at), "model": ctx.model_id(prep.version),
+            "created": int(prep.created_at), "model": ctx.answer_model(prep),
             "choices": [choice] if choice else []}
     if usage is not None:
         body["usage"] = usage

@@ -8,9 +8,11 @@ under the same salt (flywheel/apikeys.py), never by itself.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -24,6 +26,48 @@ PSEUDONYM_HEX = 32
 
 def pseudonymise(salt: str, raw: str) -> str:
     return hmac.new(salt.encode(), raw.encode(), hashlib.sha256).hexdigest()[:PSEUDONYM_HEX]
+
+
+#: Hex characters of the owner tag a response id ends with (:func:`owned_response_id`): 64 bits,
+#: so a forged tag is right once in 1.8e19 tries, each one a request to the API.
+OWNER_TAG_HEX = 16
+#: A response id serving made with an owner tag, then the choice suffix of ``n > 1`` (``-<i>``).
+_OWNED_ID = re.compile(rf"((?:chatcmpl|cmpl)-[0-9a-f]{{32}})([0-9a-f]{{{OWNER_TAG_HEX}}})(?:-\d{{1,6}})?")
+
+
+class Owner(enum.Enum):
+    """Whose answer a generation id is, as far as the id tells, against the user feedback names."""
+
+    #: The id's owner tag was made for this user.
+    SAME = "same"
+    #: The id's owner tag was made for another user.
+    OTHER = "other"
+    #: The id carries no owner tag (made before tags, or not by serving): no one can tell.
+    UNKNOWN = "unknown"
+
+
+def _owner_tag(salt: str, base: str, user_id: str) -> str:
+    # keyed by the pseudonym salt, which every serving replica shares: any replica checks the tag
+    # another made, with no state to share, and no one without the salt can make one
+    msg = b"flywheel-generation-owner\0" + base.encode() + b"\0" + user_id.encode()
+    return hmac.new(salt.encode(), msg, hashlib.sha256).hexdigest()[:OWNER_TAG_HEX]
+
+
+def owned_response_id(salt: str, base: str, user_id: str) -> str:
+    """``base`` (``cmpl-<32 hex>``) with the tag of the user pseudonym ``user_id`` appended: the id
+    itself says whose answer it is, so feedback naming another user is caught by whichever replica
+    takes it, after a restart too (a map of ids to users would be per process and lost)."""
+    return base + _owner_tag(salt, base, user_id)
+
+
+def owner_of(salt: str, generation_id: str, user_id: str) -> Owner:
+    """Whether ``generation_id`` (a response id, or one of its choices ``<id>-<i>``) was made for
+    the user pseudonym ``user_id``."""
+    m = _OWNED_ID.fullmatch(generation_id)
+    if m is None:
+        return Owner.UNKNOWN
+    same = hmac.compare_digest(m.group(2), _owner_tag(salt, m.group(1), user_id))
+    return Owner.SAME if same else Owner.OTHER
 
 
 def bearer_key(authorization: str | None) -> str | None:

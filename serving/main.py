@@ -115,11 +115,27 @@ def salt_refusal(serve: ServeSettings) -> str | None:
     return None
 
 
+def routing_secret_refusal(settings: Settings) -> str | None:
+    """Why serving may not split users on ``routing_secret``, or None. With API keys (product
+    users to protect) and releases followed (a canary may split them), a secret that is empty or
+    shorter than :data:`MIN_SALT_CHARS` lets whoever reads the releases topic, or guesses it,
+    compute every user's arm (flywheel/arms.py). ``flywheel up`` and ``flywheel demo`` make one."""
+    if not settings.serve.api_keys or not settings.serve.follow_releases:
+        return None
+    if len(settings.routing_secret) >= MIN_SALT_CHARS:
+        return None
+    how = "is not set" if not settings.routing_secret else f"is {len(settings.routing_secret)} characters long"
+    return (f"routing_secret {how} while serve.api_keys are set: the canary split would be computable from the "
+            f"releases topic. Set a random secret of at least {MIN_SALT_CHARS} characters, the same for serving "
+            "and the release controller: FLYWHEEL_ROUTING_SECRET_FILE=<file holding it> (or "
+            "FLYWHEEL_ROUTING_SECRET), e.g. from `openssl rand -hex 32` (docs/deploy.md, Secrets)")
+
+
 def run(settings: Settings, args: argparse.Namespace | None = None) -> int:
     # an install without vLLM's extra says so before anything starts, not as an ImportError once
     # the recorder and the journal are up
     require_vllm()
-    refusal = salt_refusal(settings.serve)
+    refusal = salt_refusal(settings.serve) or routing_secret_refusal(settings)
     if refusal is not None:  # a setting to fix: said before the model is read (exit 2)
         raise SettingsError(refusal)
     from serving.app import create_app

@@ -69,6 +69,7 @@ _ERRORS = {
     401: "No product key, or not a valid one",
     403: "This key may not do that (pin a version: ``serve.pin_api_keys``)",
     404: "No such model, or that version is not loaded",
+    409: "The feedback names another user than the one its generation was made for (``feedback_user_mismatch``)",
     413: "The body is larger than ``serve.max_body_bytes``",
     429: "The user's or the API key's rate limit: retry after ``Retry-After`` seconds",
     503: "Not recorded yet (the journal is full, or the broker slow): retry with the same ``feedback_id``",

@@ -470,10 +470,10 @@ class ModelCard(_Resp):
     object: Literal["model"]
     created: int
     owned_by: str
-    version: int
-    """The model version being served."""
-    root: str
-    """``name@vN``."""
+    version: int | None = None
+    """The model version being served; only to a key that sees versions (``serve.version_visible_keys``)."""
+    root: str | None = None
+    """``name@vN``; only to a key that sees versions."""
 
 
 class ModelList(_Resp):

@@ -1,8 +1,10 @@
 """Who gets which version, and how engine slots change to follow a release: pure functions.
 
-**Users.** :func:`arm_of` sends a user to the canary when a hash of the canary's salt and their
-pseudonymous id, read as a number in [0, 1), is below ``canary_share``. The salt comes with the
-release record (``ReleaseEvent.canary_salt``): the controller gives each canary its own, so each
+**Users.** :func:`arm_of` (flywheel/arms.py, shared with the release controller) sends a user to
+the canary when a hash of the split's salt and their pseudonymous id, read as a number in [0, 1),
+is below ``canary_share``. The salt is derived from the one on the release record
+(``ReleaseEvent.canary_salt``) under the routing secret (``flywheel.arms.split_salt``), so the
+split is never readable from a topic; the controller gives each canary its own, so each
 canary draws a fresh split of the users (with one fixed hash the same users were the canary arm
 in every canary, and one unlucky split, an abusive user on the canary side, biased every verdict
 alike), while within one canary the same user lands on the same side for as long as the share
@@ -25,23 +27,12 @@ version other than the one that user's route names:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
-from typing import Literal
 
-Arm = Literal["stable", "canary"]
+# the hash is shared with the release controller (flywheel/arms.py); imported here for serving
+from flywheel.arms import Arm, arm_of, bucket
 
-
-def bucket(user_id: str, salt: str = "") -> float:
-    """The user's fixed point in [0, 1) for the canary salted ``salt``."""
-    # the salt ends with a NUL that no salt holds, so ("a", "b\0c") and ("a\0b", "c") differ
-    key = (salt.encode("utf-8", "surrogatepass") + b"\0" if salt else b"") + user_id.encode("utf-8", "surrogatepass")
-    digest = hashlib.sha256(b"flywheel-canary\0" + key).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def arm_of(user_id: str, canary_share: float, salt: str = "") -> Arm:
-    return "canary" if bucket(user_id, salt) < canary_share else "stable"
+__all__ = ["Arm", "Routing", "Step", "Want", "arm_of", "bucket", "canary_unservable", "plan"]
 
 
 @dataclass(frozen=True)

@@ -323,7 +323,8 @@ def serve(engine, broker, tiny_model_dir, tmp_path):
         topics = Topics(prefix or f"t{uuid.uuid4().hex[:10]}.")
         kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
         ensure_topics(kafka, [topics.generations, topics.feedback])
-        serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, **overrides})
+        serve_cfg = ServeSettings(**{"api_keys": (KEY,), "user_id_salt": SALT, "version_visible_keys": (KEY,),
+                                     **overrides})
         settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path, topic_prefix=topics.prefix,
                             kafka=kafka, serve=serve_cfg, telemetry=telemetry or TelemetrySettings())
         registry = new_registry()

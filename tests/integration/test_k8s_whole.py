@@ -59,7 +59,8 @@ def secrets(db_url: str, keys: Path) -> dict[str, dict[str, str]]:
     for key_id in ("release-2026-11", "trainer-2026-11"):
         generate_key_pair(keys, key_id)
     return {
-        "flywheel-secrets": {"api-keys": KEY, "user-id-salt": uuid.uuid4().hex, "release-tokens": f"ops:admin:{TOKEN}",
+        "flywheel-secrets": {"api-keys": KEY, "user-id-salt": uuid.uuid4().hex, "routing-secret": uuid.uuid4().hex,
+                             "release-tokens": f"ops:admin:{TOKEN}",
                              "database-url": db_url, "stream-database-url": db_url},
         "flywheel-release-key": {"release-2026-11.key": (keys / "release-2026-11.key").read_text()},
         "flywheel-release-public-keys": {"release-2026-11.pub": (keys / "release-2026-11.pub").read_text()},

@@ -71,7 +71,7 @@ class Serving:
 
         # fp32, as the model was saved: vLLM's CPU build would serve ``auto`` in bf16, whose rounding
         # (2e-3 nats measured) hides the comparison with the trainer's fp32 logprobs below
-        serve = ServeSettings(api_keys=(KEY,), user_id_salt=SALT, dtype="float32", max_num_seqs=32, engines=1)
+        serve = ServeSettings(api_keys=(KEY,), user_id_salt=SALT, version_visible_keys=(KEY,), dtype="float32", max_num_seqs=32, engines=1)
         self.loop = LoopThread()
         self.engine = self.loop.call(lambda: _engine(serve, model), timeout_s=300)
         self.settings = Settings(model_dir=model, data_dir=data_dir, topic_prefix=topics.prefix, kafka=kafka_settings,

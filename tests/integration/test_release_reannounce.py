@@ -68,7 +68,7 @@ def settings_for(kafka_settings: KafkaSettings, prefix: str, model_dir, data_dir
     cfg = {"database_url": db, "tick_s": 0.1, "lease_ttl_s": 30,
            "group_id": f"release-{prefix}", **release}
     return Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=prefix, kafka=kafka_settings,
-                    serve=ServeSettings(api_keys=(KEY,), user_id_salt="test-salt"),
+                    serve=ServeSettings(api_keys=(KEY,), user_id_salt="test-salt", version_visible_keys=(KEY,)),
                     release=ReleaseSettings(**cfg))
 
 

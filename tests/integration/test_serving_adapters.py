@@ -100,7 +100,7 @@ def rig(broker, tiny_model_dir, lora_trained, tmp_path_factory):
     from serving.versions import Fleet
 
     before = engine_processes()
-    serve = ServeSettings(api_keys=(KEY,), user_id_salt=SALT, max_num_seqs=32, lora="on", dtype="float32")
+    serve = ServeSettings(api_keys=(KEY,), user_id_salt=SALT, version_visible_keys=(KEY,), max_num_seqs=32, lora="on", dtype="float32")
     loop = LoopThread()
 
     async def make():

@@ -107,7 +107,8 @@ def test_models_health_and_metrics(serve):
 
 def test_feedback_is_recorded_once_per_post(serve, broker):
     s = serve()
-    gen = s.client.completions.create(model="flywheel", prompt="rate me", max_tokens=3)
+    # bob's answer: feedback naming him is his (another user's is refused: test_serving_arms.py)
+    gen = s.client.completions.create(model="flywheel", prompt="rate me", max_tokens=3, user="bob")
     bodies = [
         {"feedback_id": "fb-1", "generation_id": gen.id, "signal": "accept", "decision_ms": 850},
         {"feedback_id": "fb-2", "generation_id": gen.id, "signal": "edit", "edited_text": "better"},

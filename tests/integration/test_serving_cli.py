@@ -66,6 +66,7 @@ def test_serve_process_starts_on_the_released_versions_and_flushes_on_sigterm(br
     port = free_port()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
            "FLYWHEEL_API_KEYS": "sk-cli", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt-of-sixteen-characters",
+           "FLYWHEEL_ROUTING_SECRET": "test-routing-secret-of-sixteen", "FLYWHEEL_SERVE_VERSION_VISIBLE_KEYS": "sk-cli",
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port)}
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], env=env,

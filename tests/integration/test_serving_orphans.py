@@ -60,6 +60,7 @@ def test_a_killed_serving_process_leaves_no_engine_running(broker, topics, tiny_
     port = free_port()
     env = {**os.environ, "FLYWHEEL_MODEL_DIR": str(tiny_model_dir), "FLYWHEEL_DATA_DIR": str(tmp_path),
            "FLYWHEEL_API_KEYS": "sk-orphans", "FLYWHEEL_SERVE_USER_ID_SALT": "test-salt-of-sixteen-characters",
+           "FLYWHEEL_ROUTING_SECRET": "test-routing-secret-of-sixteen",
            "FLYWHEEL_KAFKA_BOOTSTRAP": broker.bootstrap,
            "FLYWHEEL_TOPIC_PREFIX": topics.prefix, "FLYWHEEL_SERVE_PORT": str(port),
            # no release controller here: ready at once on the model directory, not after the wait for one

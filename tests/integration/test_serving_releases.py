@@ -147,7 +147,7 @@ def rig(broker, tiny_model_dir, trained, tmp_path_factory, release_keys):
     kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
     ensure_topics(kafka, topics.all())
     settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path_factory.mktemp("serving"), topic_prefix=topics.prefix,
-                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, max_num_seqs=32,
+                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, version_visible_keys=(KEY,), max_num_seqs=32,
                                                          trusted_release_keys=(release_keys / "trusted",)),
                         release=ReleaseSettings(deployment="flywheel"))
     registry = new_registry()

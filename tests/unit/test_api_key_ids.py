@@ -14,7 +14,7 @@ import pytest
 
 from flywheel.apikeys import key_id
 from flywheel.settings import ServeSettings, Settings, load_settings
-from serving.main import MIN_SALT_CHARS, salt_refusal
+from serving.main import MIN_SALT_CHARS, routing_secret_refusal, salt_refusal
 
 DEFAULT = ServeSettings().user_id_salt
 
@@ -44,6 +44,23 @@ def test_api_keys_with_the_published_salt_are_refused(keys, salt, refused):
         assert salt == DEFAULT or (f"at least {MIN_SALT_CHARS}" in why and (len(salt) < 2 or salt not in why))
 
 
+@pytest.mark.parametrize(("keys", "follow", "secret", "refused"), [
+    (("sk-a",), True, "", True),                               # unset: the split is the topic's
+    (("sk-a",), True, "a" * (MIN_SALT_CHARS - 1), True),
+    (("sk-a",), True, "a" * MIN_SALT_CHARS, False),
+    (("sk-a",), True, secrets.token_hex(32), False),           # what `flywheel up` makes
+    (("sk-a",), False, "", False),                             # no releases followed: no canary to split
+    ((), True, "", False),                                     # no keys: no product users to protect
+])
+def test_serving_with_api_keys_refuses_to_split_users_without_a_routing_secret(keys, follow, secret, refused):
+    settings = Settings(routing_secret=secret, serve=ServeSettings(
+        api_keys=keys, allow_anonymous=not keys, follow_releases=follow, user_id_salt=secrets.token_hex(32)))
+    why = routing_secret_refusal(settings)
+    assert (why is not None) == refused
+    if why is not None:  # says how to set one, never quoting it
+        assert "FLYWHEEL_ROUTING_SECRET_FILE" in why and (not secret or secret not in why)
+
+
 def test_a_key_id_under_the_published_salt_gives_a_short_key_away():
     """Why the refusal: the attack the review ran, 10^4 guesses in well under a second."""
     secret = "sk-4711"
@@ -68,8 +85,11 @@ def test_flywheel_serve_refuses_api_keys_with_the_published_salt_and_says_how_to
     assert "serve.user_id_salt is the published default" in err and "FLYWHEEL_SERVE_USER_ID_SALT_FILE" in err
     assert "sk-product" not in err
     assert not (tmp_path / "data").exists()  # refused before anything started
-    # with a salt of its own it goes on, to the model (missing here)
+    # with a salt of its own it goes on, to the routing secret, then to the model (missing here)
     monkeypatch.setenv("FLYWHEEL_SERVE_USER_ID_SALT", "a-secret-of-our-own")
+    assert main(["serve"]) == 2
+    assert "routing_secret is not set" in capsys.readouterr().err
+    monkeypatch.setenv("FLYWHEEL_ROUTING_SECRET", "a-routing-secret-of-our-own")
     assert main(["serve"]) == 2
     assert "published default" not in capsys.readouterr().err and "refusing to serve" in caplog.text
 

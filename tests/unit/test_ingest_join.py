@@ -30,6 +30,7 @@ from ingest.join import (
     is_late,
     orphan_deadline,
     resolve,
+    signal_of,
 )
 from ingest.stage import DEADLETTER_REASONS, SCHEMA, IngestStage, episode_bytes
 
@@ -73,6 +74,37 @@ def test_resolve_carries_winner_decision_time():
 ])
 def test_resolve_names_the_winner_as_rater(feedback, rater):
     assert resolve(feedback).rater_id == rater
+
+
+def other(fid: str, signal: str, t: float, user: str = "someone-else") -> FeedbackEvent:
+    """Feedback serving recorded on another user's answer (serve.feedback_other_user = "record")."""
+    return FeedbackEvent(feedback_id=fid, generation_id="g", signal=signal, edited_text="x" if signal == "edit" else None,
+                         user_id=user, created_at=t, received_at=t, other_user=True)
+
+
+@pytest.mark.parametrize("feedback, signal, ids, timed_out, rater", [
+    ([other("x", "accept", 1)], "ignore", (), True, None),  # no one's judgement: as if none came
+    ([fb("a", "reject", 1, user="owner"), other("x", "accept", 2)], "reject", ("a",), False, "owner"),
+    ([fb("a", "reject", 1), other("x", "accept", 2), other("y", "edit", 3)], "reject", ("a",), False, None),
+])
+def test_feedback_of_another_user_is_never_folded_into_the_signal(feedback, signal, ids, timed_out, rater):
+    r = resolve(feedback)
+    assert (r.signal, r.feedback_ids, r.timed_out, r.rater_id, r.conflicted) == (signal, ids, timed_out, rater, False)
+
+
+@pytest.mark.parametrize("event, signal", [
+    (fb("a", "accept", 1), "accept"),
+    (other("x", "accept", 1), "ignore"),  # another user's accept must not close the owner's window early
+])
+def test_signal_of_for_early_emission(event, signal):
+    assert signal_of(event) == signal
+
+
+def test_other_user_is_on_the_wire_only_when_set():
+    """Fields added without changing old records' bytes: an owner's feedback encodes as before."""
+    assert b"other_user" not in encode(fb("a", "accept", 1, user="u"))
+    marked = encode(other("x", "accept", 1))
+    assert b'"other_user":true' in marked and decode(FeedbackEvent, marked).other_user
 
 
 @pytest.mark.parametrize("created, deadline, late", [(10.0, 10.0, False), (10.001, 10.0, True), (3.0, 10.0, False)])

@@ -10,12 +10,15 @@ import subprocess
 import pytest
 
 from serving.identity import (
+    Owner,
     RateLimited,
     RateLimiter,
     RateLimits,
     bearer_key,
     key_allowed,
     key_id,
+    owned_response_id,
+    owner_of,
     pseudonymise,
     raw_user,
     retry_after_header,
@@ -163,3 +166,28 @@ def test_a_users_bucket_belongs_to_the_key_that_names_them():
 @pytest.mark.parametrize("wait, header", [(0.01, "1"), (1.0, "1"), (1.2, "2"), (30.0, "30")])
 def test_retry_after_rounds_up_to_whole_seconds(wait, header):
     assert retry_after_header(wait) == header
+
+
+# -- whose answer a generation id is (feedback belongs to the answer's user) ------------------
+OWNED = owned_response_id("salt-of-the-deployment", "cmpl-" + "0123456789abcdef" * 2, "alice-pseudonym")
+
+
+@pytest.mark.parametrize("salt, generation_id, user, owner", [
+    ("salt-of-the-deployment", OWNED, "alice-pseudonym", Owner.SAME),
+    ("salt-of-the-deployment", OWNED + "-2", "alice-pseudonym", Owner.SAME),  # a choice of n > 1
+    ("salt-of-the-deployment", OWNED, "bob-pseudonym", Owner.OTHER),
+    ("salt-of-the-deployment", OWNED + "-2", "bob-pseudonym", Owner.OTHER),
+    ("another-salt", OWNED, "alice-pseudonym", Owner.OTHER),  # a tag no one without the salt can make
+    ("salt-of-the-deployment", OWNED[:-1] + ("0" if OWNED[-1] != "0" else "1"), "alice-pseudonym", Owner.OTHER),
+    ("salt-of-the-deployment", "cmpl-" + "0123456789abcdef" * 2, "alice-pseudonym", Owner.UNKNOWN),  # untagged
+    ("salt-of-the-deployment", "no-such-generation", "alice-pseudonym", Owner.UNKNOWN),
+    ("salt-of-the-deployment", OWNED + "x", "alice-pseudonym", Owner.UNKNOWN),
+])
+def test_owner_of_a_generation_id(salt, generation_id, user, owner):
+    assert owner_of(salt, generation_id, user) is owner
+
+
+def test_owned_ids_stay_within_the_contracts_limit():
+    base = "chatcmpl-" + "f" * 32
+    gid = owned_response_id("s" * 64, base, "u" * 32) + "-7"
+    assert gid.startswith(base) and len(gid) <= 128 and owner_of("s" * 64, gid, "u" * 32) is Owner.SAME

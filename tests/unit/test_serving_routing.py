@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from flywheel.arms import split_salt
 from serving.routing import Routing, Step, Want, arm_of, bucket, canary_unservable, plan
 
 USERS = [f"user-{i}" for i in range(4000)]
@@ -38,6 +39,28 @@ def test_each_canary_draws_a_fresh_split_and_keeps_it_for_its_whole_run():
     assert len(first & second) / len(USERS) < 0.02
     # within one canary, raising the share still only moves users from stable to canary
     assert first < {u for u in USERS if arm_of(u, 0.5, "flywheel/v5/aa") == "canary"}
+
+
+
+def test_the_split_is_keyed_by_the_routing_secret_not_by_the_topic_alone():
+    """The releases topic carries the canary salt; the split is by ``HMAC(routing_secret, salt)``
+    (flywheel/arms.py), so reading the topic, or knowing the canary salt rule
+    (``deployment/vN/manifest[:16]``), no longer tells anyone a user's arm."""
+    topic_salt = "flywheel/v5/0123456789abcdef"
+    secret = "a-routing-secret-of-64-hex-digits-in-production"
+    keyed = split_salt(secret, topic_salt)
+    assert keyed not in (topic_salt, "") and topic_salt not in keyed
+    by_topic = {u for u in USERS if arm_of(u, 0.5, topic_salt) == "canary"}
+    by_secret = {u for u in USERS if arm_of(u, 0.5, keyed) == "canary"}
+    # computed from the topic alone the arm is a coin flip: about half the users are guessed wrong
+    assert 0.45 < len(by_topic ^ by_secret) / len(USERS) < 0.55
+    assert 0.45 < len(by_secret) / len(USERS) < 0.55  # and the share is still met
+    # serving and the controller derive the same salt from the same two strings; another secret
+    # or another canary gives another split
+    assert split_salt(secret, topic_salt) == keyed
+    assert split_salt("another-secret-of-sixteen+", topic_salt) != keyed
+    assert split_salt(secret, "flywheel/v6/0123456789abcdef") != keyed
+    assert split_salt("", topic_salt) == topic_salt  # no secret (no API keys): the topic's salt, as before
 
 
 # (what slot i holds, routing now, release wanted) -> steps
