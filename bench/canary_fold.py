@@ -14,7 +14,7 @@ encoding). The release controller's own code does the rest, record by record in 
 - release/measure.py's :class:`Tally` folds the episodes and rewards, and release/judge.py's
   ``judge_canary`` is asked after every record that moved its counts (the controller asks once a
   second: this looks more often, which can only raise a false-alarm rate), at the level the
-  deployment's budget gives the canary (release/sequential.py ``canary_alpha``).
+  deployment's budget gives the canary (release/budget.py ``pass_level``).
 
 A run is one canary, or (``canaries`` > 1, the demo) canary after canary as the controller runs
 them: each ends on a verdict or at its deadline, rolled back or promoted, and the next starts
@@ -42,9 +42,9 @@ from flywheel.contracts import (
     encode,
 )
 from flywheel.settings import ReleaseSettings, RewardSettings
+from release.budget import pass_level
 from release.judge import CanaryMeasurement, CanaryPolicy, Outcome, judge_canary
 from release.measure import Tally
-from release.sequential import canary_alpha
 from reward.guards import UserWindow, judge_user
 from serving.routing import arm_of
 
@@ -309,7 +309,8 @@ class Run:
     def _start(self, at: float) -> None:
         k = len(self.verdicts) + 1
         stable = self.routes[-1][1]
-        level = canary_alpha(self.sc.alpha, k, self.passes) if self.sc.budget else self.sc.alpha
+        level = (pass_level(self.sc.alpha, ReleaseSettings().budget_canaries,
+                            [v == Outcome.PASS for v in self.verdicts]) if self.sc.budget else self.sc.alpha)
         salt = f"bench/v{k}/{self.run}-{self.rng.getrandbits(32):08x}"
         policy = CanaryPolicy.of(ReleaseSettings(alpha=self.sc.alpha, min_events=self.sc.min_events,
                                                  deadline_s=self.sc.deadline_s))

@@ -198,6 +198,9 @@ JOBS: tuple[Job, ...] = (
             ("bare in-process loop time-to-double", "bare loop", "<= 60", False),
             ("bare loop doublings with learning off", "bare loop 'doubles' at lr 0 (share of runs)", "<= 0.05", False))),
     Job("canary", "canary_stats.py", (), ("--quick",), _canary_rows),
+    # figures with no goal: a lift's power at the k-th canary, against the budget before issue 45
+    Job("canary_budget", "canary_budget.py", (), ("--quick",), lambda d: [
+        Row(r["name"], r["value"], r["baseline"], r["unit"], None, r["note"]) for r in d["rows"]]),
     # the built model; SmolLM2's figures: --model-dir on its imported directory (README's table)
     Job("object_store", "object_store.py", ("--repeat", "5"), ("--repeat", "1"), _picked(
         ("checkpoint publish: S3 vs local filesystem", "checkpoint publish: S3 vs local filesystem", None, False),

@@ -126,6 +126,9 @@ ROWS = [
             ('max by (arm) (release_canary_accept_rate)', "accept rate {{arm}}"),
             ('max by (arm) (release_canary_outcomes)', "outcomes {{arm}}"),
             ('max by (arm) (release_canary_accepts)', "accepts {{arm}}")]),
+        ("Live canary: users by arm, and the sample-ratio e-value (held for a person at 1,000)", "short", [
+            ('max by (arm) (release_canary_users)', "users {{arm}}"),
+            ('max(release_canary_sample_ratio_e_value)', "sample-ratio e-value")]),
         ("Seconds in state: canary, awaiting approval, held", "s", [
             ('max by (state) (release_state_seconds)', "{{state}}")]),
         ("Decisions per hour by outcome and actor", "short", [

@@ -691,8 +691,9 @@ class ReleaseSettings(_Section):
     alpha: float = Field(default=0.05, gt=0, lt=1)
     """False-alarm rate of the canary analysis, however often it is looked at. A rollback is
     tested at it per canary; a promotion at the share of it the deployment's budget across
-    canaries gives each one (e-LOND: the expected share of promotions no better than stable stays
-    at most alpha; release/README.md)."""
+    canaries gives each one (e-LOND in blocks of ``budget_canaries``: within a block the expected
+    share of promotions no better than stable, the false discovery rate, stays at most alpha; not
+    the chance of any false promotion over a deployment's life: release/README.md)."""
     min_events: int = Field(default=50, ge=1)
     """Requests each arm must have served before a guardrail is judged, and accepts, rejects or
     edits before the accept rate is."""
@@ -729,11 +730,23 @@ class ReleaseSettings(_Section):
     """Guardrail: the canary's share of rewards flagged for reward hacking (``long``,
     ``repetition``) over stable's. Abuse flags are about users, whom the hash assigns to arms,
     so they are not compared."""
-    guardrail_z: float = Field(default=3.0, ge=0)
-    """A rate guardrail (error rate, share of rejects, flags) or a degeneracy guardrail breaches
-    only when the canary's increase passes its allowance by this many standard errors: they are
-    checked every tick, and over a few dozen requests a point estimate crosses the allowance by
-    chance. 0: point estimates."""
+    guardrail_alpha: float = Field(default=0.01, gt=0, lt=1)
+    """The chance that two identical versions are rolled back by a rate guardrail (error rate,
+    share of rejects, reward-guard flags), however long the canary runs. They are judged per user
+    (each user's own rate, so a few heavy users weigh as a few) at looks when each arm has 20, 40,
+    80, ... users, each look spending part of this (release/budget.py); the degeneracy guardrails
+    are judged at the same looks and levels, per answer."""
+    srm_alpha: float = Field(default=0.001, gt=0, lt=1)
+    """Sample-ratio check: a canary whose arms' users are not the split ``canary_share`` asked for
+    (an e-process on the users per arm, looked at every tick, past ``1 / srm_alpha``) is held for
+    a person, neither promoted nor rolled back: the chance a correct routing is held is at most
+    this."""
+    budget_canaries: int = Field(default=20, ge=1)
+    """The budget across canaries runs in blocks of this many canaries (release/budget.py): within
+    a block the expected share of promotions no better than stable stays at most ``alpha``, and
+    each canary of it is tested for PASS at no less than ``alpha / (2 budget_canaries)``, so a
+    real lift stays promotable after any number of canaries. Larger: a stronger guarantee (fewer
+    blocks over a deployment's life), less power per canary."""
     max_repetition_increase: float = Field(default=0.05, ge=0)
     """Gate check and canary guardrail: the candidate's mean character repetition over stable's
     (the share of an answer's character pairs that double a character or repeat an earlier pair,

@@ -13,10 +13,11 @@ database; another takes over when the lease lapses):
    are superseded), gate it offline (release/gate.py) and either start its canary (publishing the
    routing) or reject it;
 4. with a canary live: measure it from the episodes and rewards (release/measure.py), judge it
-   (release/judge.py; its PASS at the level the deployment's budget across canaries gives it,
-   release/sequential.py ``canary_alpha``) and act: FAIL, ERROR or a breached guardrail rolls back at once, whatever
-   the state; PASS promotes under the auto-promote policy, else awaits an approver;
-   INCONCLUSIVE past the deadline holds it for a person;
+   (release/judge.py; its PASS at the level the deployment's budget across canaries gives it, its
+   guardrails at the looks release/budget.py plans) and act: FAIL, ERROR or a breached guardrail
+   rolls back at once, whatever the state; PASS promotes under the auto-promote policy, else
+   awaits an approver; INCONCLUSIVE past the deadline holds it for a person, and so does HOLD (the
+   arms' users are not the split the routing asked for) at once, whatever ``on_inconclusive`` says;
 5. publish every routing revision not yet acked;
 6. at the lease's take and every ``release.reannounce_s``: send the current routing again (the
    newest revision acked, or revision 0, every user on the model directory, when nothing was ever
@@ -59,19 +60,22 @@ from flywheel.metrics import new_registry
 from flywheel.scorers import load_plugins
 from flywheel.settings import Settings
 from release import actions
+from release.budget import pass_level
 from release.gate import GateError, load_prompts, measure_gate, scorers_named
 from release.judge import (
     CanaryPolicy,
     GatePolicy,
     Outcome,
+    PerUser,
     Verdict,
-    judge_canary,
     judge_gate,
+    judge_tick,
+    log_e_sample_ratio,
 )
 from release.measure import Tally
-from release.outcomes import Windows
 from release.metrics import ControllerMetrics
-from release.sequential import canary_alpha, confidence_band, e_value, log_e_better, log_e_worse
+from release.outcomes import Windows
+from release.sequential import confidence_band, e_value, log_e_better, log_e_worse
 from release.serving_state import Act, respond
 from release.states import LIVE, State
 from release.store import (
@@ -278,7 +282,7 @@ class Controller:
                 f"gate passed; canary for {self.cfg.canary_share:.0%} of users against stable v{stable}",
                 {"gate": record}, Routing(stable, newest.version, self.cfg.canary_share))
             tally = Tally(stable_version=stable, canary_version=newest.version, started_at=time.time(),
-                          alpha=self._pass_alpha(State.CANARY))
+                          alpha=self._pass_alpha(), share=self.cfg.canary_share)
             tally.offsets = offsets
             tally.windows = Windows.of(self.settings)
             self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
@@ -335,7 +339,9 @@ class Controller:
             log.warning("version %d: measurement failed (%d of %d): %s", cand.version, tally.errors,
                         self.cfg.error_limit, exc)
         m = tally.measurement(now)
-        verdict = judge_canary(m, replace(self.canary_policy, pass_alpha=tally.alpha))
+        # the guardrails' look due now is taken once (release/budget.py), and saved with the tally
+        verdict, tally.guardrail_look = judge_tick(m, replace(self.canary_policy, pass_alpha=tally.alpha),
+                                                   tally.guardrail_look)
         self._record(cand, tally, verdict, now)
         evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
                     "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs),
@@ -343,6 +349,12 @@ class Controller:
         why = "; ".join(verdict.reasons)
         if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
             actions.rollback(self.store, self.actor, f"analysis {verdict.outcome.value}: {why}", evidence, cand.version)
+        elif verdict.outcome == Outcome.HOLD and cand.state == State.CANARY:
+            # not rolled back: nothing says the version is worse, the split is wrong; a person
+            # finds why (release/README.md, "Sample ratio") before any verdict is trusted
+            self.store.transition(cand.version, State.HELD, self.actor, f"held for a person: {why}", evidence)
+        elif verdict.outcome == Outcome.HOLD:
+            return  # awaiting approval: the policy promotes nothing while the split is wrong
         elif cand.state == State.AWAITING_APPROVAL and self.cfg.auto_promote:
             self._promote_when_allowed(cand, evidence)
         elif cand.state != State.CANARY:
@@ -382,19 +394,19 @@ class Controller:
             return Tally.from_dict(saved)
         rev = self.store.latest_revision()
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
-                      started_at=rev.at if rev else now, alpha=self._pass_alpha(cand.state))
+                      started_at=rev.at if rev else now, alpha=self._pass_alpha(),
+                      share=rev.canary_share if rev and rev.canary_version == cand.version else None)
         tally.offsets = self.streams.ends()  # measure what users do from now on
         tally.windows = Windows.of(self.settings)
         return tally
 
-    def _pass_alpha(self, state: State) -> float:
+    def _pass_alpha(self) -> float:
         """The level the live canary's PASS is tested at: the budget across this deployment's
-        canaries (release/sequential.py ``canary_alpha``), from the canaries the audit log says
-        ran before it and passed. Read as it starts and saved with its tally, so it stays fixed."""
-        k, passes = self.store.canary_record()  # this canary counted among those started
-        passes -= state == State.AWAITING_APPROVAL  # its own pass is no pass before it
-        k = max(k, 1)
-        return canary_alpha(self.cfg.alpha, k, min(max(passes, 0), k - 1))
+        canaries (release/budget.py ``pass_level``), from the canaries the audit log says ran
+        before it and which of them passed. Read as it starts and saved with its tally, so it
+        stays fixed."""
+        started = self.store.canary_passes()  # the live canary is the last started: not before itself
+        return pass_level(self.cfg.alpha, self.cfg.budget_canaries, started[:-1])
 
     def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float) -> None:
         m = tally.measurement(now)
@@ -412,13 +424,16 @@ class Controller:
                        "error_rate": arm.error_rate, "reject_share": arm.reject_share, "flag_rate": arm.flag_rate,
                        "repetition": getattr(shift.repetition, side),
                        "char_class_share": getattr(shift.char_class, side),
-                       "collapsed_share": getattr(shift.collapsed, side)}
+                       "collapsed_share": getattr(shift.collapsed, side), **_per_user(arm.per_user)}
                 for name, side, arm in (("stable", "stable", m.stable), ("canary", "candidate", m.canary))}
         self.store.save(cand.version, analysis={
             "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
             "char_class": shift.char_class.what,
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
             "alpha": self.canary_policy.alpha, "pass_alpha": tally.alpha or self.canary_policy.alpha,
+            "guardrail_look": tally.guardrail_look, "canary_share": tally.share,
+            "sample_ratio_e": (e_value(log_e_sample_ratio(m.canary.per_user.users, m.stable.per_user.users, share))
+                               if (share := m.canary_share) is not None and 0 < share < 1 else None),
             "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,
             "elapsed_s": m.elapsed_s, "history": tally.history, **tally.left_apart()},
             tally=tally.to_dict())
@@ -466,6 +481,14 @@ class Controller:
         # an adapter version names its base (the checkpoint event's), so serving can tell
         return None if cand is None else VersionRef(version=version, uri=cand.uri, manifest_sha256=cand.manifest_sha256,
                                                      base=cand.checkpoint.get("base"))
+
+
+def _per_user(pu: PerUser) -> dict[str, float | int]:
+    """An arm's users and their mean rates, as the per-user guardrails judge them (the console)."""
+    def mean(total: float, n: int) -> float:
+        return total / n if n else 0.0
+    return {"users": pu.users, "user_error_rate": mean(pu.error_sum, pu.users),
+            "user_reject_share": mean(pu.reject_sum, pu.users), "user_flag_rate": mean(pu.flag_sum, pu.raters)}
 
 
 #: Versions an object store's cache keeps (the newest fetched): a gate reads the candidate and

@@ -9,26 +9,44 @@ when measurements failed too often (never promotes; rolls back like FAIL).
 Order of the canary rules, first match wins:
 
 1. measurement errors in a row at or past ``error_limit``: ERROR;
-2. once each arm has served ``min_events`` requests, a guardrail breached (error rate, latency,
-   output length, share of rejects, reward-guard flags, and the degeneracy of the answers served:
-   character repetition, character-class stuffing, length collapse; each canary against stable):
-   FAIL, naming it;
-3. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
+2. once each arm has served ``min_events`` requests, a guardrail breached (latency and output
+   length on every tick; at a guardrail look, release/budget.py, the error rate, share of rejects
+   and reward-guard flags per user, and the degeneracy of the answers served: character
+   repetition, character-class stuffing, length collapse; each canary against stable): FAIL,
+   naming it;
+3. the arms' users are not the split the routing asked for (the sample-ratio e-process past
+   ``1 / srm_alpha``): HOLD, naming the counts. Neither PASS nor FAIL on the accept rate: what
+   the arms compare is then not two versions on one population (a share changed mid-canary,
+   routing applied late or not at all, users who can pick their arm), so a person looks;
+4. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
    the always-valid test says the canary is accepted less often: FAIL;
-4. ... or more often, at this canary's level (``pass_alpha``: the deployment's budget across
-   canaries, release/sequential.py): PASS;
-5. past ``deadline_s`` without a verdict, enough traffic or not: INCONCLUSIVE (a person decides);
-6. otherwise RUNNING, saying what it waits for.
+5. ... or more often, at this canary's level (``pass_alpha``: the deployment's budget across
+   canaries, release/budget.py): PASS;
+6. past ``deadline_s`` without a verdict, enough traffic or not: INCONCLUSIVE (a person decides);
+7. otherwise RUNNING, saying what it waits for.
+
+**Why per user.** Users, not requests, are what serving's hash assigns to an arm, and one user's
+requests are alike: judged per request, a few heavy users decide a share of rejects, and
+identical versions were rolled back in 19 of 400 canaries (0.867 against 0.440) by a z-test asked
+every tick. Each user is one unit: their own error rate, share of rejects and share of flagged
+rewards, compared as means over users with Welch's t at the look's level (release/budget.py), so
+identical versions are rolled back by these three at most ``guardrail_alpha`` of the time. The
+degeneracy checks stay per answer (an answer's text is the version's, summed in fixed-size
+profiles per arm), at the same looks and levels: what a user asks shapes the answers' characters,
+so a heavy user can move them, which their allowances (a few points) absorb; they are held
+exactly at the gate, on held-out prompts no user chooses.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from statistics import NormalDist
 
 from flywheel.degeneracy import TextProfile, compare
 from flywheel.settings import ReleaseSettings
+from release.budget import guardrail_level, look_due
 from release.sequential import PairCount, e_value, log_e_better, log_e_worse
 
 
@@ -38,12 +56,30 @@ class Outcome(StrEnum):
     FAIL = "fail"
     INCONCLUSIVE = "inconclusive"
     ERROR = "error"
+    #: the evidence is not a comparison of two versions (a sample-ratio mismatch): held for a person
+    HOLD = "hold"
 
 
 @dataclass(frozen=True)
 class Verdict:
     outcome: Outcome
     reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PerUser:
+    """Sums over one arm's users of each user's own rates (release/measure.py keeps a user's
+    counts): enough for the mean over users and its variance, so the guardrails count each user
+    once whatever they sent (module docstring)."""
+
+    users: int = 0  # users served in this arm since the canary started
+    error_sum: float = 0.0  # sum over users of their share of generations that ended in an error
+    error_sq: float = 0.0  # ... of its square
+    reject_sum: float = 0.0  # sum over users of their share of generations they rejected
+    reject_sq: float = 0.0
+    raters: int = 0  # users with at least one reward judged
+    flag_sum: float = 0.0  # sum over those of their share of rewards flagged for hacking
+    flag_sq: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +99,8 @@ class ArmStats:
     pending: int = 0  # outcomes waiting for reward's judgement
     #: the answers served, for the degeneracy guardrails (flywheel/degeneracy.py)
     text: TextProfile = field(default_factory=TextProfile)
+    #: each user's rates, for the per-user guardrails
+    per_user: PerUser = field(default_factory=PerUser)
 
     @property
     def accept_rate(self) -> float:
@@ -93,6 +131,10 @@ class CanaryMeasurement:
     excluded_users: int = 0
     #: ... of whom this many had an outcome counted before the flag came (it stays: pairs are fixed)
     flagged_after_counting: int = 0
+    #: the guardrail look to take now (release/budget.py ``look_due``; 0: none is due this tick)
+    look: int = 0
+    #: the canary share the routing asked for when the canary started; None: no ratio is judged
+    canary_share: float | None = None
 
 
 @dataclass(frozen=True)
@@ -123,12 +165,13 @@ class CanaryPolicy:
     max_error_rate_increase: float
     max_latency_ratio: float
     max_length_ratio: float
-    guardrail_z: float
+    guardrail_alpha: float
+    srm_alpha: float
     max_reject_share_increase: float
     max_flag_rate_increase: float
     degeneracy: DegeneracyLimits
     #: The level this canary's PASS is tested at, from the deployment's budget across canaries
-    #: (release/sequential.py ``canary_alpha``); None: ``alpha``. FAIL is tested at ``alpha``.
+    #: (release/budget.py ``pass_level``); None: ``alpha``. FAIL is tested at ``alpha``.
     #: Not a setting: the controller sets it per canary.
     pass_alpha: float | None = None
 
@@ -136,7 +179,8 @@ class CanaryPolicy:
     def of(cls, cfg: ReleaseSettings) -> CanaryPolicy:
         return cls(alpha=cfg.alpha, min_events=cfg.min_events, deadline_s=cfg.deadline_s, error_limit=cfg.error_limit,
                    max_error_rate_increase=cfg.max_error_rate_increase, max_latency_ratio=cfg.max_latency_ratio,
-                   max_length_ratio=cfg.max_length_ratio, guardrail_z=cfg.guardrail_z,
+                   max_length_ratio=cfg.max_length_ratio, guardrail_alpha=cfg.guardrail_alpha,
+                   srm_alpha=cfg.srm_alpha,
                    max_reject_share_increase=cfg.max_reject_share_increase,
                    max_flag_rate_increase=cfg.max_flag_rate_increase, degeneracy=DegeneracyLimits.of(cfg))
 
@@ -149,8 +193,10 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     # guardrails are judged on what was served, not on what users said: a canary whose answers
     # all fail gets no accepts or rejects, and must still be rolled back
     served = min(m.stable.requests, m.canary.requests) >= policy.min_events
-    if served and (breached := guardrails(m.stable, m.canary, policy)):
+    if served and (breached := guardrails(m.stable, m.canary, policy, m.look)):
         return Verdict(Outcome.FAIL, breached)
+    if mismatch := sample_ratio_mismatch(m, policy.srm_alpha):
+        return Verdict(Outcome.HOLD, (mismatch,))
     short = [name for name, arm in (("stable", m.stable), ("canary", m.canary)) if arm.outcomes < policy.min_events]
     pass_alpha = policy.pass_alpha or policy.alpha
     stats = (f"{m.pairs.wins} discordant pairs won by canary, {m.pairs.losses} by stable; accept rate "
@@ -174,6 +220,18 @@ def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
     return Verdict(Outcome.RUNNING, waiting or (stats,))
 
 
+def judge_tick(m: CanaryMeasurement, policy: CanaryPolicy, looks_taken: int) -> tuple[Verdict, int]:
+    """One tick of the controller: the guardrail look due now, if any, taken once each arm has its
+    users and has served ``min_events`` requests (release/budget.py ``look_due``), and the verdict
+    with it. Returns the verdict and the looks taken after it, which the caller keeps (the tally
+    saves them). Judged on every tick instead, a per-user test would spend its level again and
+    again. ``m.look`` is ignored: this decides it."""
+    served = min(m.stable.requests, m.canary.requests) >= policy.min_events
+    users = min(m.stable.per_user.users, m.canary.per_user.users)
+    look = look_due(users, looks_taken) if served else 0
+    return judge_canary(replace(m, look=look), policy), max(looks_taken, look)
+
+
 def _shown(log_e: float) -> str:
     """An e-value for a reason: ``25.0``, or ``3.21e+17`` once it is too long to read in full."""
     e = e_value(log_e)
@@ -185,15 +243,19 @@ def _shown(log_e: float) -> str:
 LATENCY_MIN_REQUESTS = 100
 
 
-def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tuple[str, ...]:
-    """Every guardrail the canary breaches against stable, as reasons (empty: none).
+#: The checks the guardrails' budget at a look is split over (release/budget.py
+#: ``guardrail_level``): error rate, share of rejects, reward-guard flags, and the three degeneracy
+#: checks.
+GUARDRAIL_CHECKS = 6
+
+
+def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: int = 0) -> tuple[str, ...]:
+    """Every guardrail the canary breaches against stable, as reasons (empty: none). Latency and
+    output length are judged on every call; the per-user rates and the degeneracy checks only on
+    a guardrail look (``look`` from 1; 0: none due, module docstring).
 
     The float limits are written as "not within" so that a NaN measurement breaches them."""
     out = []
-    z = policy.guardrail_z
-    if _rate_breached(canary.errors, canary.requests, stable.errors, stable.requests, policy.max_error_rate_increase, z):
-        out.append(f"guardrail error rate: {canary.error_rate:.3f} against {stable.error_rate:.3f} "
-                   f"(at most +{policy.max_error_rate_increase})")
     latency_judged = min(stable.requests, canary.requests) >= LATENCY_MIN_REQUESTS and stable.latency_ms_p95 > 0
     if latency_judged and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
         out.append(f"guardrail latency: p95 {canary.latency_ms_p95:.0f} ms against {stable.latency_ms_p95:.0f} ms "
@@ -202,22 +264,97 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy) -> tupl
     if stable.completion_tokens_mean > 0 and not lo <= canary.completion_tokens_mean / stable.completion_tokens_mean <= hi:
         out.append(f"guardrail output length: {canary.completion_tokens_mean:.1f} tokens against "
                    f"{stable.completion_tokens_mean:.1f} (within x{policy.max_length_ratio})")
-    if _rate_breached(canary.rejects, canary.requests, stable.rejects, stable.requests,
-                      policy.max_reject_share_increase, z):
-        out.append(f"guardrail share of rejects: {canary.reject_share:.3f} against {stable.reject_share:.3f} "
-                   f"(at most +{policy.max_reject_share_increase})")
-    if _rate_breached(canary.flagged, canary.rewards, stable.flagged, stable.rewards, policy.max_flag_rate_increase, z):
-        out.append(f"guardrail reward-guard flags: {canary.flag_rate:.3f} against {stable.flag_rate:.3f} "
-                   f"(at most +{policy.max_flag_rate_increase})")
-    out.extend(f"guardrail {r}" for r in degenerate(stable.text, canary.text, policy.degeneracy, z))
+    if look < 1:
+        return tuple(out)
+    level = guardrail_level(policy.guardrail_alpha, look, GUARDRAIL_CHECKS)
+    s, c = stable.per_user, canary.per_user
+    at = f"look {look}, level {level:.2g}"
+    for name, allowance, cs, ss in (
+            ("error rate", policy.max_error_rate_increase, (c.users, c.error_sum, c.error_sq),
+             (s.users, s.error_sum, s.error_sq)),
+            ("share of rejects", policy.max_reject_share_increase, (c.users, c.reject_sum, c.reject_sq),
+             (s.users, s.reject_sum, s.reject_sq)),
+            ("reward-guard flags", policy.max_flag_rate_increase, (c.raters, c.flag_sum, c.flag_sq),
+             (s.raters, s.flag_sum, s.flag_sq))):
+        breach = per_user_breach(cs, ss, allowance, level)
+        if breach is not None:
+            out.append(f"guardrail {name}: {breach[0]:.3f} against {breach[1]:.3f}, mean over {cs[0]} and "
+                       f"{ss[0]} users (at most +{allowance}; {at})")
+    z = NormalDist().inv_cdf(1 - level)
+    out.extend(f"guardrail {r} ({at})" for r in degenerate(stable.text, canary.text, policy.degeneracy, z))
     return tuple(out)
+
+
+def per_user_breach(canary: tuple[int, float, float], stable: tuple[int, float, float], allowance: float,
+                    level: float) -> tuple[float, float] | None:
+    """The two arms' means over users, when the canary's passes stable's by more than ``allowance``
+    beyond what chance explains at one-sided ``level`` (Welch's t on per-user rates; each arm is
+    ``(users, sum of their rates, sum of squares)``); None when it does not, or either arm has
+    fewer than 2 users. Written as "not within", so a NaN breaches; a canary whose every user
+    fails against a stable none of whose users does has no noise to hide in."""
+    (nc, sc, qc), (ns, ss, qs) = canary, stable
+    if nc < 2 or ns < 2:
+        return None
+    mc, ms = sc / nc, ss / ns
+    vc, vs = max(qc - nc * mc * mc, 0.0) / (nc - 1) / nc, max(qs - ns * ms * ms, 0.0) / (ns - 1) / ns
+    se = math.sqrt(vc + vs)
+    # Welch-Satterthwaite degrees of freedom (a tiny floor keeps 0/0 out when both are exact)
+    df = (vc + vs) ** 2 / (vc * vc / (nc - 1) + vs * vs / (ns - 1)) if vc + vs > 0 else float(nc + ns - 2)
+    return None if mc - ms - allowance <= t_quantile(1 - level, df) * se else (mc, ms)
+
+
+def t_quantile(p: float, df: float) -> float:
+    """Student's t quantile, from the normal's by the Cornish-Fisher expansion (Abramowitz and
+    Stegun 26.7.5): within 1% of the exact quantile for 4 or more degrees of freedom at the levels
+    used here, and the normal's for large ``df`` (no scipy in the controller)."""
+    z = NormalDist().inv_cdf(p)
+    n = max(df, 1.0)
+    return (z + (z ** 3 + z) / (4 * n) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * n ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * n ** 3))
+
+
+#: Log-odds offsets from the routing's share that the sample-ratio e-process weighs equally, both
+#: ways: a share of 0.10 against 0.091-0.19 (0.5 against 0.45-0.69), so a routing a few points off
+#: is found in thousands of users and a gross one (a share change, routing not applied) in tens.
+SRM_OFFSETS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+
+
+def log_e_sample_ratio(canary_users: int, stable_users: int, share: float) -> float:
+    """log of an e-value against "each new user lands on the canary with probability ``share``".
+
+    Serving's salted hash puts each user on the canary with probability ``share``, whatever the
+    order users come in, so the arms' user counts are Bernoulli trials; the e-value mixes the
+    likelihood ratios of shares at :data:`SRM_OFFSETS` from it in log-odds, either way: a
+    nonnegative martingale under the routing asked for, valid at every tick (Ville)."""
+    logit = math.log(share / (1 - share))
+    terms = []
+    for d in SRM_OFFSETS:
+        for q in (1 / (1 + math.exp(-(logit + d))), 1 / (1 + math.exp(-(logit - d)))):
+            terms.append(canary_users * math.log(q / share) + stable_users * math.log((1 - q) / (1 - share)))
+    top = max(terms)
+    return top + math.log(sum(math.exp(t - top) for t in terms) / len(terms))
+
+
+def sample_ratio_mismatch(m: CanaryMeasurement, srm_alpha: float) -> str | None:
+    """The reason to hold the canary when its arms' users are not the split the routing asked for
+    (None: they are, as far as the evidence says; or no share is known)."""
+    share = m.canary_share
+    if share is None or not 0 < share < 1:
+        return None
+    nc, ns = m.canary.per_user.users, m.stable.per_user.users
+    log_e = log_e_sample_ratio(nc, ns, share)
+    if log_e < math.log(1 / srm_alpha):
+        return None
+    return (f"sample ratio mismatch: {nc} users on the canary and {ns} on stable, {nc / (nc + ns):.3f} where the "
+            f"routing asked for {share:.3f} (e-value {_shown(log_e)} >= {1 / srm_alpha:.0f}): the arms are not "
+            "the split serving's hash makes, so the comparison is not of versions; held for a person")
 
 
 def degenerate(stable: TextProfile, candidate: TextProfile, limits: DegeneracyLimits, z: float) -> list[str]:
     """The degeneracy checks the candidate's answers fail against stable's, as reasons: each breaches
     when its move passes its allowance by ``z`` standard errors (0 at the gate: one look at a fixed
-    prompt set; ``guardrail_z`` on the canary, looked at every tick). Written as "not within", so
-    a NaN breaches."""
+    prompt set; on the canary the normal quantile of a guardrail look's level, release/budget.py).
+    Written as "not within", so a NaN breaches."""
     if not stable.answers or not candidate.answers:
         return []
     c = compare(stable, candidate)
@@ -233,16 +370,6 @@ def degenerate(stable: TextProfile, candidate: TextProfile, limits: DegeneracyLi
         out.append(f"length collapse: {short.candidate:.0%} of answers under a quarter to a half of stable's "
                    f"median length against {short.stable:.0%} (at most +{limits.max_collapse_increase:.0%})")
     return out
-
-
-def _rate_breached(c_hits: int, c_n: int, s_hits: int, s_n: int, allowance: float, z: float) -> bool:
-    """The canary's rate is above stable's by more than ``allowance``, by ``z`` standard errors
-    of the difference (binomial, each arm's own rate): a breach sampling noise does not explain.
-    A canary whose every answer fails against a stable that never does has no noise to hide in."""
-    c = c_hits / c_n if c_n else 0.0
-    s = s_hits / s_n if s_n else 0.0
-    se = math.sqrt((c * (1 - c) / c_n if c_n else 0.0) + (s * (1 - s) / s_n if s_n else 0.0))
-    return c - s - allowance > z * se
 
 
 # -- the offline gate ---------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from typing import Any
 
 from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, EpisodeEvent, RewardEvent
 from flywheel.degeneracy import TextProfile
-from release.judge import ArmStats, CanaryMeasurement
+from release.judge import ArmStats, CanaryMeasurement, PerUser
 from release.outcomes import Kind, Read, Windows
 from release.sequential import PairCount, Pairing
 
@@ -66,6 +66,12 @@ ARMS = ("stable", "canary")
 DEDUPE_IDS = 200_000
 #: Latencies kept per arm for the p95 (the most recent).
 LATENCY_SAMPLE = 5_000
+#: Users whose own counts each arm keeps for the per-user guardrails (release/judge.py); past it a
+#: new user is in no guardrail, and the sample-ratio check stops (one arm full, the other not, the
+#: counts would read as a mismatch). A canary is decided long before 50,000 users on either arm.
+MAX_GUARDRAIL_USERS = 50_000
+#: Where each count sits in ``Arm.users[user]``.
+U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED = range(5)
 
 #: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
 #: (``counted``, or ``new`` or ``unjudged``: release/outcomes.py), or they are left out.
@@ -90,6 +96,33 @@ class Arm:
     excluded: int = 0
     #: the answers served (module docstring)
     text: TextProfile = field(default_factory=TextProfile)
+    #: user -> [requests, errors, rejects, rewards, flagged] of the generations made for them, for
+    #: the per-user guardrails (at most ``MAX_GUARDRAIL_USERS``)
+    users: dict[str, list[int]] = field(default_factory=dict)
+
+    def count(self, user: str, what: int) -> None:
+        """Add one to ``user``'s count ``what`` (a ``U_*`` index), if they are or can be kept."""
+        counts = self.users.get(user)
+        if counts is None:
+            if len(self.users) >= MAX_GUARDRAIL_USERS:
+                return
+            counts = self.users[user] = [0, 0, 0, 0, 0]
+        counts[what] += 1
+
+    def per_user(self) -> PerUser:
+        """Sums over users of each user's own rates (release/judge.py ``PerUser``)."""
+        n = raters = 0
+        err = err2 = rej = rej2 = flag = flag2 = 0.0
+        for requests, errors, rejects, rewards, flagged in self.users.values():
+            if requests:
+                n += 1
+                e, r = errors / requests, min(rejects / requests, 1.0)
+                err, err2, rej, rej2 = err + e, err2 + e * e, rej + r, rej2 + r * r
+            if rewards:
+                raters += 1
+                f = flagged / rewards
+                flag, flag2 = flag + f, flag2 + f * f
+        return PerUser(n, err, err2, rej, rej2, raters, flag, flag2)
 
     def stats(self, pending: int = 0) -> ArmStats:
         lat = sorted(self.latencies_ms)
@@ -98,7 +131,7 @@ class Arm:
                         errors=self.errors, latency_ms_p95=p95,
                         completion_tokens_mean=self.tokens / self.requests if self.requests else 0.0,
                         flagged=self.flagged, rewards=self.rewards, excluded=self.excluded, pending=pending,
-                        text=self.text)
+                        text=self.text, per_user=self.per_user())
 
 
 @dataclass
@@ -123,6 +156,11 @@ class Tally:
     history: list[dict[str, float]] = field(default_factory=list)
     #: each user's outcome window (release/outcomes.py), its length fixed as the canary started
     windows: Windows = field(default_factory=Windows)
+    #: the canary share the routing asked for as the canary started (the sample-ratio check);
+    #: None: not known (a tally saved by older code), not judged
+    share: float | None = None
+    #: guardrail looks taken so far (release/budget.py ``look_due``)
+    guardrail_look: int = 0
 
     def arm_of(self, version: int) -> str | None:
         if version == self.canary_version:
@@ -173,6 +211,9 @@ class Tally:
         arm = self.arms[arm_name]
         arm.requests += 1
         arm.errors += g.finish_reason == "abort"
+        arm.count(g.user_id, U_REQUESTS)  # the user serving's hash placed: the guardrails' unit
+        if g.finish_reason == "abort":
+            arm.count(g.user_id, U_ERRORS)
         arm.latencies_ms.append(g.latency_ms)
         del arm.latencies_ms[:-LATENCY_SAMPLE]
         arm.tokens += len(g.completion_token_ids)
@@ -183,6 +224,8 @@ class Tally:
         if signal not in ("accept", "reject", "edit") or self.users.get(user) in (EXCLUDED, FLAGGED_LATE):
             return
         arm.rejects += signal == "reject"
+        if signal == "reject":
+            arm.count(g.user_id, U_REJECTS)
 
     def _enter(self, arm_name: str, ep: EpisodeEvent) -> None:
         """Open or extend the window of the answer's user (release/outcomes.py)."""
@@ -213,6 +256,9 @@ class Tally:
         arm.rewards += 1
         # only flags about the answer count against a version: abuse flags describe the user
         arm.flagged += any(f in HACKING_FLAGS for f in rw.flags)
+        arm.count(rw.user_id, U_REWARDS)
+        if any(f in HACKING_FLAGS for f in rw.flags):
+            arm.count(rw.user_id, U_FLAGGED)
 
     def _exclude(self, user: str) -> None:
         state = self.users.get(user)
@@ -253,10 +299,12 @@ class Tally:
     def measurement(self, now: float) -> CanaryMeasurement:
         pending = {a: 0 for a in ARMS} | self.windows.waiting()  # open windows
         late = self._states[FLAGGED_LATE]
+        full = any(len(a.users) >= MAX_GUARDRAIL_USERS for a in self.arms.values())
         return CanaryMeasurement(stable=self.arms["stable"].stats(pending["stable"]),
                                  canary=self.arms["canary"].stats(pending["canary"]), pairs=self.pairs(),
                                  elapsed_s=now - self.started_at, measurement_errors=self.errors,
-                                 excluded_users=self._states[EXCLUDED] + late, flagged_after_counting=late)
+                                 excluded_users=self._states[EXCLUDED] + late, flagged_after_counting=late,
+                                 canary_share=None if full else self.share)
 
     # -- saved with the candidate ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -266,12 +314,13 @@ class Tally:
             "arms": {name: {"outcomes": a.outcomes, "accepts": a.accepts, "rejects": a.rejects,
                             "requests": a.requests, "errors": a.errors, "latencies_ms": a.latencies_ms,
                             "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded,
-                            "text": a.text.to_dict()}
+                            "text": a.text.to_dict(), "users": a.users}
                      for name, a in self.arms.items()},
             "pairing": self.pairing.to_dict(), "users": self.users, "windows": self.windows.to_dict(),
             "seen_episodes": list(self.seen_episodes), "seen_rewards": list(self.seen_rewards),
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
+            "share": self.share, "guardrail_look": self.guardrail_look,
         }
 
     @classmethod
@@ -286,10 +335,12 @@ class Tally:
         windows = Windows.from_dict(d["windows"]) if "windows" in d else Windows()
         arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
                           a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
-                          a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile())
+                          a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile(),
+                          {u: list(c) for u, c in a.get("users", {}).items()})
                 for name, a in d["arms"].items()}
         return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("alpha"), arms,
                    Pairing.from_dict(d["pairing"]) if folded else Pairing(), dict(d.get("users", {})),
                    deque(d["seen_episodes"]), deque(d["seen_rewards"]),
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
-                   d.get("errors", 0), d.get("history", []), windows=windows)
+                   d.get("errors", 0), d.get("history", []), share=d.get("share"),
+                   guardrail_look=d.get("guardrail_look", 0), windows=windows)

@@ -9,7 +9,8 @@ Two kinds:
   refusals by what the controller did about them, and the newest revision serving applied.
 - :class:`StoreCollector`: what the database says, read at every scrape (a handful of small
   queries): candidates by state, the live canary's evidence (e-values, confidence band, each
-  arm's accept rate and counts), how long the live candidate has been in its state, and the
+  arm's accept rate and counts, its users per arm and the sample-ratio e-value), how long the
+  live candidate has been in its state, and the
   routing revision decided and the newest one the broker acknowledged. Every replica reads the
   same database and exports the same values, so rules take ``max`` of them, never ``sum``.
 
@@ -148,12 +149,21 @@ def _canary(store: ReleaseStore, cand: Candidate | None, now: float) -> Iterator
                                  "the live canary", labels=["arm"])
     accepts = GaugeMetricFamily("release_canary_accepts", "Accepts counted in each arm of the live canary",
                                 labels=["arm"])
+    users = GaugeMetricFamily("release_canary_users", "Users served in each arm of the live canary (the sample-ratio "
+                              "check compares them with the share the routing asked for)", labels=["arm"])
     for arm in ("stable", "canary"):
         stats = analysis.get(arm) or {}
         rate.add_metric([arm], float(stats.get("accept_rate", 0.0)))
         outcomes.add_metric([arm], float(stats.get("outcomes", 0)))
         accepts.add_metric([arm], float(stats.get("accepts", 0)))
-    yield from (rate, outcomes, accepts)
+        users.add_metric([arm], float((stats.get("per_user") or {}).get("users", 0)))
+    yield from (rate, outcomes, accepts, users)
+    if analysis.get("sample_ratio_e") is not None:
+        srm = GaugeMetricFamily("release_canary_sample_ratio_e_value",
+                                "The live canary's e-value against 'its arms' users are the split the routing asked "
+                                "for' (held for a person at 1/release.srm_alpha)")
+        srm.add_metric([], float(analysis["sample_ratio_e"]))
+        yield srm
 
 
 __all__ = ["ControllerMetrics", "StoreCollector"]

@@ -28,17 +28,8 @@ The construction (exact, no asymptotics):
 The confidence sequence inverts the same mixture around every candidate share p0 (see
 :func:`confidence_band`); the console draws it as a band.
 
-**Across canaries** (:func:`canary_alpha`). Each canary's test holds its error at its own level,
-but a deployment runs canary after canary, and at a fixed alpha each one is another chance of a
-false promotion (the demo, rolling back a canary without a verdict after 45 s, runs one every
-minute). The k-th canary of a deployment is therefore tested for PASS at e-LOND's level
-``alpha * gamma_k * (R + 1)``, with ``gamma_k = 1 / (k (k + 1))`` (summing to 1) and R the passes
-among the canaries before it (Xu and Ramdas, "Online multiple testing with e-values", 2024): the
-expected share of promotions that were no better than stable (the false discovery rate) stays at
-most alpha over the deployment's whole life, under any dependence between canaries. Each pass
-earns the next canaries some level back; a run of canaries without a verdict makes each next one
-need more evidence. FAIL stays at alpha per canary: a wrong rollback sends users back to the
-version they had.
+**Across canaries** the level each canary's PASS is tested at comes from the deployment's budget
+(release/budget.py); FAIL is tested at alpha.
 """
 
 from __future__ import annotations
@@ -106,14 +97,6 @@ class Pairing:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Pairing:
         return cls(PairCount(d["pairs"], d["wins"], d["losses"]), d["waiting_arm"], [bool(o) for o in d["waiting"]])
-
-
-def canary_alpha(alpha: float, k: int, passes: int) -> float:
-    """The level the ``k``-th canary of a deployment (from 1) is tested at for PASS, after
-    ``passes`` PASS verdicts among the canaries before it: e-LOND (module docstring)."""
-    if not 0 <= passes < k:
-        raise ValueError(f"{passes} passes before canary {k}: a count of this deployment's canaries is wrong")
-    return alpha * (passes + 1) / (k * (k + 1))
 
 
 def pair_outcomes(canary: list[bool], stable: list[bool]) -> PairCount:

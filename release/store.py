@@ -572,7 +572,7 @@ class ReleaseStore:
     def canary_record(self) -> tuple[int, int]:
         """(canaries started, canaries whose analysis passed) in this database's whole history,
         read from the audit log, which every transition writes in its own transaction: the counts
-        the budget across canaries is spent by (release/sequential.py ``canary_alpha``). A pass
+        the budget across canaries is spent by (release/budget.py). A pass
         is ``canary -> awaiting_approval``, or ``canary -> promoted`` (only the auto-promote
         policy makes that one, on a passing analysis: release/states.py)."""
         row = self.db.execute(
@@ -580,6 +580,23 @@ class ReleaseStore:
             "sum(CASE WHEN from_state='canary' AND to_state IN ('awaiting_approval', 'promoted') THEN 1 ELSE 0 END) "
             "FROM release_audit WHERE to_state IN ('canary', 'awaiting_approval', 'promoted')").fetchone()
         return int(row[0] or 0), int(row[1] or 0)
+
+    def canary_passes(self) -> list[bool]:
+        """Every canary this database started, in the order they started: whether its analysis
+        passed (as :meth:`canary_record` counts one). The budget across canaries reads its block of
+        them (release/budget.py ``pass_level``)."""
+        rows = self.db.execute(
+            "SELECT version, from_state, to_state FROM release_audit "
+            "WHERE to_state IN ('canary', 'awaiting_approval', 'promoted') ORDER BY id").fetchall()
+        started: list[list[Any]] = []  # [version, passed], in start order
+        for version, from_state, to_state in rows:
+            if to_state == "canary":
+                started.append([version, False])
+            elif from_state == "canary":
+                last = next((s for s in reversed(started) if s[0] == version), None)
+                if last is not None:
+                    last[1] = True
+        return [passed for _, passed in started]
 
     def state_counts(self) -> dict[State, int]:
         """Candidates by state, counted in SQL (a long history is not parsed at every scrape)."""

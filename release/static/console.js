@@ -380,16 +380,22 @@ function renderGate(g) {
 // breached one can be marked from the verdict's own reasons.
 const GUARDRAILS = [
   { key: "accept_rate", label: "accept rate", fmt: pct, change: "diff" },
-  { key: "error_rate", label: "error rate", fmt: pct, change: "diff", rule: "error rate" },
+  // the rate guardrails are judged on each user's own rate, averaged over users (judge.py): the
+  // per-user mean where the analysis has it, the per-request share for an analysis of older code
+  { key: "user_error_rate", old: "error_rate", label: "error rate (mean over users)", fmt: pct, change: "diff",
+    rule: "error rate" },
   { key: "latency_ms_p95", label: "latency p95", fmt: (x) => `${num(x, 0)} ms`, change: "ratio", rule: "latency" },
   { key: "completion_tokens_mean", label: "output length", fmt: (x) => `${num(x, 1)} tok`, change: "ratio", rule: "output length" },
-  { key: "reject_share", label: "share of rejects", fmt: pct, change: "diff", rule: "share of rejects" },
-  { key: "flag_rate", label: "reward-guard flags", fmt: pct, change: "diff", rule: "reward-guard flags" },
+  { key: "user_reject_share", old: "reject_share", label: "share of rejects (mean over users)", fmt: pct,
+    change: "diff", rule: "share of rejects" },
+  { key: "user_flag_rate", old: "flag_rate", label: "reward-guard flags (mean over users)", fmt: pct, change: "diff",
+    rule: "reward-guard flags" },
   { key: "repetition", label: "character repetition", fmt: (x) => num(x, 3), change: "diff", rule: "character repetition" },
   { key: "char_class_share", label: (a) => `${a.char_class || "character class"} share`, fmt: pct, change: "diff",
     rule: "character-class stuffing" },
   { key: "collapsed_share", label: "collapsed answers", fmt: pct, change: "diff", rule: "length collapse" },
   { key: "outcomes", label: "outcomes", fmt: (x) => num(x, 0) },
+  { key: "users", label: "users (the split: sample-ratio check)", fmt: (x) => num(x, 0) },
   { key: "requests", label: "requests", fmt: (x) => num(x, 0) },
 ];
 
@@ -399,9 +405,10 @@ function guardrailRows(a) {
   const reasons = a.reasons || [];
   // Guardrails are judged only once both arms have their minimum outcomes, and never after a
   // measurement error (judge.py's rules 1 and 2): before that, say so rather than "ok".
-  const judged = ["pass", "fail", "inconclusive"].includes(a.outcome) ||
+  const judged = ["pass", "fail", "inconclusive", "hold"].includes(a.outcome) ||
     (a.outcome === "running" && !reasons.some((r) => r.includes("outcomes needed")));
-  return GUARDRAILS.map((g) => {
+  return GUARDRAILS.map((row) => {
+    const g = row.old && s[row.key] === undefined ? { ...row, key: row.old } : row;
     let change = "";
     if (g.change === "diff" && typeof s[g.key] === "number" && typeof c[g.key] === "number") {
       const d = 100 * (c[g.key] - s[g.key]);

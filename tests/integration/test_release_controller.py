@@ -43,6 +43,7 @@ from flywheel.kafka.clients import make_producer, read_to_end
 from flywheel.metrics import new_registry
 from flywheel.settings import IngestSettings, ReleaseSettings, Settings
 from flywheel.topology import declared_partitions
+from release.budget import pass_level
 from release.controller import Controller
 from release.gate import DEFAULT_PROMPTS
 from release.states import State
@@ -187,8 +188,12 @@ def test_a_better_candidate_is_canaried_passes_and_is_promoted_on_approval(run_c
     tick_until(ctl, lambda: rs.get(1).state == State.AWAITING_APPROVAL, "the analysis to pass")
     analysis = rs.get(1).analysis
     assert analysis["outcome"] == "pass" and analysis["canary"]["accept_rate"] > analysis["stable"]["accept_rate"]
-    # the first canary of this deployment passes at alpha/2 (release/sequential.py canary_alpha)
-    assert analysis["pass_alpha"] == pytest.approx(0.025) and analysis["e_better"] >= 40 and analysis["history"]
+    # the first canary of this deployment passes at its budget's first level (release/budget.py)
+    level = pass_level(0.05, ctl.cfg.budget_canaries, [])
+    assert analysis["pass_alpha"] == pytest.approx(level) and analysis["e_better"] >= 1 / level and analysis["history"]
+    # the arms' users are the split asked for, and the guardrails took their looks
+    assert analysis["canary_share"] == 0.5 and analysis["sample_ratio_e"] < 1 / ctl.cfg.srm_alpha
+    assert analysis["guardrail_look"] >= 1
     # the abuser is left out, and shown: at most the 120 real users count, one outcome each
     assert analysis["excluded_users"] == 1 and analysis["canary"]["excluded"] == 1
     assert analysis["canary"]["outcomes"] <= 120 and "1 users flagged by reward's guards left out" in analysis["reasons"][0]
@@ -468,10 +473,10 @@ def test_a_canary_losing_past_the_float_range_is_rolled_back_not_wedged(light_co
 
 
 def test_each_canary_passes_at_the_level_the_deployments_budget_leaves_it(light_controller, kafka_settings, topics):
-    """Three canaries ran before (one passed): the fourth is tested for PASS at
-    alpha * (1 + 1) / (4 * 5), from the audit log, and keeps that level once saved."""
+    """Three canaries ran before (the first passed): the fourth is tested for PASS at its block's
+    fourth level with one pass before it (release/budget.py), from the audit log, and keeps that
+    level once saved."""
     from release.measure import Tally
-    from release.sequential import canary_alpha
     from release.store import Routing
 
     ctl, rs = light_controller()
@@ -486,8 +491,8 @@ def test_each_canary_passes_at_the_level_the_deployments_budget_leaves_it(light_
             if end in (State.AWAITING_APPROVAL, State.HELD):
                 people.transition(version, State.ROLLED_BACK, "test", "done", routing=Routing(0, None, 0.0))
     ctl.tick()  # v4 has no saved tally yet (as after a crash right after its start): it is made now
-    level = canary_alpha(0.05, 4, 1)
-    assert level == pytest.approx(0.005) and rs.get(4).analysis["pass_alpha"] == pytest.approx(level)
+    level = pass_level(0.05, ctl.cfg.budget_canaries, [True, False, False])
+    assert level == pytest.approx(0.05 * (1 / 40 + 21 / 800) * 2) and rs.get(4).analysis["pass_alpha"] == pytest.approx(level)
     assert Tally.from_dict(rs.tally(4)).alpha == pytest.approx(level)
 
 

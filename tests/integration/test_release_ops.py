@@ -70,8 +70,9 @@ def test_metrics_follow_a_canary_from_its_evidence_to_a_persons_approval(api, st
     seed(store, 2, State.AWAITING_APPROVAL, parent=1)
     store.save(2, analysis={"outcome": "pass", "reasons": ["canary accepted more often"], "e_better": 41.5,
                             "e_worse": 0.02, "band": [0.61, 0.83],
-                            "stable": {"accept_rate": 0.3, "outcomes": 120, "accepts": 36},
-                            "canary": {"accept_rate": 0.55, "outcomes": 60, "accepts": 33}})
+                            "stable": {"accept_rate": 0.3, "outcomes": 120, "accepts": 36, "per_user": {"users": 130}},
+                            "canary": {"accept_rate": 0.55, "outcomes": 60, "accepts": 33, "per_user": {"users": 66}},
+                            "sample_ratio_e": 3.5})
     a = api()
     before = scrape(a)
     assert value(before, "release_database_up") == 1
@@ -84,6 +85,10 @@ def test_metrics_follow_a_canary_from_its_evidence_to_a_persons_approval(api, st
     assert value(before, "release_canary_accept_rate", arm="canary") == 0.55
     assert (value(before, "release_canary_outcomes", arm="stable"), value(before, "release_canary_accepts", arm="stable")) \
         == (120, 36)
+    # the sample-ratio check's evidence: users per arm, and its e-value (held at 1/srm_alpha)
+    assert (value(before, "release_canary_users", arm="stable"), value(before, "release_canary_users", arm="canary")) \
+        == (130, 66)
+    assert value(before, "release_canary_sample_ratio_e_value") == 3.5
     assert value(before, "release_state_seconds", state="awaiting_approval") > 0
     assert value(before, "release_state_seconds", state="held") == 0
     decided = value(before, "release_routing_revision", phase="decided")

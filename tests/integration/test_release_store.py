@@ -322,7 +322,7 @@ def test_rollback_ends_the_live_canary(store):
 
 
 def test_the_canaries_run_and_passed_are_read_from_the_audit_log(store):
-    """What the budget across canaries reads (release/sequential.py canary_alpha): every canary
+    """What the budget across canaries reads (release/budget.py): every canary
     started, and those whose analysis passed (canary -> awaiting approval, or -> promoted by the
     policy). A person's later approval of a held canary is no pass of its test."""
     assert store.canary_record() == (0, 0)
@@ -337,8 +337,9 @@ def test_the_canaries_run_and_passed_are_read_from_the_audit_log(store):
     to_state(store, 5, State.GATING)  # gated, never canaried
     actions.reject(store, 5, "controller", "gate failed")
     assert store.canary_record() == (4, 2)
+    assert store.canary_passes() == [True, True, False, False]  # in the order they started: blocks read it
     with closing(ReleaseStore(store.db.url)) as again:  # the database's counts, not the process's
-        assert again.canary_record() == (4, 2)
+        assert again.canary_record() == (4, 2) and again.canary_passes() == [True, True, False, False]
 
 
 def test_pause_and_resume_are_idempotent_and_audited(store):

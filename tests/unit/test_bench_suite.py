@@ -99,6 +99,14 @@ def test_the_canary_rows_judge_false_passes_against_alpha_and_leave_contrasts_ou
         ("2,000 users", None, True)]
 
 
+def test_the_budget_rows_are_figures_against_the_old_budget():
+    rows = {j.key: j for j in SUITE["JOBS"]}["canary_budget"].rows({"rows": [
+        {"name": "canary power by index, production, k=50", "value": 0.8, "baseline": 0.43,
+         "unit": "share of canaries", "goal": None, "note": "level 1.49e-03"}]})
+    assert [(r.name, r.ratio, r.goal, r.met) for r in rows] == [
+        ("canary power by index, production, k=50", pytest.approx(0.8 / 0.43), None, None)]
+
+
 def test_the_loop_rows_come_from_a_demo_report():
     spread = {"n": 3, "p50": 10.0, "p95": 20.0}
     summary = {"accept_rate": {"start": 0.25, "held_2x_from_s": 160.0, "hold_s": 60.0},

@@ -22,15 +22,29 @@ from release.judge import (
     GateMeasurement,
     GatePolicy,
     Outcome,
+    PerUser,
     judge_canary,
     judge_gate,
+    log_e_sample_ratio,
+    per_user_breach,
+    t_quantile,
 )
 from release.sequential import PairCount, e_value, log_e_better
 
 POLICY = CanaryPolicy.of(ReleaseSettings())  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
-EXACT = replace(POLICY, guardrail_z=0.0)  # guardrails on point estimates: their limits, exactly
+
+
+def users(n: int = 100, error: float = 0.01, reject: float = 0.25, flag: float = 0.01, sd: float = 0.0) -> PerUser:
+    """``n`` users' own rates (the sums release/measure.py keeps, built directly): each mean as
+    given, with standard deviation ``sd`` across users; every user has rewards."""
+    def sq(mean: float) -> float:
+        return n * mean * mean + (n - 1) * sd * sd
+    return PerUser(users=n, error_sum=n * error, error_sq=sq(error), reject_sum=n * reject, reject_sq=sq(reject),
+                   raters=n, flag_sum=n * flag, flag_sq=sq(flag))
+
+
 ARM = ArmStats(outcomes=200, accepts=60, rejects=100, requests=400, errors=4, latency_ms_p95=1000.0,
-               completion_tokens_mean=100.0, flagged=2, rewards=200)
+               completion_tokens_mean=100.0, flagged=2, rewards=200, per_user=users())
 QUIET = PairCount(pairs=200, wins=20, losses=20)  # no evidence either way
 BETTER = PairCount(pairs=300, wins=60, losses=10)  # e-value far past 1/alpha for "better"
 WORSE = PairCount(pairs=300, wins=10, losses=60)
@@ -88,7 +102,8 @@ def test_a_short_arm_is_still_held_at_the_deadline():
 
 def test_guardrails_are_judged_on_requests_served_not_on_outcomes():
     # every canary answer fails, so nobody accepts or rejects it: the error guardrail still fires
-    m = replace(BASE, canary=replace(ARM, outcomes=0, accepts=0, rejects=0, requests=400, errors=400))
+    m = replace(BASE, canary=replace(ARM, outcomes=0, accepts=0, rejects=0, requests=400, errors=400,
+                                     per_user=users(error=1.0, reject=0.0)), look=1)
     v = judge_canary(m, POLICY)
     assert v.outcome == Outcome.FAIL and v.reasons[0].startswith("guardrail error rate")
 
@@ -104,24 +119,25 @@ def test_min_events_exactly_is_enough():
     assert judge_canary(m, POLICY).outcome == Outcome.PASS
 
 
-# -- rule 3: guardrails, each alone --------------------------------------------------------------
+# -- rule 2: guardrails, each alone --------------------------------------------------------------
 
 # name in the reason, canary fields past the limit, canary fields at / just inside it
-# (stable: 4/400 errors, p95 1000 ms, 100 tokens, 100/400 explicit rejects, 2/200 flags)
+# (stable: p95 1000 ms, 100 tokens; its users' own rates: errors 0.01, rejects 0.25, flags 0.01,
+# alike across users, so there is no noise and the limit is exact)
 GUARDRAILS = [
-    ("guardrail error rate", {"errors": 13}, {"errors": 11}),  # +0.0225 / +0.0175 (limit +0.02)
+    ("guardrail error rate", {"per_user": users(error=0.0305)}, {"per_user": users(error=0.0295)}),  # +0.02
     ("guardrail latency", {"latency_ms_p95": 1500.5}, {"latency_ms_p95": 1500.0}),  # x1.5
     ("guardrail output length", {"completion_tokens_mean": 200.5}, {"completion_tokens_mean": 200.0}),  # x2
     ("guardrail output length", {"completion_tokens_mean": 49.5}, {"completion_tokens_mean": 50.0}),  # /2
-    ("guardrail share of rejects", {"rejects": 161}, {"rejects": 159}),  # +0.1525 / +0.1475 (limit +0.15)
-    ("guardrail reward-guard flags", {"flagged": 13}, {"flagged": 11}),  # +0.055 / +0.045 (limit +0.05)
+    ("guardrail share of rejects", {"per_user": users(reject=0.4005)}, {"per_user": users(reject=0.3995)}),  # +0.15
+    ("guardrail reward-guard flags", {"per_user": users(flag=0.0605)}, {"per_user": users(flag=0.0595)}),  # +0.05
 ]
 
 
 @pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
                          ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
 def test_a_breached_guardrail_fails_naming_it(name, past, inside):
-    v = judge_canary(canary(**past), EXACT)
+    v = judge_canary(replace(canary(**past), look=1), POLICY)
     assert v.outcome == Outcome.FAIL
     assert len(v.reasons) == 1 and v.reasons[0].startswith(name + ":"), v.reasons
 
@@ -129,21 +145,112 @@ def test_a_breached_guardrail_fails_naming_it(name, past, inside):
 @pytest.mark.parametrize(("name", "past", "inside"), GUARDRAILS,
                          ids=["error-rate", "latency", "longer", "shorter", "rejects", "flags"])
 def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
-    assert judge_canary(canary(**inside), EXACT).outcome == Outcome.RUNNING
+    assert judge_canary(replace(canary(**inside), look=1), POLICY).outcome == Outcome.RUNNING
 
 
-@pytest.mark.parametrize("requests, rejects, stable_rejects, breached", [
-    (25, 19, 15, False),  # 0.76 against 0.60 over 25 answers each: noise (seen rolling back a good canary)
-    (25, 25, 10, True),  # every answer rejected against 40%: far past noise
-    (400, 310, 240, False),  # +0.175 over 400 each: 0.025 past the allowance, well within noise
-    (400, 360, 240, True),  # +0.30 over 400 each: 0.15 past it, five standard errors
+@pytest.mark.parametrize("what", ["error", "reject", "flag"])
+def test_the_per_user_guardrails_are_judged_only_at_a_look(what):
+    # judged on every tick, a test at one level is another chance at a false rollback each tick
+    m = canary(per_user=users(**{what: 0.9}))
+    assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
+    assert judge_canary(replace(m, look=3), POLICY).outcome == Outcome.FAIL
+
+
+# users a side, canary's mean and sd of their share of rejects, stable's, breached at look 1
+@pytest.mark.parametrize("n, c_mean, c_sd, s_mean, s_sd, breached", [
+    (25, 0.76, 0.3, 0.60, 0.3, False),  # +0.16 over 25 users a side: noise
+    (25, 1.00, 0.0, 0.40, 0.3, True),  # every canary user rejects everything: far past noise
+    (400, 0.425, 0.3, 0.25, 0.3, False),  # +0.175: 0.025 past the allowance, within noise over 400 users
+    (400, 0.55, 0.3, 0.25, 0.3, True),  # +0.30: 0.15 past it, seven standard errors
 ])
-def test_a_rate_guardrail_breaches_only_beyond_sampling_noise(requests, rejects, stable_rejects, breached):
-    stable = replace(ARM, requests=requests, rejects=stable_rejects, outcomes=requests, accepts=0)
-    m = replace(BASE, stable=stable, canary=replace(stable, rejects=rejects))
-    few = replace(POLICY, min_events=20)
-    assert (judge_canary(m, few).outcome == Outcome.FAIL) is breached
-    assert judge_canary(m, replace(few, guardrail_z=0.0)).outcome == Outcome.FAIL  # every point estimate is past it
+def test_a_rate_guardrail_breaches_only_beyond_the_noise_between_users(n, c_mean, c_sd, s_mean, s_sd, breached):
+    m = replace(BASE, stable=replace(ARM, per_user=users(n, reject=s_mean, sd=s_sd)),
+                canary=replace(ARM, per_user=users(n, reject=c_mean, sd=c_sd)), look=1)
+    assert (judge_canary(m, POLICY).outcome == Outcome.FAIL) is breached
+
+
+def test_heavy_users_weigh_as_the_few_users_they_are():
+    """The audit's case: per request, 0.867 of the canary's answers rejected against 0.440 of
+    stable's, because two heavy users who reject everything landed on the canary. Per user it is
+    2 of 30 users against none: noise, no rollback."""
+    light = [0.40] * 14 + [0.44] * 14  # the other users, alike in both arms
+    def arm(rates: list[float], requests: int, rejects: int) -> ArmStats:
+        pu = PerUser(users=len(rates), reject_sum=sum(rates), reject_sq=sum(r * r for r in rates))
+        return replace(ARM, requests=requests, rejects=rejects, per_user=pu)
+    stable = arm(light + [0.44, 0.44], requests=500, rejects=220)  # 0.440 of requests
+    canary_ = arm(light + [1.0, 1.0], requests=1500, rejects=1300)  # 0.867: the heavy two sent 1,000
+    assert canary_.reject_share - stable.reject_share > 0.4
+    assert judge_canary(replace(BASE, stable=stable, canary=canary_, look=1), POLICY).outcome == Outcome.RUNNING
+
+
+@pytest.mark.parametrize("canary_, stable_, allowance, level, breach", [
+    ((30, 30 * 0.5, 30 * 0.25), (30, 30 * 0.5, 30 * 0.25), 0.0, 0.01, None),  # alike, each user 0.5
+    ((30, 30.0, 30.0), (30, 0.0, 0.0), 0.15, 1e-9, (1.0, 0.0)),  # no noise: past the allowance is a breach
+    ((30, 30.0, 30.0), (30, 0.0, 0.0), 1.0, 0.01, None),  # ... not past it
+    ((1, 1.0, 1.0), (30, 0.0, 0.0), 0.0, 0.01, None),  # one user is no comparison
+    ((30, math.nan, math.nan), (30, 0.0, 0.0), 0.0, 0.01, (math.nan, 0.0)),  # a NaN breaches
+])
+def test_per_user_breach(canary_, stable_, allowance, level, breach):
+    got = per_user_breach(canary_, stable_, allowance, level)
+    if breach is None:
+        assert got is None
+    else:
+        assert got is not None and all((math.isnan(a) and math.isnan(b)) or a == b for a, b in zip(got, breach))
+
+
+@pytest.mark.parametrize("p, df, exact", [
+    (0.999, 10, 4.1437), (0.9995, 20, 3.8495), (0.999, 30, 3.3852), (0.975, 5, 2.5706), (0.99, 1e9, 2.3263)])
+def test_t_quantile_within_a_percent_of_students(p, df, exact):
+    assert t_quantile(p, df) == pytest.approx(exact, rel=0.01)
+
+
+# -- rule 3: the sample-ratio check -------------------------------------------------------------
+
+def split(canary_users: int, stable_users: int, share: float | None = 0.5) -> CanaryMeasurement:
+    return replace(BASE, canary=replace(ARM, per_user=users(canary_users)),
+                   stable=replace(ARM, per_user=users(stable_users)), canary_share=share, pairs=BETTER)
+
+
+@pytest.mark.parametrize("canary_users, stable_users, share, held", [
+    (100, 100, 0.5, False),  # the split asked for
+    (110, 90, 0.5, False),  # 0.55 over 200 users: chance
+    (150, 50, 0.5, True),  # 0.75 where 0.5 was asked: held, even with a PASS in the evidence
+    (100, 900, 0.1, False),
+    (300, 700, 0.1, True),  # the share changed mid-canary, or users picked the canary
+    (20, 980, 0.1, True),  # routing applied late: few users ever reached the canary
+    (300, 700, None, False),  # no share known (a tally of older code): not judged
+])
+def test_a_sample_ratio_mismatch_holds_the_canary_saying_why(canary_users, stable_users, share, held):
+    v = judge_canary(split(canary_users, stable_users, share), POLICY)
+    assert (v.outcome == Outcome.HOLD) is held
+    if held:
+        assert v.reasons[0].startswith(f"sample ratio mismatch: {canary_users} users on the canary and "
+                                       f"{stable_users} on stable"), v.reasons
+    else:
+        assert v.outcome == Outcome.PASS
+
+
+def test_a_sample_ratio_mismatch_holds_only_past_one_over_srm_alpha():
+    # the e-value crosses 1/srm_alpha between these counts, and not before
+    before, after = (130, 70), (160, 40)
+    assert log_e_sample_ratio(*before, 0.5) < math.log(1 / POLICY.srm_alpha) <= log_e_sample_ratio(*after, 0.5)
+    assert judge_canary(split(*before), POLICY).outcome == Outcome.PASS
+    assert judge_canary(split(*after), POLICY).outcome == Outcome.HOLD
+
+
+def test_the_sample_ratio_e_value_is_a_martingale_at_the_routings_share():
+    """Its mean under the share asked for is 1 at every count (exactly: a sum over the binomial),
+    which is what makes it valid at every tick (Ville)."""
+    for share in (0.1, 0.5):
+        for n in (1, 10, 60):
+            mean = sum(math.comb(n, c) * share ** c * (1 - share) ** (n - c) * math.exp(log_e_sample_ratio(c, n - c, share))
+                       for c in range(n + 1))
+            assert mean == pytest.approx(1.0, rel=1e-9)
+
+
+def test_a_breached_guardrail_beats_a_sample_ratio_mismatch():
+    m = replace(split(150, 50), canary=replace(ARM, per_user=users(150, error=0.9)), look=1)
+    assert judge_canary(m, POLICY).outcome == Outcome.FAIL
 
 
 def test_p95_latency_is_compared_only_over_enough_requests():
@@ -165,8 +272,8 @@ def test_an_ignored_answer_is_no_reject():
 
 def test_guardrails_compare_with_stable_not_absolute():
     # a canary as slow and error-prone as stable breaches nothing, however bad both are
-    bad = replace(ARM, errors=200, latency_ms_p95=30_000.0, flagged=150)
-    assert judge_canary(replace(BASE, stable=bad, canary=bad), POLICY).outcome == Outcome.RUNNING
+    bad = replace(ARM, errors=200, latency_ms_p95=30_000.0, flagged=150, per_user=users(error=0.5, flag=0.75))
+    assert judge_canary(replace(BASE, stable=bad, canary=bad, look=1), POLICY).outcome == Outcome.RUNNING
 
 
 def test_an_unmeasured_stable_latency_or_length_is_not_compared():
@@ -181,10 +288,10 @@ def test_a_non_finite_canary_measurement_breaches_its_guardrail(field):
 
 
 def test_every_breached_guardrail_is_named():
-    v = judge_canary(canary(errors=40, latency_ms_p95=4000.0, flagged=50), POLICY)
+    v = judge_canary(replace(canary(latency_ms_p95=4000.0, per_user=users(error=0.1, flag=0.25)), look=1), POLICY)
     assert v.outcome == Outcome.FAIL
     assert [r.split(":")[0] for r in v.reasons] == [
-        "guardrail error rate", "guardrail latency", "guardrail reward-guard flags"]
+        "guardrail latency", "guardrail error rate", "guardrail reward-guard flags"]
 
 
 def test_a_breached_guardrail_beats_a_passing_accept_rate():
@@ -247,7 +354,7 @@ def test_e_values_are_capped_finite(log_e, shown):
 
 
 def test_pass_is_tested_at_the_canarys_own_level_and_fail_at_alpha():
-    """The deployment's budget (release/sequential.py canary_alpha) gives each canary its PASS
+    """The deployment's budget (release/budget.py pass_level) gives each canary its PASS
     level; a rollback stays at alpha."""
     mine = replace(POLICY, pass_alpha=0.005)
     w = first_passing_wins(10, 0.005)
@@ -410,14 +517,24 @@ def test_gate_degeneracy_is_a_point_estimate_on_the_held_out_prompts():
     assert judge_gate(noisy, GATE_POLICY).outcome == Outcome.FAIL
 
 
-@pytest.mark.parametrize(("name", "past", "inside"), DEGENERACY, ids=DEGENERACY_IDS)
-def test_a_degenerate_canary_breaches_its_guardrail(name, past, inside):
-    m = replace(BASE, stable=replace(ARM, text=profile()), canary=replace(ARM, text=profile(**past)))
-    v = judge_canary(m, EXACT)
+# on the canary, at a look: clearly past each limit (the look's level adds its noise allowance)
+CANARY_DEGENERACY = [
+    ("character repetition", {"repetition": 0.25}, {"repetition": 0.199}),
+    ("character-class stuffing: vowels", {"vowels": 0.5}, {"vowels": 0.449}),
+    ("character-class stuffing: vowels", {"vowels": 0.1}, {"vowels": 0.151}),
+    ("length collapse", {"collapsed": 60}, {"collapsed": 25}),
+]
+
+
+@pytest.mark.parametrize(("name", "past", "inside"), CANARY_DEGENERACY, ids=DEGENERACY_IDS)
+def test_a_degenerate_canary_breaches_its_guardrail_at_a_look(name, past, inside):
+    m = replace(BASE, stable=replace(ARM, text=profile()), canary=replace(ARM, text=profile(**past)), look=1)
+    v = judge_canary(m, POLICY)
     assert v.outcome == Outcome.FAIL
     assert len(v.reasons) == 1 and v.reasons[0].startswith("guardrail " + name), v.reasons
+    assert judge_canary(replace(m, look=0), POLICY).outcome == Outcome.RUNNING  # no look, no verdict on it
     m = replace(m, canary=replace(ARM, text=profile(**inside)))
-    assert judge_canary(m, EXACT).outcome == Outcome.RUNNING
+    assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 
 @pytest.mark.parametrize("n, breached", [(30, False), (2000, True)])
@@ -425,7 +542,7 @@ def test_a_degeneracy_guardrail_breaches_only_beyond_sampling_noise(n, breached)
     # +0.08 repetition, 0.03 past the allowance: within noise over 30 answers a side (standard
     # error 0.026), eight standard errors over 2,000
     m = replace(BASE, stable=replace(ARM, text=profile(n=n, sd=0.1)),
-                canary=replace(ARM, text=profile(n=n, repetition=0.23, sd=0.1)))
+                canary=replace(ARM, text=profile(n=n, repetition=0.23, sd=0.1)), look=1)
     assert (judge_canary(m, POLICY).outcome == Outcome.FAIL) is breached
 
 
@@ -437,8 +554,8 @@ def test_arms_without_answers_compare_no_degeneracy():
 
 #: Policy field -> the ``[release]`` setting it is read from (the gate's carry a ``gate_`` prefix).
 CANARY_FIELDS = {f: f for f in ("alpha", "min_events", "deadline_s", "error_limit", "max_error_rate_increase",
-                                "max_latency_ratio", "max_length_ratio", "guardrail_z", "max_reject_share_increase",
-                                "max_flag_rate_increase")}
+                                "max_latency_ratio", "max_length_ratio", "guardrail_alpha", "srm_alpha",
+                                "max_reject_share_increase", "max_flag_rate_increase")}
 GATE_FIELDS = {f: f"gate_{f}" for f in ("max_length_ratio", "max_kl", "min_entropy_ratio", "min_distinct_ratio",
                                         "max_score_drop", "min_trainer_entropy", "min_trainer_distinct")}
 DEGENERACY_FIELDS = ("max_repetition_increase", "max_char_class_shift", "max_collapse_increase")
@@ -462,3 +579,46 @@ def test_policies_repeat_no_default_and_read_every_limit_from_its_setting(policy
         assert getattr(built, field_name) == moved[setting] != getattr(base, setting), field_name
     for name in DEGENERACY_FIELDS:
         assert getattr(built.degeneracy, name) == moved[name] != getattr(base, name), name
+
+
+# -- the guardrails' error rate with heavy users -------------------------------------------------
+
+def test_identical_versions_with_heavy_users_are_rolled_back_at_most_guardrail_alpha():
+    """The audit's scenario, simulated (seeded): users of two tastes (reject 10% or 80% of
+    answers) and heavy-tailed traffic (Pareto, a few users send most requests), each placed on an
+    arm by a coin, both arms served by the same version. Through :func:`judge_tick` as the
+    controller calls it, on the ticks where a look falls due (between them it judges no rate
+    guardrail): the per-request share of rejects of the two arms differs by more than the 0.15
+    allowance in many canaries (what a per-request test sees), yet the per-user guardrails roll
+    back at most ``guardrail_alpha`` of them (plus three standard errors of the simulation)."""
+    import numpy as np
+
+    from release.budget import look_due
+    from release.judge import judge_tick
+
+    rng = np.random.default_rng(45)
+    runs, n = 1000, 320
+    rolled = apart = 0
+    for _ in range(runs):
+        requests = np.minimum(np.ceil(rng.pareto(1.1, n) * 3), 2_000)
+        rejects = rng.binomial(requests.astype(int), np.where(rng.random(n) < 0.5, 0.1, 0.8))
+        side = rng.random(n) < 0.5
+        rate = rejects / requests
+        # per arm, after each user: users, requests, rejects, sum of rates, sum of squares
+        cum = [np.cumsum(np.stack([s, requests * s, rejects * s, rate * s, rate * rate * s]), axis=1)
+               for s in (~side, side)]
+        looks, verdict = 0, None
+        for i in range(n):
+            if not look_due(int(min(cum[0][0, i], cum[1][0, i])), looks):
+                continue
+            arms = [replace(ARM, requests=int(c[1, i]), rejects=int(c[2, i]),
+                            per_user=PerUser(users=int(c[0, i]), reject_sum=c[3, i], reject_sq=c[4, i]))
+                    for c in cum]
+            verdict, looks = judge_tick(replace(BASE, stable=arms[0], canary=arms[1]), POLICY, looks)
+            if verdict.outcome == Outcome.FAIL:
+                break
+        rolled += verdict is not None and verdict.outcome == Outcome.FAIL
+        apart += (cum[1][2, -1] / cum[1][1, -1] - cum[0][2, -1] / cum[0][1, -1]) > POLICY.max_reject_share_increase
+    alpha = POLICY.guardrail_alpha
+    assert apart / runs > 0.05, apart  # heavy users move the per-request share past the allowance
+    assert rolled / runs <= alpha + 3 * math.sqrt(alpha * (1 - alpha) / runs), rolled

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -401,7 +402,7 @@ def test_a_degenerate_canary_is_rolled_back_on_what_it_served():
     for i in range(60):
         t.add_episode(episode(f"c{i}", 7, T0 + i, "ignore", text=f"aaa{i} eee ooo"))
         t.add_episode(episode(f"s{i}", 0, T0 + i, "ignore", text=f"the answer number {i} is here"))
-    v = judge_canary(t.measurement(T0 + 99), CanaryPolicy.of(ReleaseSettings(min_events=50)))
+    v = judge_canary(replace(t.measurement(T0 + 99), look=1), CanaryPolicy.of(ReleaseSettings(min_events=50)))
     assert v.outcome == Outcome.FAIL
     assert [r.split(" 0.")[0] for r in v.reasons] == ["guardrail character repetition",
                                                       "guardrail character-class stuffing: consonants"], v.reasons

@@ -38,7 +38,6 @@ from release.sequential import (
     BETTER_GRID,
     PairCount,
     Pairing,
-    canary_alpha,
     confidence_band,
     log_e_better,
     log_e_worse,
@@ -153,23 +152,6 @@ def test_waiting_outcomes_are_bounded_dropping_the_oldest(monkeypatch):
     for _ in range(4):
         p.add("canary", True)
     assert p.count == PairCount(3, 2, 0) and p.waiting_arm == "canary" and p.waiting == [True]
-
-
-# -- the budget across canaries ---------------------------------------------------------------------
-
-def test_the_kth_canary_is_tested_at_the_elond_level():
-    # alpha * gamma_k * (passes before it + 1), gamma_k = 1 / (k (k + 1)): the gammas sum to 1
-    assert canary_alpha(0.05, 1, 0) == pytest.approx(0.025)
-    assert canary_alpha(0.05, 2, 0) == pytest.approx(0.05 / 6)
-    assert canary_alpha(0.05, 2, 1) == pytest.approx(0.05 / 3)
-    assert canary_alpha(0.05, 4, 3) == pytest.approx(0.05 * 4 / 20)
-    assert sum(1 / (k * (k + 1)) for k in range(1, 100_000)) == pytest.approx(1.0, abs=1e-4)
-    # never above alpha, and each further canary without a pass is tested harder
-    levels = [canary_alpha(0.05, k, 0) for k in range(1, 50)]
-    assert all(a > b for a, b in itertools.pairwise(levels)) and max(canary_alpha(0.05, k, k - 1)
-                                                                     for k in range(1, 50)) <= 0.05
-    with pytest.raises(ValueError):
-        canary_alpha(0.05, 3, 3)  # three passes before the third canary: not a count of this budget
 
 
 def test_pair_count_add_counts_only_discordant_pairs_as_wins_or_losses():
