@@ -512,6 +512,34 @@ def dead_letters(kafka_settings, topics) -> list[DeadLetterEvent]:
                                                                          client_id="t")]
 
 
+def test_a_canary_whose_users_are_not_the_split_asked_for_is_held_not_rolled_back(light_controller):
+    """Issue 45, finding 4: 200 users reached stable and 20 the canary where half were asked for
+    (a share changed mid-canary, routing applied late, users picking their arm). The controller
+    holds it for a person and says why, under on_inconclusive = "rollback" too, and although its
+    few pairs lean against it: its accept rates compare two populations, not two versions."""
+    from release.measure import Tally
+    from release.store import Routing
+
+    ctl, rs = light_controller(on_inconclusive="rollback")
+    with closing(ReleaseStore(rs.db.url)) as people:
+        _seed_canary(people, 1, 0, 5, Tally, Routing)
+        tally = Tally.from_dict(people.tally(1))
+        tally.share = 0.5  # as the controller saves it when the canary starts
+        for arm, n in (("stable", 200), ("canary", 20)):
+            tally.arms[arm].users.update({f"{arm}-{i}": [3, 0, 1, 0, 0] for i in range(n)})
+        people.save(1, tally=tally.to_dict())
+    ctl.tick()
+    assert rs.get(1).state == State.HELD
+    entry = next(e for e in rs.audit(1) if e.to_state == "held")
+    assert entry.reason.startswith("held for a person: sample ratio mismatch: 20 users on the canary and 200 on "
+                                   "stable"), entry.reason
+    analysis = rs.get(1).analysis
+    assert analysis["outcome"] == "hold" and analysis["sample_ratio_e"] >= 1 / ctl.cfg.srm_alpha
+    assert (analysis["stable"]["users"], analysis["canary"]["users"]) == (200, 20)
+    ctl.tick()  # held: the next turns change nothing
+    assert rs.get(1).state == State.HELD and rs.latest_revision().canary_version == 1
+
+
 def test_a_checkpoint_uri_that_is_empty_or_too_long_is_dead_lettered(light_controller, kafka_settings, topics):
     # serving takes a version's uri from the release record, where it must be 1-4,096 characters:
     # one the checkpoint contract let through could never be published
