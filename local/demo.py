@@ -369,9 +369,11 @@ def _policy(s: Settings, control: str | None = None) -> dict[str, Any]:
         "learning": learning,
         "promotion": ("auto-promote: the controller promoted a canary that passed its analysis, with no person"
                       if r.auto_promote else "a person approves each promotion"),
-        "canary": f"{r.canary_share:.0%} of users; verdict after {r.min_events} outcomes per arm (one per user, "
-                  f"flagged users left out), a promotion at the deployment's budget of alpha {r.alpha} across "
-                  f"canaries; {'rolled back' if r.on_inconclusive == 'rollback' else 'held for a person'} "
+        "canary": f"{r.canary_share:.0%} of users; verdict after {r.min_events} outcomes per arm (one per user: "
+                  + ("their judgement of their first answer in the canary" if not r.outcome_window_s else
+                     f"their first judgement within {r.outcome_window_s:g} s of their first answer in the canary")
+                  + f", flagged users left out), a promotion at the budget of alpha {r.alpha} over blocks of "
+                  f"{r.budget_canaries} canaries; {'rolled back' if r.on_inconclusive == 'rollback' else 'held for a person'} "
                   f"without one after {r.deadline_s:g} s",
         "trainer": f"{t.loss}, lr {t.lr:g}, batch {t.batch_size}, a version every {t.publish_every_steps} steps "
                    f"or {t.publish_every_s:g} s",
