@@ -113,7 +113,10 @@ class Rig:
         from serving.main import make_recorder
         from serving.server import AppServer, LoopThread
 
-        serve = ServeSettings(api_keys=(KEY,), max_num_seqs=args.concurrency, rate_limit_burst=1_000_000,
+        # the bench's key is told which version answered each request (serve.version_visible_keys):
+        # what it measures is the version answers came from across a swap
+        serve = ServeSettings(api_keys=(KEY,), version_visible_keys=(KEY,), max_num_seqs=args.concurrency,
+                              rate_limit_burst=1_000_000,
                               rate_limit_per_minute=1e9, rate_limit_key_burst=1_000_000,
                               rate_limit_key_per_minute=1e9, cpu_threads_bind=args.bind,
                               **getattr(args, "serve_overrides", {}))

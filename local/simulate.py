@@ -328,7 +328,9 @@ class Simulator:
         choice = body["choices"][0]
         text = choice["message"]["content"] if self.taste.chat else choice["text"]
         signal = judge(user, text, self.rng)
-        version = int(body["model"].rsplit("@v", 1)[1])
+        # named only to a key in serve.version_visible_keys (the demo's); a product key's answer says
+        # "flywheel" alone, and its rows are counted under no version
+        version = int(body["model"].rsplit("@v", 1)[1]) if "@v" in body["model"] else None
         row = Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"], at, text)
         self.rows.append(row)
         if signal is not None:
