@@ -49,6 +49,7 @@ from flywheel.kafka.clients import (
     make_producer,
     partitions_of,
 )
+from flywheel.kafka.ends import readable_end
 from flywheel.kafka.producers import KafkaSink
 from flywheel.kafka.topics import ensure_declared
 from flywheel.settings import Settings
@@ -59,10 +60,10 @@ from release.store import Revision
 
 log = logging.getLogger(__name__)
 
-#: A read that reached the topics' ends closes the windows due this long before it began: the ends
-#: it compares with are the high watermarks of its fetches, which may have been answered a little
-#: before the read began (a fetch waits up to ``fetch_max_wait_ms``, 500 ms, and one is sent ahead).
-CLOSE_LAG_S = 2.0
+#: A read that reached the topics' ends closes the windows due ``CLOSE_LAG_S`` plus one turn
+#: (``release.tick_s``) before it began: the ends it compares with come from its fetches, and one
+#: may have been sent during the turn before and answered up to ``fetch_max_wait_ms`` (500 ms) later.
+CLOSE_LAG_S = 0.5
 #: Most episode and reward records folded into a canary's tally per turn.
 MAX_READ = 20_000
 #: Most serving status records read per turn: one per release per serving instance, so a turn
@@ -213,7 +214,7 @@ class Streams:
         """Fold the episodes and rewards after the tally's offsets into it; returns how many. Once
         the read has reached the topics' ends, the tally's outcome windows due by when it began are
         read (``Tally.close``): every record published before then is folded by then."""
-        began = time.time() - CLOSE_LAG_S
+        began = time.time() - CLOSE_LAG_S - self.settings.release.tick_s
         tps = [TopicPartition(t, p) for t in self.measured for p in partitions_of(self.reader, t)]
         if set(self.reader.assignment()) != set(tps):
             self.reader.assign(tps)
@@ -241,8 +242,10 @@ class Streams:
     @staticmethod
     def _caught_up(reader: Any, tps: list[TopicPartition]) -> bool:
         for tp in tps:
-            high = reader.highwater(tp)
-            if high is None or reader.position(tp, timeout_ms=1000) < high:
+            # the last stable offset: ingest and reward write in transactions, and one is open
+            # most of the time, so the high watermark is seldom reached (flywheel/kafka/ends.py)
+            end = readable_end(reader, tp)
+            if end is None or reader.position(tp, timeout_ms=1000) < end:
                 return False
         return True
 

@@ -83,11 +83,11 @@ def settings_for(kafka_settings, topics, model_dir, data_dir, db_url, **release)
     cfg = {"database_url": db_url, "canary_share": 0.5, "min_events": 40, "alpha": 0.05, "promotion_interval_s": 0,
                "gate_max_new_tokens": 12, "prompts_file": prompts, "tick_s": 0.1, "lease_ttl_s": 5, "deadline_s": 600}
     cfg.update(release)
-    # each user's outcome is read 1 s after their first answer (outcome window, ingest's join
+    # each user's outcome is due 0.2 s after their first answer (outcome window, ingest's join
     # window and grace: release/outcomes.py), so a canary decides in seconds
-    cfg.setdefault("outcome_window_s", 0.5)
+    cfg.setdefault("outcome_window_s", 0.1)
     return Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=topics.prefix, kafka=kafka_settings,
-                    ingest=IngestSettings(window_s=0.5, grace_s=0.0), release=ReleaseSettings(**cfg))
+                    ingest=IngestSettings(window_s=0.1, grace_s=0.0), release=ReleaseSettings(**cfg))
 
 
 def publish_checkpoint(kafka_settings, topics, event: dict) -> None:
@@ -250,7 +250,7 @@ def test_a_candidate_users_reject_is_rolled_back_without_a_person(run_controller
     # the share-of-rejects guardrail or the sequential test, whichever the evidence reached first
     assert entry.actor == f"controller:{ctl.holder}" and entry.reason.startswith("analysis fail: ")
     assert "share of rejects" in entry.reason or "accepted less often" in entry.reason
-    # (the guardrail can come before any user's outcome is read: 1 s after their first answer)
+    # (the guardrail can come before any user's outcome is read, shortly after their first answer)
     canary, stable = entry.evidence["canary"], entry.evidence["stable"]
     assert canary["accepts"] < stable["accepts"] or canary["rejects"] > stable["rejects"]
     tick_until(ctl, lambda: rs.latest_revision().published, "the routing back to stable, published")
