@@ -13,6 +13,11 @@ goes on exactly where it stopped. What it does with each record:
   into a :class:`~flywheel.degeneracy.TextProfile` per arm (fixed-size sums: character repetition,
   character classes, a histogram of lengths) for the degeneracy guardrails; an aborted generation
   is an error, not an answer.
+- **Per user, for the guardrails.** Each arm also keeps, for each user the hash put in it (the
+  generation's ``user_id``), their requests, errors, rejects, rewards and flagged rewards
+  (``Arm.users``, at most ``MAX_GUARDRAIL_USERS``): the rate guardrails compare the means over
+  users of each user's own rate, and the sample-ratio check counts the users per arm against the
+  share the routing asked for (``Tally.share``), both in release/judge.py.
 - **Who counts.** Abuse flags (:data:`~flywheel.contracts.ABUSE_FLAGS`: ``user_cap``,
   ``constant_user``, ``rate_anomaly``) describe the user who sent a signal (the episode's
   ``rater_id``, else the generation's user). A user reward flags on any of their rewards (any
@@ -141,8 +146,8 @@ class Tally:
     stable_version: int
     canary_version: int
     started_at: float
-    #: the level this canary's PASS is tested at (the deployment's budget, release/sequential.py
-    #: ``canary_alpha``), fixed when it started; None: ``release.alpha``
+    #: the level this canary's PASS is tested at (the deployment's budget, release/budget.py
+    #: ``pass_level``), fixed when it started; None: ``release.alpha``
     alpha: float | None = None
     arms: dict[str, Arm] = field(default_factory=lambda: {a: Arm() for a in ARMS})
     pairing: Pairing = field(default_factory=Pairing)
