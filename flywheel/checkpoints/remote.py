@@ -123,6 +123,11 @@ class ObjectStore:
     def ledger(self, version: int) -> dict[str, Any]:
         return json.loads(self.fs.cat_file(f"{self.base}/{vname(version)}/{LEDGER}"))
 
+    def pruned(self, version: int, man: dict[str, Any]) -> bool:
+        """As store.py's :func:`~flywheel.checkpoints.store.pruned`: ``version`` keeps a delta and
+        its weights object is gone (readers rebuild it from the chain)."""
+        return DELTA in man["files"] and not self.fs.exists(f"{self.base}/{vname(version)}/{manifest.weights_name(man)}")
+
     def announced(self) -> int | None:
         """The announced mark kept beside the versions (None: never written)."""
         try:

@@ -123,3 +123,36 @@ def test_an_object_store_that_does_not_answer_is_out_of_reach_and_a_broken_one_i
     assert store.out_of_reach(PermissionError("Access Denied")).errno == errno.EACCES
     assert store.out_of_reach(ManifestError("a hash that does not match")) is None
     assert store.out_of_reach(FileNotFoundError("v00000003/delta.fwd")) is None
+
+
+def test_checkpoint_list_and_verify_read_the_object_store_the_settings_name(tiny_model_dir, s3_url, tmp_path,
+                                                                             monkeypatch, capsys):
+    """``flywheel checkpoint list`` and ``verify`` with ``trainer.store`` an ``s3://`` URL read that
+    store. They read the local store under ``<data_dir>/checkpoints`` instead: the trainer's
+    working copy where it runs, nothing at all anywhere else ('no versions'). ``verify`` fetches
+    the version (v1 rebuilt from v0 and its delta) into a temporary cache it leaves nothing of."""
+    import json
+
+    from cli.main import main
+
+    local = _publish_chain(tiny_model_dir, tmp_path / "trainer", 3)
+    remote = ObjectStore(s3_url)
+    for v in local.versions():
+        remote.publish(local.path(v))
+    remote.prune(keep_full=1, keep_optimizer=1)
+    monkeypatch.setenv("FLYWHEEL_TRAINER_STORE", s3_url)
+    monkeypatch.setenv("FLYWHEEL_DATA_DIR", str(tmp_path / "reader"))
+
+    assert main(["checkpoint", "list", "-o", "json"]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert body["store"] == s3_url
+    assert [(r["version"], r["parent"], r["weights"]) for r in body["versions"]] == [
+        (0, None, "file"), (1, 0, "delta"), (2, 1, "file")]
+    assert body["versions"][1]["manifest_sha256"] == manifest.sha256_file(local.path(1) / manifest.MANIFEST_NAME)
+    assert main(["checkpoint", "verify", "1"]) == 0
+    assert capsys.readouterr().out.startswith("version 1: OK")
+
+    remote.fs.pipe_file(f"{remote.base}/v00000002/model.safetensors", _weights(tiny_model_dir, 7))
+    assert main(["checkpoint", "verify"]) == 1  # the latest, 2, whose object was rewritten
+    assert "version 2: FAILED" in capsys.readouterr().err
+    assert list((tmp_path / "reader" / "checkpoints").iterdir()) == []
