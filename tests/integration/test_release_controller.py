@@ -512,6 +512,7 @@ def dead_letters(kafka_settings, topics) -> list[DeadLetterEvent]:
                                                                          client_id="t")]
 
 
+@pytest.mark.slow  # a broker: the rule itself is table-tested in tests/unit/test_release_judge.py
 def test_a_canary_whose_users_are_not_the_split_asked_for_is_held_not_rolled_back(light_controller):
     """Issue 45, finding 4: 200 users reached stable and 20 the canary where half were asked for
     (a share changed mid-canary, routing applied late, users picking their arm). The controller
