@@ -297,9 +297,10 @@ def run(settings: Any, args: Any) -> int:
     if salt:
         env.pop("FLYWHEEL_SERVE_USER_ID_SALT", None)  # the published default said explicitly: replaced, not doubled
         env.update(salt)
-    if not settings.routing_secret:  # serving refuses to split users without one beside API keys
-        env.pop("FLYWHEEL_ROUTING_SECRET", None)
-        env["FLYWHEEL_ROUTING_SECRET_FILE"] = str(_secret_file(data_dir / "up", "routing-secret"))
+    routing = local_routing_secret(settings, data_dir / "up")
+    if routing:
+        env.pop("FLYWHEEL_ROUTING_SECRET", None)  # an empty one said explicitly: replaced, not doubled
+        env.update(routing)
     signing = local_keys(settings, data_dir / "keys")
     if signing:
         env.update(signing)
@@ -389,6 +390,16 @@ def local_salt(settings: Any, where: Path) -> dict[str, str]:
         return {}
     # the file, not the value: a child's environment is readable in /proc by the same user
     return {"FLYWHEEL_SERVE_USER_ID_SALT_FILE": str(_secret_file(where, "user-id-salt"))}
+
+
+def local_routing_secret(settings: Any, where: Path) -> dict[str, str]:
+    """Environment that gives serving and the release controller a random ``routing_secret`` kept in
+    ``where/routing-secret`` while the settings hold none (serving refuses to split users without
+    one beside API keys: serving/main.py ``routing_secret_refusal``); an operator's is left alone.
+    Kept, as the salt is, so a restart of ``up`` mid-canary keeps the canary's split."""
+    if settings.routing_secret:
+        return {}
+    return {"FLYWHEEL_ROUTING_SECRET_FILE": str(_secret_file(where, "routing-secret"))}
 
 
 def _secret_file(where: Path, name: str) -> Path:

@@ -107,3 +107,18 @@ def test_flywheel_up_gives_serving_a_random_salt_it_keeps_and_leaves_an_operator
     assert local_salt(Settings(), tmp_path / "up") == env and path.read_text() == before  # ids stay across restarts
     assert local_salt(Settings(serve=ServeSettings(user_id_salt="theirs")), tmp_path / "other") == {}
     assert not (tmp_path / "other").exists()
+
+
+def test_flywheel_up_gives_serving_and_release_a_routing_secret_it_keeps_and_leaves_an_operators_alone(tmp_path):
+    from local.up import local_routing_secret
+
+    env = local_routing_secret(Settings(), tmp_path / "up")
+    path = tmp_path / "up" / "routing-secret"
+    assert env == {"FLYWHEEL_ROUTING_SECRET_FILE": str(path)}
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and len(path.read_text()) == 64
+    settings = load_settings(env={**env, "FLYWHEEL_API_KEYS": "sk-local", "FLYWHEEL_SERVE_USER_ID_SALT": "s" * 32})
+    assert routing_secret_refusal(settings) is None and settings.routing_secret == path.read_text()
+    before = path.read_text()
+    assert local_routing_secret(Settings(), tmp_path / "up") == env and path.read_text() == before  # the split stays
+    assert local_routing_secret(Settings(routing_secret="theirs-of-16-chars"), tmp_path / "other") == {}
+    assert not (tmp_path / "other").exists()
