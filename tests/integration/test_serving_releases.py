@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_helpers import ENGINE, KEY, SALT, Served, generations
 from trainer_helpers import make_trainer, reward_event
 
+from flywheel.arms import split_salt
 from flywheel.checkpoints import MANIFEST_NAME, CheckpointStore
 from flywheel.contracts import DeadLetterEvent, ReleaseEvent, Topics, VersionRef, decode, encode
 from flywheel.kafka.clients import ensure_topics
@@ -37,6 +38,9 @@ from local.broker import free_port
 from serving.identity import pseudonymise
 from serving.routing import arm_of
 from tests.conftest import read_all
+
+ROUTING_SECRET = "the-routing-secret-serving-and-release-share"
+PRODUCT = "sk-product"  # a product's key: not told which version answered (serve.version_visible_keys)
 
 pytestmark = pytest.mark.integration
 
@@ -147,7 +151,9 @@ def rig(broker, tiny_model_dir, trained, tmp_path_factory, release_keys):
     kafka = KafkaSettings(bootstrap=broker.bootstrap, partitions=2)
     ensure_topics(kafka, topics.all())
     settings = Settings(model_dir=tiny_model_dir, data_dir=tmp_path_factory.mktemp("serving"), topic_prefix=topics.prefix,
-                        kafka=kafka, serve=ServeSettings(api_keys=(KEY,), user_id_salt=SALT, version_visible_keys=(KEY,), max_num_seqs=32,
+                        kafka=kafka, routing_secret=ROUTING_SECRET,
+                        serve=ServeSettings(api_keys=(KEY, PRODUCT), user_id_salt=SALT, version_visible_keys=(KEY,),
+                                            max_num_seqs=32,
                                                          trusted_release_keys=(release_keys / "trusted",)),
                         release=ReleaseSettings(deployment="flywheel"))
     registry = new_registry()
@@ -192,8 +198,18 @@ def test_a_trained_canary_at_half_splits_users_and_serves_the_trainers_weights(e
     assert rig.health()["versions"] == {"stable": 0, "canary": 3}
     users = [f"person-{i}" for i in range(40)]
     answers = {u: _complete(rig, u, "the same prompt for everyone") for u in users}
-    expected = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5) == "canary" else 0 for u in users}
+    # split by the release's salt under the routing secret (flywheel/arms.py), which no topic carries
+    expected = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5, split_salt(ROUTING_SECRET, "")) == "canary" else 0
+                for u in users}
     assert {u: a["model"] for u, a in answers.items()} == {u: f"flywheel@v{v}" for u, v in expected.items()}
+    # a product key is not told which arm answered it, whichever it was; the record says
+    told = {u: rig.served.post("/v1/completions", {"model": "flywheel", "prompt": "hi", "max_tokens": 1, "user": u},
+                               key=PRODUCT).json() for u in users[:6]}
+    assert {a["model"] for a in told.values()} == {"flywheel"}
+    assert [m["id"] for m in httpx.get(rig.served.url + "/v1/models",
+                                       headers={"Authorization": f"Bearer {PRODUCT}"}).json()["data"]] == ["flywheel"]
+    told_events = _events(rig, [a["id"] for a in told.values()])
+    assert {u: told_events[a["id"]].model_version for u, a in told.items()} == {u: expected[u] for u in told}
     assert 8 < sum(v == 3 for v in expected.values()) < 32  # both arms got users
     again = {u: _complete(rig, u, "another prompt")["model"] for u in users[:10]}
     assert again == {u: answers[u]["model"] for u in users[:10]}  # each user keeps their version
@@ -219,8 +235,8 @@ def test_a_trained_canary_at_half_splits_users_and_serves_the_trainers_weights(e
     # the next canary comes with a salt of its own: the same users split afresh (no reload), and
     # each keeps the version the salted hash gives while that canary runs
     rig.release(0, 3, 0.5, salt="flywheel/v3/another-canary")
-    resplit = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5, "flywheel/v3/another-canary") == "canary" else 0
-               for u in users}
+    resplit = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5, split_salt(ROUTING_SECRET, "flywheel/v3/another-canary"))
+               == "canary" else 0 for u in users}
     assert resplit != expected  # a fresh split, not the one every canary used to share
     for _ in range(2):
         got = {u: _complete(rig, u, "a third prompt")["model"] for u in users}
