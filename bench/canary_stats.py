@@ -2,10 +2,10 @@
 own measurement and judge, what the always-valid test costs in events, and what watching does to
 a classic test. ``flywheel bench --only canary`` runs it into the bench table.
 
-Run: ``python bench/canary_stats.py [--fold-runs 1000] [--power-runs 100] [--runs 2000]
-[--null-runs 10000] [--null-pairs 10000] [--seed 20250101] [--quick] [--json PATH]`` (about 5
-minutes of one core; ``--quick``: a smoke run of about 15 s). Simulated users only (seeded):
-nothing is served, nothing is written.
+Run: ``python bench/canary_stats.py [--fold-runs 1000] [--power-runs 100] [--adversary-runs 400]
+[--runs 2000] [--null-runs 10000] [--null-pairs 10000] [--seed 20250101] [--quick] [--json PATH]``
+(about 25 minutes of one core, (e) most of it; ``--quick``: a smoke run, one run a row of (e)).
+Simulated users only (seeded): nothing is served, nothing is written.
 
 (c) False PASS through the real fold (bench/canary_fold.py): two IDENTICAL versions, canaries of
     simulated users whose records (built through flywheel/contracts.py) go through serving's
@@ -16,11 +16,25 @@ nothing is served, nothing is written.
     late feedback; two tastes with unequal base rates among few, heavy-tailed users (the arms'
     tastes differ by chance); the demo's settings (local/demo.toml: canary after canary for
     210 s, each rolled back after 45 s without a verdict; a run's false PASS is any PASS in it).
-    Printed per scenario: the share of runs with a false PASS, its standard error, and alpha.
-    Goal: at most alpha in every scenario. The same harness with a deliberately invalid judge (a
+    Printed per scenario: the share of runs with a false PASS, its standard error, and the level
+    it is judged against: for one canary the level the budget gives it (the first canary of a
+    deployment: release/budget.py), for a run of canaries alpha. Goal: at most that level. The same harness with a deliberately invalid judge (a
     fixed-horizon z-test asked as often) shows it can see an inflated rate.
 (d) Power through the same fold: the canary's users accept 0.40 where stable's accept 0.30; the
     share of canaries that PASS by their deadline, at the size stated.
+(e) Who and what could steer a verdict (issue 45), through the same routing (under the routing
+    secret), guards, fold and judge, two IDENTICAL versions, one canary of 150 s after a minute of
+    traffic: rejects held and sent in bursts every 30 s (canary share 0.5 and 0.1); rejects 5, 20
+    and 60 s late while accepts come at once; 30 sock puppets (ids first seen in the canary) that
+    accept only canary answers, knowing their arm, or guessing it as a hidden version leaves them;
+    one canary-side requester whose answers are accepted under 60 other users' ids (feedback goes
+    through serving's owner check: refused feedback never reaches the topic); few heavy users of
+    two tastes; the share raised from 0.1 to 0.5 half way; 2 of 4 serving replicas applying the
+    routing 20 s late; the accept rate drifting from 0.15 to 0.45 (time of day). Printed per row:
+    the share of runs with a false PASS against the level the controller tested it at, the runs
+    rolled back by the accept-rate test (FAIL) and by a guardrail against FAIL's level, and the
+    runs held (a sample-ratio mismatch). Verdict: OK at most the level, ``noise`` above it by
+    less than 3 standard errors of a rate at the level, ``over`` past that.
 (a)-(b) below use numpy alone, on i.i.d. outcomes already paired (a pair is one outcome of each
     arm: with a 10% canary share, pairs grow as the canary's outcomes do).
 
@@ -53,6 +67,7 @@ import json
 import math
 import time
 from dataclasses import replace
+from enum import StrEnum
 from pathlib import Path
 from statistics import NormalDist
 
@@ -168,9 +183,9 @@ def false_alarms(rng: np.random.Generator, runs: int, pairs: int, alpha: float) 
 
 def false_passes(runs: int, seed: int) -> list[dict]:
     """(c): a row per scenario, and the naive judge's row."""
-    demo = load_settings(env={}, config_file=DEMO_CONFIG).release
+    demo = load_settings(env={}, config_file=DEMO_CONFIG)
     rows = []
-    print(f"{'scenario (identical versions)':<62}{'runs':>6}{'false PASS':>11}{'SE':>7}{'alpha':>7}"
+    print(f"{'scenario (identical versions)':<62}{'runs':>6}{'false PASS':>11}{'SE':>7}{'level':>7}"
           f"{'pairs':>7}{'left out':>9}")
     for sc in fold.scenarios(demo):
         rows.append(_null_row(sc.name, sc, fold.measure(sc, runs, seed)))
@@ -184,21 +199,68 @@ def false_passes(runs: int, seed: int) -> list[dict]:
 
 
 def _null_row(label: str, sc: fold.Scenario, r: fold.Rates, goal: bool = True) -> dict:
-    print(f"{label:<62}{r.runs:>6}{r.rate:>11.4f}{r.se:>7.4f}{sc.alpha:>7.2f}{r.pairs:>7.0f}{r.excluded_users:>9.2f}")
+    # one canary is tested at the level the budget gives it, and judged against that level; a run
+    # of several has one chance of a false PASS per canary, bounded by alpha over the run
+    level = r.pass_level if sc.canaries == 1 else sc.alpha
+    print(f"{label:<62}{r.runs:>6}{r.rate:>11.4f}{r.se:>7.4f}{level:>7.4f}{r.pairs:>7.0f}{r.excluded_users:>9.2f}")
     per = f", {r.canaries / r.runs:.1f} canaries a run" if sc.canaries > 1 else ""
-    return {"name": f"canary false PASS: {label}", "value": r.rate, "baseline": sc.alpha, "se": r.se,
+    return {"name": f"canary false PASS: {label}", "value": r.rate, "baseline": level, "se": r.se,
             "unit": "share of runs", "goal": goal,
             "note": f"{r.runs} runs, SE {r.se:.4f}, {r.pairs:.0f} pairs at the verdict{per}"}
 
 
 #: (label, scenario) of the power rows: 0.30 against 0.40
+#: (no traffic before the canary is simulated: its users are counted as the established ones)
 POWER = (
     ("half the users on the canary, 2,000 users, 20 requests/s, 5 min",
-     fold.Scenario("power", users=2000, rate=20.0, deadline_s=300.0, min_events=50, lift=0.10, tick_s=1.0)),
+     fold.Scenario("power", users=2000, rate=20.0, deadline_s=300.0, min_events=50, lift=0.10, tick_s=1.0,
+                   new_users="count")),
     ("10% of users on the canary, 6,000 users, 40 requests/s, 10 min",
      fold.Scenario("power", users=6000, rate=40.0, deadline_s=600.0, canary_share=0.1, min_events=50, lift=0.10,
-                   tick_s=1.0)),
+                   tick_s=1.0, new_users="count")),
 )
+
+
+class Within(StrEnum):
+    """A measured error rate against the level it is tested at."""
+
+    OK = "OK"  # at most the level
+    NOISE = "noise"  # above it, by less than 3 standard errors of a rate at the level: can be chance
+    OVER = "over"  # above it by more: a valid test gets here in about 0.1-0.5% of rows
+
+
+def within(count: int, runs: int, level: float) -> Within:
+    """``count`` errors in ``runs`` against ``level``. The allowance is the spread a rate exactly at
+    the level has over ``runs`` (binomial), so a row of few runs is never called over on noise."""
+    rate = count / runs
+    if rate <= level:
+        return Within.OK
+    return Within.NOISE if rate <= level + 3 * math.sqrt(level * (1 - level) / runs) else Within.OVER
+
+
+def adversary_table(runs: int, seed: int) -> list[dict]:
+    """(e): each adversary or condition of canary_fold.adversary_scenarios, between identical
+    versions: false PASS against the level the budget gives the canary, false rollbacks (the
+    accept-rate FAIL and the guardrails) against FAIL's level."""
+    rows = []
+    print(f"{'scenario (identical versions, one canary)':<62}{'runs':>5}{'false PASS':>11}{'SE':>7}{'level':>8}"
+          f"{'FAIL':>6}{'guard':>6}{'level':>6}{'held':>6}  verdict")
+    for sc in fold.adversary_scenarios():
+        r = fold.measure(sc, runs, seed)
+        rollbacks = r.failed + r.guardrail
+        calls = within(r.passed, r.runs, r.pass_level), within(rollbacks, r.runs, r.fail_level)
+        verdict = max(calls, key=list(Within).index)
+        print(f"{sc.name:<62}{r.runs:>5}{r.rate:>11.3f}{r.se:>7.3f}{r.pass_level:>8.4f}{r.failed:>6}"
+              f"{r.guardrail:>6}{r.fail_level:>6.2f}{r.held:>6}  {verdict}")
+        note = (f"{r.runs} runs, SE {r.se:.4f}, {r.held} held; {r.pairs:.0f} pairs at the verdict; "
+                f"{calls[0]} against its level")
+        rows.append({"name": f"canary false PASS: {sc.name}", "value": r.rate, "baseline": r.pass_level,
+                     "se": r.se, "unit": "share of runs", "goal": True, "within": str(calls[0]), "note": note})
+        rows.append({"name": f"canary false rollback: {sc.name}", "value": rollbacks / r.runs,
+                     "baseline": r.fail_level, "se": fold.share_se(rollbacks / r.runs, r.runs),
+                     "unit": "share of runs", "goal": True, "within": str(calls[1]),
+                     "note": f"{r.failed} by the accept rate, {r.guardrail} by a guardrail; {calls[1]} against its level"})
+    return rows
 
 
 def power(runs: int, seed: int) -> list[dict]:
@@ -222,11 +284,14 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=20250101)
     ap.add_argument("--fold-runs", type=int, default=1000, help="simulated runs per scenario in (c)")
     ap.add_argument("--power-runs", type=int, default=100, help="simulated canaries per size in (d)")
+    ap.add_argument("--adversary-runs", type=int, default=400, help="simulated canaries per row of (e)")
     ap.add_argument("--quick", action="store_true", help="a smoke run: few runs, short canaries")
     ap.add_argument("--json", type=Path, default=None, help="also write (c) and (d)'s rows here")
     args = ap.parse_args()
     if args.quick:
-        args.runs, args.null_runs, args.null_pairs, args.fold_runs, args.power_runs = 100, 300, 1000, 40, 4
+        # (c) and (d) fold every record through the controller's tally and judge: a few runs each
+        args.runs, args.null_runs, args.null_pairs, args.fold_runs, args.power_runs = 100, 300, 1000, 20, 1
+        args.adversary_runs = 1
     rng = np.random.default_rng(args.seed)
     t0 = time.perf_counter()
 
@@ -236,6 +301,9 @@ def main() -> None:
     print()
     print("(d) power through the real fold and judge")
     rows += power(args.power_runs, args.seed)
+    print()
+    print(f"(e) adversaries and conditions through the real routing, guards, fold and judge, seed {args.seed}")
+    rows += adversary_table(args.adversary_runs, args.seed)
     print()
 
     print(f"(a) pairs until a verdict, one-sided alpha {args.alpha}, {args.runs:,} runs per lift, seed {args.seed}")

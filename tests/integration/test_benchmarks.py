@@ -62,13 +62,23 @@ def test_decode_cost_prints_a_row_per_record_kind():
         assert float(ratio) == pytest.approx(float(full) / float(parse), abs=0.01)
 
 
-@pytest.mark.slow  # 12 s, a bench's smoke run  # the default suite must stay under 14 minutes on 2 cores
+@pytest.mark.slow  # 20-25 s of CPU, a bench's smoke run  # the default suite must stay under 14 minutes on 2 cores
 def test_canary_stats_prints_every_table(tmp_path):
     rows = run_bench("canary_stats.py", "--quick", "--json", str(tmp_path / "canary.json"))
     import json
 
     # (c) and (d), through the controller's fold and judge: a row per scenario, and the contrasts
-    fold = {r["name"].split(": ", 1)[1]: r for r in json.loads((tmp_path / "canary.json").read_text())["rows"]}
+    written = json.loads((tmp_path / "canary.json").read_text())["rows"]
+    adversary = [r for r in written if r["name"].startswith(("canary false PASS: ", "canary false rollback: "))
+                 and "within" in r]
+    fold = {r["name"].split(": ", 1)[1]: r for r in written if r not in adversary}
+    # (e): two rows per adversary or condition, each judged against the level it was tested at
+    names = [r["name"].split(": ", 1)[1] for r in adversary]
+    assert names[::2] == names[1::2] and len(names) == 26, names
+    assert {"rejects held, sent in bursts every 30 s, share 0.1", "30 sock puppets that see their arm",
+            "one requester, answers accepted under 60 rater ids",
+            "time of day: accept rate 0.15 -> 0.45 over the run, share 0.1"} <= set(names)
+    assert all(r["within"] in ("OK", "noise", "over") and 0 < r["baseline"] <= 0.05 for r in adversary)
     assert list(fold) == ["i.i.d. users", "an abusive user (10% of requests), reward's guards fresh",
                           "late feedback (30% up to 300 s, rejects later)",
                           "two tastes (0.55 / 0.10), 60 heavy-tailed users", "the demo's settings: 210 s of canaries",
@@ -79,7 +89,7 @@ def test_canary_stats_prints_every_table(tmp_path):
     valid = [r for r in fold.values() if r.get("goal")]
     assert len(valid) == 5 and all(r["value"] <= r["baseline"] + 3 * r["se"] for r in valid), valid
     naive = fold["i.i.d. users, a fixed-horizon z-test asked as often (invalid)"]
-    assert naive["value"] > fold["i.i.d. users"]["value"] + 0.1  # 40 runs: a wide margin, 0.30 seen
+    assert naive["value"] > fold["i.i.d. users"]["value"] + 0.1  # 20 runs: a wide margin, 0.25 seen
     rows = rows[-15:]  # (a) and (b), numpy alone
     shapes = [re.sub(r"\d[\d.,]*", "#", " ".join(label.split())) for label, _, _ in rows]
     lift = ["# vs # fixed-horizon z-test, power # (sim #)", "# vs # always-valid e-process, mean (cap if none)",
