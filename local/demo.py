@@ -299,11 +299,14 @@ def _taste_beside_stop(store: Path, args: Any, preset: Preset, base: Path) -> Ca
         try:
             from local.taste import compare
 
-            # a real model samples about 10x slower than the built one: fewer answers, same pairing
+            # a real model samples about 10x slower than the built one: fewer answers, same pairing.
+            # Batches of 32: each batch is one prompt, and the goal's t is over prompts, so more
+            # prompts of fewer answers are more evidence (a loaded run's 30 s held 5 batches of 64:
+            # 0.25 -> 0.64 over 5 prompts was z 3.9)
             real = preset.taste != "built"
             out.update(compare(store / f"v{0:08d}", store / f"v{newest:08d}", users=args.users, seed=args.seed,
                                gameable=args.gameable, taste=preset.taste, base=base, max_tokens=preset.max_tokens,
-                               batch=32 if real else 64, budget_s=90.0 if real else 30.0), version=newest)
+                               batch=32, budget_s=90.0 if real else 30.0), version=newest)
         except Exception as exc:  # noqa: BLE001 - a measurement that failed is "not measured", not a lost report
             _say(f"the offline measure of v{newest} failed: {exc!r}")
 

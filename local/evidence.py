@@ -3,8 +3,9 @@
 Each goal's statistic compares units that are independent of each other, or it would count
 correlated answers as separate evidence:
 
-- **Offline, by prompt** (:func:`prompt_paired`). local/taste.py samples 16 prompts x 64 answers
-  from each of two versions with the same draws. Answers to one prompt share that prompt's
+- **Offline, by prompt** (:func:`prompt_paired`). local/taste.py samples batches of answers, each
+  batch one prompt, from each of two versions with the same draws (the demo: 32 x 32 over 24
+  prompts; before, 16 prompts x 64 answers). Answers to one prompt share that prompt's
   effect: a version may suit one prompt's answers better and another's worse with no gain on
   average. Treating the 2 x 1,024 answers as independent (a two-proportion z) then reaches 4
   standard errors in about 9% of runs of such a drifting version (tests/unit/test_evidence.py).

@@ -55,7 +55,7 @@ MIN_DISTINCT = 0.95
 LIFT_Z = 3.0
 #: The third, measured offline (local/taste.py): the newest version's answers, sampled from its
 #: checkpoint and judged by the simulated users, accepted more often than the starting model's,
-#: prompt by prompt (16 prompts x 64 answers, the same draws: identical weights score z 0), by a
+#: prompt by prompt (32 batches of 32 answers over 24 prompts, the same draws: identical weights score z 0), by a
 #: t over prompts whose one-sided p is a normal z's of 4 (p 3.2e-5; local/evidence.py).
 TASTE_Z = 4.0
 #: Accept rates are plotted over windows this long; the start is the first of them.
