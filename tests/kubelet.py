@@ -9,8 +9,9 @@ the rendered objects and nothing else, and the harness stays out of what the man
   the image is the wheel and nothing else) unless the container's ``command`` replaces it, then its
   ``args`` (or the image's CMD).
 - **Environment**: the image's ENV read from deploy/Dockerfile, then ``envFrom``, then ``env``
-  (``value``, ``valueFrom`` ConfigMap and Secret keys, ``$(VAR)`` expanded), as the kubelet orders
-  them; ``HOME`` the image user's home when the pod sets none, as container runtimes set it.
+  (``value``, ``valueFrom`` ConfigMap and Secret keys, an ``optional`` one that is missing left
+  unset, ``$(VAR)`` expanded), as the kubelet orders them; ``HOME`` the image user's home when
+  the pod sets none, as container runtimes set it.
   ``enableServiceLinks`` true would add the Services' variables: the manifests turn it off, and a
   pod that leaves it on is refused here rather than given invented addresses.
 - **Filesystem**: each pod has a root directory that stands for the image's root filesystem; every
@@ -229,7 +230,11 @@ class Pod:
             else:
                 ref = e["valueFrom"].get("secretKeyRef") or e["valueFrom"]["configMapKeyRef"]
                 kind = "Secret" if "secretKeyRef" in e["valueFrom"] else "ConfigMap"
-                made[e["name"]] = self.cluster.data_of(kind, ref["name"])[ref["key"]]
+                data = self.cluster.data_of(kind, ref["name"])
+                if ref["key"] in data:
+                    made[e["name"]] = data[ref["key"]]
+                elif not ref.get("optional"):  # the kubelet does not start the container
+                    raise KeyError(f"{self.name}: {kind} {ref['name']} has no key {ref['key']}")
         # the container runtime sets HOME to the image user's home when the pod does not: in the
         # read-only root, so what a role caches there is a write refused
         made.setdefault("HOME", image_home())

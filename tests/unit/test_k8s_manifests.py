@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -364,11 +366,13 @@ def pod_settings(workload: dict[str, Any], resources: list[dict[str, Any]],
 
 
 def path_values(settings: Settings, setting: str) -> list[str]:
-    """The pod paths one path setting names (none when unset, or a URL: no volume holds that)."""
+    """The pod paths one path setting names (none when unset). ``trainer.store``: the local
+    store's directory, which with an object store's URL is the trainer's working copy and the
+    controller's cache of fetched versions (flywheel/checkpoints/store.py store_root)."""
     from flywheel.checkpoints.store import store_root
 
     if setting == "trainer.store":
-        return [] if "://" in settings.trainer.store else [str(store_root(settings))]
+        return [str(store_root(settings))]
     if setting == "archive":
         return [str(settings.archive_root)]
     value: Any = settings
@@ -385,20 +389,46 @@ def covering_mount(workload: dict[str, Any], path: str) -> dict[str, Any] | None
     return max(mounts, key=lambda m: len(m["mountPath"]), default=None)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def with_object_store(overlay: str, tmp_path: Path) -> list[dict[str, Any]]:
+    """``overlay`` with components/object-store, as an operator's overlay adds it. Rendered by
+    ``kubectl kustomize`` only: the component is strategic-merge patches (a mount deleted by its
+    path, whatever its index), which tests/k8s_render.py does not apply."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: components/object-store is rendered by kustomize itself")
+    folder = tmp_path / f"{overlay}-with-object-store"
+    folder.mkdir(parents=True)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(K8S / "overlays" / overlay, folder)],
+        "components": [os.path.relpath(K8S / "components" / "object-store", folder)]}))
+    return kustomize(folder)
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "cpu+object-store"])
 def test_every_path_a_role_opens_is_on_a_volume_of_its_pod(overlay, tmp_path):
     """The release controller's pod set no model directory and mounted none, so it took the image's
     ``/models/current``, which no volume of its pod holds: every gate against version 0 raised
     OSError and each version was rejected after three tries. Each role's settings load here as its
     pod's would, and every path they name for the role must be on one of the pod's mounts,
-    read-only where the role only reads."""
-    resources = kustomize(K8S / "overlays" / overlay)
+    read-only where the role only reads. A checkpoint store that is a directory is a mounted one;
+    an object store's URL needs no claim, but its local side (the trainer's working copy, the
+    controller's cache) is written, on a volume of the pod."""
+    from flywheel.checkpoints.remote import is_url
+
+    base, _, component = overlay.partition("+")
+    resources = with_object_store(base, tmp_path) if component else kustomize(K8S / "overlays" / overlay)
     kafka = yaml.safe_load((K8S / "components" / "kafka-sasl-ssl" / "kustomization.yaml").read_text())
     missing = []
     for w in workloads(apply_patches(resources, kafka["patches"])):
         r = role(w)
         settings, made = pod_settings(w, resources, tmp_path / w["metadata"]["name"])
+        if r in ("serve", "trainer", "release"):  # ingest and reward read no checkpoint
+            assert is_url(settings.trainer.store) == bool(component), (r, settings.trainer.store)
         for setting, writes in (ROLE_PATHS[r] | COMMON_PATHS).items():
+            if setting == "trainer.store" and is_url(settings.trainer.store):
+                if r == "serve":  # serving fetches into <data_dir>/serving, and opens no store
+                    continue
+                writes = True
             for path in (made.get(p, p) for p in path_values(settings, setting)):
                 mount = covering_mount(w, path)
                 if mount is None:
@@ -407,3 +437,44 @@ def test_every_path_a_role_opens_is_on_a_volume_of_its_pod(overlay, tmp_path):
                     missing.append(f"{r}: {setting}={path} is on {mount['mountPath']} mounted "
                                    f"{'read-only, but the role writes there' if writes else 'writable, but the role only reads'}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_object_store_component_takes_every_checkpoint_off_the_claims(tmp_path):
+    """components/object-store (docs/deploy.md, "Checkpoints on an object store"): no
+    flywheel-checkpoints claim is rendered or mounted; the trainer, the controller and serving
+    load ``trainer.store`` as the ConfigMap's s3:// URL, with ``AWS_ENDPOINT_URL`` from it and the
+    credentials as botocore's shared credentials file on a read-only mount of the Secret (no key
+    in the environment); the model is on a claim of its own, read-only. Every object is valid
+    Kubernetes."""
+    resources = with_object_store("cpu", tmp_path)
+    for res in resources:
+        kubernetes_validate.validate(res, "1.37.0", strict=True)
+    claims = {r["metadata"]["name"] for r in resources if r["kind"] == "PersistentVolumeClaim"}
+    assert claims == {"flywheel-archive", "flywheel-model"}
+    config = next(r["data"] for r in resources
+                  if r["kind"] == "ConfigMap" and r["metadata"]["name"].startswith("flywheel-object-store-"))
+    assert config["FLYWHEEL_TRAINER_STORE"].startswith("s3://") and config["AWS_ENDPOINT_URL"].startswith("http")
+    readers = set()
+    for w in workloads(resources):
+        spec, r = pod_spec(w), role(w)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert "flywheel-checkpoints" not in {v["persistentVolumeClaim"]["claimName"] for v in volumes.values()
+                                              if "persistentVolumeClaim" in v}, r
+        if r not in ("serve", "trainer", "release"):
+            continue
+        readers.add(r)
+        settings, _ = pod_settings(w, resources, tmp_path / w["metadata"]["name"])
+        assert settings.trainer.store == config["FLYWHEEL_TRAINER_STORE"], r
+        env = {e["name"]: e for e in spec["containers"][0]["env"]}
+        endpoint = env["AWS_ENDPOINT_URL"]["valueFrom"]["configMapKeyRef"]
+        assert config[endpoint["key"]] == config["AWS_ENDPOINT_URL"], r
+        assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env), r
+        credentials = env["AWS_SHARED_CREDENTIALS_FILE"]["value"]
+        mount = covering_mount(w, credentials)
+        secret = volumes[mount["name"]]["secret"]
+        assert mount.get("readOnly") and secret["secretName"] == "flywheel-object-store", r
+        assert {"key": "credentials", "path": os.path.relpath(credentials, mount["mountPath"])} in secret["items"], r
+        model = covering_mount(w, str(settings.model_dir))
+        assert model.get("readOnly") and volumes[model["name"]]["persistentVolumeClaim"]["claimName"] == \
+            "flywheel-model", r
+    assert readers == {"serve", "trainer", "release"}
