@@ -712,6 +712,11 @@ class ReleaseSettings(_Section):
     controller): ``exclude`` counts them apart (``new_users`` in the analysis), never as outcomes,
     so ids made up during a canary cannot vote in it; ``count`` counts them like any user
     (release/README.md, "Who counts")."""
+    known_users_lookback_s: float = Field(default=604_800.0, ge=0)
+    """As a canary starts, the controller reads the episodes written this long before it and counts
+    their users as seen before it (``new_users = "exclude"``; the 200,000 most recent). Bounded by
+    the episodes topic's retention (7 days, flywheel/topology.py): a longer lookback reads what is
+    left. Longer: more returning users count, and each canary's start reads more."""
     on_inconclusive: Literal["hold", "rollback"] = "hold"
     """A canary with no verdict by ``deadline_s``: ``hold`` it for a person (it keeps its share,
     and newer candidates wait), or ``rollback`` so the newest candidate, which holds all training

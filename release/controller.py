@@ -285,6 +285,9 @@ class Controller:
                           alpha=self._pass_alpha(), share=self.cfg.canary_share)
             tally.offsets = offsets
             tally.windows = Windows.of(self.settings)
+            # raises where the broker does not answer: the canary is live with no tally, and the
+            # next turn makes one (_tally), never one that knows no user
+            self._know_users_before(tally)
             self.store.save(newest.version, analysis={"outcome": Outcome.RUNNING.value, "reasons": []},
                             tally=tally.to_dict())
         else:
@@ -398,7 +401,18 @@ class Controller:
                       share=rev.canary_share if rev and rev.canary_version == cand.version else None)
         tally.offsets = self.streams.ends()  # measure what users do from now on
         tally.windows = Windows.of(self.settings)
+        self._know_users_before(tally)  # raises out of the turn where it fails: the next one tries again
         return tally
+
+    def _know_users_before(self, tally: Tally) -> None:
+        """Seed a new tally with the users seen before its canary started, read from the episodes
+        of ``release.known_users_lookback_s`` before its start offsets (release/streams.py
+        ``known_users``). A saved tally keeps its own: a resumed canary reads none again."""
+        if tally.windows.count_new_users:
+            return  # release.new_users = "count": who is new does not matter
+        ends = tally.offsets.get(self.streams.topics.episodes, {})
+        for user in self.streams.known_users(ends, self.cfg.known_users_lookback_s, tally.started_at):
+            tally.windows.know(user)
 
     def _pass_alpha(self) -> float:
         """The level the live canary's PASS is tested at: the budget across this deployment's

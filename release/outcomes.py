@@ -31,7 +31,9 @@ release/measure.py drives it):
 - **New users.** Unless ``new_users`` says count them, a user counts only if a generation of theirs
   made before the canary started reached the fold (:meth:`Windows.know`): ids made up after the
   canary started (sock puppets that accept only canary answers) are counted apart (``new``), never
-  as outcomes. Which pre-start generations reach the fold: release/README.md, "Who counts".
+  as outcomes. The controller seeds the users seen before the start from the episodes of
+  ``release.known_users_lookback_s`` before it (release/streams.py ``Streams.known_users``,
+  :func:`most_recent`); the fold adds those whose pre-start episodes come after it.
 
 The clock is the controller's, passed to :meth:`Windows.close` only once every record published
 before it has been folded (release/streams.py), so a controller catching up on a backlog never reads
@@ -186,3 +188,10 @@ class Windows:
         ingest's join window and grace too (``settle_s``: when an unrated answer's episode leaves)."""
         return cls(settings.release.outcome_window_s, settings.ingest.window_s + settings.ingest.grace_s,
                    settings.release.new_users == "count")
+
+
+def most_recent(last_seen: dict[str, float], n: int = MAX_KNOWN) -> list[str]:
+    """The ``n`` users seen last (``last_seen``: user -> when), oldest first: the order
+    :meth:`Windows.know` takes them in, so its bound drops the least recent first. Ties by user id,
+    so the same episodes give the same set."""
+    return [u for _, u in heapq.nlargest(n, ((t, u) for u, t in last_seen.items()))[::-1]]

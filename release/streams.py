@@ -8,6 +8,8 @@ canary) and what it writes (routing revisions on ``flywheel.releases``, dead let
   the reason (``unsigned``, ``bad_signature``, ``unknown_key``: flywheel/signing.py).
 - Episodes and rewards are read without a group, from the offsets saved with the canary's tally
   (release/measure.py), at most ``MAX_READ`` records a turn so a backlog does not stall the loop.
+  As a canary starts, the episodes of ``release.known_users_lookback_s`` before its start offsets
+  are read once for their users (:meth:`Streams.known_users`): who was seen before it started.
 - Serving's reports (``flywheel.serving-status``: what each instance applied or refused) are read
   without a group, from the offsets the store saved, at most ``MAX_STATUSES`` a turn; the
   controller acts on them (release/serving_state.py) and then saves the new offsets.
@@ -56,6 +58,7 @@ from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, RELEASE_CHECKPOINT, Signer, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from release.measure import Tally
+from release.outcomes import MAX_KNOWN, most_recent
 from release.store import Revision
 
 log = logging.getLogger(__name__)
@@ -238,6 +241,72 @@ class Streams:
         if self._caught_up(self.reader, tps):
             tally.close(began)
         return read
+
+    def known_users(self, until: dict[int, int], lookback_s: float, started_at: float,
+                    stall_s: float = 10.0) -> list[str]:
+        """The users of the episodes written in the ``lookback_s`` before the episodes offsets
+        ``until`` (where a canary's tally starts reading) whose answer was made before
+        ``started_at``, the ``MAX_KNOWN`` seen last, oldest first: the users seen before the
+        canary started (release/outcomes.py, "New users"). The
+        tally alone would know only those whose pre-start episodes come after its start offsets,
+        about the last ``ingest.window_s`` of traffic: nearly every user would count as new.
+
+        From ``offsets_for_times`` (what retention left, at most: flywheel/topology.py), and
+        records stamped before the lookback are skipped too: a broker that answers the first
+        offset for any time (the embedded one does) still reads only the lookback. Raises when
+        the broker does not answer or no record comes for ``stall_s``: the caller starts no
+        canary without them and tries again next turn."""
+        since_ms = int((time.time() - lookback_s) * 1000)
+        ends = {TopicPartition(self.topics.episodes, p): end for p, end in until.items() if end > 0}
+        if not ends:
+            return []
+        # a reader of its own: the measuring reader keeps its positions and what it fetched ahead
+        reader = make_consumer(self.kafka, "release-known-users", None)
+        try:
+            found = reader.offsets_for_times({tp: since_ms for tp in ends})
+            first = reader.beginning_offsets(list(ends))
+            starts = {tp: max(hit.offset, first[tp]) for tp, hit in found.items() if hit is not None}
+            left = {tp for tp, start in starts.items() if start < ends[tp]}  # None: nothing that recent
+            reader.assign(list(left))
+            for tp in left:
+                reader.seek(tp, starts[tp])
+            last_seen: dict[str, float] = {}
+            moved = time.monotonic()
+            while left:
+                batches = reader.poll(timeout_ms=100, max_records=5000)
+                for tp, recs in batches.items():
+                    for rec in recs:
+                        if rec.offset < ends[tp] and rec.timestamp >= since_ms:
+                            user = self._user_of(rec.value, started_at)
+                            if user is not None:
+                                last_seen[user] = max(last_seen.get(user, 0), rec.timestamp)
+                    moved = time.monotonic()
+                if len(last_seen) > 2 * MAX_KNOWN:  # bounded memory: only the most recent are kept
+                    last_seen = {u: last_seen[u] for u in most_recent(last_seen)}
+                for tp in list(left):
+                    # done at the start offsets, or at what is readable when nothing came: records
+                    # of a transaction still open at the start are left out, not waited for
+                    pos, readable = reader.position(tp, timeout_ms=5000), readable_end(reader, tp)
+                    if pos >= ends[tp] or (not batches and readable is not None and pos >= readable):
+                        left.discard(tp)
+                        reader.pause(tp)
+                if left and time.monotonic() - moved > stall_s:
+                    raise TimeoutError(f"no episode read for {stall_s:.0f} s while reading the users seen before "
+                                       f"the canary ({len(last_seen)} so far)")
+            return most_recent(last_seen)
+        finally:
+            reader.close()
+
+    def _user_of(self, value: bytes | None, before: float) -> str | None:
+        """The user an episode's answer was made for (the id the tally's windows use) if it was
+        made before ``before``; None for pinned evaluation traffic (no user's arm, as the fold
+        skips it), a later answer (a tally made a turn after its canary started reads to later
+        offsets: their users are not from before it) or a record it cannot read."""
+        try:
+            g = decode(EpisodeEvent, value, max_bytes=MAX_EPISODE_BYTES).generation
+        except ContractError:
+            return None  # ingest's to dead-letter; the fold skips it the same way
+        return None if g.route == "pinned" or g.created_at >= before else g.user_id
 
     @staticmethod
     def _caught_up(reader: Any, tps: list[TopicPartition]) -> bool:

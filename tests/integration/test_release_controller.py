@@ -681,3 +681,62 @@ def test_the_controllers_metrics_move_with_its_lease_its_gate_and_its_decisions(
     assert sample(ctl.metrics.gate_verdicts, "release_gate_verdicts_total", outcome="error") == 1
     assert sample(ctl.metrics.gate_seconds, "release_gate_seconds_count") == 1
     assert sample(counted.total, "release_decisions_total", outcome="rejected", actor_kind="controller") == 1
+
+
+def send_episode(producer, topics, user: str, created_at: float, version: int = 0, signal: str = "ignore",
+                 timestamp_ms: int | None = None) -> None:
+    """One episode of ``user``'s answer made at ``created_at`` (with the reward record reward's
+    stage would write for a signal it judges)."""
+    gid = f"g-{user}-{created_at}"
+    gen = small_generation(gid, created_at).model_copy(update={"model_version": version, "user_id": user})
+    ep = EpisodeEvent(generation=gen, signal=signal, timed_out=signal == "ignore",
+                      feedback_ids=() if signal == "ignore" else (f"f{gid}",), resolved_at=created_at)
+    producer.send(topics.episodes, key=gid, value=encode(ep), timestamp_ms=timestamp_ms)
+    if signal != "ignore":
+        rw = RewardEvent(generation_id=gid, group_id=gid, user_id=user, model_version=version, signal=signal,
+                         prompt_token_ids=gen.prompt_token_ids, completion_token_ids=gen.completion_token_ids,
+                         logprobs=gen.logprobs, sampling=gen.sampling, reward=float(signal == "accept"),
+                         generated_at=created_at, labeled_at=created_at)
+        producer.send(topics.rewards, key=gid, value=encode(rw))
+
+
+@pytest.mark.slow  # a broker: the bound's rule is table-tested in tests/unit/test_release_outcomes.py
+def test_a_canarys_users_seen_before_it_are_read_from_the_lookback_and_ids_made_up_after_it_are_new(
+        light_controller, kafka_settings, topics):
+    """Issue 45: a user counts in a canary only if seen before it started. Those users are read
+    from the episodes of ``release.known_users_lookback_s`` before the canary's start offsets, not
+    only from the pre-start episodes that reach the topic after it (the last ingest.window_s):
+    else nearly every returning user counts as new and the canary starves. A user answered an hour
+    before (long past ingest's window) counts; one whose only episode is older than the lookback,
+    and an id first seen in the canary, are counted apart as new."""
+    from release.measure import Tally
+    from release.store import Routing
+
+    ctl, rs = light_controller(known_users_lookback_s=86_400)
+    now = time.time()
+    producer = make_producer(kafka_settings, "users")
+    # written first: a broker that honours offsets_for_times starts after it, one that does not
+    # (the embedded one) has it skipped by its record time
+    send_episode(producer, topics, "lapsed", now - 2 * 86_400, timestamp_ms=int((now - 2 * 86_400) * 1000))
+    send_episode(producer, topics, "regular", now - 3600)
+    producer.flush()
+    with closing(ReleaseStore(rs.db.url)) as people:
+        people.add_candidate({"version": 1, "parent": None, "uri": "file:///ckpt/v1",
+                              "manifest_sha256": f"{1:064x}", "step": 1}, "test")
+        people.transition(1, State.GATING, "test", "gate")
+        people.transition(1, State.CANARY, "test", "canary", routing=Routing(0, 1, 0.5))
+    ctl.tick()  # the canary's tally is made: its start offsets are past both episodes
+    started = Tally.from_dict(rs.tally(1))
+    assert set(started.windows.known) == {"regular"}
+    for user, version in (("regular", 1), ("lapsed", 0), ("puppet", 1)):
+        send_episode(producer, topics, user, time.time(), version=version, signal="accept")
+    producer.flush()
+    producer.close()
+
+    def read() -> dict[str, str]:
+        return Tally.from_dict(rs.tally(1)).users
+
+    tick_until(ctl, lambda: all(read().get(u) in ("counted", "new") for u in ("regular", "lapsed", "puppet")),
+               "the three users' windows read", timeout_s=30)
+    assert read() == {"regular": "counted", "lapsed": "new", "puppet": "new"}
+    assert rs.get(1).analysis["new_users"] == 2

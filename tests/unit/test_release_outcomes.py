@@ -103,3 +103,21 @@ def test_saved_windows_resume_in_the_same_order():
 
 def test_a_read_names_its_kind_as_a_type():
     assert Read("u", "canary", Kind.OUTCOME, True).kind is Kind.OUTCOME and Kind.NEW.value == "new"
+
+
+@pytest.mark.parametrize("last_seen, n, kept", [
+    ({}, 3, []),
+    ({"a": 1.0, "b": 3.0, "c": 2.0}, 5, ["a", "c", "b"]),  # all, oldest first: know()'s order
+    ({"a": 1.0, "b": 3.0, "c": 2.0}, 2, ["c", "b"]),  # the least recent goes
+    ({"b": 2.0, "a": 2.0, "c": 1.0}, 2, ["a", "b"]),  # ties by id: the same episodes, the same set
+])
+def test_the_users_seen_before_a_canary_keep_the_most_recent(last_seen, n, kept):
+    assert outcomes.most_recent(last_seen, n) == kept
+
+
+def test_seeded_users_past_the_bound_lose_the_least_recent_first(monkeypatch):
+    monkeypatch.setattr(outcomes, "MAX_KNOWN", 2)
+    w = Windows(count_new_users=False)
+    for user in outcomes.most_recent({"old": 1.0, "mid": 2.0, "new": 3.0}, 3):
+        w.know(user)
+    assert list(w.known) == ["mid", "new"]
