@@ -299,6 +299,8 @@ class FeedbackRequest(_Req):
     #: time after its arrival (a client clock running ahead) is taken as the arrival time.
     created_at: EpochSeconds | None = None
     user: str | None = Field(default=None, max_length=256)
+    """The user who judged: the ``user`` the answer was made for, or none (then it is that user's).
+    Another user is refused with 409 ``feedback_user_mismatch`` (docs/serving-api.md, Feedback)."""
 
     @model_validator(mode="after")
     def _edit_has_text(self) -> FeedbackRequest:

@@ -52,7 +52,8 @@ def _counters(url: str) -> dict[tuple[str, str, str], float]:
 def test_usage_adds_up_to_the_tokens_served(serve, kafka_settings, topics, tmp_path, capsys):
     from ingest.main import run as run_ingest
 
-    app = serve(prefix=topics.prefix, api_keys=(KEY, OTHER), metrics_key_ids=True)
+    # both keys are told which version answered: the test adds up usage by version
+    app = serve(prefix=topics.prefix, api_keys=(KEY, OTHER), version_visible_keys=(KEY, OTHER), metrics_key_ids=True)
     want: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for key, route, body in REQUESTS:
         r = app.post(route, {"model": "flywheel", **body}, key=key)
