@@ -411,8 +411,14 @@ class Controller:
         if tally.windows.count_new_users:
             return  # release.new_users = "count": who is new does not matter
         ends = tally.offsets.get(self.streams.topics.episodes, {})
-        for user in self.streams.known_users(ends, self.cfg.known_users_lookback_s, tally.started_at):
+        for user in self.streams.known_users(ends, self.cfg.known_users_lookback_s, tally.started_at,
+                                             keep=self._keep_lease, keep_every_s=self.cfg.lease_ttl_s / 3):
             tally.windows.know(user)
+
+    def _keep_lease(self) -> None:
+        """Renew the lease in a long step of a turn; LeaseLost (tick stands by) once another holds it."""
+        if not self.store.take_lease(self.holder, self.cfg.lease_ttl_s):
+            raise LeaseLost(f"{self.holder} lost the controller lease while reading the users seen before a canary")
 
     def _pass_alpha(self) -> float:
         """The level the live canary's PASS is tested at: the budget across this deployment's

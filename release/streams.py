@@ -242,8 +242,8 @@ class Streams:
             tally.close(began)
         return read
 
-    def known_users(self, until: dict[int, int], lookback_s: float, started_at: float,
-                    stall_s: float = 10.0) -> list[str]:
+    def known_users(self, until: dict[int, int], lookback_s: float, started_at: float, stall_s: float = 10.0,
+                    keep: Callable[[], None] = lambda: None, keep_every_s: float = 5.0) -> list[str]:
         """The users of the episodes written in the ``lookback_s`` before the episodes offsets
         ``until`` (where a canary's tally starts reading) whose answer was made before
         ``started_at``, the ``MAX_KNOWN`` seen last, oldest first: the users seen before the
@@ -255,7 +255,8 @@ class Streams:
         records stamped before the lookback are skipped too: a broker that answers the first
         offset for any time (the embedded one does) still reads only the lookback. Raises when
         the broker does not answer or no record comes for ``stall_s``: the caller starts no
-        canary without them and tries again next turn."""
+        canary without them and tries again next turn. ``keep`` is called every ``keep_every_s``
+        while it reads (the controller renews its lease: a week of episodes can take minutes)."""
         since_ms = int((time.time() - lookback_s) * 1000)
         ends = {TopicPartition(self.topics.episodes, p): end for p, end in until.items() if end > 0}
         if not ends:
@@ -271,8 +272,11 @@ class Streams:
             for tp in left:
                 reader.seek(tp, starts[tp])
             last_seen: dict[str, float] = {}
-            moved = time.monotonic()
+            moved = kept = time.monotonic()
             while left:
+                if time.monotonic() - kept > keep_every_s:
+                    keep()
+                    kept = time.monotonic()
                 batches = reader.poll(timeout_ms=100, max_records=5000)
                 for tp, recs in batches.items():
                     for rec in recs:

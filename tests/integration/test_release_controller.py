@@ -728,6 +728,15 @@ def test_a_canarys_users_seen_before_it_are_read_from_the_lookback_and_ids_made_
     ctl.tick()  # the canary's tally is made: its start offsets are past both episodes
     started = Tally.from_dict(rs.tally(1))
     assert set(started.windows.known) == {"regular"}
+
+    class Lost(Exception):
+        pass
+
+    def lost() -> None:
+        raise Lost
+
+    with pytest.raises(Lost):  # a long read renews the controller's lease as it goes, and stops once it is lost
+        ctl.streams.known_users(started.offsets[topics.episodes], 86_400, now, keep=lost, keep_every_s=-1)
     for user, version in (("regular", 1), ("lapsed", 0), ("puppet", 1)):
         send_episode(producer, topics, user, time.time(), version=version, signal="accept")
     producer.flush()
