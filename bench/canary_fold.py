@@ -374,6 +374,8 @@ class Run:
         self.served: dict[int, tuple[int, str, str, str, str | None]] = {}
         self.requester: tuple[str, str] = ("", "")  # (salt, the id it picked for it)
         self.raters_used = 0
+        #: users of the episodes emitted so far, the most recent last: who a new canary knows
+        self.emitted: dict[str, None] = {}
         #: per canary judged: (pairs, the smaller arm's outcomes, users excluded) at its verdict
         self.sizes: list[tuple[int, int, int]] = []
 
@@ -398,6 +400,9 @@ class Run:
                 heapq.heappush(heap, (self._answer(i), seq, "episode", i))
                 continue
             rec = self._episode(i, at) if kind == "episode" else self._reward(i, at)
+            if kind == "episode":
+                self.emitted.pop(rec.generation.user_id, None)
+                self.emitted[rec.generation.user_id] = None
             if isinstance(rec, EpisodeEvent) and rec.signal != "ignore":
                 seq += 1
                 heapq.heappush(heap, (at + self.rng.uniform(0.2, 2.0), seq, "reward", i))
@@ -501,6 +506,11 @@ class Run:
         # the share asked for as the canary started: what the sample-ratio check holds the arms to
         tally = Tally(stable_version=stable, canary_version=k, started_at=at, alpha=level, share=sc.canary_share)
         tally.windows = Windows.of(settings)
+        if not tally.windows.count_new_users:
+            # the controller reads the users of the episodes before the canary's start offsets
+            # (release/streams.py known_users, a lookback longer than any run here)
+            for user in self.emitted:
+                tally.windows.know(user)
         return tally
 
     def _fold(self, kind: str, rec: EpisodeEvent | RewardEvent, at: float) -> None:
