@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from demo_cadence import SCENARIOS, demo_cadence, one_run  # noqa: E402
+from demo_cadence import SCENARIOS, demo_cadence, one_run
 
 
 def promotions(cadence, scenario: str, runs: int = 60) -> float:
