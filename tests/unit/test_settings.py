@@ -57,6 +57,14 @@ def test_a_typo_in_the_config_file_stays_an_error(tmp_path):
         load_settings(env={}, config_file=cfg)
 
 
+def test_a_retired_setting_says_what_replaced_it(tmp_path):
+    """A config written for an older release is refused with the way forward, not a bare typo."""
+    cfg = tmp_path / "flywheel.toml"
+    cfg.write_text("[release]\nguardrail_z = 3.0\n")
+    with pytest.raises(SettingsError, match=r"release.guardrail_z was removed: .*release.guardrail_alpha"):
+        load_settings(env={}, config_file=cfg)
+
+
 def test_bad_value_names_the_field():
     with pytest.raises(SettingsError, match="serve.port"):
         load_settings(env={"FLYWHEEL_SERVE_PORT": "not-a-port"})
