@@ -125,6 +125,8 @@ def test_an_object_store_that_does_not_answer_is_out_of_reach_and_a_broken_one_i
     assert store.out_of_reach(FileNotFoundError("v00000003/delta.fwd")) is None
 
 
+@pytest.mark.slow  # 5-10 s (a trainer publish, then each command fetches and verifies); test_object_store's
+# short run keeps the store itself in the default suite
 def test_checkpoint_list_and_verify_read_the_object_store_the_settings_name(tiny_model_dir, s3_url, tmp_path,
                                                                              monkeypatch, capsys):
     """``flywheel checkpoint list`` and ``verify`` with ``trainer.store`` an ``s3://`` URL read that
