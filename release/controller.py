@@ -71,6 +71,7 @@ from release.judge import (
     judge_gate,
     judge_tick,
     log_e_sample_ratio,
+    sample_ratio_users,
 )
 from release.measure import Tally
 from release.metrics import ControllerMetrics
@@ -452,7 +453,7 @@ class Controller:
             "pairs": asdict(m.pairs), "e_better": eb, "e_worse": ew, "band": list(band),
             "alpha": self.canary_policy.alpha, "pass_alpha": tally.alpha or self.canary_policy.alpha,
             "guardrail_look": tally.guardrail_look, "canary_share": tally.share,
-            "sample_ratio_e": (e_value(log_e_sample_ratio(m.canary.per_user.users, m.stable.per_user.users, share))
+            "sample_ratio_e": (e_value(log_e_sample_ratio(*sample_ratio_users(m), share))
                                if (share := m.canary_share) is not None and 0 < share < 1 else None),
             "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,
             "elapsed_s": m.elapsed_s, "history": tally.history, **tally.left_apart()},

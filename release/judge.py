@@ -17,7 +17,9 @@ Order of the canary rules, first match wins:
 3. the arms' users are not the split the routing asked for (the sample-ratio e-process past
    ``1 / srm_alpha``): HOLD, naming the counts. Neither PASS nor FAIL on the accept rate: what
    the arms compare is then not two versions on one population (a share changed mid-canary,
-   routing applied late or not at all, users who can pick their arm), so a person looks;
+   routing applied to part of the traffic, users who can pick their arm), so a person looks.
+   Counted: the users whose arm was chosen after the canary's first generation (release/measure.py
+   ``routed_users``), not those served before the routing was in force;
 4. once each arm has ``min_events`` accepts, rejects or edits (no verdict on a handful of users),
    the always-valid test says the canary is accepted less often: FAIL;
 5. ... or more often, at this canary's level (``pass_alpha``: the deployment's budget across
@@ -135,6 +137,9 @@ class CanaryMeasurement:
     look: int = 0
     #: the canary share the routing asked for when the canary started; None: no ratio is judged
     canary_share: float | None = None
+    #: (canary, stable) users whose arm was chosen under the canary's routing, the sample-ratio
+    #: check's units (release/measure.py ``routed_users``); None: each arm's ``per_user.users``
+    routed_users: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -335,13 +340,18 @@ def log_e_sample_ratio(canary_users: int, stable_users: int, share: float) -> fl
     return top + math.log(sum(math.exp(t - top) for t in terms) / len(terms))
 
 
+def sample_ratio_users(m: CanaryMeasurement) -> tuple[int, int]:
+    """(canary, stable) users the sample-ratio check counts."""
+    return m.routed_users if m.routed_users is not None else (m.canary.per_user.users, m.stable.per_user.users)
+
+
 def sample_ratio_mismatch(m: CanaryMeasurement, srm_alpha: float) -> str | None:
     """The reason to hold the canary when its arms' users are not the split the routing asked for
     (None: they are, as far as the evidence says; or no share is known)."""
     share = m.canary_share
     if share is None or not 0 < share < 1:
         return None
-    nc, ns = m.canary.per_user.users, m.stable.per_user.users
+    nc, ns = sample_ratio_users(m)
     log_e = log_e_sample_ratio(nc, ns, share)
     if log_e < math.log(1 / srm_alpha):
         return None

@@ -55,6 +55,7 @@ sample (``LATENCY_SAMPLE``) for the p95.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,6 +167,11 @@ class Tally:
     share: float | None = None
     #: guardrail looks taken so far (release/budget.py ``look_due``)
     guardrail_look: int = 0
+    #: when the canary's first generation was made (None: none seen yet): the moment serving
+    #: evidently applied the routing (``routed_users`` says why)
+    routed_at: float | None = None
+    #: user -> when their first generation in this canary was made (users ``Arm.users`` keeps)
+    first_at: dict[str, float] = field(default_factory=dict)
 
     def arm_of(self, version: int) -> str | None:
         if version == self.canary_version:
@@ -217,6 +223,10 @@ class Tally:
         arm.requests += 1
         arm.errors += g.finish_reason == "abort"
         arm.count(g.user_id, U_REQUESTS)  # the user serving's hash placed: the guardrails' unit
+        if arm_name == "canary" and (self.routed_at is None or g.created_at < self.routed_at):
+            self.routed_at = g.created_at  # the earliest, whatever order the episodes arrive in
+        if g.user_id in arm.users and g.created_at < self.first_at.get(g.user_id, math.inf):
+            self.first_at[g.user_id] = g.created_at
         if g.finish_reason == "abort":
             arm.count(g.user_id, U_ERRORS)
         arm.latencies_ms.append(g.latency_ms)
@@ -301,6 +311,25 @@ class Tally:
         return {"new_users": self._states[NEW], "late_users": self._states[LATE],
                 "unjudged_users": self._states[UNJUDGED]}
 
+    def routed_users(self) -> tuple[int, int]:
+        """(canary, stable) users whose first generation in this canary was made at or after the
+        canary's first: the sample-ratio check's units.
+
+        Why: the tally starts before the routing is published and before serving has loaded the
+        canary, and every user in that gap lands on stable whatever the share; counted, a few
+        dozen of them (share 0.5) to a few hundred (0.1) hold a correct canary. The canary's first generation is the moment serving
+        evidently applied the routing, read from the records alone (no clock of another process,
+        and the same whatever the users' feedback). Users from before it still count for the
+        verdict and the guardrails. A user with no first time (a tally saved by older code) counts
+        as before."""
+        def routed(user: str) -> bool:
+            at = self.first_at.get(user)
+            return at is None or (self.routed_at is not None and at >= self.routed_at)
+
+        canary, stable = (sum(1 for u, c in self.arms[a].users.items() if c[U_REQUESTS] and routed(u))
+                          for a in ("canary", "stable"))
+        return canary, stable
+
     def measurement(self, now: float) -> CanaryMeasurement:
         pending = {a: 0 for a in ARMS} | self.windows.waiting()  # open windows
         late = self._states[FLAGGED_LATE]
@@ -309,7 +338,7 @@ class Tally:
                                  canary=self.arms["canary"].stats(pending["canary"]), pairs=self.pairs(),
                                  elapsed_s=now - self.started_at, measurement_errors=self.errors,
                                  excluded_users=self._states[EXCLUDED] + late, flagged_after_counting=late,
-                                 canary_share=None if full else self.share)
+                                 canary_share=None if full else self.share, routed_users=self.routed_users())
 
     # -- saved with the candidate ----------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -326,6 +355,7 @@ class Tally:
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
             "share": self.share, "guardrail_look": self.guardrail_look,
+            "routed_at": self.routed_at, "first_at": self.first_at,
         }
 
     @classmethod
@@ -348,4 +378,5 @@ class Tally:
                    deque(d["seen_episodes"]), deque(d["seen_rewards"]),
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
                    d.get("errors", 0), d.get("history", []), share=d.get("share"),
-                   guardrail_look=d.get("guardrail_look", 0), windows=windows)
+                   guardrail_look=d.get("guardrail_look", 0), windows=windows,
+                   routed_at=d.get("routed_at"), first_at=dict(d.get("first_at", {})))

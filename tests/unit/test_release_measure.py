@@ -417,3 +417,40 @@ def test_the_profiles_are_saved_with_the_tally():
     for arm in saved["arms"].values():
         del arm["text"]  # saved before the profiles were kept: they start from there
     assert Tally.from_dict(saved).arms["canary"].text.answers == 0
+
+
+# -- the sample-ratio check's users ------------------------------------------------------------
+
+
+def srm_held(t: Tally) -> bool:
+    from release.judge import sample_ratio_mismatch
+
+    return sample_ratio_mismatch(t.measurement(LATER), srm_alpha=0.001) is not None
+
+
+def test_users_before_the_canarys_first_generation_are_not_in_the_sample_ratio_check():
+    """The tally starts before serving applies the routing: its first users all land on stable.
+    Counted, 100 of them hold a correct canary at share 0.5; the check counts only users whose first
+    generation came at or after the canary's first, in whatever order the records arrive."""
+    gap = [episode(f"g{i}", 0, T0 + i, "accept", user=f"early-{i}") for i in range(100)]
+    routed = [episode(f"r{i}", 0 if i % 2 else 7, T0 + 100 + i, "accept", user=f"u-{i}") for i in range(100)]
+    t = tally(share=0.5)
+    for ep in routed[::-1] + gap:  # the canary's later generations first: its first comes last
+        t.add_episode(ep)
+    assert t.routed_at == T0 + 100 and t.routed_users() == (50, 50)
+    assert t.arms["stable"].per_user().users == 150  # still in the arms, the guardrails and the verdict
+    assert not srm_held(t)
+    assert Tally.from_dict(json.loads(json.dumps(t.to_dict()))).routed_users() == (50, 50)
+    # a real mismatch after the routing is still held: 60 more users, all on stable
+    for i in range(60):
+        t.add_episode(episode(f"m{i}", 0, T0 + 300 + i, "accept", user=f"m-{i}"))
+    assert t.routed_users() == (50, 110) and srm_held(t)
+
+
+def test_a_tally_saved_before_routed_at_counts_every_user_for_the_sample_ratio():
+    t = tally(share=0.5)
+    for i in range(40):
+        t.add_episode(episode(f"g{i}", 0, T0 + i, "accept", user=f"u-{i}"))
+    old = t.to_dict()
+    del old["routed_at"], old["first_at"]
+    assert Tally.from_dict(old).routed_users() == (0, 40) and srm_held(Tally.from_dict(old))
