@@ -134,6 +134,9 @@ class Controller:
         self.serving_applied = -1
         #: When the current routing is next sent again (on ``clock``; 0: on the next turn that holds the lease).
         self._next_announce = 0.0
+        #: version -> failed reads in a row of the users seen before its canary (_tally): its tally is not
+        #: saved until one works, so the count toward the error limit is kept here meanwhile.
+        self._unseeded: dict[int, int] = {}
         #: The announcements' clock: monotonic, so a wall-clock jump neither floods nor starves them.
         self.clock = time.monotonic
 
@@ -333,11 +336,12 @@ class Controller:
 
     # -- canary -----------------------------------------------------------------------------
     def _measure(self, cand: Candidate, now: float) -> None:
-        tally = self._tally(cand, now)
+        tally, seeded = self._tally(cand, now)
         try:
-            read = self.streams.read_into(tally)
-            tally.errors = 0  # the limit is on failures in a row, as in Argo's consecutiveErrorLimit
-            log.debug("version %d: %d records measured, offsets %s", cand.version, read, tally.offsets)
+            if seeded:
+                read = self.streams.read_into(tally)
+                tally.errors = 0  # the limit is on failures in a row, as in Argo's consecutiveErrorLimit
+                log.debug("version %d: %d records measured, offsets %s", cand.version, read, tally.offsets)
         except Exception as exc:  # noqa: BLE001 - a failed measurement counts toward the error limit
             tally.errors += 1
             log.warning("version %d: measurement failed (%d of %d): %s", cand.version, tally.errors,
@@ -346,6 +350,8 @@ class Controller:
         # the guardrails' look due now is taken once (release/budget.py), and saved with the tally
         verdict, tally.guardrail_look = judge_tick(m, replace(self.canary_policy, pass_alpha=tally.alpha),
                                                    tally.guardrail_look)
+        if not seeded and verdict.outcome == Outcome.RUNNING:
+            return  # saved, it would count every returning user as new: the next turn reads them again
         self._record(cand, tally, verdict, now)
         evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
                     "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs),
@@ -392,18 +398,30 @@ class Controller:
         except actions.ActionRefused as exc:  # raced with a person's decision: theirs stands
             log.info("version %d not promoted automatically: %s", cand.version, exc)
 
-    def _tally(self, cand: Candidate, now: float) -> Tally:
+    def _tally(self, cand: Candidate, now: float) -> tuple[Tally, bool]:
+        """The canary's tally, and False where it is new and reading the users seen before the
+        canary failed: it then only carries the failures toward the error limit, so the judge's
+        rule for measurement errors (and the deadline) still ends a canary whose broker stalls."""
         saved = self.store.tally(cand.version)
         if saved:
-            return Tally.from_dict(saved)
+            return Tally.from_dict(saved), True
         rev = self.store.latest_revision()
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
                       started_at=rev.at if rev else now, alpha=self._pass_alpha(),
                       share=rev.canary_share if rev and rev.canary_version == cand.version else None)
-        tally.offsets = self.streams.ends()  # measure what users do from now on
         tally.windows = Windows.of(self.settings)
-        self._know_users_before(tally)  # raises out of the turn where it fails: the next one tries again
-        return tally
+        try:
+            tally.offsets = self.streams.ends()  # measure what users do from now on
+            self._know_users_before(tally)
+        except (LeaseLost, *self.store.db.errors):
+            raise  # tick stands by, or waits the database out
+        except Exception as exc:  # noqa: BLE001 - a stalled broker, a record that does not decode: the next turn tries again
+            tally.errors = self._unseeded[cand.version] = self._unseeded.get(cand.version, 0) + 1
+            log.warning("version %d: reading the users seen before its canary failed (%d of %d): %s", cand.version,
+                        tally.errors, self.cfg.error_limit, exc)
+            return tally, False
+        self._unseeded.pop(cand.version, None)
+        return tally, True
 
     def _know_users_before(self, tally: Tally) -> None:
         """Seed a new tally with the users seen before its canary started, read from the episodes

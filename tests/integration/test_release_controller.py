@@ -749,3 +749,32 @@ def test_a_canarys_users_seen_before_it_are_read_from_the_lookback_and_ids_made_
                "the three users' windows read", timeout_s=30)
     assert read() == {"regular": "counted", "lapsed": "new", "puppet": "new"}
     assert rs.get(1).analysis["new_users"] == 2
+
+
+@pytest.mark.slow  # a broker: the error-limit rule itself is table-tested in tests/unit/test_release_judge.py
+def test_a_canary_whose_known_users_cannot_be_read_still_publishes_and_ends_at_the_error_limit(
+        light_controller, kafka_settings, topics, monkeypatch):
+    """A live canary with no tally yet whose read of the users seen before it fails (a stalled
+    broker, a record that does not decode): each turn raised out of tick, so the routing was never
+    published and the error limit never reached, and the canary stayed live for good."""
+    from release.store import Routing
+
+    ctl, rs = light_controller(error_limit=2)
+    with closing(ReleaseStore(rs.db.url)) as people:
+        people.add_candidate({"version": 1, "parent": None, "uri": "file:///ckpt/v1",
+                              "manifest_sha256": f"{1:064x}", "step": 1}, "test")
+        people.transition(1, State.GATING, "test", "gate")
+        people.transition(1, State.CANARY, "test", "canary", routing=Routing(0, 1, 0.5))
+
+    def stalled(*_a, **_k):
+        raise ValueError("the episodes read stalled")  # not a ContractError: nothing caught it
+
+    monkeypatch.setattr(ctl.streams, "known_users", stalled)
+    ctl.tick()
+    assert rs.get(1).state == State.CANARY and rs.tally(1) is None  # no tally that knows no user
+    assert rs.unpublished() == []  # the turn still published the canary's routing
+    ctl.tick()
+    assert rs.get(1).state == State.ROLLED_BACK
+    entry = next(e for e in rs.audit(1) if e.to_state == "rolled_back")
+    assert "measurement" in entry.reason, entry.reason
+    assert (releases(kafka_settings, topics)[-1].canary_version) is None
