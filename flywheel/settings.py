@@ -304,9 +304,11 @@ class ServeSettings(_Section):
     above it plus about 20 s for the publisher's flush and the engines' shutdown
     (deploy/k8s/base/serving.yaml)."""
     pin_api_keys: tuple[str, ...] = ()
-    """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic);
-    empty lets every key pin. Pinned requests are recorded with ``route=pinned`` and left out of
-    canary statistics."""
+    """API keys allowed to pin a loaded version (``model: flywheel@v12``, evaluation traffic),
+    besides ``version_visible_keys``, which may too; any other key gets 403 (a pinned answer
+    compared with a routed one would tell a user their canary arm). Without API keys (local
+    only) every caller may pin. Pinned requests are recorded with ``route=pinned`` and left out
+    of canary statistics."""
     version_visible_keys: tuple[str, ...] = ()
     """API keys (``FLYWHEEL_SERVE_VERSION_VISIBLE_KEYS``, comma-separated) whose answers name the
     version that produced them (``"model": "flywheel@v12"``) and to which ``GET /v1/models`` and

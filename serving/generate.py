@@ -74,6 +74,13 @@ class Ctx:
         product users to protect, and no key to tell an operator by."""
         return not self.serve.api_keys or (key is not None and key in self.serve.version_visible_keys)
 
+    def may_pin(self, key: str | None) -> bool:
+        """Whether ``key`` may pin a version: one that sees versions, or one in
+        ``serve.pin_api_keys``. Any other product key may not: a pinned answer names its version,
+        and compared with the same request routed (same ``seed``) it tells a user their canary arm;
+        a 404 against a 200 would tell which versions are loaded."""
+        return self.sees_versions(key) or (key is not None and key in self.serve.pin_api_keys)
+
     def answer_model(self, prep: Prepared) -> str:
         """What an answer names as its ``model``: its version to a key that sees versions and to a
         request that pinned one (it named it itself); else the deployment's name alone, canary
@@ -142,7 +149,7 @@ def pinned_version(ctx: Ctx, model: str) -> int | None:
 def route(ctx: Ctx, model: str, user_id: str, key: str | None) -> tuple[Slot, str, int]:
     """The slot, route and version a request runs on: pinned by ``model``, else by the user."""
     pinned = pinned_version(ctx, model)
-    if pinned is not None and ctx.serve.pin_api_keys and key not in ctx.serve.pin_api_keys:
+    if pinned is not None and not ctx.may_pin(key):
         raise ApiError(403, f"this API key may not pin a version; ask for {ctx.serve.model_name!r}",
                        "model", type="permission_error", code="pin_not_allowed")
     try:

@@ -272,10 +272,11 @@ def test_bad_input_gets_a_clear_4xx(serve, path, body, status, needle):
 
 
 def test_a_request_pins_a_loaded_version_only_with_a_key_allowed_to(serve, broker):
-    s = serve(api_keys=(KEY, "sk-eval"), pin_api_keys=("sk-eval",))
+    s = serve(api_keys=(KEY, "sk-eval", "sk-product"), pin_api_keys=("sk-eval",))
     pinned = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "eval me", "max_tokens": 2}, key="sk-eval")
     assert pinned.status_code == 200 and pinned.json()["model"] == "flywheel@v0"
-    refused = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "eval me", "max_tokens": 2})
+    refused = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "eval me", "max_tokens": 2},
+                     key="sk-product")  # KEY sees versions (the fixture's version_visible_keys), so may pin
     assert refused.status_code == 403 and "may not pin" in refused.json()["error"]["message"]
     ev = generations(broker, s, expect=1)[pinned.json()["id"]]
     assert ev.route == "pinned" and ev.model_version == 0 and ev.version_spans == ()

@@ -24,6 +24,7 @@ from tests.conftest import read_all
 pytestmark = pytest.mark.integration
 
 PRODUCT = "sk-product"  # a product's key: not in serve.version_visible_keys (the fixture lists KEY)
+EVAL = "sk-evaluation"  # an evaluation key: in serve.pin_api_keys, not told versions otherwise
 
 
 def _generate(s, user: str | None, key: str = PRODUCT, **extra) -> dict:
@@ -87,7 +88,7 @@ def test_feedback_of_another_user_can_be_recorded_marked_never_as_theirs(serve, 
 
 
 def test_a_product_key_is_not_told_which_version_answered(serve, broker):
-    s = serve(api_keys=(KEY, PRODUCT))
+    s = serve(api_keys=(KEY, PRODUCT, EVAL), pin_api_keys=(EVAL,))
     plain = _generate(s, "u1")
     assert plain["model"] == "flywheel"
     chunks = []
@@ -101,9 +102,14 @@ def test_a_product_key_is_not_told_which_version_answered(serve, broker):
     assert "usage" in chunks[-1]
     seen = s.post("/v1/completions", {"model": "flywheel", "prompt": "x", "max_tokens": 1, "user": "u3"}, key=KEY)
     assert seen.json()["model"] == "flywheel@v0"  # a key in serve.version_visible_keys
-    pinned = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "x", "max_tokens": 1}, key=PRODUCT)
+    # a product key may not pin: a pinned answer beside a routed one (same seed) tells the arm,
+    # a 404 against a 200 which versions are loaded
+    for version in ("flywheel@v0", "flywheel@v9"):
+        refused = s.post("/v1/completions", {"model": version, "prompt": "x", "max_tokens": 1}, key=PRODUCT)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "pin_not_allowed"
+    pinned = s.post("/v1/completions", {"model": "flywheel@v0", "prompt": "x", "max_tokens": 1}, key=EVAL)
     assert pinned.json()["model"] == "flywheel@v0"  # named by the request itself
-    missing = s.post("/v1/completions", {"model": "flywheel@v9", "prompt": "x", "max_tokens": 1}, key=PRODUCT)
+    missing = s.post("/v1/completions", {"model": "flywheel@v9", "prompt": "x", "max_tokens": 1}, key=EVAL)
     assert missing.status_code == 404 and "@v0" not in missing.text and "stable" not in missing.text
     auth = {"Authorization": f"Bearer {PRODUCT}"}
     models = httpx.get(s.url + "/v1/models", headers=auth).json()["data"]
