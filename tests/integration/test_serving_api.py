@@ -358,7 +358,8 @@ def test_serve_refuses_weights_that_do_not_match_the_manifest(tiny_model_dir, tm
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0x01
     weights.write_bytes(bytes(data))
-    assert run(Settings(model_dir=bad, data_dir=tmp_path, serve=ServeSettings(api_keys=("k",), user_id_salt=SALT))) == 2
+    assert run(Settings(model_dir=bad, data_dir=tmp_path, routing_secret=SALT,
+                    serve=ServeSettings(api_keys=("k",), user_id_salt=SALT))) == 2
     assert json.loads((bad / "flywheel-manifest.json").read_text())["version"] == 0
 
 
