@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+from canary_stats import crossing_boundary
 
 from flywheel.settings import ReleaseSettings, load_settings
 from release.budget import pass_level
-from release.sequential import PairCount, log_e_better
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "local" / "demo.toml"
 KS = (1, 10, 50)
@@ -46,14 +46,7 @@ def old_level(alpha: float, k: int) -> float:
 
 def boundary(level: float, losses_max: int) -> np.ndarray:
     """b[l]: the fewest canary wins at which the e-value for "better" reaches 1/level with l losses."""
-    threshold = math.log(1 / level)
-    b = np.empty(losses_max + 1, dtype=np.int64)
-    w = 0
-    for losses in range(losses_max + 1):  # nondecreasing in l: carry w over
-        while log_e_better(PairCount(0, w, losses)) < threshold:
-            w += 1
-        b[losses] = w
-    return b
+    return crossing_boundary(level, losses_max)
 
 
 def power(rng: np.random.Generator, level: float, pairs: int, p_stable: float, p_canary: float, min_events: int,
