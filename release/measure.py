@@ -80,10 +80,10 @@ MAX_GUARDRAIL_USERS = 50_000
 U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED = range(5)
 
 #: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
-#: (``counted``, or ``new`` or ``unjudged``: release/outcomes.py), or they are left out.
+#: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py), or they are left out.
 PENDING, COUNTED, EXCLUDED, FLAGGED_LATE = "pending", "counted", "excluded", "flagged_after_counting"
-NEW, LATE, UNJUDGED = Kind.NEW.value, "late", Kind.UNJUDGED.value
-STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED)
+NEW, LATE, UNJUDGED, SWITCHED = Kind.NEW.value, "late", Kind.UNJUDGED.value, Kind.SWITCHED.value
+STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED, SWITCHED)
 
 
 @dataclass
@@ -309,7 +309,7 @@ class Tally:
     def left_apart(self) -> dict[str, int]:
         """Users counted apart, by why (module docstring): the analysis and the console show them."""
         return {"new_users": self._states[NEW], "late_users": self._states[LATE],
-                "unjudged_users": self._states[UNJUDGED]}
+                "unjudged_users": self._states[UNJUDGED], "switched_users": self._states[SWITCHED]}
 
     def routed_users(self) -> tuple[int, int]:
         """(canary, stable) users whose first generation in this canary was made at or after the

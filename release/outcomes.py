@@ -24,6 +24,11 @@ release/measure.py drives it):
 - **Late.** An episode that reaches the fold after its user's window was read counts for nothing
   more (a pair once formed is never rebuilt). A user whose first episode comes after users with
   later first answers were already read is counted apart (``late``), not entered out of order.
+- **Switched arms.** A window holding answers of both arms (the routing changed while it was open:
+  a user first answered by stable before serving loaded the canary, then routed to it) is counted
+  apart (``switched``). Read as its first arm's, a signal on the other arm's answer made it a
+  non-accept of the first arm, and only ever of stable's: it lowered stable's rate and favoured the
+  canary.
 - **Reward's judgement.** A signal counts only once reward judged it (its reward record arrived,
   so a flag on that very signal comes in time); a window whose signal reward has not judged waits,
   holding the windows after it, and is given up (``unjudged``, not counted, whatever the signal)
@@ -62,8 +67,9 @@ MAX_OPEN = 200_000
 #: Users remembered as seen before the canary started (the most recent).
 MAX_KNOWN = 200_000
 
-#: Where each part of an open window sits in ``Windows.open[user]``.
-ARM, FIRST_AT, OUT_AT, OUT_GID, OUT_ARM, SIGNAL = range(6)
+#: Where each part of an open window sits in ``Windows.open[user]``: ``ARMS_AT`` maps each arm that
+#: answered the user to its earliest answer's time.
+ARM, FIRST_AT, OUT_AT, OUT_GID, OUT_ARM, SIGNAL, ARMS_AT = range(7)
 
 
 class Kind(StrEnum):
@@ -72,6 +78,7 @@ class Kind(StrEnum):
     OUTCOME = "counted"  # an outcome: accepted or not
     NEW = "new"  # first seen after the canary started, under new_users = "exclude"
     UNJUDGED = "unjudged"  # its signal was never judged by reward in time
+    SWITCHED = "switched"  # answers of both arms within the window
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ class Windows:
     settle_s: float = 0.0
     #: whether users first seen after the canary started count (``release.new_users``)
     count_new_users: bool = True
-    #: user -> [arm, first_at, out_at, out_gid, out_arm, signal] while their window is open
+    #: user -> [arm, first_at, out_at, out_gid, out_arm, signal, arms_at] while their window is open
     open: dict[str, list[Any]] = field(default_factory=dict)
     #: users seen before the canary started, oldest first
     known: deque[str] = field(default_factory=deque)
@@ -122,13 +129,15 @@ class Windows:
         if w is None:
             if done_at < self.read_through or len(self.open) >= MAX_OPEN:
                 return False
-            w = self.open[user] = [arm, done_at, None, None, None, None]
+            w = self.open[user] = [arm, done_at, None, None, None, None, {}]
             heapq.heappush(self._queue, (done_at, user))
         elif done_at < w[FIRST_AT] and done_at >= self.read_through:
             # an earlier answer whose episode came later: the window starts there, and its arm is
             # the user's (the same arm unless the routing changed between the two answers)
             w[ARM], w[FIRST_AT] = arm, done_at
             heapq.heappush(self._queue, (done_at, user))
+        if done_at < w[ARMS_AT].get(arm, float("inf")):
+            w[ARMS_AT][arm] = done_at
         if signal in DECISIVE and (w[OUT_AT] is None or (done_at, gid) < (w[OUT_AT], w[OUT_GID])):
             w[OUT_AT], w[OUT_GID], w[OUT_ARM], w[SIGNAL] = done_at, gid, arm, signal
         return True
@@ -144,7 +153,8 @@ class Windows:
             if w is None or w[FIRST_AT] != first_at:
                 heapq.heappop(self._queue)  # superseded by an earlier first answer
                 continue
-            if self._signal(w) is not None and not judged(w[OUT_GID]) and first_at > due - JUDGE_WAIT_S:
+            if (self._signal(w) is not None and not self._switched(w) and not judged(w[OUT_GID])
+                    and first_at > due - JUDGE_WAIT_S):
                 return  # reward has not judged it yet: this window and those after it wait
             heapq.heappop(self._queue)
             del self.open[user]
@@ -157,9 +167,15 @@ class Windows:
             return None
         return w[SIGNAL]
 
+    def _switched(self, w: list[Any]) -> bool:
+        """Whether another arm than the window's answered the user within the window."""
+        return any(arm != w[ARM] and at <= w[FIRST_AT] + self.window_s for arm, at in w[ARMS_AT].items())
+
     def _read(self, user: str, w: list[Any], judged: Callable[[str], bool]) -> Read:
         if not self.count_new_users and user not in self._known:
             return Read(user, w[ARM], Kind.NEW)
+        if self._switched(w):
+            return Read(user, w[ARM], Kind.SWITCHED)
         signal = self._signal(w)
         if signal is not None and not judged(w[OUT_GID]):
             return Read(user, w[ARM], Kind.UNJUDGED)
@@ -179,7 +195,9 @@ class Windows:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Windows:
-        return cls(d["window_s"], d["settle_s"], d["count_new_users"], {u: list(w) for u, w in d["open"].items()},
+        # a window saved by older code has no arms_at: its first arm only, as it was read then
+        return cls(d["window_s"], d["settle_s"], d["count_new_users"],
+                   {u: list(w) if len(w) > ARMS_AT else [*w, {w[ARM]: w[FIRST_AT]}] for u, w in d["open"].items()},
                    deque(d["known"]), d["read_through"], d["clock"])
 
     @classmethod

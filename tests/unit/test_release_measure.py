@@ -130,7 +130,7 @@ def test_rewards_of_generations_from_before_the_start_are_no_guardrail_count_but
 # accepts, rejects) per arm, outcomes dropped per arm, users excluded, users flagged after their
 # outcome counted, users counted apart (release/measure.py left_apart)
 E, R, C = "episode", "reward", ("close",)
-NONE_APART = {"new_users": 0, "late_users": 0, "unjudged_users": 0}
+NONE_APART = {"new_users": 0, "late_users": 0, "unjudged_users": 0, "switched_users": 0}
 WHO = {
     "a judged signal counts": (
         [(E, "g1", 7, "accept", "ann", (), 1), (R, "g1", 7, "accept", "ann", (), 1)],
@@ -179,6 +179,11 @@ WHO = {
     "a flag about the answer is no flag about the user": (
         [(E, "g1", 7, "accept", "ann", (), 1), (R, "g1", 7, "accept", "ann", ("long", "repetition"), 1)],
         {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
+    "a user answered by both arms in their window (0 s here: the same instant) is counted apart": (
+        [(E, "g1", 0, "ignore", "ann", (), 1), (E, "g2", 7, "accept", "ann", (), 1),
+         (R, "g2", 7, "accept", "ann", (), 1)],
+        {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0,
+        NONE_APART | {"switched_users": 1}),
     "feedback on an answer by another user is no one's outcome": (
         [(E, "g1", 7, "accept", "owner", (), 1, "rater"), (R, "g1", 7, "accept", "owner", (), 1)],
         {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),

@@ -25,7 +25,7 @@ ORDER = {
         [("bob", "stable", 2, "g2", "reject"), ("ann", "canary", 1, "g1", "accept")],
         [("ann", "canary", "counted", True), ("bob", "stable", "counted", False)]),
     "an earlier answer arriving later opens the window there, with its arm": (
-        [("ann", "canary", 3, "g3", "accept"), ("ann", "stable", 1, "g1", "ignore")],
+        [("ann", "canary", 9, "g9", "accept"), ("ann", "stable", 1, "g1", "ignore")],
         [("ann", "stable", "counted", False)]),
     "the earliest explicit signal in the window is the outcome": (
         [("ann", "canary", 4, "g4", "accept"), ("ann", "canary", 1, "g1", "ignore"),
@@ -34,9 +34,18 @@ ORDER = {
     "an answer completed past the window gives no outcome": (
         [("ann", "canary", 1, "g1", "ignore"), ("ann", "canary", 7, "g7", "accept")],
         [("ann", "canary", "counted", False)]),
-    "a signal of the other arm gives no outcome (the routing changed)": (
+    "answers of both arms in the window: counted apart (the routing changed)": (
         [("ann", "canary", 1, "g1", "ignore"), ("ann", "stable", 2, "g2", "accept")],
-        [("ann", "canary", "counted", False)]),
+        [("ann", "canary", "switched", False)]),
+    "first by stable before the canary loaded, then by the canary: apart, not a stable non-accept": (
+        [("ann", "stable", 1, "g1", "ignore"), ("ann", "canary", 3, "g3", "accept")],
+        [("ann", "stable", "switched", False)]),
+    "an earlier answer of the other arm arriving later makes the window switched": (
+        [("ann", "canary", 3, "g3", "accept"), ("ann", "stable", 1, "g1", "ignore")],
+        [("ann", "stable", "switched", False)]),
+    "the other arm past the window leaves the window whole": (
+        [("ann", "stable", 1, "g1", "accept"), ("ann", "canary", 7, "g7", "reject")],
+        [("ann", "stable", "counted", True)]),
 }
 
 
@@ -99,6 +108,12 @@ def test_saved_windows_resume_in_the_same_order():
     back = Windows.from_dict(json.loads(json.dumps(w.to_dict())))
     assert back == w and read(back, 100) == read(w, 100) == [("bob", "canary", "new", False),
                                                               ("ann", "canary", "counted", True)]
+
+
+def test_a_window_saved_by_older_code_reads_as_of_its_first_arm():
+    old = {"window_s": 5, "settle_s": 10, "count_new_users": True, "known": [], "read_through": 0.0,
+           "clock": 0.0, "open": {"ann": ["stable", 1.0, 1.0, "g1", "stable", "accept"]}}
+    assert read(Windows.from_dict(old), 100) == [("ann", "stable", "counted", True)]
 
 
 def test_a_read_names_its_kind_as_a_type():
