@@ -42,7 +42,6 @@ from enum import StrEnum
 from statistics import NormalDist
 from typing import Any
 
-from flywheel.arms import split_salt
 from flywheel.contracts import (
     EpisodeEvent,
     GenerationEvent,
@@ -57,10 +56,11 @@ from release.judge import CanaryMeasurement, CanaryPolicy, Outcome, Verdict, jud
 from release.measure import Tally
 from release.outcomes import Windows
 from reward.guards import UserWindow, judge_user
+from serving.arms import split_salt
 from serving.identity import Owner, owned_response_id, owner_of
 from serving.routing import arm_of
 
-#: The routing secret serving and the controller share (flywheel/arms.py), and serving's pseudonym
+#: Serving's routing secret (serving/arms.py), and serving's pseudonym
 #: salt, which tags each answer with its user (serving/identity.py): made-up values, as the
 #: adversaries know neither.
 ROUTING_SECRET = "bench-routing-secret-0123456789"

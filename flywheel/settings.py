@@ -935,13 +935,14 @@ class Settings(_Section):
     topic_prefix: str = "flywheel."
     """Prefix of every topic name (``FLYWHEEL_TOPIC_PREFIX``)."""
     routing_secret: str = ""
-    """Secret serving and the release controller share (``FLYWHEEL_ROUTING_SECRET``, or
+    """Serving's secret key of the canary split (``FLYWHEEL_ROUTING_SECRET``, or
     ``FLYWHEEL_ROUTING_SECRET_FILE``): the hash that splits users between a canary and stable is
-    salted with ``HMAC(routing_secret, canary salt)`` (flywheel/arms.py), so the split cannot be
+    salted with ``HMAC(routing_secret, canary salt)`` (serving/arms.py), so the split cannot be
     computed from the releases topic, which carries only the canary salt. ``flywheel serve`` with
     API keys refuses to start while it is empty or shorter than 16 characters; ``flywheel up`` and
     ``flywheel demo`` make a random one and keep it under ``<data_dir>/up``. The same on every
-    serving replica and the release controller (docs/deploy.md, "Secrets")."""
+    serving replica (docs/deploy.md, "Secrets"); no other stage reads it: the release controller
+    tells the arms apart by the version on each record."""
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
     """Log level of every Flywheel logger (kafka-python stays at WARNING unless this is lower);
     ``--log-level`` on the command line overrides it. Any case: ``debug`` is ``DEBUG``."""

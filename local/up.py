@@ -393,7 +393,7 @@ def local_salt(settings: Any, where: Path) -> dict[str, str]:
 
 
 def local_routing_secret(settings: Any, where: Path) -> dict[str, str]:
-    """Environment that gives serving and the release controller a random ``routing_secret`` kept in
+    """Environment that gives serving a random ``routing_secret`` kept in
     ``where/routing-secret`` while the settings hold none (serving refuses to split users without
     one beside API keys: serving/main.py ``routing_secret_refusal``); an operator's is left alone.
     Kept, as the salt is, so a restart of ``up`` mid-canary keeps the canary's split."""
@@ -404,8 +404,8 @@ def local_routing_secret(settings: Any, where: Path) -> dict[str, str]:
 
 def _secret_file(where: Path, name: str) -> Path:
     """``where/name`` holding 64 random hex digits, made on first use (mode 0600) and kept: the
-    local salt above, and the routing secret serving and the release controller split users by
-    (``routing_secret``, flywheel/arms.py), which the processes ``up`` starts all read."""
+    local salt above, and the routing secret serving splits users by (``routing_secret``,
+    serving/arms.py), which the processes ``up`` starts all read."""
     path = where / name
     if not path.exists():
         where.mkdir(parents=True, exist_ok=True)

@@ -60,7 +60,6 @@ from kafka import TopicPartition
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from flywheel.adapters import adapter_in
-from flywheel.arms import split_salt
 from flywheel.checkpoints import CheckpointStore, ManifestError, verify_base
 from flywheel.checkpoints.fetch import (
     REFUSAL_REASONS,
@@ -86,6 +85,7 @@ from flywheel.settings import Settings
 from flywheel.signing import REFUSALS, SERVING_RELEASE, SignatureRefused, Verifier
 from flywheel.stream.deadletters import DeadLetters
 from serving.adapters import LORA_REFUSALS, Refusal, judge_version, lora_on
+from serving.arms import split_salt
 from serving.readiness import RoutingState, judge_routing
 from serving.routing import Want, canary_unservable
 from serving.versions import Fleet

@@ -119,7 +119,7 @@ def routing_secret_refusal(settings: Settings) -> str | None:
     """Why serving may not split users on ``routing_secret``, or None. With API keys (product
     users to protect) and releases followed (a canary may split them), a secret that is empty or
     shorter than :data:`MIN_SALT_CHARS` lets whoever reads the releases topic, or guesses it,
-    compute every user's arm (flywheel/arms.py). ``flywheel up`` and ``flywheel demo`` make one."""
+    compute every user's arm (serving/arms.py). ``flywheel up`` and ``flywheel demo`` make one."""
     if not settings.serve.api_keys or not settings.serve.follow_releases:
         return None
     if len(settings.routing_secret) >= MIN_SALT_CHARS:

@@ -1,9 +1,9 @@
 """Who gets which version, and how engine slots change to follow a release: pure functions.
 
-**Users.** :func:`arm_of` (flywheel/arms.py, shared with the release controller) sends a user to
+**Users.** :func:`arm_of` (serving/arms.py) sends a user to
 the canary when a hash of the split's salt and their pseudonymous id, read as a number in [0, 1),
 is below ``canary_share``. The salt is derived from the one on the release record
-(``ReleaseEvent.canary_salt``) under the routing secret (``flywheel.arms.split_salt``), so the
+(``ReleaseEvent.canary_salt``) under the routing secret (``serving.arms.split_salt``), so the
 split is never readable from a topic; the controller gives each canary its own, so each
 canary draws a fresh split of the users (with one fixed hash the same users were the canary arm
 in every canary, and one unlucky split, an abusive user on the canary side, biased every verdict
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-# the hash is shared with the release controller (flywheel/arms.py); imported here for serving
-from flywheel.arms import Arm, arm_of, bucket
+# the split's hash and key (serving/arms.py); imported here for serving's other modules
+from serving.arms import Arm, arm_of, bucket
 
 __all__ = ["Arm", "Routing", "Step", "Want", "arm_of", "bucket", "canary_unservable", "plan"]
 

@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serving_helpers import ENGINE, KEY, SALT, Served, generations
 from trainer_helpers import make_trainer, reward_event
 
-from flywheel.arms import split_salt
 from flywheel.checkpoints import MANIFEST_NAME, CheckpointStore
 from flywheel.contracts import DeadLetterEvent, ReleaseEvent, Topics, VersionRef, decode, encode
 from flywheel.kafka.clients import ensure_topics
@@ -35,6 +34,7 @@ from flywheel.metrics import new_registry
 from flywheel.settings import KafkaSettings, ReleaseSettings, ServeSettings, Settings
 from flywheel.signing import Signer, generate_key_pair
 from local.broker import free_port
+from serving.arms import split_salt
 from serving.identity import pseudonymise
 from serving.routing import arm_of
 from tests.conftest import read_all
@@ -198,7 +198,7 @@ def test_a_trained_canary_at_half_splits_users_and_serves_the_trainers_weights(e
     assert rig.health()["versions"] == {"stable": 0, "canary": 3}
     users = [f"person-{i}" for i in range(40)]
     answers = {u: _complete(rig, u, "the same prompt for everyone") for u in users}
-    # split by the release's salt under the routing secret (flywheel/arms.py), which no topic carries
+    # split by the release's salt under the routing secret (serving/arms.py), which no topic carries
     expected = {u: 3 if arm_of(pseudonymise(SALT, u), 0.5, split_salt(ROUTING_SECRET, "")) == "canary" else 0
                 for u in users}
     assert {u: a["model"] for u, a in answers.items()} == {u: f"flywheel@v{v}" for u, v in expected.items()}

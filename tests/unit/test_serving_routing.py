@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from flywheel.arms import split_salt
+from serving.arms import split_salt
 from serving.routing import Routing, Step, Want, arm_of, bucket, canary_unservable, plan
 
 USERS = [f"user-{i}" for i in range(4000)]
@@ -44,7 +44,7 @@ def test_each_canary_draws_a_fresh_split_and_keeps_it_for_its_whole_run():
 
 def test_the_split_is_keyed_by_the_routing_secret_not_by_the_topic_alone():
     """The releases topic carries the canary salt; the split is by ``HMAC(routing_secret, salt)``
-    (flywheel/arms.py), so reading the topic, or knowing the canary salt rule
+    (serving/arms.py), so reading the topic, or knowing the canary salt rule
     (``deployment/vN/manifest[:16]``), no longer tells anyone a user's arm."""
     topic_salt = "flywheel/v5/0123456789abcdef"
     secret = "a-routing-secret-of-64-hex-digits-in-production"

@@ -1,15 +1,15 @@
-"""Which arm of a canary a user is in: the hash serving routes by, shared with the release controller.
+"""Which arm of a canary a user is in: the hash serving routes by.
 
 :func:`arm_of` sends a user to the canary when a hash of the split's salt and their pseudonymous
 id, read as a number in [0, 1), is below the canary's share (sha256, not Python's salted
 ``hash``: the same in every process). The salt is :func:`split_salt`: an HMAC under
-``routing_secret``, the secret serving and the release controller share, of the canary salt the
+``routing_secret``, a secret only serving holds, of the canary salt the
 release record carries (``ReleaseEvent.canary_salt``, a fresh one per canary). The releases topic
 is readable by more than serving, and the canary salt alone let anyone who knew a pseudonym (and
 the pseudonym salt, published in the demo's old default) compute a user's arm offline; keyed by a
-secret that never rides on a topic, the split is known only where the secret is. Both stages
-import this module (stages never import each other), so the controller can compute the same arm
-as serving, for example to check that each arm holds the share of users it asked for.
+secret that never rides on a topic, the split is known only where the secret is. The release
+controller needs no arm of a user: each generation record names the version that answered, and its
+sample-ratio check counts users per version.
 """
 
 from __future__ import annotations
