@@ -313,18 +313,28 @@ class Tally:
 
     def routed_users(self) -> tuple[int, int]:
         """(canary, stable) users whose first generation in this canary was made at or after the
-        canary's first: the sample-ratio check's units.
+        canary's first, and settled: the sample-ratio check's units.
 
-        Why: the tally starts before the routing is published and before serving has loaded the
-        canary, and every user in that gap lands on stable whatever the share; counted, a few
-        dozen of them (share 0.5) to a few hundred (0.1) hold a correct canary. The canary's first generation is the moment serving
-        evidently applied the routing, read from the records alone (no clock of another process,
-        and the same whatever the users' feedback). Users from before it still count for the
-        verdict and the guardrails. A user with no first time (a tally saved by older code) counts
-        as before."""
+        Why at or after the canary's first: the tally starts before the routing is published and
+        before serving has loaded the canary, and every user in that gap lands on stable whatever
+        the share; counted, a few dozen of them (share 0.5) to a few hundred (0.1) held a correct
+        canary. The canary's first generation is the moment serving evidently applied the routing,
+        read from the records alone (no clock of another process, and the same whatever the users'
+        feedback). Users from before it still count for the verdict and the guardrails.
+
+        Why settled (made at least the windows' ``settle_s`` before the clock they were last
+        closed at): an episode leaves ingest when its signal comes (``ingest.emit_after_signal_s``)
+        or when its join window closes, so rated answers reach the topic first. Counted as they
+        arrived, the arm whose users rate more (a better canary's accepts) ran ahead of the other
+        for a join window, and the check could hold a good canary on arrival order alone. By the
+        settle time every user's first episode is in, whichever way it left.
+
+        A user with no first time (a tally saved by older code) counts as before."""
+        settled = self.windows.clock - self.windows.settle_s
+
         def routed(user: str) -> bool:
             at = self.first_at.get(user)
-            return at is None or (self.routed_at is not None and at >= self.routed_at)
+            return at is None or (self.routed_at is not None and self.routed_at <= at <= settled)
 
         canary, stable = (sum(1 for u, c in self.arms[a].users.items() if c[U_REQUESTS] and routed(u))
                           for a in ("canary", "stable"))

@@ -442,6 +442,7 @@ def test_users_before_the_canarys_first_generation_are_not_in_the_sample_ratio_c
     t = tally(share=0.5)
     for ep in routed[::-1] + gap:  # the canary's later generations first: its first comes last
         t.add_episode(ep)
+    t.close(LATER)
     assert t.routed_at == T0 + 100 and t.routed_users() == (50, 50)
     assert t.arms["stable"].per_user().users == 150  # still in the arms, the guardrails and the verdict
     assert not srm_held(t)
@@ -449,7 +450,25 @@ def test_users_before_the_canarys_first_generation_are_not_in_the_sample_ratio_c
     # a real mismatch after the routing is still held: 60 more users, all on stable
     for i in range(60):
         t.add_episode(episode(f"m{i}", 0, T0 + 300 + i, "accept", user=f"m-{i}"))
+    t.close(LATER)
     assert t.routed_users() == (50, 110) and srm_held(t)
+
+
+def test_the_sample_ratio_counts_users_once_their_episodes_settled_not_as_they_arrive():
+    """Rated answers' episodes leave ingest at once (early emission), unrated ones when their join
+    window closes: a canary whose users accept reached the topic first. Counted on arrival, 40
+    canary users against 0 on stable held a correct canary; counted once settled, neither arm is
+    counted before the other's episodes are in."""
+    t = tally(share=0.5, windows=Windows(settle_s=30))
+    t.add_episode(episode("first", 7, T0, "accept", user="first"))  # the canary's first generation
+    for i in range(40):  # accepted at once: on the topic within a second
+        t.add_episode(episode(f"c{i}", 7, T0 + 1 + i / 10, "accept", user=f"c-{i}"))
+    t.close(T0 + 10)
+    assert t.routed_users() == (0, 0) and not srm_held(t)
+    for i in range(40):  # not rated: on the topic when their join window closes, 30 s on
+        t.add_episode(episode(f"s{i}", 0, T0 + 1 + i / 10, "ignore", user=f"s-{i}"))
+    t.close(T0 + 40)
+    assert t.routed_users() == (41, 40) and not srm_held(t)
 
 
 def test_a_tally_saved_before_routed_at_counts_every_user_for_the_sample_ratio():
