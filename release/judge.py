@@ -9,8 +9,8 @@ when measurements failed too often (never promotes; rolls back like FAIL).
 Order of the canary rules, first match wins:
 
 1. measurement errors in a row at or past ``error_limit``: ERROR;
-2. once each arm has served ``min_events`` requests, a guardrail breached (latency and output
-   length on every tick; at a guardrail look, release/budget.py, the error rate, share of rejects
+2. once each arm has served ``min_events`` requests, a guardrail breached at a guardrail look
+   (release/budget.py: the p95 latency, the mean output length, the error rate, share of rejects
    and reward-guard flags per user, and the degeneracy of the answers served: character
    repetition, character-class stuffing, length collapse; each canary against stable): FAIL,
    naming it;
@@ -255,12 +255,16 @@ GUARDRAIL_CHECKS = 6
 
 
 def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: int = 0) -> tuple[str, ...]:
-    """Every guardrail the canary breaches against stable, as reasons (empty: none). Latency and
-    output length are judged on every call; the per-user rates and the degeneracy checks only on
-    a guardrail look (``look`` from 1; 0: none due, module docstring).
+    """Every guardrail the canary breaches against stable, as reasons (empty: none), judged only
+    on a guardrail look (``look`` from 1; 0: none due, module docstring). Latency and output
+    length are fixed-ratio limits on noisy estimates: judged every turn (3,600 an hour), they
+    rolled back a canary the first time noise crossed the ratio; at the looks, a handful of times
+    a canary.
 
     The float limits are written as "not within" so that a NaN measurement breaches them."""
-    out = []
+    out: list[str] = []
+    if look < 1:
+        return ()
     latency_judged = min(stable.requests, canary.requests) >= LATENCY_MIN_REQUESTS and stable.latency_ms_p95 > 0
     if latency_judged and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
         out.append(f"guardrail latency: p95 {canary.latency_ms_p95:.0f} ms against {stable.latency_ms_p95:.0f} ms "
@@ -269,8 +273,6 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: i
     if stable.completion_tokens_mean > 0 and not lo <= canary.completion_tokens_mean / stable.completion_tokens_mean <= hi:
         out.append(f"guardrail output length: {canary.completion_tokens_mean:.1f} tokens against "
                    f"{stable.completion_tokens_mean:.1f} (within x{policy.max_length_ratio})")
-    if look < 1:
-        return tuple(out)
     level = guardrail_level(policy.guardrail_alpha, look, GUARDRAIL_CHECKS)
     s, c = stable.per_user, canary.per_user
     at = f"look {look}, level {level:.2g}"

@@ -109,7 +109,7 @@ def test_guardrails_are_judged_on_requests_served_not_on_outcomes():
 
 
 def test_too_few_requests_hide_a_breached_guardrail():
-    m = replace(BASE, canary=replace(ARM, requests=49, latency_ms_p95=9000.0))
+    m = replace(BASE, canary=replace(ARM, requests=49, latency_ms_p95=9000.0), look=1)
     assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 
@@ -148,10 +148,14 @@ def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
     assert judge_canary(replace(canary(**inside), look=1), POLICY).outcome == Outcome.RUNNING
 
 
-@pytest.mark.parametrize("what", ["error", "reject", "flag"])
-def test_the_per_user_guardrails_are_judged_only_at_a_look(what):
-    # judged on every tick, a test at one level is another chance at a false rollback each tick
-    m = canary(per_user=users(**{what: 0.9}))
+@pytest.mark.parametrize("what", [{"per_user": users(error=0.9)}, {"per_user": users(reject=0.9)},
+                                  {"per_user": users(flag=0.9)}, {"latency_ms_p95": 5000.0},
+                                  {"completion_tokens_mean": 900.0}],
+                         ids=["error", "reject", "flag", "latency", "length"])
+def test_the_guardrails_are_judged_only_at_a_look(what):
+    # judged on every tick, a test at one level (or a fixed ratio of a noisy estimate) is another
+    # chance at a false rollback each tick
+    m = canary(**what)
     assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
     assert judge_canary(replace(m, look=3), POLICY).outcome == Outcome.FAIL
 
@@ -258,7 +262,7 @@ def test_p95_latency_is_compared_only_over_enough_requests():
 
     def arms(n: int) -> CanaryMeasurement:
         stable = replace(ARM, requests=n, rejects=n // 4, errors=0)
-        return replace(BASE, stable=stable, canary=replace(stable, latency_ms_p95=1600.0))
+        return replace(BASE, stable=stable, canary=replace(stable, latency_ms_p95=1600.0), look=1)
 
     assert judge_canary(arms(60), few).outcome == Outcome.RUNNING  # over 60 requests a p95 is their slowest three
     assert judge_canary(arms(100), few).reasons[0].startswith("guardrail latency:")
@@ -278,13 +282,13 @@ def test_guardrails_compare_with_stable_not_absolute():
 
 def test_an_unmeasured_stable_latency_or_length_is_not_compared():
     stable = replace(ARM, latency_ms_p95=0.0, completion_tokens_mean=0.0)
-    m = replace(BASE, stable=stable, canary=replace(ARM, latency_ms_p95=5000.0, completion_tokens_mean=900.0))
+    m = replace(BASE, stable=stable, canary=replace(ARM, latency_ms_p95=5000.0, completion_tokens_mean=900.0), look=1)
     assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 
 @pytest.mark.parametrize("field", ["latency_ms_p95", "completion_tokens_mean"])
 def test_a_non_finite_canary_measurement_breaches_its_guardrail(field):
-    assert judge_canary(canary(**{field: math.nan}), POLICY).outcome == Outcome.FAIL
+    assert judge_canary(replace(canary(**{field: math.nan}), look=1), POLICY).outcome == Outcome.FAIL
 
 
 def test_every_breached_guardrail_is_named():
@@ -295,7 +299,7 @@ def test_every_breached_guardrail_is_named():
 
 
 def test_a_breached_guardrail_beats_a_passing_accept_rate():
-    v = judge_canary(replace(canary(latency_ms_p95=2000.0), pairs=BETTER), POLICY)
+    v = judge_canary(replace(canary(latency_ms_p95=2000.0), pairs=BETTER, look=1), POLICY)
     assert v.outcome == Outcome.FAIL and v.reasons[0].startswith("guardrail latency:")
 
 
