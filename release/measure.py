@@ -1,8 +1,10 @@
 """Measuring a canary against stable from the event streams (judging is release/judge.py).
 
 A :class:`Tally` is a fold over the episodes and rewards read since the canary started: saved with
-the candidate (with the topic offsets it covers, in one transaction), so a restarted controller
-goes on exactly where it stopped. What it does with each record:
+the candidate (with the topic offsets it covers, in one transaction), so each save is a consistent
+snapshot of counts and offsets, and a restarted controller goes on from the last one, reading the
+records after its offsets again (release/controller.py saves it every ``release.tally_save_s``, at
+a verdict and at a guardrail look). What it does with each record:
 
 - **Arms.** Episodes carry the version that produced them (``generation.model_version``): a
   generation made after the canary started is counted for its arm, canary or stable, which is
@@ -80,10 +82,13 @@ MAX_GUARDRAIL_USERS = 50_000
 U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED = range(5)
 
 #: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
-#: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py), or they are left out.
+#: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py; or
+#: ``before_routing``), or they are left out.
 PENDING, COUNTED, EXCLUDED, FLAGGED_LATE = "pending", "counted", "excluded", "flagged_after_counting"
 NEW, LATE, UNJUDGED, SWITCHED = Kind.NEW.value, "late", Kind.UNJUDGED.value, Kind.SWITCHED.value
-STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED, SWITCHED)
+#: read, but their window opened before the canary's first answer (``_read`` says why)
+BEFORE_ROUTING = "before_routing"
+STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED, SWITCHED, BEFORE_ROUTING)
 
 
 @dataclass
@@ -170,7 +175,8 @@ class Tally:
     #: when the canary's first generation was made (None: none seen yet): the moment serving
     #: evidently applied the routing (``routed_users`` says why)
     routed_at: float | None = None
-    #: user -> when their first generation in this canary was made (users ``Arm.users`` keeps)
+    #: user -> when their first generation in this canary completed (users ``Arm.users`` keeps):
+    #: the time their episode's leaving ingest is counted from (``routed_users``)
     first_at: dict[str, float] = field(default_factory=dict)
 
     def arm_of(self, version: int) -> str | None:
@@ -225,8 +231,8 @@ class Tally:
         arm.count(g.user_id, U_REQUESTS)  # the user serving's hash placed: the guardrails' unit
         if arm_name == "canary" and (self.routed_at is None or g.created_at < self.routed_at):
             self.routed_at = g.created_at  # the earliest, whatever order the episodes arrive in
-        if g.user_id in arm.users and g.created_at < self.first_at.get(g.user_id, math.inf):
-            self.first_at[g.user_id] = g.created_at
+        if g.user_id in arm.users and g.completed_at < self.first_at.get(g.user_id, math.inf):
+            self.first_at[g.user_id] = g.completed_at
         if g.finish_reason == "abort":
             arm.count(g.user_id, U_ERRORS)
         arm.latencies_ms.append(g.latency_ms)
@@ -297,6 +303,12 @@ class Tally:
         if read.kind is not Kind.OUTCOME:
             self._set(read.user, read.kind.value)
             return
+        if self.routed_at is not None and read.first_at < self.routed_at:
+            # answered before serving evidently applied the routing: every such user was on stable.
+            # Those the hash sent to the canary who came back within their window were switched
+            # (left out), so counting the rest on stable would keep them for not coming back
+            self._set(read.user, BEFORE_ROUTING)
+            return
         self._set(read.user, COUNTED)
         arm.outcomes += 1
         arm.accepts += read.accepted
@@ -309,7 +321,8 @@ class Tally:
     def left_apart(self) -> dict[str, int]:
         """Users counted apart, by why (module docstring): the analysis and the console show them."""
         return {"new_users": self._states[NEW], "late_users": self._states[LATE],
-                "unjudged_users": self._states[UNJUDGED], "switched_users": self._states[SWITCHED]}
+                "unjudged_users": self._states[UNJUDGED], "switched_users": self._states[SWITCHED],
+                "before_routing_users": self._states[BEFORE_ROUTING]}
 
     def routed_users(self) -> tuple[int, int]:
         """(canary, stable) users whose first generation in this canary was made at or after the
@@ -322,8 +335,8 @@ class Tally:
         read from the records alone (no clock of another process, and the same whatever the users'
         feedback). Users from before it still count for the verdict and the guardrails.
 
-        Why settled (made at least the windows' ``settle_s`` before the clock they were last
-        closed at): an episode leaves ingest when its signal comes (``ingest.emit_after_signal_s``)
+        Why settled (completed at least the windows' ``settle_s`` before the clock they were last
+        closed at: ingest's join window runs from an answer's completion): an episode leaves ingest when its signal comes (``ingest.emit_after_signal_s``)
         or when its join window closes, so rated answers reach the topic first. Counted as they
         arrived, the arm whose users rate more (a better canary's accepts) ran ahead of the other
         for a join window, and the check could hold a good canary on arrival order alone. By the

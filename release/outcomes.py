@@ -89,6 +89,8 @@ class Read:
     arm: str
     kind: Kind
     accepted: bool = False
+    #: when the window's first answer completed
+    first_at: float = 0.0
 
 
 @dataclass
@@ -172,14 +174,15 @@ class Windows:
         return any(arm != w[ARM] and at <= w[FIRST_AT] + self.window_s for arm, at in w[ARMS_AT].items())
 
     def _read(self, user: str, w: list[Any], judged: Callable[[str], bool]) -> Read:
+        at = w[FIRST_AT]
         if not self.count_new_users and user not in self._known:
-            return Read(user, w[ARM], Kind.NEW)
+            return Read(user, w[ARM], Kind.NEW, first_at=at)
         if self._switched(w):
-            return Read(user, w[ARM], Kind.SWITCHED)
+            return Read(user, w[ARM], Kind.SWITCHED, first_at=at)
         signal = self._signal(w)
         if signal is not None and not judged(w[OUT_GID]):
-            return Read(user, w[ARM], Kind.UNJUDGED)
-        return Read(user, w[ARM], Kind.OUTCOME, signal == "accept")
+            return Read(user, w[ARM], Kind.UNJUDGED, first_at=at)
+        return Read(user, w[ARM], Kind.OUTCOME, signal == "accept", first_at=at)
 
     def waiting(self) -> dict[str, int]:
         """Open windows per arm."""

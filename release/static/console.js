@@ -356,7 +356,8 @@ function renderAnalysis(a) {
   const apart = [[a.excluded_users, "users flagged by reward's guards left out"],
     [a.new_users, "users new since the canary started left out"], [a.late_users, "users whose answers came late left out"],
     [a.unjudged_users, "users whose signal reward never judged left out"],
-    [a.switched_users, "users answered by both arms left out"]];
+    [a.switched_users, "users answered by both arms left out"],
+    [a.before_routing_users, "users answered before the canary's first answer left out"]];
   const left = apart.filter(([n]) => n).map(([n, what]) => ` · ${n} ${what}`).join("");
   $("evidence").textContent = `${p.pairs ?? 0} pairs: ${p.wins ?? 0} won by canary, ${p.losses ?? 0} by stable · ` +
     `e-value better ${evalue(a.e_better)}, worse ${evalue(a.e_worse)}${threshold}${left}`;

@@ -130,7 +130,7 @@ def test_rewards_of_generations_from_before_the_start_are_no_guardrail_count_but
 # accepts, rejects) per arm, outcomes dropped per arm, users excluded, users flagged after their
 # outcome counted, users counted apart (release/measure.py left_apart)
 E, R, C = "episode", "reward", ("close",)
-NONE_APART = {"new_users": 0, "late_users": 0, "unjudged_users": 0, "switched_users": 0}
+NONE_APART = {"new_users": 0, "late_users": 0, "unjudged_users": 0, "switched_users": 0, "before_routing_users": 0}
 WHO = {
     "a judged signal counts": (
         [(E, "g1", 7, "accept", "ann", (), 1), (R, "g1", 7, "accept", "ann", (), 1)],
@@ -184,6 +184,11 @@ WHO = {
          (R, "g2", 7, "accept", "ann", (), 1)],
         {"canary": (0, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0,
         NONE_APART | {"switched_users": 1}),
+    "a stable user answered before the canary's first answer is counted apart": (
+        [(E, "g1", 0, "accept", "early", (), 1), (R, "g1", 0, "accept", "early", (), 1),
+         (E, "g2", 7, "accept", "ann", (), 2), (R, "g2", 7, "accept", "ann", (), 2)],
+        {"canary": (1, 1, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0,
+        NONE_APART | {"before_routing_users": 1}),
     "feedback on an answer by another user is no one's outcome": (
         [(E, "g1", 7, "accept", "owner", (), 1, "rater"), (R, "g1", 7, "accept", "owner", (), 1)],
         {"canary": (1, 0, 0), "stable": (0, 0, 0)}, {"canary": 0, "stable": 0}, 0, 0, NONE_APART),
@@ -238,7 +243,7 @@ def test_a_window_is_read_its_length_plus_settle_after_the_first_answer_and_wait
 # -- pairing -----------------------------------------------------------------------------------
 
 def test_users_pair_in_the_order_of_their_first_answer_as_their_windows_are_read():
-    t = tally()
+    t = tally(routed_at=T0)  # the canary answered from the start
     judged(t, "s2", 0, T0 + 2, "reject")  # arrives first, answered second
     judged(t, "s1", 0, T0 + 1, "accept")
     judged(t, "c1", 7, T0 + 3, "accept")
@@ -252,7 +257,7 @@ def test_users_pair_in_the_order_of_their_first_answer_as_their_windows_are_read
 
 def test_pairing_never_looks_at_the_outcomes():
     # the same answers with the outcomes swapped pair the same users
-    t = tally()
+    t = tally(routed_at=T0)  # the canary answered from the start
     for i, sig in enumerate(["reject", "accept", "reject", "accept"]):
         judged(t, f"s{i}", 0, T0 + 1 + 2 * i, sig)
         judged(t, f"c{i}", 7, T0 + 2 + 2 * i, "accept" if sig == "reject" else "reject")
@@ -275,7 +280,7 @@ def settle_order_pairs(accepted: tuple[bool, ...], reject_delay: float) -> PairC
 
 def windowed_pairs(accepted: tuple[bool, ...], reject_delay: float) -> PairCount:
     """The same users through the tally: episodes arrive in the order reward settles them."""
-    t = tally()
+    t = tally(routed_at=T0)  # the canary answered from the start
     for i in sorted(range(6), key=lambda i: (i + (1 if accepted[i] else reject_delay), i)):
         judged(t, f"g{i}", 7 if ARMS6[i] == "canary" else 0, T0 + i, "accept" if accepted[i] else "reject")
     t.close(LATER)
@@ -349,7 +354,7 @@ def test_a_saved_tally_resumes_exactly_and_its_pairs_only_grow(monkeypatch):
 
 
 def test_a_tally_saved_before_outcome_windows_keeps_its_pairs_and_its_waiting_users_enter_again():
-    t = tally()
+    t = tally(routed_at=T0)  # the canary answered from the start
     judged(t, "s1", 0, T0 + 1, "reject")
     judged(t, "c1", 7, T0 + 2, "accept")
     t.close(LATER)
