@@ -774,6 +774,12 @@ class ReleaseSettings(_Section):
     controller then takes over."""
     tick_s: float = Field(default=1.0, gt=0)
     """How often the controller looks at its candidates."""
+    tally_save_s: float = Field(default=30.0, ge=0)
+    """How often the live canary's measurement (its tally: offsets, open windows, the users seen
+    before it, per-user counts) is written to the database; also at each verdict and guardrail
+    look. Between saves it is kept in memory; a controller that restarts, or takes over, resumes
+    from the last save and reads the records since again (each counted once). Up to several MB at
+    production volume: written every turn, it was most of the controller's work. 0: every turn."""
     reannounce_s: float = Field(default=60.0, gt=0)
     """How often the controller holding the lease sends its current routing again on the releases
     topic (the newest revision Kafka acked, or revision 0, every user on the model directory, when

@@ -297,10 +297,10 @@ def run(settings: Any, args: Any) -> int:
     if salt:
         env.pop("FLYWHEEL_SERVE_USER_ID_SALT", None)  # the published default said explicitly: replaced, not doubled
         env.update(salt)
+    # serving's alone: no other stage reads it (serving/arms.py)
     routing = local_routing_secret(settings, data_dir / "up")
     if routing:
         env.pop("FLYWHEEL_ROUTING_SECRET", None)  # an empty one said explicitly: replaced, not doubled
-        env.update(routing)
     signing = local_keys(settings, data_dir / "keys")
     if signing:
         env.update(signing)
@@ -310,7 +310,8 @@ def run(settings: Any, args: Any) -> int:
         token = secrets.token_hex(12)
         env["FLYWHEEL_RELEASE_TOKENS"] = f"local:admin:{token}"
         print(f"release console token (admin) for this run: {token}", flush=True)
-    children = [Child(name, [sys.executable, "-m", "cli", *role], {**env, port_var: str(port)},
+    children = [Child(name, [sys.executable, "-m", "cli", *role],
+                      {**env, **(routing if role[0] == "serve" else {}), port_var: str(port)},
                       data_dir / "logs" / f"{name}.log", port)
                 for name, role, port_var, port in plan_children(settings, env, replicas, free_port)]
     sup = Supervisor(children, status_path(data_dir), broker, topics=topics)

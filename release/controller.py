@@ -137,6 +137,12 @@ class Controller:
         #: version -> failed reads in a row of the users seen before its canary (_tally): its tally is not
         #: saved until one works, so the count toward the error limit is kept here meanwhile.
         self._unseeded: dict[int, int] = {}
+        #: version -> (the live canary's tally, when it was last saved: monotonic). Kept between turns
+        #: so a turn neither decodes nor writes the whole tally (up to 200,000 known users and 50,000
+        #: per arm): it is saved every ``release.tally_save_s``, at a verdict and at a guardrail look.
+        #: A restart resumes from the saved one and reads its records again (each counted once: the
+        #: tally dedupes by generation). Dropped whenever the lease may have been another's meanwhile.
+        self._tallies: dict[int, tuple[Tally, float]] = {}
         #: The announcements' clock: monotonic, so a wall-clock jump neither floods nor starves them.
         self.clock = time.monotonic
 
@@ -146,13 +152,18 @@ class Controller:
             self._turn(time.time() if now is None else now)
         except LeaseLost as exc:  # another controller took over while this turn ran: it acts now
             self.active = False
+            self._tallies.clear()
             self.metrics.lease_held.set(0)
             log.warning("stopped mid-turn: %s; standing by", exc)
         except self.store.db.errors as exc:
+            self._tallies.clear()  # the store is the truth: what this turn saved may not have landed
             if isinstance(classify(exc), Bug):  # the statement is wrong: no wait fixes it (raised, logged whole)
                 raise
             self._database_failed(exc)
             return
+        except Exception:
+            self._tallies.clear()  # a turn cut off anywhere else: the next goes on from the saved tally
+            raise
         if self._db_failing_since is not None:
             log.info("the release database works again after %.0fs", time.monotonic() - self._db_failing_since)
             self._db_failing_since = None
@@ -177,9 +188,12 @@ class Controller:
         return 0.0 if self._db_failing_since is None else time.monotonic() - self._db_failing_since
 
     def _turn(self, now: float) -> None:
+        lapsed = self.last_tick and time.monotonic() - self.last_tick > self.cfg.lease_ttl_s
         self.last_tick = time.monotonic()
         was_active, self.active = self.active, self.store.take_lease(self.holder, self.cfg.lease_ttl_s)
         self.metrics.lease_held.set(int(self.active))
+        if not (self.active and was_active) or lapsed:
+            self._tallies.clear()  # another controller may have measured meanwhile: read its tally
         if not self.active:
             if was_active:
                 log.warning("lost the controller lease: standing by")
@@ -193,6 +207,8 @@ class Controller:
         self.streams.commit_checkpoints()  # only once every one of them is stored
         self._follow_serving()
         live = self.store.candidates(set(LIVE))
+        for version in [v for v in self._tallies if not live or v != live[-1].version]:
+            del self._tallies[version]  # decided: nothing more to measure
         if live:
             self._measure(live[-1], now)
         elif not self.store.paused():
@@ -337,6 +353,7 @@ class Controller:
     # -- canary -----------------------------------------------------------------------------
     def _measure(self, cand: Candidate, now: float) -> None:
         tally, seeded = self._tally(cand, now)
+        failing = tally.errors > 0
         try:
             if seeded:
                 read = self.streams.read_into(tally)
@@ -348,11 +365,17 @@ class Controller:
                         self.cfg.error_limit, exc)
         m = tally.measurement(now)
         # the guardrails' look due now is taken once (release/budget.py), and saved with the tally
+        look = tally.guardrail_look
         verdict, tally.guardrail_look = judge_tick(m, replace(self.canary_policy, pass_alpha=tally.alpha),
                                                    tally.guardrail_look)
         if not seeded and verdict.outcome == Outcome.RUNNING:
             return  # saved, it would count every returning user as new: the next turn reads them again
-        self._record(cand, tally, verdict, now)
+        ends = verdict.outcome in (Outcome.FAIL, Outcome.ERROR) or (
+            cand.state == State.CANARY and verdict.outcome != Outcome.RUNNING)
+        if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
+            tally.guardrail_look = look  # saved as not taken: a rollback that does not land is judged again
+        self._record(cand, tally, verdict, now,
+                     save=ends or tally.guardrail_look != look or failing != (tally.errors > 0))
         evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
                     "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs),
                     "excluded_users": m.excluded_users}
@@ -402,9 +425,13 @@ class Controller:
         """The canary's tally, and False where it is new and reading the users seen before the
         canary failed: it then only carries the failures toward the error limit, so the judge's
         rule for measurement errors (and the deadline) still ends a canary whose broker stalls."""
+        if cand.version in self._tallies:
+            return self._tallies[cand.version][0], True
         saved = self.store.tally(cand.version)
         if saved:
-            return Tally.from_dict(saved), True
+            tally = Tally.from_dict(saved)
+            self._tallies[cand.version] = (tally, time.monotonic())
+            return tally, True
         rev = self.store.latest_revision()
         tally = Tally(stable_version=rev.stable_version if rev else 0, canary_version=cand.version,
                       started_at=rev.at if rev else now, alpha=self._pass_alpha(),
@@ -447,7 +474,10 @@ class Controller:
         started = self.store.canary_passes()  # the live canary is the last started: not before itself
         return pass_level(self.cfg.alpha, self.cfg.budget_canaries, started[:-1])
 
-    def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float) -> None:
+    def _record(self, cand: Candidate, tally: Tally, verdict: Verdict, now: float, save: bool) -> None:
+        """Save the analysis the console shows, and the tally when ``save`` or due (``_tallies``)."""
+        kept = self._tallies.get(cand.version)
+        save = save or kept is None or time.monotonic() - kept[1] >= self.cfg.tally_save_s
         m = tally.measurement(now)
         band = confidence_band(m.pairs, self.canary_policy.alpha)
         eb, ew = e_value(log_e_better(m.pairs)), e_value(log_e_worse(m.pairs))
@@ -475,7 +505,9 @@ class Controller:
                                if (share := m.canary_share) is not None and 0 < share < 1 else None),
             "excluded_users": m.excluded_users, "flagged_after_counting": m.flagged_after_counting,
             "elapsed_s": m.elapsed_s, "history": tally.history, **tally.left_apart()},
-            tally=tally.to_dict())
+            tally=tally.to_dict() if save else None)
+        if save:
+            self._tallies[cand.version] = (tally, time.monotonic())
 
     # -- routing ----------------------------------------------------------------------------
     def _publish(self) -> None:

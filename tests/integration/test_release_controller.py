@@ -712,7 +712,7 @@ def test_a_canarys_users_seen_before_it_are_read_from_the_lookback_and_ids_made_
     from release.measure import Tally
     from release.store import Routing
 
-    ctl, rs = light_controller(known_users_lookback_s=86_400)
+    ctl, rs = light_controller(known_users_lookback_s=86_400, tally_save_s=0)  # read from the store each turn
     now = time.time()
     producer = make_producer(kafka_settings, "users")
     # written first: a broker that honours offsets_for_times starts after it, one that does not
@@ -778,3 +778,43 @@ def test_a_canary_whose_known_users_cannot_be_read_still_publishes_and_ends_at_t
     entry = next(e for e in rs.audit(1) if e.to_state == "rolled_back")
     assert "measurement" in entry.reason, entry.reason
     assert (releases(kafka_settings, topics)[-1].canary_version) is None
+
+
+@pytest.mark.slow  # a broker and a lease handed over (5 s); the saving rule is a few lines of controller.py
+def test_the_live_tally_is_written_at_its_interval_and_at_a_verdict_and_a_new_leader_resumes_from_it(
+        light_controller, kafka_settings, topics):
+    """Issue 45 (reviewer's finding): the canary's tally, with up to 200,000 users known before it,
+    was decoded from the database and written back whole at every turn (1 s). Now it stays in
+    memory between saves; the console's analysis is still written every turn."""
+    from release.measure import Tally
+    from release.store import Routing
+
+    ctl, rs = light_controller(tally_save_s=3600, new_users="count")
+    with closing(ReleaseStore(rs.db.url)) as people:
+        people.add_candidate({"version": 1, "parent": None, "uri": "file:///ckpt/v1",
+                              "manifest_sha256": f"{1:064x}", "step": 1}, "test")
+        people.transition(1, State.GATING, "test", "gate")
+        people.transition(1, State.CANARY, "test", "canary", routing=Routing(0, 1, 0.5))
+    ctl.tick()  # the tally is made, and saved as it is made
+    made = rs.tally(1)
+    assert made is not None
+    producer = make_producer(kafka_settings, "tally")
+    for i in range(4):
+        send_episode(producer, topics, f"user-{i}", time.time(), version=i % 2, signal="accept")
+    producer.flush()
+    producer.close()
+
+    def requests() -> int:
+        a = rs.get(1).analysis or {}
+        return (a.get("canary") or {}).get("requests", 0) + (a.get("stable") or {}).get("requests", 0)
+
+    tick_until(ctl, lambda: requests() == 4, "the four answers in the analysis", timeout_s=30)
+    assert rs.tally(1) == made  # measured, shown, and not written: its interval is an hour
+    # ctl stops turning; once its lease lapses another controller takes over from the saved tally,
+    # reads the four records again (counted once each) and, at the deadline, holds the canary for a
+    # person: the verdict writes the tally whatever the interval
+    ctl2, _ = light_controller(tally_save_s=3600, new_users="count", deadline_s=1)
+    tick_until(ctl2, lambda: rs.get(1).state == State.HELD, "the deadline's verdict", timeout_s=60)
+    assert ctl2.active
+    saved = Tally.from_dict(rs.tally(1))
+    assert saved.arms["canary"].requests == 2 and saved.arms["stable"].requests == 2
