@@ -1,6 +1,7 @@
 """`make demo` end to end: ``flywheel up`` and simulated users on real parts, then the report.
 
-The short run (default suite) checks that the loop closes: a version trained on the simulated
+The short run (slow: a whole `flywheel up` of its own, over 3 minutes of the default suite's 14)
+checks that the loop closes: a version trained on the simulated
 users' feedback reaches canary traffic, each version's accept rate is measured, and every goal is
 reported MET or NOT MET. It asserts no learning goal: 45 s of traffic on two loaded cores give a
 canary about 60 judgements, too few for the live goals, and the offline one (the newest version
@@ -57,6 +58,7 @@ def run_demo(tmp_path: Path, *args: str, env_extra: dict[str, str] | None = None
     return {"summary": summary, "said": said, "root": tmp_path / "demo"}
 
 
+@pytest.mark.slow  # 150-220 s on 2 cores: two engines' start, 45 s of traffic, the report
 def test_a_short_demo_canaries_a_version_trained_on_the_simulated_feedback(tmp_path):
     # a version every 2 steps (32 judgements), so the first is out within seconds of traffic
     got = run_demo(tmp_path, "--duration", "45", "--seed", "1",
