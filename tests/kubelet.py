@@ -42,9 +42,11 @@ import hashlib
 import itertools
 import logging
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -375,10 +377,32 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def free_port() -> int:
-    from local.broker import free_port as pick
+#: Ports handed to pods in this process: never handed twice.
+_HANDED: set[int] = set()
 
-    return pick()
+
+def free_port() -> int:
+    """A loopback port free now and below the kernel's ephemeral range. A port the kernel picked
+    for a bind to 0 is from that range, the one outgoing connections draw from too: a Kafka client
+    connecting between the pick and the pod's bind took it, and the pod failed on "Address already
+    in use" at every restart while that connection lasted (a clean-clone run)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12_000), low)
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port below {low}")
 
 
 class Cluster:
