@@ -626,9 +626,9 @@ def test_pipeline_in_process_exactly_once(kafka_settings, topics, tmp_path):
             th.join(timeout=30)
 
 
-# The producer client plays no part in a rebalance: the second one runs in the slow suite.
-@pytest.mark.parametrize("kafka_settings", ["confluent", pytest.param("kafka-python", marks=pytest.mark.slow)],
-                         indirect=True)
+# A fault run (a foreign member joins the stages' groups; 15 s): slow, with either producer client.
+@pytest.mark.slow
+@pytest.mark.parametrize("kafka_settings", ["confluent", "kafka-python"], indirect=True)
 def test_pipeline_survives_a_foreign_member_of_its_consumer_groups(kafka_settings, topics, tmp_path, caplog):
     """Another consumer joins each stage's consumer group mid-stream (an operator's console
     consumer under the stage's group id, say), takes a partition of every input away, reads it and

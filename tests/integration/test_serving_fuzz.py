@@ -42,7 +42,7 @@ from serving_helpers import KEY, Served
 
 pytestmark = pytest.mark.integration
 
-MAX_EXAMPLES = 100  # per operation and generation mode
+MAX_EXAMPLES = 50  # per operation and generation mode (100 took 15 s of the default suite; derandomized)
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CONFORMANCE = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
                response_headers_conformance]

@@ -160,6 +160,7 @@ def test_a_rebalance_does_not_settle_buffered_records_as_duplicates(kafka_settin
     assert tr.m.dropped.labels("duplicate")._value.get() == 0
 
 
+@pytest.mark.slow  # a fault run (a second group member takes a partition), 7 s
 def test_a_partition_held_by_another_member_is_read_from_where_the_trainer_started_it(
         kafka_settings, topics, tiny_model_dir, tmp_path):
     """A partition the trainer has read nothing from yet (no floor) is taken by another member of
