@@ -728,9 +728,11 @@ class ReleaseSettings(_Section):
     max_error_rate_increase: float = Field(default=0.02, ge=0)
     """Guardrail: the canary's share of failed generations over stable's."""
     max_latency_ratio: float = Field(default=1.5, gt=1)
-    """Guardrail: the canary's p95 latency over stable's."""
+    """Guardrail: the canary's p95 latency over stable's, the 95th percentile of each arm's users'
+    own mean latencies (a heavy user counts once), judged at the guardrail looks."""
     max_length_ratio: float = Field(default=2.0, gt=1)
-    """Guardrail: the canary's mean output length against stable's, either way."""
+    """Guardrail: the canary's mean output length against stable's, either way: the mean of each
+    arm's users' own mean lengths, judged at the guardrail looks."""
     max_reject_share_increase: float = Field(default=0.15, ge=0)
     """Guardrail: the canary's share of rejects over stable's."""
     max_flag_rate_increase: float = Field(default=0.05, ge=0)

@@ -32,7 +32,9 @@ requests are alike: judged per request, a few heavy users decide a share of reje
 identical versions were rolled back in 19 of 400 canaries (0.867 against 0.440) by a z-test asked
 every tick. Each user is one unit: their own error rate, share of rejects and share of flagged
 rewards, compared as means over users with Welch's t at the look's level (release/budget.py), so
-identical versions are rolled back by these three at most ``guardrail_alpha`` of the time. The
+identical versions are rolled back by these three at most ``guardrail_alpha`` of the time.
+Latency and output length are per user as well (the p95 of users' mean latencies, the mean of
+their mean lengths), at the same looks, against fixed ratios. The
 degeneracy checks stay per answer (an answer's text is the version's, summed in fixed-size
 profiles per arm), at the same looks and levels: what a user asks shapes the answers' characters,
 so a heavy user can move them, which their allowances (a few points) absorb; they are held
@@ -82,6 +84,9 @@ class PerUser:
     raters: int = 0  # users with at least one reward judged
     flag_sum: float = 0.0  # sum over those of their share of rewards flagged for hacking
     flag_sq: float = 0.0
+    length_users: int = 0  # users whose output length and latency are known
+    length_sum: float = 0.0  # sum over those of their mean output length (tokens)
+    latency_p95: float = 0.0  # the 95th percentile over those of their mean latency (ms)
 
 
 @dataclass(frozen=True)
@@ -243,9 +248,10 @@ def _shown(log_e: float) -> str:
     return f"{e:.1f}" if e < 1e6 else f"{e:.2e}"
 
 
-#: Requests each arm needs before its p95 latency is compared: over fewer, two slow requests set it
-#: (a canary no slower than stable was rolled back on 45 requests, p95 500 ms against 318 ms).
-LATENCY_MIN_REQUESTS = 100
+#: Users each arm needs before the p95 of their mean latencies is compared: over fewer, one or two
+#: slow users set it (per request, a canary no slower than stable was rolled back on 45 requests,
+#: p95 500 ms against 318 ms).
+LATENCY_MIN_USERS = 40
 
 
 #: The checks the guardrails' budget at a look is split over (release/budget.py
@@ -265,16 +271,20 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: i
     out: list[str] = []
     if look < 1:
         return ()
-    latency_judged = min(stable.requests, canary.requests) >= LATENCY_MIN_REQUESTS and stable.latency_ms_p95 > 0
-    if latency_judged and not canary.latency_ms_p95 <= policy.max_latency_ratio * stable.latency_ms_p95:
-        out.append(f"guardrail latency: p95 {canary.latency_ms_p95:.0f} ms against {stable.latency_ms_p95:.0f} ms "
-                   f"(at most x{policy.max_latency_ratio})")
-    lo, hi = 1 / policy.max_length_ratio, policy.max_length_ratio
-    if stable.completion_tokens_mean > 0 and not lo <= canary.completion_tokens_mean / stable.completion_tokens_mean <= hi:
-        out.append(f"guardrail output length: {canary.completion_tokens_mean:.1f} tokens against "
-                   f"{stable.completion_tokens_mean:.1f} (within x{policy.max_length_ratio})")
-    level = guardrail_level(policy.guardrail_alpha, look, GUARDRAIL_CHECKS)
     s, c = stable.per_user, canary.per_user
+    # per user, as the rates below: each user's mean latency and output length, so a heavy user
+    # with long prompts or long answers counts once, not once per request
+    latency_judged = min(s.length_users, c.length_users) >= LATENCY_MIN_USERS and s.latency_p95 > 0
+    if latency_judged and not c.latency_p95 <= policy.max_latency_ratio * s.latency_p95:
+        out.append(f"guardrail latency: p95 {c.latency_p95:.0f} ms against {s.latency_p95:.0f} ms over "
+                   f"{c.length_users} and {s.length_users} users' means (at most x{policy.max_latency_ratio})")
+    lo, hi = 1 / policy.max_length_ratio, policy.max_length_ratio
+    s_len = s.length_sum / s.length_users if s.length_users else 0.0
+    c_len = c.length_sum / c.length_users if c.length_users else 0.0
+    if s_len > 0 and c.length_users and not lo <= c_len / s_len <= hi:
+        out.append(f"guardrail output length: {c_len:.1f} tokens against {s_len:.1f}, mean over "
+                   f"{c.length_users} and {s.length_users} users (within x{policy.max_length_ratio})")
+    level = guardrail_level(policy.guardrail_alpha, look, GUARDRAIL_CHECKS)
     at = f"look {look}, level {level:.2g}"
     for name, allowance, cs, ss in (
             ("error rate", policy.max_error_rate_increase, (c.users, c.error_sum, c.error_sq),

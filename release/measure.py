@@ -78,8 +78,9 @@ LATENCY_SAMPLE = 5_000
 #: new user is in no guardrail, and the sample-ratio check stops (one arm full, the other not, the
 #: counts would read as a mismatch). A canary is decided long before 50,000 users on either arm.
 MAX_GUARDRAIL_USERS = 50_000
-#: Where each count sits in ``Arm.users[user]``.
-U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED = range(5)
+#: Where each count sits in ``Arm.users[user]``: ``U_TOKENS`` and ``U_LATENCY`` are sums over the
+#: user's generations (None in a tally saved before they were kept: that user is in neither mean).
+U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED, U_TOKENS, U_LATENCY = range(7)
 
 #: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
 #: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py; or
@@ -107,33 +108,40 @@ class Arm:
     excluded: int = 0
     #: the answers served (module docstring)
     text: TextProfile = field(default_factory=TextProfile)
-    #: user -> [requests, errors, rejects, rewards, flagged] of the generations made for them, for
-    #: the per-user guardrails (at most ``MAX_GUARDRAIL_USERS``)
-    users: dict[str, list[int]] = field(default_factory=dict)
+    #: user -> [requests, errors, rejects, rewards, flagged, tokens, latency ms] of the generations
+    #: made for them, for the per-user guardrails (at most ``MAX_GUARDRAIL_USERS``)
+    users: dict[str, list[Any]] = field(default_factory=dict)
 
-    def count(self, user: str, what: int) -> None:
-        """Add one to ``user``'s count ``what`` (a ``U_*`` index), if they are or can be kept."""
+    def count(self, user: str, what: int, amount: float = 1) -> None:
+        """Add ``amount`` to ``user``'s count ``what`` (a ``U_*`` index), if they are or can be kept."""
         counts = self.users.get(user)
         if counts is None:
             if len(self.users) >= MAX_GUARDRAIL_USERS:
                 return
-            counts = self.users[user] = [0, 0, 0, 0, 0]
-        counts[what] += 1
+            counts = self.users[user] = [0, 0, 0, 0, 0, 0, 0.0]
+        if counts[what] is not None:
+            counts[what] += amount
 
     def per_user(self) -> PerUser:
         """Sums over users of each user's own rates (release/judge.py ``PerUser``)."""
         n = raters = 0
-        err = err2 = rej = rej2 = flag = flag2 = 0.0
-        for requests, errors, rejects, rewards, flagged in self.users.values():
+        err = err2 = rej = rej2 = flag = flag2 = length = 0.0
+        lengths, latencies = 0, []
+        for requests, errors, rejects, rewards, flagged, tokens, latency in self.users.values():
             if requests:
                 n += 1
                 e, r = errors / requests, min(rejects / requests, 1.0)
                 err, err2, rej, rej2 = err + e, err2 + e * e, rej + r, rej2 + r * r
+                if tokens is not None and latency is not None:
+                    lengths, length = lengths + 1, length + tokens / requests
+                    latencies.append(latency / requests)
             if rewards:
                 raters += 1
                 f = flagged / rewards
                 flag, flag2 = flag + f, flag2 + f * f
-        return PerUser(n, err, err2, rej, rej2, raters, flag, flag2)
+        latencies.sort()
+        p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] if latencies else 0.0
+        return PerUser(n, err, err2, rej, rej2, raters, flag, flag2, lengths, length, p95)
 
     def stats(self, pending: int = 0) -> ArmStats:
         lat = sorted(self.latencies_ms)
@@ -238,6 +246,8 @@ class Tally:
         arm.latencies_ms.append(g.latency_ms)
         del arm.latencies_ms[:-LATENCY_SAMPLE]
         arm.tokens += len(g.completion_token_ids)
+        arm.count(g.user_id, U_TOKENS, len(g.completion_token_ids))
+        arm.count(g.user_id, U_LATENCY, g.latency_ms)
         if g.finish_reason != "abort":
             arm.text = arm.text.add(g.completion_text)
         self._enter(arm_name, ep)
@@ -394,7 +404,8 @@ class Tally:
         arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
                           a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
                           a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile(),
-                          {u: list(c) for u, c in a.get("users", {}).items()})
+                          # a user saved before tokens and latency were kept: in neither mean
+                          {u: [*c, None, None][:7] for u, c in a.get("users", {}).items()})
                 for name, a in d["arms"].items()}
         return cls(d["stable_version"], d["canary_version"], d["started_at"], d.get("alpha"), arms,
                    Pairing.from_dict(d["pairing"]) if folded else Pairing(), dict(d.get("users", {})),

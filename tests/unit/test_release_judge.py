@@ -34,13 +34,16 @@ from release.sequential import PairCount, e_value, log_e_better
 POLICY = CanaryPolicy.of(ReleaseSettings())  # alpha 0.05, min_events 50, deadline 3600 s, error_limit 3, ...
 
 
-def users(n: int = 100, error: float = 0.01, reject: float = 0.25, flag: float = 0.01, sd: float = 0.0) -> PerUser:
+def users(n: int = 100, error: float = 0.01, reject: float = 0.25, flag: float = 0.01, sd: float = 0.0,
+          latency: float = 1000.0, length: float = 100.0) -> PerUser:
     """``n`` users' own rates (the sums release/measure.py keeps, built directly): each mean as
-    given, with standard deviation ``sd`` across users; every user has rewards."""
+    given, with standard deviation ``sd`` across users; every user has rewards. ``latency``: the
+    p95 of the users' mean latencies (ms); ``length``: the mean of their mean output lengths."""
     def sq(mean: float) -> float:
         return n * mean * mean + (n - 1) * sd * sd
     return PerUser(users=n, error_sum=n * error, error_sq=sq(error), reject_sum=n * reject, reject_sq=sq(reject),
-                   raters=n, flag_sum=n * flag, flag_sq=sq(flag))
+                   raters=n, flag_sum=n * flag, flag_sq=sq(flag), length_users=n, length_sum=n * length,
+                   latency_p95=latency)
 
 
 ARM = ArmStats(outcomes=200, accepts=60, rejects=100, requests=400, errors=4, latency_ms_p95=1000.0,
@@ -126,9 +129,9 @@ def test_min_events_exactly_is_enough():
 # alike across users, so there is no noise and the limit is exact)
 GUARDRAILS = [
     ("guardrail error rate", {"per_user": users(error=0.0305)}, {"per_user": users(error=0.0295)}),  # +0.02
-    ("guardrail latency", {"latency_ms_p95": 1500.5}, {"latency_ms_p95": 1500.0}),  # x1.5
-    ("guardrail output length", {"completion_tokens_mean": 200.5}, {"completion_tokens_mean": 200.0}),  # x2
-    ("guardrail output length", {"completion_tokens_mean": 49.5}, {"completion_tokens_mean": 50.0}),  # /2
+    ("guardrail latency", {"per_user": users(latency=1500.5)}, {"per_user": users(latency=1500.0)}),  # x1.5
+    ("guardrail output length", {"per_user": users(length=200.5)}, {"per_user": users(length=200.0)}),  # x2
+    ("guardrail output length", {"per_user": users(length=49.5)}, {"per_user": users(length=50.0)}),  # /2
     ("guardrail share of rejects", {"per_user": users(reject=0.4005)}, {"per_user": users(reject=0.3995)}),  # +0.15
     ("guardrail reward-guard flags", {"per_user": users(flag=0.0605)}, {"per_user": users(flag=0.0595)}),  # +0.05
 ]
@@ -149,8 +152,8 @@ def test_a_guardrail_just_inside_its_limit_does_not_fail(name, past, inside):
 
 
 @pytest.mark.parametrize("what", [{"per_user": users(error=0.9)}, {"per_user": users(reject=0.9)},
-                                  {"per_user": users(flag=0.9)}, {"latency_ms_p95": 5000.0},
-                                  {"completion_tokens_mean": 900.0}],
+                                  {"per_user": users(flag=0.9)}, {"per_user": users(latency=5000.0)},
+                                  {"per_user": users(length=900.0)}],
                          ids=["error", "reject", "flag", "latency", "length"])
 def test_the_guardrails_are_judged_only_at_a_look(what):
     # judged on every tick, a test at one level (or a fixed ratio of a noisy estimate) is another
@@ -257,15 +260,36 @@ def test_a_breached_guardrail_beats_a_sample_ratio_mismatch():
     assert judge_canary(m, POLICY).outcome == Outcome.FAIL
 
 
-def test_p95_latency_is_compared_only_over_enough_requests():
-    few = replace(POLICY, min_events=20)
-
+def test_p95_latency_is_compared_only_over_enough_users():
     def arms(n: int) -> CanaryMeasurement:
-        stable = replace(ARM, requests=n, rejects=n // 4, errors=0)
-        return replace(BASE, stable=stable, canary=replace(stable, latency_ms_p95=1600.0), look=1)
+        return replace(BASE, stable=replace(ARM, per_user=users(n)), canary=replace(ARM, per_user=users(n, latency=1600.0)),
+                       look=1)
 
-    assert judge_canary(arms(60), few).outcome == Outcome.RUNNING  # over 60 requests a p95 is their slowest three
-    assert judge_canary(arms(100), few).reasons[0].startswith("guardrail latency:")
+    assert judge_canary(arms(39), POLICY).outcome == Outcome.RUNNING  # over 39 users a p95 is their slowest two
+    assert judge_canary(arms(40), POLICY).reasons[0].startswith("guardrail latency:")
+
+
+def test_a_heavy_user_counts_once_in_latency_and_length():
+    """The guardrails read each user's mean (release/measure.py): one user sending 200 slow, long
+    requests among 99 who send 2 moves the per-request p95 and mean, not the per-user ones."""
+    from release.measure import Arm
+
+    def arm(heavy: bool) -> Arm:
+        a = Arm()
+        for u in range(100):
+            n, latency, tokens = (200, 9000.0, 400) if heavy and u == 0 else (2, 1000.0, 100)
+            for _ in range(n):
+                a.requests += 1
+                a.latencies_ms.append(latency)
+                a.tokens += tokens
+                for what, amount in ((0, 1), (5, tokens), (6, latency)):
+                    a.count(f"u{u}", what, amount)
+        return a
+
+    canary, stable = arm(heavy=True).stats(), arm(heavy=False).stats()
+    assert canary.latency_ms_p95 == 9000.0 and canary.completion_tokens_mean > 2 * stable.completion_tokens_mean
+    m = replace(BASE, stable=replace(stable, outcomes=200), canary=replace(canary, outcomes=200), look=2)
+    assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 
 def test_an_ignored_answer_is_no_reject():
@@ -281,25 +305,26 @@ def test_guardrails_compare_with_stable_not_absolute():
 
 
 def test_an_unmeasured_stable_latency_or_length_is_not_compared():
-    stable = replace(ARM, latency_ms_p95=0.0, completion_tokens_mean=0.0)
-    m = replace(BASE, stable=stable, canary=replace(ARM, latency_ms_p95=5000.0, completion_tokens_mean=900.0), look=1)
+    stable = replace(ARM, per_user=users(latency=0.0, length=0.0))
+    m = replace(BASE, stable=stable, canary=replace(ARM, per_user=users(latency=5000.0, length=900.0)), look=1)
     assert judge_canary(m, POLICY).outcome == Outcome.RUNNING
 
 
-@pytest.mark.parametrize("field", ["latency_ms_p95", "completion_tokens_mean"])
+@pytest.mark.parametrize("field", ["latency", "length"])
 def test_a_non_finite_canary_measurement_breaches_its_guardrail(field):
-    assert judge_canary(replace(canary(**{field: math.nan}), look=1), POLICY).outcome == Outcome.FAIL
+    m = replace(canary(per_user=users(**{field: math.nan})), look=1)
+    assert judge_canary(m, POLICY).outcome == Outcome.FAIL
 
 
 def test_every_breached_guardrail_is_named():
-    v = judge_canary(replace(canary(latency_ms_p95=4000.0, per_user=users(error=0.1, flag=0.25)), look=1), POLICY)
+    v = judge_canary(replace(canary(per_user=users(error=0.1, flag=0.25, latency=4000.0)), look=1), POLICY)
     assert v.outcome == Outcome.FAIL
     assert [r.split(":")[0] for r in v.reasons] == [
         "guardrail latency", "guardrail error rate", "guardrail reward-guard flags"]
 
 
 def test_a_breached_guardrail_beats_a_passing_accept_rate():
-    v = judge_canary(replace(canary(latency_ms_p95=2000.0), pairs=BETTER, look=1), POLICY)
+    v = judge_canary(replace(canary(per_user=users(latency=2000.0)), pairs=BETTER, look=1), POLICY)
     assert v.outcome == Outcome.FAIL and v.reasons[0].startswith("guardrail latency:")
 
 
