@@ -83,13 +83,10 @@ MAX_GUARDRAIL_USERS = 50_000
 U_REQUESTS, U_ERRORS, U_REJECTS, U_REWARDS, U_FLAGGED, U_TOKENS, U_LATENCY = range(7)
 
 #: A user's state in one canary (``Tally.users``): their window is open (``pending``), read
-#: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py; or
-#: ``before_routing``), or they are left out.
+#: (``counted``, or ``new``, ``unjudged`` or ``switched``: release/outcomes.py), or they are left out.
 PENDING, COUNTED, EXCLUDED, FLAGGED_LATE = "pending", "counted", "excluded", "flagged_after_counting"
 NEW, LATE, UNJUDGED, SWITCHED = Kind.NEW.value, "late", Kind.UNJUDGED.value, Kind.SWITCHED.value
-#: read, but their window opened before the canary's first answer (``_read`` says why)
-BEFORE_ROUTING = "before_routing"
-STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED, SWITCHED, BEFORE_ROUTING)
+STATES = (PENDING, COUNTED, EXCLUDED, FLAGGED_LATE, NEW, LATE, UNJUDGED, SWITCHED)
 
 
 @dataclass
@@ -186,6 +183,9 @@ class Tally:
     #: user -> when their first generation in this canary completed (users ``Arm.users`` keeps):
     #: the time their episode's leaving ingest is counted from (``routed_users``)
     first_at: dict[str, float] = field(default_factory=dict)
+    #: windows read whose first answer came before ``routed_at`` (``_read``): not counted, and
+    #: their users' next answers open new windows
+    before_routing: int = 0
 
     def arm_of(self, version: int) -> str | None:
         if version == self.canary_version:
@@ -310,14 +310,19 @@ class Tally:
         if self.users.get(read.user) == EXCLUDED:  # flagged while their window was open
             arm.excluded += 1
             return
+        if (self.routed_at is not None and read.first_at < self.routed_at
+                and read.kind in (Kind.OUTCOME, Kind.SWITCHED)):
+            # answered before serving evidently applied the routing, so on stable whatever their
+            # hash: counted there, those the hash sent to the canary who came back within the
+            # window (switched) were left out and the rest kept for not coming back. Not counted;
+            # the user's next answer opens a window of their own arm. Every user active as the
+            # canary started is in this gap (an object store's fetch makes it minutes): left out
+            # for good, no canary of a small deployment reached a verdict
+            self.before_routing += 1
+            self._set(read.user, None)
+            return
         if read.kind is not Kind.OUTCOME:
             self._set(read.user, read.kind.value)
-            return
-        if self.routed_at is not None and read.first_at < self.routed_at:
-            # answered before serving evidently applied the routing: every such user was on stable.
-            # Those the hash sent to the canary who came back within their window were switched
-            # (left out), so counting the rest on stable would keep them for not coming back
-            self._set(read.user, BEFORE_ROUTING)
             return
         self._set(read.user, COUNTED)
         arm.outcomes += 1
@@ -332,7 +337,7 @@ class Tally:
         """Users counted apart, by why (module docstring): the analysis and the console show them."""
         return {"new_users": self._states[NEW], "late_users": self._states[LATE],
                 "unjudged_users": self._states[UNJUDGED], "switched_users": self._states[SWITCHED],
-                "before_routing_users": self._states[BEFORE_ROUTING]}
+                "before_routing_users": self.before_routing}
 
     def routed_users(self) -> tuple[int, int]:
         """(canary, stable) users whose first generation in this canary was made at or after the
@@ -388,7 +393,7 @@ class Tally:
             "offsets": {t: {str(p): n for p, n in parts.items()} for t, parts in self.offsets.items()},
             "errors": self.errors, "history": self.history,
             "share": self.share, "guardrail_look": self.guardrail_look,
-            "routed_at": self.routed_at, "first_at": self.first_at,
+            "routed_at": self.routed_at, "first_at": self.first_at, "before_routing": self.before_routing,
         }
 
     @classmethod
@@ -413,4 +418,5 @@ class Tally:
                    {t: {int(p): n for p, n in parts.items()} for t, parts in d["offsets"].items()},
                    d.get("errors", 0), d.get("history", []), share=d.get("share"),
                    guardrail_look=d.get("guardrail_look", 0), windows=windows,
-                   routed_at=d.get("routed_at"), first_at=dict(d.get("first_at", {})))
+                   routed_at=d.get("routed_at"), first_at=dict(d.get("first_at", {})),
+                   before_routing=d.get("before_routing", 0))

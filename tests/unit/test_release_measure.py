@@ -459,6 +459,23 @@ def test_users_before_the_canarys_first_generation_are_not_in_the_sample_ratio_c
     assert t.routed_users() == (50, 110) and srm_held(t)
 
 
+def test_a_user_answered_before_the_canarys_first_answer_counts_from_their_next_window():
+    """Every user active as a canary starts answers before serving has loaded it (minutes, with an
+    object store's fetch). Their first window is not counted; one outcome a user for the whole
+    canary would have left a small deployment's canary with no users to judge."""
+    t = tally(windows=Windows(window_s=5, settle_s=5))
+    judged(t, "g1", 0, T0 + 1, "reject", user="ann")  # in the gap: stable whatever her hash
+    judged(t, "g2", 7, T0 + 3, "accept", user="bob")  # the canary's first answer
+    t.close(T0 + 20)
+    # no outcome on stable (her reject still counts among the requests, for the guardrails)
+    assert t.left_apart()["before_routing_users"] == 1 and outcomes(t)["stable"] == (0, 0, 1)
+    judged(t, "g3", 7, T0 + 30, "accept", user="ann")  # her next answer, on her own arm
+    t.close(T0 + 50)
+    assert outcomes(t)["canary"] == (2, 2, 0) and t.users["ann"] == "counted"
+    back = Tally.from_dict(json.loads(json.dumps(t.to_dict())))
+    assert back.left_apart()["before_routing_users"] == 1
+
+
 def test_the_sample_ratio_counts_users_once_their_episodes_settled_not_as_they_arrive():
     """Rated answers' episodes leave ingest at once (early emission), unrated ones when their join
     window closes: a canary whose users accept reached the topic first. Counted on arrival, 40
