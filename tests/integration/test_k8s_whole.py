@@ -161,7 +161,9 @@ class Users:
                     time.sleep(0.2)
                     continue
                 n += 1
-                self._one(http, pods[n % len(pods)], f"user-{n % 40}")
+                # 120 users: the controller counts one outcome per user per canary, and 40 ran out
+                # at 14 pairs (9 won by the canary, none lost), short of the first canary's level
+                self._one(http, pods[n % len(pods)], f"user-{n % 120}")
 
     def _one(self, http: httpx.Client, pod: Pod, user: str) -> None:
         try:
