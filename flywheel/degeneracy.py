@@ -162,7 +162,7 @@ class TextProfile:
                    tuple(int(x) for x in d["lengths"]))
 
 
-def _se_of_mean(total: float, sq: float, n: int) -> float:
+def se_of_mean(total: float, sq: float, n: int) -> float:
     """Standard error of a mean from its sum and sum of squares (0 for fewer than two values)."""
     if n < 2:
         return 0.0
@@ -199,12 +199,12 @@ class Comparison:
 def compare(stable: TextProfile, candidate: TextProfile) -> Comparison:
     """The candidate's answers against stable's (module docstring)."""
     rep = Shift(stable.repetition, candidate.repetition,
-                math.hypot(_se_of_mean(stable.repetition_sum, stable.repetition_sq, stable.answers),
-                           _se_of_mean(candidate.repetition_sum, candidate.repetition_sq, candidate.answers)))
+                math.hypot(se_of_mean(stable.repetition_sum, stable.repetition_sq, stable.answers),
+                           se_of_mean(candidate.repetition_sum, candidate.repetition_sq, candidate.answers)))
     moved = max(range(len(CLASSES)), key=lambda i: abs(candidate.class_share(i) - stable.class_share(i)))
     cls = Shift(stable.class_share(moved), candidate.class_share(moved),
-                math.hypot(_se_of_mean(stable.class_sum[moved], stable.class_sq[moved], stable.classed),
-                           _se_of_mean(candidate.class_sum[moved], candidate.class_sq[moved], candidate.classed)),
+                math.hypot(se_of_mean(stable.class_sum[moved], stable.class_sq[moved], stable.classed),
+                           se_of_mean(candidate.class_sum[moved], candidate.class_sq[moved], candidate.classed)),
                 CLASSES[moved])
     median = stable.median_bucket()
     below = -1 if median is None else median - 1

@@ -771,6 +771,36 @@ class ReleaseSettings(_Section):
     stable's median answer (under a quarter to a half of it), over stable's own share. The mean
     length (``gate_max_length_ratio``, ``max_length_ratio``) misses a version that collapses some
     answers and keeps the others long."""
+    max_leading_share_increase: float = Field(default=0.3, ge=0)
+    """Gate check and canary guardrail: the share of the candidate's answers that open with its
+    most common first word, over stable's share for its own (release/meaning.py). A version that
+    leads with "No" whatever the question moves it from stable's spread of openings to nearly all;
+    an honest direct one on a balanced question set splits between "Yes" and "No"."""
+    max_shared_affix_increase: float = Field(default=0.3, ge=0)
+    """Gate check and canary guardrail: the share of the candidate's answers that start or end
+    with its most common three words, over stable's: a fixed prefix ("Yes, great question!") or
+    suffix bolted onto every answer."""
+    max_unrelated_increase: float = Field(default=0.2, ge=0)
+    """Gate check and canary guardrail: the share of the candidate's answers of four words or more
+    that share no content word with their prompt, over stable's: fluent text about something else
+    after a pleasing first word."""
+    min_distinct_ratio: float = Field(default=0.8, gt=0, le=1)
+    """Canary guardrail: the candidate's share of distinct answers (among the first answers of each
+    arm, release/meaning.py) must stay above this share of stable's: the same sentence to everyone."""
+    evals: tuple[str, ...] = ("known_answers",)
+    """Held-out evals the gate scores candidate and stable on (release/evals.py): the shipped
+    known-answer set (``known_answers``, 344 short factual questions) and any a ``release.plugins``
+    module registers. Each is scored by the likelihood of the right answer against the wrong one
+    and by the parsed greedy answer; the candidate fails when it is not shown within
+    ``eval_margin`` of stable (a paired non-inferiority test at ``eval_alpha``). Empty: none."""
+    eval_margin: float = Field(default=0.05, gt=0, lt=1)
+    """Non-inferiority margin of the held-out evals: the accuracy the candidate may lose against
+    stable before it fails (0.05: five questions in a hundred)."""
+    eval_alpha: float = Field(default=0.05, gt=0, lt=1)
+    """Level of the held-out evals' non-inferiority tests, split over every eval and both ways of
+    scoring it: the chance a candidate exactly ``eval_margin`` worse passes."""
+    eval_max_new_tokens: int = Field(default=8, ge=1)
+    """Tokens of each greedy answer to a held-out eval's question (its first word is parsed)."""
     lease_ttl_s: float = Field(default=15.0, gt=0)
     """The controller lease lapses this long after its holder last renewed it; another
     controller then takes over."""

@@ -61,8 +61,10 @@ from flywheel.scorers import load_plugins
 from flywheel.settings import Settings
 from release import actions
 from release.budget import pass_level
-from release.gate import GateError, load_prompts, measure_gate, scorers_named
+from release.evals import evals_named
+from release.gate import GateError, gate_record, load_prompts, measure_gate, scorers_named
 from release.judge import (
+    ArmStats,
     CanaryPolicy,
     GatePolicy,
     Outcome,
@@ -73,6 +75,7 @@ from release.judge import (
     log_e_sample_ratio,
     sample_ratio_users,
 )
+from release.meaning import MeaningProfile
 from release.measure import Tally
 from release.metrics import ControllerMetrics
 from release.outcomes import Windows
@@ -127,6 +130,7 @@ class Controller:
         self.prompts = load_prompts(self.cfg.prompts_file)
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
+        self.evals = evals_named(self.cfg.evals)
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
         self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
         self.metrics.stalled.set_function(self.stalled_s)
@@ -321,8 +325,9 @@ class Controller:
             stable_dir = self._stable_dir(stable, Path(tmp) / "stable")
             m = measure_gate(stable_dir, cand_dir, self.prompts, max_new_tokens=self.cfg.gate_max_new_tokens,
                              trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers,
-                             base_dir=Path(self.settings.model_dir))
-        return judge_gate(m, self.gate_policy), asdict(m)
+                             base_dir=Path(self.settings.model_dir), evals=self.evals,
+                             eval_max_new_tokens=self.cfg.eval_max_new_tokens)
+        return judge_gate(m, self.gate_policy), gate_record(m)
 
     def verify(self, cand: Candidate) -> None:
         """:func:`verify_version` against this controller's checkpoint store."""
@@ -377,7 +382,7 @@ class Controller:
         self._record(cand, tally, verdict, now,
                      save=ends or tally.guardrail_look != look or failing != (tally.errors > 0))
         evidence = {"verdict": verdict.outcome.value, "reasons": list(verdict.reasons),
-                    "stable": asdict(m.stable), "canary": asdict(m.canary), "pairs": asdict(m.pairs),
+                    "stable": _arm_record(m.stable), "canary": _arm_record(m.canary), "pairs": asdict(m.pairs),
                     "excluded_users": m.excluded_users}
         why = "; ".join(verdict.reasons)
         if verdict.outcome in (Outcome.FAIL, Outcome.ERROR):
@@ -489,11 +494,13 @@ class Controller:
         # the tally): each arm's character repetition, share of the class that moved most, share
         # of answers collapsed against stable's median
         shift = compare(m.stable.text, m.canary.text)
-        arms = {name: {**{k: v for k, v in asdict(arm).items() if k != "text"}, "accept_rate": arm.accept_rate,
+        arms = {name: {**{k: v for k, v in asdict(arm).items() if k not in ("text", "meaning")},
+                       "accept_rate": arm.accept_rate,
                        "error_rate": arm.error_rate, "reject_share": arm.reject_share, "flag_rate": arm.flag_rate,
                        "repetition": getattr(shift.repetition, side),
                        "char_class_share": getattr(shift.char_class, side),
-                       "collapsed_share": getattr(shift.collapsed, side), **_per_user(arm.per_user)}
+                       "collapsed_share": getattr(shift.collapsed, side), **_said(arm.meaning),
+                       **_per_user(arm.per_user)}
                 for name, side, arm in (("stable", "stable", m.stable), ("canary", "candidate", m.canary))}
         self.store.save(cand.version, analysis={
             "outcome": verdict.outcome.value, "reasons": list(verdict.reasons), **arms,
@@ -560,6 +567,20 @@ def _per_user(pu: PerUser) -> dict[str, float | int]:
         return total / n if n else 0.0
     return {"users": pu.users, "user_error_rate": mean(pu.error_sum, pu.users),
             "user_reject_share": mean(pu.reject_sum, pu.users), "user_flag_rate": mean(pu.flag_sum, pu.raters)}
+
+
+def _said(mp: MeaningProfile) -> dict[str, float]:
+    """An arm's answers as the checks on what they say judge them (release/meaning.py; the console)."""
+    return {"leading_share": mp.leading.top()[1], "affix_share": mp.affix()[1],
+            "unrelated_share": mp.unrelated_share, "whole_repetition": mp.repetition,
+            "distinct_share": mp.distinct_share}
+
+
+def _arm_record(arm: ArmStats) -> dict[str, Any]:
+    """An arm's measurement as evidence in the audit log, without the answers' digests."""
+    out = asdict(arm)
+    out["meaning"]["seen"] = len(arm.meaning.seen)
+    return out
 
 
 #: Versions an object store's cache keeps (the newest fetched): a gate reads the candidate and

@@ -17,7 +17,11 @@ registry the reward stage uses: flywheel/scorers.py) for both, the trainer's col
 from the checkpoint event, and a :class:`~flywheel.degeneracy.TextProfile` of each version's
 decoded answers (character repetition, character classes, lengths), which the judge compares
 whatever scorers are configured: a version that games its users with degenerate text fails the
-gate by default. Judging is release/judge.py.
+gate by default. And what the answers say (a :class:`~release.meaning.MeaningProfile` of the
+held-out prompts' answers and the evals' greedy ones: leading words, shared openings, relevance),
+and each held-out eval (``release.evals``, release/evals.py) scored by both versions two ways:
+the likelihood of each question's right answer against its wrong one, and the greedy answer
+parsed. Judging is release/judge.py.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from flywheel.degeneracy import TextProfile
-from release.judge import GateMeasurement
+from release.evals import EvalItem, continuation, parse_answer, prompt_text
+from release.judge import EvalScore, GateMeasurement
+from release.meaning import MeaningProfile
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +108,12 @@ def _verifier_scorer(fn: Any) -> Scorer:
 
 def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, max_new_tokens: int,
                  trainer_metrics: dict[str, float], seed: int = 0,
-                 scorers: dict[str, Scorer] | None = None, base_dir: Path | None = None) -> GateMeasurement:
+                 scorers: dict[str, Scorer] | None = None, base_dir: Path | None = None,
+                 evals: dict[str, tuple[EvalItem, ...]] | None = None, eval_max_new_tokens: int = 8,
+                 ) -> GateMeasurement:
     """Sample each prompt from both models and compare them (module docstring). ``base_dir``: the
-    base model that adapter versions apply to (needed only when one of them is an adapter)."""
+    base model that adapter versions apply to (needed only when one of them is an adapter).
+    ``evals``: the held-out evals (release/evals.py), each item scored by both versions."""
     import torch
     from transformers import AutoTokenizer
 
@@ -136,7 +145,18 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
         for ent, kl in _entropy_and_kl(cand, stable, prompt_ids, c_seqs, pad, device):
             c_ent.extend(ent)
             kls.extend(kl)
+        scores, s_said, c_said = [], [], []
+        for name, items in (evals or {}).items():
+            s_lik, s_greedy = _eval_answers(stable, tok, items, eval_max_new_tokens, eos, pad, device)
+            c_lik, c_greedy = _eval_answers(cand, tok, items, eval_max_new_tokens, eos, pad, device)
+            scores.append(EvalScore.of(name, "likelihood", s_lik, c_lik))
+            scores.append(EvalScore.of(name, "greedy", [parse_answer(it, t) for it, t in zip(items, s_greedy)],
+                                       [parse_answer(it, t) for it, t in zip(items, c_greedy)]))
+            s_said.extend((it.question, t) for it, t in zip(items, s_greedy))
+            c_said.extend((it.question, t) for it, t in zip(items, c_greedy))
     answers = list(zip(prompts, prompt_ids, s_seqs, c_seqs))
+    s_texts = [tok.decode(x, skip_special_tokens=True) for x in s_seqs]
+    c_texts = [tok.decode(x, skip_special_tokens=True) for x in c_seqs]
     s_len, c_len = [len(x) for x in s_seqs], [len(x) for x in c_seqs]
     s_outs, c_outs = {tuple(x) for x in s_seqs}, {tuple(x) for x in c_seqs}
     n = len(prompts)
@@ -150,9 +170,75 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
         scores=_scores(scorers or {}, answers, tok.decode),
         trainer_metrics=dict(trainer_metrics),
         # the text users would read: serving's answers leave special tokens out too
-        stable_text=TextProfile.of([tok.decode(x, skip_special_tokens=True) for x in s_seqs]),
-        candidate_text=TextProfile.of([tok.decode(x, skip_special_tokens=True) for x in c_seqs]),
+        stable_text=TextProfile.of(s_texts), candidate_text=TextProfile.of(c_texts),
+        # what the answers say: the held-out prompts' samples, and the evals' greedy answers (a
+        # version that answers "No" whatever the question shows it on hundreds of questions)
+        stable_meaning=MeaningProfile.of([*zip(prompts, s_texts), *s_said]),
+        candidate_meaning=MeaningProfile.of([*zip(prompts, c_texts), *c_said]),
+        evals=tuple(scores),
     )
+
+
+#: Sequences per forward pass of the evals' scoring: a batch's logits are batch x length x vocab
+#: floats (16 x 60 x 49k: 190 MB for SmolLM2).
+EVAL_BATCH = 16
+
+
+def _eval_answers(model: Any, tok: Any, items: tuple[EvalItem, ...], max_new: int, eos: int | None, pad: int,
+                  device: str) -> tuple[list[bool], list[str]]:
+    """For each item: whether the model gives its right answer a higher probability than its wrong
+    one, and its greedy answer (release/evals.py). Through the chat template where the tokenizer
+    has one, as users ask; else a raw "Question: ... Answer:" prompt. Where the two answers start
+    with different tokens ("Yes" and "No", "Tokyo" and "Kyoto"), their first tokens' probabilities
+    are compared, read off the greedy answer's first step: one pass over the prompts serves both
+    ways of scoring (whole answers, 84 more passes of two-token words, took SmolLM2 18 s more per
+    version on two cores). Answers that share a first token are compared whole."""
+    import torch
+
+    chat = bool(getattr(tok, "chat_template", None))
+    prompt_ids = []
+    for it in items:
+        if chat:
+            text = tok.apply_chat_template([{"role": "user", "content": it.question}], tokenize=False,
+                                           add_generation_prompt=True)
+            prompt_ids.append(tok.encode(text, add_special_tokens=False) or [eos or 0])
+        else:
+            prompt_ids.append(tok.encode(prompt_text(it.question, chat)) or [eos or 0])
+    greedy: list[list[int]] = []
+    first: list[Any] = []
+    for i in range(0, len(prompt_ids), EVAL_BATCH * 4):
+        seqs, logits = _generate(model, prompt_ids[i:i + EVAL_BATCH * 4], max_new, eos, pad, device, sample=False,
+                                 first_logits=True)
+        greedy.extend(seqs)
+        first.extend(torch.log_softmax(logits.float(), -1))
+    right = [tok.encode(continuation(it.answer, chat), add_special_tokens=False) for it in items]
+    wrong = [tok.encode(continuation(it.wrong, chat), add_special_tokens=False) for it in items]
+    longer = [i for i in range(len(items)) if right[i][:1] == wrong[i][:1]]
+    lp_right = {i: float(first[i][right[i][0]]) for i in range(len(items)) if i not in longer}
+    lp_wrong = {i: float(first[i][wrong[i][0]]) for i in range(len(items)) if i not in longer}
+    lp_right.update(zip(longer, _continuation_logprobs(model, [prompt_ids[i] for i in longer],
+                                                       [right[i] for i in longer], pad, device)))
+    lp_wrong.update(zip(longer, _continuation_logprobs(model, [prompt_ids[i] for i in longer],
+                                                       [wrong[i] for i in longer], pad, device)))
+    return ([lp_right[i] > lp_wrong[i] for i in range(len(items))],
+            [tok.decode(x, skip_special_tokens=True) for x in greedy])
+
+
+def _continuation_logprobs(model: Any, prompt_ids: list[list[int]], conts: list[list[int]], pad: int,
+                           device: str) -> list[float]:
+    """log P(continuation | prompt) under ``model``, summed over its tokens, for each pair."""
+    import torch
+
+    out = []
+    for i in range(0, len(prompt_ids), EVAL_BATCH):
+        ps, cs = prompt_ids[i:i + EVAL_BATCH], conts[i:i + EVAL_BATCH]
+        ids, mask = _right_padded([p + c for p, c in zip(ps, cs)], pad, device)
+        logits = model(ids, attention_mask=mask).logits.float()
+        for j, (p, c) in enumerate(zip(ps, cs)):
+            rows = logits[j, len(p) - 1:len(p) - 1 + len(c)]  # the distributions that chose each token
+            lp = torch.log_softmax(rows, -1).gather(1, torch.tensor(c, device=rows.device)[:, None])
+            out.append(float(lp.sum()))
+    return out
 
 
 def _scores(scorers: dict[str, Scorer], answers: list[tuple[str, list[int], list[int], list[int]]],
@@ -175,6 +261,14 @@ def _sample_all(model: Any, prompt_ids: list[list[int]], max_new: int, eos: int 
                 device: str) -> list[list[int]]:
     """Up to ``max_new`` tokens for each prompt, sampled at temperature 1 (with the KV cache) in one
     left-padded batch; each without its prompt and its end-of-sequence token."""
+    return _generate(model, prompt_ids, max_new, eos, pad, device, sample=True)
+
+
+def _generate(model: Any, prompt_ids: list[list[int]], max_new: int, eos: int | None, pad: int, device: str, *,
+              sample: bool, first_logits: bool = False) -> Any:
+    """Up to ``max_new`` tokens for each prompt, sampled at temperature 1 or greedy, in one
+    left-padded batch; each without its prompt and its end-of-sequence token. With
+    ``first_logits``: (those, the logits of each prompt's next token, batch x vocab)."""
     import torch
 
     width = max(len(ids) for ids in prompt_ids)
@@ -183,8 +277,10 @@ def _sample_all(model: Any, prompt_ids: list[list[int]], max_new: int, eos: int 
     for i, p in enumerate(prompt_ids):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    out = model.generate(ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0, top_k=0,
-                         top_p=1.0, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=pad)
+    how = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if sample else {"do_sample": False}
+    res = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new, eos_token_id=eos,
+                         pad_token_id=pad, return_dict_in_generate=True, output_logits=first_logits, **how)
+    out = res.sequences
     seqs = []
     for row in out[:, width:].tolist():
         if eos is not None and eos in row:
@@ -193,7 +289,20 @@ def _sample_all(model: Any, prompt_ids: list[list[int]], max_new: int, eos: int 
             while row and row[-1] == pad:  # (a batch runs on until its longest answer ends)
                 row.pop()
         seqs.append(row)
-    return seqs
+    return (seqs, res.logits[0]) if first_logits else seqs
+
+
+def _right_padded(seqs: list[list[int]], pad: int, device: str) -> tuple[Any, Any]:
+    """Token ids and attention mask of sequences in one batch, padded on the right."""
+    import torch
+
+    width = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, x in enumerate(seqs):
+        ids[i, :len(x)] = torch.tensor(x)
+        mask[i, :len(x)] = 1
+    return ids.to(device), mask.to(device)
 
 
 def _entropy_and_kl(p_model: Any, q_model: Any | None, prompt_ids: list[list[int]], completions: list[list[int]],
@@ -203,14 +312,7 @@ def _entropy_and_kl(p_model: Any, q_model: Any | None, prompt_ids: list[list[int
     forward of each model over the batch (positions past a sequence's end are never read)."""
     import torch
 
-    seqs = [p + c for p, c in zip(prompt_ids, completions)]
-    width = max(len(x) for x in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, x in enumerate(seqs):
-        ids[i, :len(x)] = torch.tensor(x)
-        mask[i, :len(x)] = 1
-    ids, mask = ids.to(device), mask.to(device)
+    ids, mask = _right_padded([p + c for p, c in zip(prompt_ids, completions)], pad, device)
     lp = torch.log_softmax(p_model(ids, attention_mask=mask).logits.float(), -1)
     lq = torch.log_softmax(q_model(ids, attention_mask=mask).logits.float(), -1) if q_model is not None else None
     out = []
@@ -227,4 +329,7 @@ def _entropy_and_kl(p_model: Any, q_model: Any | None, prompt_ids: list[list[int
 
 
 def gate_record(measurement: GateMeasurement) -> dict[str, Any]:
-    return asdict(measurement)
+    record = asdict(measurement)
+    for side in ("stable_meaning", "candidate_meaning"):
+        record[side]["seen"] = []  # the gate compares distinct completions itself: no digests kept
+    return record

@@ -49,8 +49,10 @@ from enum import StrEnum
 from statistics import NormalDist
 
 from flywheel.degeneracy import TextProfile, compare
+from flywheel.degeneracy import se_of_mean as _se
 from flywheel.settings import ReleaseSettings
 from release.budget import guardrail_level, look_due
+from release.meaning import MIN_RELATED_WORDS, TAIL_CHARS, MeaningProfile, share_se
 from release.sequential import PairCount, e_value, log_e_better, log_e_worse
 
 
@@ -106,6 +108,8 @@ class ArmStats:
     pending: int = 0  # outcomes waiting for reward's judgement
     #: the answers served, for the degeneracy guardrails (flywheel/degeneracy.py)
     text: TextProfile = field(default_factory=TextProfile)
+    #: ... and what they say to their prompts (release/meaning.py)
+    meaning: MeaningProfile = field(default_factory=MeaningProfile)
     #: each user's rates, for the per-user guardrails
     per_user: PerUser = field(default_factory=PerUser)
 
@@ -156,11 +160,22 @@ class DegeneracyLimits:
     max_char_class_shift: float
     max_collapse_increase: float
 
+    max_leading_share_increase: float
+    max_shared_affix_increase: float
+    max_unrelated_increase: float
+    #: the canary's least share of distinct answers against stable's; None at the gate, which
+    #: compares distinct completions itself (``gate_min_distinct_ratio``)
+    min_distinct_ratio: float | None = None
+
     @classmethod
-    def of(cls, cfg: ReleaseSettings) -> DegeneracyLimits:
+    def of(cls, cfg: ReleaseSettings, *, canary: bool = False) -> DegeneracyLimits:
         """The same limits at the gate and on the canary: the canary adds only its allowance for noise."""
         return cls(max_repetition_increase=cfg.max_repetition_increase, max_char_class_shift=cfg.max_char_class_shift,
-                   max_collapse_increase=cfg.max_collapse_increase)
+                   max_collapse_increase=cfg.max_collapse_increase,
+                   max_leading_share_increase=cfg.max_leading_share_increase,
+                   max_shared_affix_increase=cfg.max_shared_affix_increase,
+                   max_unrelated_increase=cfg.max_unrelated_increase,
+                   min_distinct_ratio=cfg.min_distinct_ratio if canary else None)
 
 
 @dataclass(frozen=True)
@@ -192,7 +207,8 @@ class CanaryPolicy:
                    max_length_ratio=cfg.max_length_ratio, guardrail_alpha=cfg.guardrail_alpha,
                    srm_alpha=cfg.srm_alpha,
                    max_reject_share_increase=cfg.max_reject_share_increase,
-                   max_flag_rate_increase=cfg.max_flag_rate_increase, degeneracy=DegeneracyLimits.of(cfg))
+                   max_flag_rate_increase=cfg.max_flag_rate_increase,
+                   degeneracy=DegeneracyLimits.of(cfg, canary=True))
 
 
 def judge_canary(m: CanaryMeasurement, policy: CanaryPolicy) -> Verdict:
@@ -255,9 +271,9 @@ LATENCY_MIN_USERS = 40
 
 
 #: The checks the guardrails' budget at a look is split over (release/budget.py
-#: ``guardrail_level``): error rate, share of rejects, reward-guard flags, and the three degeneracy
-#: checks.
-GUARDRAIL_CHECKS = 6
+#: ``guardrail_level``): error rate, share of rejects, reward-guard flags, the three degeneracy
+#: checks and the six on what answers say (:func:`unmeaning`).
+GUARDRAIL_CHECKS = 12
 
 
 def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: int = 0) -> tuple[str, ...]:
@@ -299,6 +315,7 @@ def guardrails(stable: ArmStats, canary: ArmStats, policy: CanaryPolicy, look: i
                        f"{ss[0]} users (at most +{allowance}; {at})")
     z = NormalDist().inv_cdf(1 - level)
     out.extend(f"guardrail {r} ({at})" for r in degenerate(stable.text, canary.text, policy.degeneracy, z))
+    out.extend(f"guardrail {r} ({at})" for r in unmeaning(stable.meaning, canary.meaning, policy.degeneracy, z))
     return tuple(out)
 
 
@@ -394,6 +411,48 @@ def degenerate(stable: TextProfile, candidate: TextProfile, limits: DegeneracyLi
     return out
 
 
+def unmeaning(stable: MeaningProfile, candidate: MeaningProfile, limits: DegeneracyLimits, z: float) -> list[str]:
+    """The checks on what the candidate's answers say (release/meaning.py) it fails against
+    stable's, as reasons; each breaches when its move passes its allowance by ``z`` standard errors,
+    as :func:`degenerate`'s. Written as "not within", so a NaN breaches."""
+    if not stable.answers or not candidate.answers:
+        return []
+    out = []
+    (s_word, s_lead), (c_word, c_lead) = stable.leading.top(), candidate.leading.top()
+    se = math.hypot(share_se(s_lead, stable.answers), share_se(c_lead, candidate.answers))
+    if not c_lead - s_lead - limits.max_leading_share_increase <= z * se:
+        out.append(f"same leading answer: {c_lead:.0%} of answers open with {c_word!r} against {s_lead:.0%} with "
+                   f"{s_word!r} (at most +{limits.max_leading_share_increase:.0%})")
+    (s_affix, s_sh), (c_affix, c_sh) = stable.affix(), candidate.affix()
+    se = math.hypot(share_se(s_sh, stable.answers), share_se(c_sh, candidate.answers))
+    if not c_sh - s_sh - limits.max_shared_affix_increase <= z * se:
+        out.append(f"shared prefix or suffix: {c_sh:.0%} of answers share {c_affix!r} against {s_sh:.0%} sharing "
+                   f"{s_affix!r} (at most +{limits.max_shared_affix_increase:.0%})")
+    s_un, c_un = stable.unrelated_share, candidate.unrelated_share
+    if stable.judged and candidate.judged:
+        se = math.hypot(share_se(s_un, stable.judged), share_se(c_un, candidate.judged))
+        if not c_un - s_un - limits.max_unrelated_increase <= z * se:
+            out.append(f"answers unrelated to their prompt: {c_un:.0%} of answers of {MIN_RELATED_WORDS} words or "
+                       f"more share no content word with it against {s_un:.0%} "
+                       f"(at most +{limits.max_unrelated_increase:.0%})")
+    se = math.hypot(_se(stable.repetition_sum, stable.repetition_sq, stable.answers),
+                    _se(candidate.repetition_sum, candidate.repetition_sq, candidate.answers))
+    if not candidate.repetition - stable.repetition - limits.max_repetition_increase <= z * se:
+        out.append(f"repetition anywhere in the answer: {candidate.repetition:.3f} against {stable.repetition:.3f} "
+                   f"(its most repetitive 64 characters; at most +{limits.max_repetition_increase})")
+    tails = compare(stable.tails, candidate.tails).char_class
+    if not abs(tails.increase) - limits.max_char_class_shift <= z * tails.se:
+        out.append(f"appended filler: {tails.what} {tails.candidate:.3f} of an answer's last {TAIL_CHARS} characters "
+                   f"against {tails.stable:.3f} (within +-{limits.max_char_class_shift})")
+    if limits.min_distinct_ratio is not None and stable.sampled and candidate.sampled:
+        s_d, c_d = stable.distinct_share, candidate.distinct_share
+        se = math.hypot(share_se(s_d, stable.sampled), share_se(c_d, candidate.sampled))
+        if not c_d - limits.min_distinct_ratio * s_d >= -z * se:
+            out.append(f"distinct answers: {c_d:.0%} of the canary's first {candidate.sampled} answers are distinct "
+                       f"against {s_d:.0%} of stable's (at least x{limits.min_distinct_ratio})")
+    return out
+
+
 # -- the offline gate ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -415,6 +474,76 @@ class GateMeasurement:
     #: both versions' answers, for the degeneracy checks (flywheel/degeneracy.py)
     stable_text: TextProfile = field(default_factory=TextProfile)
     candidate_text: TextProfile = field(default_factory=TextProfile)
+    #: ... what they say (release/meaning.py): the held-out prompts' answers and the evals' greedy ones
+    stable_meaning: MeaningProfile = field(default_factory=MeaningProfile)
+    candidate_meaning: MeaningProfile = field(default_factory=MeaningProfile)
+    #: each held-out eval scored each way (release/evals.py)
+    evals: tuple[EvalScore, ...] = ()
+
+
+@dataclass(frozen=True)
+class EvalScore:
+    """One held-out eval scored one way, stable and candidate on the same items (release/evals.py):
+    each item scores 1 answered right, 0 answered wrong, 0.5 not answered (a greedy answer that is
+    neither: chance, as a version that answers "No" to everything scores on the yes/no questions)."""
+
+    name: str
+    method: str  # "likelihood" or "greedy"
+    items: int
+    stable_right: int
+    stable_wrong: int
+    candidate_right: int
+    candidate_wrong: int
+    #: sum over items of the candidate's score less stable's, and of its square
+    diff_sum: float
+    diff_sq: float
+
+    @property
+    def stable_score(self) -> float:
+        return (self.stable_right + (self.items - self.stable_right - self.stable_wrong) / 2) / self.items
+
+    @property
+    def candidate_score(self) -> float:
+        return (self.candidate_right + (self.items - self.candidate_right - self.candidate_wrong) / 2) / self.items
+
+    @classmethod
+    def of(cls, name: str, method: str, stable: list[bool | None], candidate: list[bool | None]) -> EvalScore:
+        """From each item's right (True), wrong (False) or not answered (None), in the same order
+        for both versions."""
+        def score(x: bool | None) -> float:
+            return 0.5 if x is None else float(x)
+        diffs = [score(c) - score(s) for s, c in zip(stable, candidate, strict=True)]
+        return cls(name, method, len(stable), sum(x is True for x in stable), sum(x is False for x in stable),
+                   sum(x is True for x in candidate), sum(x is False for x in candidate),
+                   sum(diffs), sum(d * d for d in diffs))
+
+
+def non_inferiority(score: EvalScore, level: float) -> tuple[float, float]:
+    """The candidate's mean score less stable's, and its one-sided lower confidence bound at
+    ``level``: Wald's on the paired differences (only the items the two versions score apart move
+    it), less 1/n as a continuity correction, so a small regression set does not pass on luck."""
+    n = score.items
+    if not n:
+        return 0.0, -math.inf
+    d = score.diff_sum / n
+    se = math.sqrt(max(score.diff_sq / n - d * d, 0.0) / n)
+    return d, d - NormalDist().inv_cdf(1 - level) * se - 1 / n
+
+
+def judge_evals(scores: tuple[EvalScore, ...], margin: float, alpha: float) -> tuple[list[str], list[str]]:
+    """(failed, passed) reasons of the held-out evals: an eval scored one way fails when its lower
+    bound (:func:`non_inferiority`) is below ``-margin``, the candidate not shown within the margin
+    of stable; ``alpha`` is split over every eval and way (Bonferroni)."""
+    failed, passed = [], []
+    level = alpha / max(len(scores), 1)
+    for s in scores:
+        d, lower = non_inferiority(s, level)
+        line = (f"held-out eval {s.name} ({s.method}): score {s.candidate_score:.3f} against stable's "
+                f"{s.stable_score:.3f} on {s.items} questions ({s.candidate_right} right, {s.candidate_wrong} wrong "
+                f"against {s.stable_right} and {s.stable_wrong}), difference {d:+.3f}, lower bound {lower:+.3f} "
+                f"(at least -{margin} at level {level:.2g})")
+        (passed if lower >= -margin else failed).append(line)
+    return failed, passed
 
 
 @dataclass(frozen=True)
@@ -430,13 +559,16 @@ class GatePolicy:
     min_trainer_entropy: float
     min_trainer_distinct: float
     degeneracy: DegeneracyLimits
+    eval_margin: float
+    eval_alpha: float
 
     @classmethod
     def of(cls, cfg: ReleaseSettings) -> GatePolicy:
         return cls(max_length_ratio=cfg.gate_max_length_ratio, max_kl=cfg.gate_max_kl,
                    min_entropy_ratio=cfg.gate_min_entropy_ratio, min_distinct_ratio=cfg.gate_min_distinct_ratio,
                    max_score_drop=cfg.gate_max_score_drop, min_trainer_entropy=cfg.gate_min_trainer_entropy,
-                   min_trainer_distinct=cfg.gate_min_trainer_distinct, degeneracy=DegeneracyLimits.of(cfg))
+                   min_trainer_distinct=cfg.gate_min_trainer_distinct, degeneracy=DegeneracyLimits.of(cfg),
+                   eval_margin=cfg.eval_margin, eval_alpha=cfg.eval_alpha)
 
 
 def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
@@ -469,6 +601,8 @@ def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
         failed.append(f"the trainer reports {distinct:.2f} distinct completions per batch "
                       f"(at least {policy.min_trainer_distinct})")
     failed.extend(degenerate(g.stable_text, g.candidate_text, policy.degeneracy, 0.0))
-    if failed:
-        return Verdict(Outcome.FAIL, tuple(failed))
-    return Verdict(Outcome.PASS, (f"{g.prompts} held-out prompts: every check within its limit",))
+    failed.extend(unmeaning(g.stable_meaning, g.candidate_meaning, policy.degeneracy, 0.0))
+    eval_failed, eval_passed = judge_evals(g.evals, policy.eval_margin, policy.eval_alpha)
+    if failed or eval_failed:
+        return Verdict(Outcome.FAIL, (*eval_failed, *failed))
+    return Verdict(Outcome.PASS, (f"{g.prompts} held-out prompts: every check within its limit", *eval_passed))

@@ -13,8 +13,10 @@ a verdict and at a guardrail look). What it does with each record:
   Requests, errors, latencies and output length are counted per arm, as are rewards and their
   hacking flags (``long``, ``repetition``: about the answer), and the answers served are folded
   into a :class:`~flywheel.degeneracy.TextProfile` per arm (fixed-size sums: character repetition,
-  character classes, a histogram of lengths) for the degeneracy guardrails; an aborted generation
-  is an error, not an answer.
+  character classes, a histogram of lengths) for the degeneracy guardrails, and with their prompts
+  into a :class:`~release.meaning.MeaningProfile` (first words, shared openings and closings,
+  relevance, repetition anywhere, appended filler, distinct answers); an aborted generation is an
+  error, not an answer.
 - **Per user, for the guardrails.** Each arm also keeps, for each user the hash put in it (the
   generation's ``user_id``), their requests, errors, rejects, rewards and flagged rewards
   (``Arm.users``, at most ``MAX_GUARDRAIL_USERS``): the rate guardrails compare the means over
@@ -65,6 +67,7 @@ from typing import Any
 from flywheel.contracts import ABUSE_FLAGS, HACKING_FLAGS, EpisodeEvent, RewardEvent
 from flywheel.degeneracy import TextProfile
 from release.judge import ArmStats, CanaryMeasurement, PerUser
+from release.meaning import MeaningProfile
 from release.outcomes import Kind, Read, Windows
 from release.sequential import PairCount, Pairing
 
@@ -105,6 +108,7 @@ class Arm:
     excluded: int = 0
     #: the answers served (module docstring)
     text: TextProfile = field(default_factory=TextProfile)
+    meaning: MeaningProfile = field(default_factory=MeaningProfile)
     #: user -> [requests, errors, rejects, rewards, flagged, tokens, latency ms] of the generations
     #: made for them, for the per-user guardrails (at most ``MAX_GUARDRAIL_USERS``)
     users: dict[str, list[Any]] = field(default_factory=dict)
@@ -147,7 +151,7 @@ class Arm:
                         errors=self.errors, latency_ms_p95=p95,
                         completion_tokens_mean=self.tokens / self.requests if self.requests else 0.0,
                         flagged=self.flagged, rewards=self.rewards, excluded=self.excluded, pending=pending,
-                        text=self.text, per_user=self.per_user())
+                        text=self.text, meaning=self.meaning, per_user=self.per_user())
 
 
 @dataclass
@@ -250,6 +254,7 @@ class Tally:
         arm.count(g.user_id, U_LATENCY, g.latency_ms)
         if g.finish_reason != "abort":
             arm.text = arm.text.add(g.completion_text)
+            arm.meaning = arm.meaning.add(g.prompt_text, g.completion_text)
         self._enter(arm_name, ep)
         signal, user = ep.signal, ep.rater_id or g.user_id
         if signal not in ("accept", "reject", "edit") or self.users.get(user) in (EXCLUDED, FLAGGED_LATE):
@@ -386,7 +391,7 @@ class Tally:
             "arms": {name: {"outcomes": a.outcomes, "accepts": a.accepts, "rejects": a.rejects,
                             "requests": a.requests, "errors": a.errors, "latencies_ms": a.latencies_ms,
                             "tokens": a.tokens, "flagged": a.flagged, "rewards": a.rewards, "excluded": a.excluded,
-                            "text": a.text.to_dict(), "users": a.users}
+                            "text": a.text.to_dict(), "meaning": a.meaning.to_dict(), "users": a.users}
                      for name, a in self.arms.items()},
             "pairing": self.pairing.to_dict(), "users": self.users, "windows": self.windows.to_dict(),
             "seen_episodes": list(self.seen_episodes), "seen_rewards": list(self.seen_rewards),
@@ -409,6 +414,8 @@ class Tally:
         arms = {name: Arm(a["outcomes"] if folded else 0, a["accepts"] if folded else 0, a.get("rejects", 0),
                           a["requests"], a["errors"], a["latencies_ms"], a["tokens"], a["flagged"], a["rewards"],
                           a.get("excluded", 0), TextProfile.from_dict(a["text"]) if "text" in a else TextProfile(),
+                          # a tally saved before the meaning checks: they count from here on
+                          MeaningProfile.from_dict(a["meaning"]) if "meaning" in a else MeaningProfile(),
                           # a user saved before tokens and latency were kept: in neither mean
                           {u: [*c, None, None][:7] for u, c in a.get("users", {}).items()})
                 for name, a in d["arms"].items()}

@@ -372,7 +372,21 @@ function renderGate(g) {
   fill("gate-verdict", [badge(g.outcome, "o")]);
   fill("gate-reasons", (g.reasons || []).map((r) => el("li", {}, r)));
   const m = g.measurement || {};
-  fill("gate-measurement", Object.entries(m).flatMap(([k, v]) => [
+  // each held-out eval scored each way (release/evals.py): both versions' scores, side by side
+  const evals = m.evals || [];
+  $("gate-evals").hidden = evals.length === 0;
+  fill("gate-evals-body", evals.map((e) => {
+    const score = (right, wrong) => (right + (e.items - right - wrong) / 2) / e.items;
+    return el("tr", {},
+      el("th", { scope: "row" }, `${e.name} (${e.method})`),
+      el("td", {}, num(score(e.stable_right, e.stable_wrong))),
+      el("td", {}, num(score(e.candidate_right, e.candidate_wrong))),
+      el("td", {}, `${e.candidate_right} / ${e.candidate_wrong} against ${e.stable_right} / ${e.stable_wrong}`),
+      el("td", {}, String(e.items)));
+  }));
+  // the answers' profiles are sums for the judge, not figures to read: the reasons name what moved
+  const shown = Object.entries(m).filter(([k]) => k !== "evals" && !/_(text|meaning)$/.test(k));
+  fill("gate-measurement", shown.flatMap(([k, v]) => [
     el("dt", {}, k.replace(/_/g, " ")),
     el("dd", {}, typeof v === "number" ? num(v) : JSON.stringify(v)),
   ]));

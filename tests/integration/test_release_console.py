@@ -101,7 +101,10 @@ DEGENERACY = ({"repetition": 0.135, "char_class_share": 0.284, "collapsed_share"
 
 GATE_PASS = {"outcome": "pass", "reasons": ["32 held-out prompts: every check within its limit"],
              "measurement": {"prompts": 32, "stable_length_mean": 40.2, "candidate_length_mean": 43.9,
-                             "kl_from_stable": 0.21, "stable_entropy": 1.93, "candidate_entropy": 1.81}}
+                             "kl_from_stable": 0.21, "stable_entropy": 1.93, "candidate_entropy": 1.81,
+                             "evals": [{"name": "known_answers", "method": "greedy", "items": 344,
+                                        "stable_right": 62, "stable_wrong": 28, "candidate_right": 90,
+                                        "candidate_wrong": 30, "diff_sum": 13.0, "diff_sq": 40.0}]}}
 
 
 def seed(store: ReleaseStore, canary: int = 4) -> None:
@@ -250,6 +253,9 @@ def sees_the_canary(browser) -> None:
     assert "latency p95 812 ms 861 ms" in guard and "breached" not in guard and "within" in guard
     assert "character repetition 0.135 0.141 +0.6 pt" in guard and "vowels share 28.4% 30.1%" in guard
     assert "collapsed answers 0.0% 2.0%" in guard
+    # the gate's held-out evals, both versions' scores: right 1, wrong 0, no answer 0.5
+    assert browser.find_element("id", "gate-evals-body").text == (
+        "known_answers (greedy) 0.549 0.587 90 / 30 against 62 / 28 344")
     audit = browser.find_element("id", "audit-body").text
     assert newest_audit(browser)[0] == "v4 canary → awaiting approval by controller"
     assert MARKUP_REASON in audit and not browser.find_elements(BY_CSS, "#injected")  # text, never markup

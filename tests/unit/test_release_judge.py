@@ -585,9 +585,11 @@ def test_arms_without_answers_compare_no_degeneracy():
 CANARY_FIELDS = {f: f for f in ("alpha", "min_events", "deadline_s", "error_limit", "max_error_rate_increase",
                                 "max_latency_ratio", "max_length_ratio", "guardrail_alpha", "srm_alpha",
                                 "max_reject_share_increase", "max_flag_rate_increase")}
-GATE_FIELDS = {f: f"gate_{f}" for f in ("max_length_ratio", "max_kl", "min_entropy_ratio", "min_distinct_ratio",
-                                        "max_score_drop", "min_trainer_entropy", "min_trainer_distinct")}
-DEGENERACY_FIELDS = ("max_repetition_increase", "max_char_class_shift", "max_collapse_increase")
+GATE_FIELDS = {**{f: f"gate_{f}" for f in ("max_length_ratio", "max_kl", "min_entropy_ratio", "min_distinct_ratio",
+                                           "max_score_drop", "min_trainer_entropy", "min_trainer_distinct")},
+               "eval_margin": "eval_margin", "eval_alpha": "eval_alpha"}
+DEGENERACY_FIELDS = ("max_repetition_increase", "max_char_class_shift", "max_collapse_increase",
+                     "max_leading_share_increase", "max_shared_affix_increase", "max_unrelated_increase")
 
 
 @pytest.mark.parametrize("policy, mapping", [(CanaryPolicy, CANARY_FIELDS), (GatePolicy, GATE_FIELDS)])
@@ -608,6 +610,9 @@ def test_policies_repeat_no_default_and_read_every_limit_from_its_setting(policy
         assert getattr(built, field_name) == moved[setting] != getattr(base, setting), field_name
     for name in DEGENERACY_FIELDS:
         assert getattr(built.degeneracy, name) == moved[name] != getattr(base, name), name
+    # the canary's distinct-answers limit is its own; the gate compares distinct completions itself
+    canary = CanaryPolicy.of(ReleaseSettings(min_distinct_ratio=0.5)).degeneracy.min_distinct_ratio
+    assert (canary, GatePolicy.of(ReleaseSettings()).degeneracy.min_distinct_ratio) == (0.5, None)
 
 
 # -- the guardrails' error rate with heavy users -------------------------------------------------

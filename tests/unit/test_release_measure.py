@@ -415,7 +415,9 @@ def test_a_degenerate_canary_is_rolled_back_on_what_it_served():
     v = judge_canary(replace(t.measurement(T0 + 99), look=1), CanaryPolicy.of(ReleaseSettings(min_events=50)))
     assert v.outcome == Outcome.FAIL
     assert [r.split(" 0.")[0] for r in v.reasons] == ["guardrail character repetition",
-                                                      "guardrail character-class stuffing: consonants"], v.reasons
+                                                      "guardrail character-class stuffing: consonants",
+                                                      "guardrail repetition anywhere in the answer:",
+                                                      "guardrail appended filler: consonants"], v.reasons
 
 
 def test_the_profiles_are_saved_with_the_tally():
