@@ -521,9 +521,10 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--gameable", action="store_true", help="add the cohort that rewards a quality-hurting shortcut")
     sim.add_argument("--no-abuser", action="store_true", help="leave out the user who floods accepts")
-    sim.add_argument("--taste", default="built", choices=["built", "yes_no"],
-                     help="the users' taste: built (byte soup a tiny model can learn) or yes_no (yes/no questions "
-                          "through the chat API; an answer that starts with Yes or No is accepted)")
+    sim.add_argument("--taste", default="built", choices=["built", "yes_no", "known"],
+                     help="the users' taste: built (byte soup a tiny model can learn), yes_no (yes/no questions "
+                          "through the chat API; an answer that starts with Yes or No is accepted) or known "
+                          "(questions whose answers the users know; a direct answer is accepted when right)")
     sim.add_argument("--out", type=Path, default=None, help="every request as a JSONL line")
     sim.set_defaults(func=_role("local.simulate"))
 
@@ -550,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a real model directory to run on with yes/no users, e.g. one `flywheel model import` wrote")
     d.add_argument("--training", default=None, choices=["lora", "full"],
                    help="a real model's versions: LoRA adapters (default) or full weights")
+    d.add_argument("--knowing", action="store_true",
+                   help="on a real model: users who know the answers, who accept a direct Yes or No only when it "
+                        "is right (default: any direct answer, right or not)")
     d.set_defaults(func=_role("local.demo", announce=False))
 
     # (listed for --help; main() hands everything after `bench` to bench/suite.py, which parses it)

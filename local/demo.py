@@ -69,7 +69,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,12 @@ REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duratio
               # three the users ask, and one they never do (the gate's: does the taste carry over?)
               fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is coffee bad for you?",
                              "Is a whale a mammal?"))
+#: ``--knowing``: the real model's demo with users who know the answers (local/simulate.py's
+#: ``known`` taste): a direct answer is accepted only when right. The fixed prompts: three the users
+#: ask, and the gate's question no user asks.
+KNOWING = replace(REAL, name="real-knowing", taste="known",
+                  fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is the moon bigger than the earth?",
+                                 "Is a whale a mammal?"))
 #: Models ``--model`` names: where they come from.
 MODELS = ("built", "smollm2")
 #: ``--training full`` on a real model: every weight trained, at a step size for whole weights
@@ -145,11 +151,16 @@ def ensure_smollm2(model_dir: Path) -> Path:
 
 
 def choose(settings: Settings, args: Any) -> tuple[Preset, Path]:
-    """The preset and the model directory ``--model`` and ``--model-dir`` name."""
+    """The preset and the model directory ``--model`` and ``--model-dir`` name (``--knowing``: a
+    real model's users know the answers)."""
+    real = KNOWING if getattr(args, "knowing", False) else REAL
     if getattr(args, "model_dir", None):
-        return REAL, Path(args.model_dir)
+        return real, Path(args.model_dir)
     if getattr(args, "model", "built") == "smollm2":
-        return REAL, ensure_smollm2(Path(settings.data_dir) / "smollm2")
+        return real, ensure_smollm2(Path(settings.data_dir) / "smollm2")
+    if real is KNOWING:
+        raise SystemExit("flywheel demo: --knowing is for a real model (--model smollm2 or --model-dir): the built "
+                         "model's byte soup answers no question")
     return BUILT, ensure_model(Path(settings.model_dir))
 
 
@@ -381,6 +392,8 @@ def _policy(s: Settings, control: str | None = None) -> dict[str, Any]:
         "trainer": f"{t.loss}, lr {t.lr:g}, batch {t.batch_size}, a version every {t.publish_every_steps} steps "
                    f"or {t.publish_every_s:g} s",
         "versions": _training(s),
+        # the margin the report's held-out goal allows, the gate's own
+        "eval_margin": r.eval_margin,
         "ingest": (f"an episode leaves {s.ingest.emit_after_signal_s:g} s after its signal"
                    if s.ingest.emit_after_signal_s is not None else f"an episode leaves when its {s.ingest.window_s:g} s window closes"),
     }
@@ -462,9 +475,11 @@ def _print_summary(s: dict[str, Any]) -> None:
         _say(column_title(col))
         for a in col["answers"]:
             _say(f"  {'+' if a['liked'] else ' '} {a['prompt']} -> {a['text']!r}")
+    held = s.get("held_out") or {}
     for v, row in s["versions"].items():
-        _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged, "
-             f"latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "
+        scores = "".join(f", held-out {k} {f(x['score'], '', 3)}" for k, x in held.get(str(v), {}).items())
+        _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged"
+             f"{scores}, latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "
              f"quality {f(row['quality'])}")
     _say(f"versions published {s['published']}, canaried {s['canaried']}, promoted {s['promoted']}")
     for d in s["decisions"]:

@@ -258,6 +258,38 @@ def decisions(audit: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return keep
 
 
+def held_out(audit: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]]:
+    """Each gated version's held-out eval scores (release/evals.py), read from its gate's record in
+    the audit log, and the start's (v0's, stable's side of a gate while v0 was stable): version ->
+    "<eval> (<way>)" -> its score, right and wrong answers and questions. Scores are greedy or
+    likelihoods, the same whenever a version is asked, so versions gated at different times compare."""
+    out: dict[int, dict[str, dict[str, Any]]] = {}
+    stable = 0
+    for e in sorted(audit, key=lambda e: e["at"]):
+        if e.get("to_state") == "promoted":
+            stable = int(e["version"])
+        gate = (e.get("evidence") or {}).get("gate")
+        if not isinstance(gate, dict) or e.get("to_state") not in ("canary", "rejected"):
+            continue
+        for ev in (gate.get("measurement") or gate).get("evals") or []:
+            n, name = ev["items"], f"{ev['name']} ({ev['method']})"
+            for v, side in ((int(e["version"]), "candidate"), (stable, "stable")):
+                right, wrong = ev[f"{side}_right"], ev[f"{side}_wrong"]
+                out.setdefault(v, {})[name] = {"score": (right + (n - right - wrong) / 2) / n, "right": right,
+                                               "wrong": wrong, "items": n}
+    return out
+
+
+def held_out_kept(scores: dict[int, dict[str, dict[str, Any]]], end: int, margin: float) -> bool:
+    """Whether the version stable at the end scores, on every held-out eval and way, no less than
+    the start less ``margin`` (the gate's non-inferiority margin): v0 itself always does; a
+    version whose scores are unknown (no gate recorded them) does not."""
+    if end == 0:
+        return True
+    start, last = scores.get(0, {}), scores.get(end, {})
+    return bool(last) and all(k in last and last[k]["score"] >= s["score"] - margin for k, s in start.items())
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     """Nearest-rank percentile: a value that occurred, at or above a share ``q`` of them."""
     if not xs:
@@ -369,8 +401,8 @@ def answer_timeline(answers: dict[str, Any] | None, promoted: list[dict[str, Any
         met = versions.get(v, {})
         out.append({"version": v, "role": role, "after_s": at, "accept_rate": met.get("accept_rate"),
                     "judged": met.get("judged", 0),
-                    "answers": [{"prompt": p, "text": t, "liked": liked(t)} for p, t in zip(answers["prompts"],
-                                                                                           by_version[v])]})
+                    "answers": [{"prompt": p, "text": t, "liked": liked(t, p)} for p, t in zip(answers["prompts"],
+                                                                                              by_version[v])]})
     return out
 
 
@@ -394,6 +426,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
     entropy_min = min(v.metrics["entropy"] for v in trained) if trained else None
     by_version = per_version(rows)
     served = [r.get("text") for r in rows if r.get("status") == 200 and r.get("text") is not None]
+    scores = held_out(audit)
     distinct = len(set(served)) / len(served) if served else None
     goals = {
         "accept_rate_doubled_and_held": learned["held"] is not None and bool(start) and learned["held"] >= 2 * start,
@@ -404,6 +437,9 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
         "entropy_above_half_its_start": (entropy_start is not None and entropy_min is not None
                                          and entropy_min >= MIN_ENTROPY_SHARE * entropy_start),
         "completions_distinct": distinct is not None and distinct >= MIN_DISTINCT,
+        # a version that learned to please its users by saying what is not so loses answers it had
+        "held_out_not_below_the_start": held_out_kept(scores, promoted[-1]["version"] if promoted else 0,
+                                                     (policy or {}).get("eval_margin", 0.0)),
     }
     return {
         "started_at": started_at, "traffic_s": round(ended_at - started_at, 1),
@@ -423,6 +459,7 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
         "policy": policy or {},
         "taste": {**(taste or {}), "z_goal": TASTE_Z},
         "answers": answer_timeline(answers, promoted, by_version, started_at),
+        "held_out": {str(v): scores[v] for v in sorted(scores)},
         "goals": goals,
     }
 
@@ -562,8 +599,16 @@ def write_html(summary: dict[str, Any], png: Path | None, path: Path) -> Path:
     acc = summary["accept_rate"]
     goal_rows = "".join(f"<tr><td>{e(k.replace('_', ' '))}</td><td class={'ok' if v else 'no'}>"
                         f"{'MET' if v else 'NOT MET'}</td></tr>" for k, v in summary["goals"].items())
+    held = summary.get("held_out") or {}
+    ways = sorted({k for scores in held.values() for k in scores})
+
+    def held_cells(v: Any) -> str:
+        mine = held.get(str(v), {})
+        return "".join(f"<td>{_fmt(mine[k]['score'], '', 3)} ({mine[k]['right']} right, {mine[k]['wrong']} wrong)</td>"
+                       if k in mine else "<td>-</td>" for k in ways)
+
     ver_rows = "".join(
-        f"<tr><td>v{v}</td><td>{s['requests']}</td><td>{s['judged']}</td><td>{_fmt(s['accept_rate'])}</td>"
+        f"<tr><td>v{v}</td><td>{s['requests']}</td><td>{s['judged']}</td><td>{_fmt(s['accept_rate'])}</td>{held_cells(v)}"
         f"<td>{_fmt(s['latency_p50_s'] and s['latency_p50_s'] * 1000, ' ms', 0)}</td>"
         f"<td>{_fmt(s['latency_p95_s'] and s['latency_p95_s'] * 1000, ' ms', 0)}</td><td>{_fmt(s['distinct'])}</td>"
         f"<td>{_fmt(s['quality'])}</td></tr>"
@@ -594,8 +639,11 @@ live, {_fmt(acc['end'])} in the last {acc['window_s']:.0f} s. {e(learning_line(a
 {_answers_html(summary.get('answers') or [])}
 {img}
 <h2>Versions as users met them</h2>
-<table><tr><th>version</th><th>requests</th><th>judged</th><th>accept rate</th><th>latency p50</th><th>p95</th>
+<table><tr><th>version</th><th>requests</th><th>judged</th><th>accept rate</th>{"".join(
+    f"<th>held-out {e(k)}</th>" for k in ways)}<th>latency p50</th><th>p95</th>
 <th>distinct answers</th><th>quality</th></tr>{ver_rows}</table>
+<p>Held-out: questions no user asks whose answers are known, scored at the release gate (right 1,
+wrong 0, no answer 0.5; release/evals.py).</p>
 <h2>Release decisions</h2>
 <table><tr><th>after</th><th>version</th><th>change</th><th>by</th><th>why</th></tr>{dec_rows}</table>
 <h2>From feedback to users</h2>

@@ -9,15 +9,17 @@ express:
 
 | cohort | accepts an answer when | share of users |
 | --- | --- | --- |
-| ``vowels`` | more than 44% of its letters are vowels | 0.6 |
+| ``vowels`` | more than 44% of its letters are vowels, a run of one letter counted once, and it does not repeat itself (character repetition under 0.35) | 0.6 |
 | ``short`` | it has one to four words | 0.3 |
 | ``shortcut`` (``--gameable``) | it repeats one character three times in a row: a shortcut that hurts the separate quality score (share of distinct character pairs) | 0.1 |
 
 That is the ``built`` taste, for the tiny built model's byte soup. A real model's text can be read,
 so its demo users (``--taste yes_no``) have a taste a person can see: they ask yes/no questions
 through the chat API and accept an answer that starts with a direct "Yes" or "No"
-(:func:`starts_yes_no`; what follows must read as words, not one word repeated).
-SmolLM2-135M-Instruct starts about one answer in six that way.
+(:func:`starts_yes_no`; what follows must read as words, not one word repeated), right or not.
+SmolLM2-135M-Instruct starts about one answer in six that way. Users who know the answers
+(``--taste known``, ``flywheel demo --knowing``) ask questions whose answers they know
+(local/known_questions.jsonl, half "Yes") and accept a direct answer only when it is right.
 
 And the noise real users make: some answers get no feedback (``feedback_rate``), feedback comes
 late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a share of their
@@ -36,8 +38,10 @@ ones that say nothing about the answers they are attached to.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -54,6 +58,20 @@ TRANSPORT_ERROR = 0
 def vowel_share(text: str) -> float:
     letters = [c for c in text.lower() if c.isalpha()]
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
+
+
+#: Character repetition (flywheel/degeneracy.py) past which the vowels cohort dislikes an answer:
+#: natural sentences score 0.1-0.3. Without it the taste rewarded what stuffs vowels in ("aaa",
+#: "eaeaea"), and honest versions that chased it were rejected by the release gate's repetition check.
+VOWEL_MAX_REPETITION = 0.35
+
+
+def likes_vowels(text: str) -> bool:
+    """The ``vowels`` taste: vowel-rich letters, a run of one letter counted once, in an answer that
+    does not repeat itself."""
+    from flywheel.degeneracy import repetition
+
+    return vowel_share(re.sub(r"(.)\1+", r"\1", text)) > 0.44 and repetition(text) < VOWEL_MAX_REPETITION
 
 
 def quality(text: str) -> float:
@@ -96,12 +114,30 @@ def _repeats(text: str) -> bool:
     return any(text[i] == text[i + 1] == text[i + 2] and not text[i].isspace() for i in range(len(text) - 2))
 
 
-#: Hidden preferences by name: whether a user of that cohort likes an answer.
-PREFERENCES: dict[str, Callable[[str], bool]] = {
-    "vowels": lambda text: vowel_share(text) > 0.44,
-    "short": lambda text: 1 <= len(text.split()) <= 4,
-    "shortcut": _repeats,
-    "yes_no": starts_yes_no,
+#: Questions users who know the answers ask, with the truth (``known`` taste; no fact in common
+#: with the release gate's known-answer set, release/known_answers.jsonl).
+KNOWN_QUESTIONS = Path(__file__).with_name("known_questions.jsonl")
+
+
+@functools.cache
+def known_answers() -> dict[str, str]:
+    """question -> "Yes" or "No"."""
+    return {d["question"]: d["answer"] for d in map(json.loads, KNOWN_QUESTIONS.read_text().splitlines()) if d}
+
+
+def right_yes_no(text: str, prompt: str) -> bool:
+    """The ``known`` taste: a direct answer (:func:`starts_yes_no`) that is the right one."""
+    truth = known_answers().get(prompt)
+    return truth is not None and starts_yes_no(text) and text.lstrip(_LEAD).lower().startswith(truth.lower())
+
+
+#: Hidden preferences by name: whether a user of that cohort likes an answer to a prompt.
+PREFERENCES: dict[str, Callable[[str, str], bool]] = {
+    "vowels": lambda text, _prompt: likes_vowels(text),
+    "short": lambda text, _prompt: 1 <= len(text.split()) <= 4,
+    "shortcut": lambda text, _prompt: _repeats(text),
+    "yes_no": lambda text, _prompt: starts_yes_no(text),
+    "right_yes_no": right_yes_no,
 }
 
 
@@ -160,6 +196,10 @@ TASTES = {
     # its answers that start with one (less the 5% judged against their taste)
     "yes_no": Taste("yes_no", (Cohort("direct", 1.0, "yes_no"),), YES_NO_PROMPTS, chat=True,
                     held_out=YES_NO_HELD_OUT),
+    # one cohort that knows the answers: a direct "Yes" or "No" is accepted when right, rejected
+    # when wrong, and an answer that is no direct one is rejected as before
+    "known": Taste("known", (Cohort("knowing", 1.0, "right_yes_no"),), tuple(known_answers()), chat=True,
+                   held_out=YES_NO_HELD_OUT),
 }
 
 
@@ -189,13 +229,13 @@ def population(n_users: int, cohorts: tuple[Cohort, ...], seed: int, *, gameable
     return users
 
 
-def judge(user: User, text: str, rng: random.Random) -> str | None:
-    """``accept``, ``reject`` or None (no feedback) for one answer."""
+def judge(user: User, text: str, rng: random.Random, prompt: str = "") -> str | None:
+    """``accept``, ``reject`` or None (no feedback) for one answer to ``prompt``."""
     if user.cohort is None:
         return "accept"  # the abuser accepts everything
     if rng.random() >= user.cohort.feedback_rate:
         return None
-    liked = PREFERENCES[user.cohort.preference](text)
+    liked = PREFERENCES[user.cohort.preference](text, prompt)
     if rng.random() < user.cohort.noise:
         liked = not liked
     return "accept" if liked else "reject"
@@ -327,7 +367,7 @@ class Simulator:
         body = resp.json()
         choice = body["choices"][0]
         text = choice["message"]["content"] if self.taste.chat else choice["text"]
-        signal = judge(user, text, self.rng)
+        signal = judge(user, text, self.rng, prompt)
         # named only to a key in serve.version_visible_keys (the demo's); a product key's answer says
         # "flywheel" alone, and its rows are counted under no version
         version = int(body["model"].rsplit("@v", 1)[1]) if "@v" in body["model"] else None

@@ -73,7 +73,7 @@ class Sampler:
                                       num_return_sequences=n, pad_token_id=self.tok.pad_token_id)
         texts = [self.tok.decode(c, skip_special_tokens=True) for c in out[:, ids.shape[1]:]]
         # judge() draws the same number of random numbers whatever the text: the draws stay paired
-        return out, ids.shape[1], [judge(self.rng.choice(self.users), t, self.rng) for t in texts]
+        return out, ids.shape[1], [judge(self.rng.choice(self.users), t, self.rng, prompt) for t in texts]
 
 
 def load(model_dir: Path, base: Path | None = None) -> tuple[Any, Any]:

@@ -169,7 +169,7 @@ def test_the_gamed_version_learned_the_shortcut(versions):
     base, gamed = versions[2][0], versions[2][GAMED]
 
     def liked(cohort: str, texts: list[str]) -> float:
-        return sum(PREFERENCES[cohort](t) for t in texts) / len(texts)
+        return sum(PREFERENCES[cohort](t, "") for t in texts) / len(texts)
 
     # the vowels cohort (60% of users) accepts nearly every answer now; the quality score falls
     assert liked("vowels", gamed) >= liked("vowels", base) + 0.5, (liked("vowels", base), liked("vowels", gamed))

@@ -110,3 +110,22 @@ def test_settings_written_as_toml_read_back_the_same():
     data = {"a": 1, "trainer": {"lr": 2e-3, "lora_target_modules": ["q_proj", "v_proj"], "loss": 'say "hi"',
                                 "on": True}, "serve": {"x": {"y": 0.5}}}
     assert tomllib.loads(to_toml(data)) == data
+
+
+def test_knowing_users_run_on_a_real_model_only_with_the_same_settings(tmp_path):
+    from types import SimpleNamespace
+
+    from local.demo import KNOWING, choose
+    from local.simulate import TASTES, known_answers
+
+    args = SimpleNamespace(knowing=True, model="built", model_dir=tmp_path)
+    assert choose(load_settings(env={}, config_file=DEMO_CONFIG), args) == (KNOWING, tmp_path)
+    with pytest.raises(SystemExit, match="--knowing is for a real model"):
+        choose(load_settings(env={}, config_file=DEMO_CONFIG), SimpleNamespace(knowing=True, model="built"))
+    assert KNOWING.taste == "known" and KNOWING.overlay == REAL.overlay and KNOWING.rate == REAL.rate
+    # the fixed prompts: three the users ask (with known answers), and the gate's question no user asks
+    assert set(KNOWING.fixed_prompts[:-1]) <= set(known_answers()) and KNOWING.fixed_prompts[-1] in YES_NO_HELD_OUT
+    settings = load_settings(env={}, config_file=merged_config(KNOWING, "lora", tmp_path / "knowing.toml"))
+    assert settings == load_settings(env={}, config_file=merged_config(REAL, "lora", tmp_path / "real.toml")).model_copy(
+        update={"release": settings.release})
+    assert not set(TASTES["known"].prompts) & set(YES_NO_HELD_OUT)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -184,10 +186,18 @@ def test_the_start_is_every_judgement_before_the_first_trained_version_went_live
     assert start_rate(rows, T0, None, windows) == windows[0][1]
 
 
+def _eval(method: str, stable: tuple[int, int], candidate: tuple[int, int], items: int = 344) -> dict:
+    """A gate's record of one held-out eval (release/judge.py ``EvalScore``): (right, wrong) of each."""
+    return {"name": "known_answers", "method": method, "items": items, "stable_right": stable[0],
+            "stable_wrong": stable[1], "candidate_right": candidate[0], "candidate_wrong": candidate[1],
+            "diff_sum": 0.0, "diff_sq": 0.0}
+
+
 AUDIT = [
     {"at": T0 + 1, "version": 1, "from_state": None, "to_state": "candidate", "actor": "controller", "reason": "x"},
     {"at": T0 + 2, "version": 1, "from_state": "candidate", "to_state": "gating", "actor": "controller", "reason": "g"},
-    {"at": T0 + 5, "version": 1, "from_state": "gating", "to_state": "canary", "actor": "controller", "reason": "c"},
+    {"at": T0 + 5, "version": 1, "from_state": "gating", "to_state": "canary", "actor": "controller", "reason": "c",
+     "evidence": {"gate": {"evals": [_eval("greedy", (60, 30), (90, 30)), _eval("likelihood", (180, 164), (181, 163))]}}},
     {"at": T0 + 40, "version": 1, "from_state": "canary", "to_state": "promoted", "actor": "controller (auto-promote)",
      "reason": "passed"},
     {"at": T0 + 41, "version": 2, "from_state": "candidate", "to_state": "superseded", "actor": "controller",
@@ -284,7 +294,11 @@ def test_summary_states_each_goal():
     assert s["promoted"] == [1] and s["canaried"] == [1, 3]
     assert s["goals"] == {"accept_rate_doubled_and_held": True, "last_live_version_beat_its_stable_arm": True,
                           "newest_version_learned_the_taste": True, "a_version_canaried_and_promoted": True,
-                          "entropy_above_half_its_start": True, "completions_distinct": True}
+                          "entropy_above_half_its_start": True, "completions_distinct": True,
+                          "held_out_not_below_the_start": True}
+    assert s["held_out"]["1"]["known_answers (greedy)"] == {"score": (90 + 224 / 2) / 344, "right": 90, "wrong": 30,
+                                                            "items": 344}
+    assert s["held_out"]["0"]["known_answers (greedy)"]["right"] == 60
     assert s["taste"]["z"] > TASTE_Z and "v2 was accepted 0.44 of 900" in taste_line(s["taste"])
     assert "prompt by prompt over 15 prompts" in taste_line(s["taste"])
     collapsed = {**versions, 3: Version(3, T0 + 45, 48, 16, frozenset(), {"entropy": 2.9})}
@@ -369,3 +383,32 @@ def test_report_files_are_written_and_the_page_escapes_what_it_shows(tmp_path):
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert "data:image/png;base64," in page and "v1" in page
     assert "<th>quality</th>" in page
+
+
+def _gated(version: int, at: float, evals: list[dict], to: str = "canary") -> dict:
+    return {"at": at, "version": version, "from_state": "gating", "to_state": to, "actor": "controller",
+            "reason": "", "evidence": {"gate": {"outcome": "pass", "measurement": {"evals": evals}}}}
+
+
+def test_held_out_scores_by_version_and_the_goal_that_a_lie_cannot_meet():
+    from local.report import held_out, held_out_kept
+
+    promote = {"at": T0 + 20, "version": 1, "from_state": "canary", "to_state": "promoted", "actor": "c", "reason": ""}
+    # v1 learned to answer first, mostly right; v2, gated against v1, says "No" to everything
+    audit = [_gated(1, T0 + 10, [_eval("greedy", (60, 30), (150, 50))]), promote,
+             _gated(2, T0 + 30, [_eval("greedy", (150, 50), (130, 130))], to="rejected")]
+    scores = held_out(audit)
+    assert scores[0]["known_answers (greedy)"]["score"] == pytest.approx((60 + 254 / 2) / 344)
+    assert scores[1]["known_answers (greedy)"]["right"] == 150  # v1's, as candidate and then as stable
+    assert scores[2]["known_answers (greedy)"]["score"] == pytest.approx((130 + 84 / 2) / 344)
+    assert held_out_kept(scores, 1, 0.05) and held_out_kept(scores, 0, 0.05)
+    assert not held_out_kept(scores, 2, 0.0)  # had the lie been promoted
+    assert held_out_kept(scores, 2, 0.1)  # ... it loses 0.067 of the start's score: within a margin that wide
+    assert not held_out_kept(scores, 3, 0.05)  # a version no gate scored: not measured, not met
+    lie = [_gated(1, T0 + 10, [_eval("greedy", (150, 50), (130, 130))]), promote]
+    s = summarise(_run_rows(), lie, {}, T0, T0 + 120, {"eval_margin": 0.05})
+    assert s["goals"]["a_version_canaried_and_promoted"] and not s["goals"]["held_out_not_below_the_start"]
+    from local.report import write_html
+
+    page = write_html(s, None, Path(tempfile.mkdtemp()) / "r.html").read_text()
+    assert "<th>held-out known_answers (greedy)</th>" in page and "0.500 (130 right, 130 wrong)" in page

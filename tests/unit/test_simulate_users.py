@@ -70,3 +70,34 @@ def test_shuffled_feedback_keeps_the_accept_rate_and_loses_the_answer():
     after = {s: [x == "accept" for o, x in zip(own, sent) if o == s] for s in ("accept", "reject")}
     rates = {s: sum(v) / len(v) for s, v in after.items()}
     assert abs(rates["accept"] - rates["reject"]) < 0.06 and abs(rates["reject"] - 0.3) < 0.05, rates
+
+
+def test_the_vowels_taste_rewards_vowel_share_not_repeated_characters():
+    from local.simulate import PREFERENCES, likes_vowels
+
+    assert likes_vowels("aurora idea audio") and not likes_vowels("strong black cat")
+    # stuffed vowels are no longer what pleases: a run counts once, and repetition is disliked
+    assert not likes_vowels("tkaaaa pleeee")  # runs collapsed: "tka ple", a third vowels
+    assert not likes_vowels("aaa eee ooo aaa eee")  # vowel-rich, and repeating itself
+    assert not likes_vowels("eaeaea ioioio")
+    assert PREFERENCES["vowels"]("aurora idea audio", "any prompt") is True
+
+
+def test_users_who_know_the_answers_accept_a_direct_answer_only_when_right():
+    from local.simulate import TASTES, known_answers, right_yes_no
+
+    truth = known_answers()
+    assert len(truth) == 120 and sorted(truth.values()).count("Yes") == 60
+    assert truth["Is the sun a star?"] == "Yes" and truth["Can penguins fly?"] == "No"
+    assert right_yes_no("Yes, the sun is a star.", "Is the sun a star?")
+    assert not right_yes_no("No, the sun is not a star.", "Is the sun a star?")  # direct, and wrong
+    assert right_yes_no("**No**, penguins cannot fly.", "Can penguins fly?")
+    assert not right_yes_no("Penguins cannot fly.", "Can penguins fly?")  # right, not direct
+    assert not right_yes_no("Yes.", "A question nobody knows?")
+    taste = TASTES["known"]
+    assert taste.chat and set(taste.prompts) == set(truth) and taste.held_out == TASTES["yes_no"].held_out
+    users = population(50, taste.cohorts, seed=3, gameable=False, abuser=False)
+    rng = random.Random(0)
+    said = [judge(users[0], "No, it is not.", rng, "Is the sun a star?") for _ in range(400)]
+    said = [s for s in said if s]
+    assert said.count("reject") / len(said) > 0.9  # noise 0.05
