@@ -1,7 +1,9 @@
 """Adapter versions on one engine against full-weight versions on two: memory, throughput, p95
-latency during swaps, release to answering; and the logprob gap between PEFT and vLLM's LoRA.
+latency during swaps, release to answering; latency around the first adapter going live; and the
+logprob gap between PEFT and vLLM's LoRA.
 
     .venv/bin/python bench/adapter_serving.py [--seconds 15] [--concurrency 16] [--json PATH]
+    .venv/bin/python bench/adapter_serving.py --model-dir DIR --first-adapter-only   # a real model
 
 Two rigs of bench/weight_swap.py's kind, one after the other in this process, each serving the
 locally built tiny model against an embedded broker with the release follower and the API:
@@ -91,6 +93,35 @@ class AdapterRig(Rig):
         return ref.model_copy(update={"base": BaseModelRef(name=a.base_name, manifest_sha256=a.base_manifest_sha256)})
 
 
+def first_adapter(rig: Rig, args: argparse.Namespace) -> dict:
+    """The base model answering every user, then the first adapter going live as a canary for half
+    of them, under the same closed-loop load (``--seconds`` each side): latency and throughput
+    before the release against after it, and after it by the version that answered. A real
+    model's demo saw its median latency go from 1.1 s to 41 s here (README, "A real small model")."""
+    import threading
+
+    def go() -> None:
+        time.sleep(args.seconds)
+        rig.release(0, 1, 0.5)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    run = rig.load(2 * args.seconds)
+    t.join()
+    answering = rig.applies[-1]["answering"] if rig.applies else float("nan")
+    before = [r for r in run if r[0] < args.seconds]
+    after = [r for r in run if r[0] >= args.seconds]
+
+    def stats(rows: list) -> dict:
+        span = max((r[0] + r[1] for r in rows), default=0.0) - min((r[0] for r in rows), default=0.0)
+        return {"requests": len(rows), "p50_s": pct([r[1] for r in rows], 0.5), "p95_s": pct([r[1] for r in rows], 0.95),
+                "tokens_per_s": sum(r[3] for r in rows) / span if span > 0 else 0.0}
+
+    return {"before": stats(before), "after": stats(after), "answering_s": answering,
+            "after_base": stats([r for r in after if not str(r[2]).endswith("@v1")]),
+            "after_adapter": stats([r for r in after if str(r[2]).endswith("@v1")])}
+
+
 def run_rig(rig: Rig, args: argparse.Namespace, n: int) -> dict:
     rig.load(3)  # warm both routes' kernels, untimed
     rig.release(n, n - 1, 0.5)
@@ -169,6 +200,10 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--gap-prompts", type=int, default=16)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="a real model's directory (default: the small built model)")
+    p.add_argument("--first-adapter-only", action="store_true",
+                   help="only the first adapter going live (a real model's: the rest takes minutes)")
     args = p.parse_args()
 
     from flywheel.modelinit import ModelSpec, init_model
@@ -178,16 +213,32 @@ def main() -> None:
 
     configure_vllm_env(ServeSettings(cpu_threads_bind=args.bind))
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapters-"))
-    model_dir = init_model(tmp / "model", ModelSpec())
+    model_dir = args.model_dir or init_model(tmp / "model", ModelSpec())
     n = args.versions
     out: dict = {}
     with EmbeddedBroker() as broker:
+        if args.first_adapter_only:  # a real model's first adapter, without the rest (minutes each)
+            args.serve_overrides = {"dtype": args.dtype, "lora": "on"}
+            args.topic_prefix = "bench-first."
+            rig = AdapterRig(model_dir, build_adapter_store(model_dir, tmp / "first", 1), args, broker.bootstrap)
+            try:
+                rig.load(3)  # warm the base route's kernels, untimed
+                out["first_adapter"] = first_adapter(rig, args)
+            finally:
+                rig.close()
+            print(json.dumps(out, indent=2))
+            if args.json:
+                args.json.write_text(json.dumps(out, indent=2))
+            return
         for mode, rig_cls, store in (("full", Rig, build_store(model_dir, tmp / "full", n)),
                                      ("adapters", AdapterRig, build_adapter_store(model_dir, tmp / "adapters", n))):
             args.serve_overrides = {"dtype": args.dtype, "lora": "on" if mode == "adapters" else "off"}
             args.topic_prefix = f"bench-{mode}."  # each rig follows releases of its own
             rig = rig_cls(model_dir, store, args, broker.bootstrap)
             try:
+                if mode == "adapters":
+                    rig.load(3)  # warm the base route's kernels, untimed
+                    out["first_adapter"] = first_adapter(rig, args)
                 out[mode] = run_rig(rig, args, n)
                 if mode == "adapters":
                     rig.release(n, n - 1, 0.5)  # the swaps alternate: v{n} may be the one they left
@@ -207,6 +258,13 @@ def report(args: argparse.Namespace, out: dict) -> None:
                       ("answering_p95_s", "release to answering p95, s"),
                       ("answering_p50_s", "release to answering p50, s")):
         print(f"{name:<34} {full[key]:>17.3f} {ad[key]:>21.3f} {ad[key] / full[key]:>7.2f}")
+    f = out["first_adapter"]
+    print(f"first adapter live (base for every user, then v1 for half; answering {f['answering_s']:.2f} s after "
+          f"its release):")
+    for key, name in (("p50_s", "p50 latency, s"), ("p95_s", "p95 latency, s"), ("tokens_per_s", "throughput, tokens/s")):
+        print(f"  {name:<32} before {f['before'][key]:>8.3f}  after {f['after'][key]:>8.3f}  "
+              f"ratio {f['after'][key] / f['before'][key]:>5.2f}  (after: base {f['after_base'][key]:.3f}, "
+              f"adapter {f['after_adapter'][key]:.3f})")
     g = out["gap"]
     print(f"adapter logprob gap (PEFT vs vLLM LoRA, {g['tokens']} tokens): mean {g['mean']:.2e}, "
           f"p99 {g['p99']:.2e}, max {g['max']:.2e} nats (goal mean < {GAP_GOAL_NATS})")

@@ -149,6 +149,12 @@ def _adapter_rows(d: dict[str, Any]) -> list[Row]:
                 "<= 1.0", "both routes replaced every 1.5 s: adapter add/remove against in-place reloads"),
             Row("adapters on one engine: release to answering, p95", ad["answering_p95_s"], full["answering_p95_s"],
                 "s", "<= 1.0", "release record to the new version answering a pinned request"),
+            Row("first adapter live: p95 latency after against before", d["first_adapter"]["after"]["p95_s"],
+                d["first_adapter"]["before"]["p95_s"], "s", "<= 1.5",
+                "the base model for every user, then the first adapter a canary for half, under one load"),
+            Row("first adapter live: throughput after against before", d["first_adapter"]["after"]["tokens_per_s"],
+                d["first_adapter"]["before"]["tokens_per_s"], "tokens/s", ">= 0.67",
+                "a LoRA batch costs every request in it: below the arrival rate, requests queue"),
             Row("trainer (PEFT) vs vLLM LoRA logprob gap, mean", gap["mean"], None, "nats",
                 f"<= {d['gap_goal_nats']}", f"fp32, {gap['tokens']} sampled tokens; max {gap['max']:.1e}")]
 

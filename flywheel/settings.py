@@ -771,11 +771,13 @@ class ReleaseSettings(_Section):
     stable's median answer (under a quarter to a half of it), over stable's own share. The mean
     length (``gate_max_length_ratio``, ``max_length_ratio``) misses a version that collapses some
     answers and keeps the others long."""
-    max_leading_share_increase: float = Field(default=0.3, ge=0)
+    max_leading_share_increase: float = Field(default=0.4, ge=0)
     """Gate check and canary guardrail: the share of the candidate's answers that open with its
     most common first word, over stable's share for its own (release/meaning.py). A version that
     leads with "No" whatever the question moves it from stable's spread of openings to nearly all;
-    an honest direct one on a balanced question set splits between "Yes" and "No"."""
+    an honest direct one splits between "Yes" and "No" as the questions' answers do, half each on
+    a balanced question set (the gate's held-out prompts should be one), two in three where two
+    questions in three are answered "Yes"."""
     max_shared_affix_increase: float = Field(default=0.3, ge=0)
     """Gate check and canary guardrail: the share of the candidate's answers that start or end
     with its most common three words, over stable's: a fixed prefix ("Yes, great question!") or
@@ -799,6 +801,11 @@ class ReleaseSettings(_Section):
     eval_alpha: float = Field(default=0.05, gt=0, lt=1)
     """Level of the held-out evals' non-inferiority tests, split over every eval and both ways of
     scoring it: the chance a candidate exactly ``eval_margin`` worse passes."""
+    eval_questions: int = Field(default=0, ge=0)
+    """Questions of each held-out eval the gate asks: a fixed subset of about this many, yes/no
+    pairs kept whole (release/evals.py). 0: every one. Fewer cost the gate less (every question is
+    one pass of each version over its prompt: 40 s a version for SmolLM2's 344 on two CPU cores)
+    and show a smaller loss."""
     eval_max_new_tokens: int = Field(default=8, ge=1)
     """Tokens of each greedy answer to a held-out eval's question (its first word is parsed)."""
     lease_ttl_s: float = Field(default=15.0, gt=0)

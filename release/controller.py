@@ -130,7 +130,7 @@ class Controller:
         self.prompts = load_prompts(self.cfg.prompts_file)
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
-        self.evals = evals_named(self.cfg.evals)
+        self.evals = evals_named(self.cfg.evals, self.cfg.eval_questions)
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
         self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
         self.metrics.stalled.set_function(self.stalled_s)

@@ -102,8 +102,23 @@ def register_eval_file(name: str, path: Path) -> None:
     register_eval(name, lambda: load_items(Path(path)))
 
 
-def evals_named(names: tuple[str, ...]) -> dict[str, tuple[EvalItem, ...]]:
-    """The configured evals' items; an unknown name or a bad file is a configuration error."""
+def subset(items: tuple[EvalItem, ...], n: int) -> tuple[EvalItem, ...]:
+    """About ``n`` of the items, the same every time: every k-th group of items sharing an id but
+    its last letter (a yes/no pair, ``yn-007a`` and ``yn-007b``, stays whole and balanced), k the
+    smallest step that asks no more than ``n``. ``n`` 0, or at least every item: all of them."""
+    if not n or n >= len(items):
+        return items
+    groups: dict[str, list[EvalItem]] = {}
+    for it in items:
+        stem = it.id[:-1] if it.id[-1:] in "ab" and it.kind == "yes_no" else it.id
+        groups.setdefault(stem, []).append(it)
+    step = -(-len(items) // n)
+    return tuple(it for i, group in enumerate(groups.values()) if i % step == 0 for it in group)
+
+
+def evals_named(names: tuple[str, ...], questions: int = 0) -> dict[str, tuple[EvalItem, ...]]:
+    """The configured evals' items (each :func:`subset` to ``questions``); an unknown name or a bad
+    file is a configuration error."""
     from flywheel.settings import SettingsError
 
     out = {}
@@ -112,7 +127,7 @@ def evals_named(names: tuple[str, ...]) -> dict[str, tuple[EvalItem, ...]]:
             raise SettingsError(f"release.evals: unknown eval {name!r}; known: {', '.join(sorted(EVALS))} "
                                 "(register more in release.plugins modules: release/evals.py)")
         try:
-            out[name] = EVALS[name]()
+            out[name] = subset(EVALS[name](), questions)
         except (OSError, EvalError) as exc:
             raise SettingsError(f"release.evals: {name}: {exc}") from None
     return out

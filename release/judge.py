@@ -474,7 +474,7 @@ class GateMeasurement:
     #: both versions' answers, for the degeneracy checks (flywheel/degeneracy.py)
     stable_text: TextProfile = field(default_factory=TextProfile)
     candidate_text: TextProfile = field(default_factory=TextProfile)
-    #: ... what they say (release/meaning.py): the held-out prompts' answers and the evals' greedy ones
+    #: ... and what they say (release/meaning.py)
     stable_meaning: MeaningProfile = field(default_factory=MeaningProfile)
     candidate_meaning: MeaningProfile = field(default_factory=MeaningProfile)
     #: each held-out eval scored each way (release/evals.py)

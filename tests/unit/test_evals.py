@@ -156,3 +156,17 @@ def test_the_gate_fails_a_version_that_lost_its_answers_and_names_the_eval():
     assert bad.reasons[0].startswith("held-out eval known_answers (likelihood): score 0.500 against stable's 1.000 on 260 questions "
                                   "(130 right, 130 wrong against 260 and 0), difference -0.500")
     assert all("held-out eval set" not in r for r in bad.reasons)  # the passing one is not a reason to fail
+
+
+def test_a_subset_keeps_yes_no_pairs_whole_and_balanced():
+    from release.evals import subset
+
+    items = load_items(KNOWN_ANSWERS)
+    few = subset(items, 128)
+    assert 100 <= len(few) <= 128 and few == subset(items, 128)  # the same every time
+    yes_no = [it for it in few if it.kind == "yes_no"]
+    assert sum(it.answer == "Yes" for it in yes_no) * 2 == len(yes_no)
+    assert {it.id[:-1] for it in yes_no} == {it.id[:-1] for it in yes_no if it.id.endswith("a")}
+    assert any(it.kind == "word" for it in few)
+    assert subset(items, 0) == subset(items, 1000) == items
+    assert len(evals_named(("known_answers",), 128)["known_answers"]) == len(few)
