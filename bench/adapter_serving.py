@@ -100,17 +100,21 @@ def first_adapter(rig: Rig, args: argparse.Namespace) -> dict:
     model's demo saw its median latency go from 1.1 s to 41 s here (README, "A real small model")."""
     import threading
 
+    released: list[float] = []
+
     def go() -> None:
-        time.sleep(args.seconds)
+        time.sleep(args.seconds + 2)  # the load's process starts (imports) meanwhile
+        released.append(time.perf_counter())
         rig.release(0, 1, 0.5)
 
     t = threading.Thread(target=go, daemon=True)
     t.start()
-    run = rig.load(2 * args.seconds)
+    run = rig.load(2 * args.seconds + 2)
     t.join()
     answering = rig.applies[-1]["answering"] if rig.applies else float("nan")
-    before = [r for r in run if r[0] < args.seconds]
-    after = [r for r in run if r[0] >= args.seconds]
+    at = released[0] - rig.load_t0  # the release, on the load's own clock
+    before = [r for r in run if r[0] < at]
+    after = [r for r in run if r[0] >= at]
 
     def stats(rows: list) -> dict:
         span = max((r[0] + r[1] for r in rows), default=0.0) - min((r[0] for r in rows), default=0.0)

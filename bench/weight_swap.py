@@ -63,7 +63,8 @@ def build_store(model_dir: Path, root: Path, n: int):
 
 
 def client(url: str, seconds: float, max_tokens: int, concurrency: int, conn) -> None:
-    """Own process: closed-loop load; per request (start offset, latency s, model)."""
+    """Own process: closed-loop load; its start (perf_counter) and per request (start offset,
+    latency s, model, completion tokens)."""
     host, port = url.removeprefix("http://").split(":")
 
     def request(i: int) -> bytes:
@@ -91,12 +92,14 @@ def client(url: str, seconds: float, max_tokens: int, concurrency: int, conn) ->
             i += concurrency
         writer.close()
 
-    async def go() -> list:
+    async def go() -> tuple[float, list]:
         out: list = []
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(w, t0, out) for w in range(concurrency)))
-        return out
+        return t0, out
 
+    # its start on the machine's monotonic clock too (perf_counter is one clock for every process
+    # on Linux): a caller lines its own events up with the offsets
     conn.send(asyncio.run(go()))
 
 
@@ -204,7 +207,7 @@ class Rig:
                     i += 1
             t = threading.Thread(target=swapper, daemon=True)
             t.start()
-        out = parent.recv()
+        self.load_t0, out = parent.recv()
         proc.join()
         if swaps:
             t.join()

@@ -802,12 +802,14 @@ class ReleaseSettings(_Section):
     """Level of the held-out evals' non-inferiority tests, split over every eval and both ways of
     scoring it: the chance a candidate exactly ``eval_margin`` worse passes."""
     eval_questions: int = Field(default=0, ge=0)
-    """Questions of each held-out eval the gate asks: a fixed subset of about this many, yes/no
+    """Questions of each held-out eval the gate asks: a fixed subset of at most this many, yes/no
     pairs kept whole (release/evals.py). 0: every one. Fewer cost the gate less (every question is
     one pass of each version over its prompt: 40 s a version for SmolLM2's 344 on two CPU cores)
-    and show a smaller loss."""
+    and widen the test's bounds: a candidate must then be better to be shown within the margin,
+    and under 1 / ``eval_margin`` questions none can be (refused at start)."""
     eval_max_new_tokens: int = Field(default=8, ge=1)
-    """Tokens of each greedy answer to a held-out eval's question (its first word is parsed)."""
+    """Tokens of each greedy answer to a held-out eval's question (a yes/no answer's first word is
+    parsed; a one-word answer is looked for among all of them)."""
     lease_ttl_s: float = Field(default=15.0, gt=0)
     """The controller lease lapses this long after its holder last renewed it; another
     controller then takes over."""

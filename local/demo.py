@@ -113,8 +113,10 @@ REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duratio
                              "Is a whale a mammal?"))
 #: ``--knowing``: the real model's demo with users who know the answers (local/simulate.py's
 #: ``known`` taste): a direct answer is accepted only when right. The fixed prompts: three the users
-#: ask, and the gate's question no user asks.
-KNOWING = replace(REAL, name="real-knowing", taste="known",
+#: ask, and the gate's question no user asks. 15 minutes of traffic: each gate asks the held-out
+#: eval's 344 questions of the candidate (stable's answers are kept), minutes on a busy two-core
+#: machine, and a version must pass one and its canary within the run.
+KNOWING = replace(REAL, name="real-knowing", taste="known", duration_s=900,
                   fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is the moon bigger than the earth?",
                                  "Is a whale a mammal?"))
 #: Models ``--model`` names: where they come from.

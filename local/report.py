@@ -264,16 +264,16 @@ def held_out(audit: list[dict[str, Any]]) -> dict[int, dict[str, dict[str, Any]]
     "<eval> (<way>)" -> its score, right and wrong answers and questions. Scores are greedy or
     likelihoods, the same whenever a version is asked, so versions gated at different times compare."""
     out: dict[int, dict[str, dict[str, Any]]] = {}
-    stable = 0
     for e in sorted(audit, key=lambda e: e["at"]):
-        if e.get("to_state") == "promoted":
-            stable = int(e["version"])
         gate = (e.get("evidence") or {}).get("gate")
         if not isinstance(gate, dict) or e.get("to_state") not in ("canary", "rejected"):
             continue
-        for ev in (gate.get("measurement") or gate).get("evals") or []:
+        record = gate.get("measurement") or gate
+        if "stable_version" not in record:
+            continue  # a gate recorded before it named its stable: whose scores these are is unknown
+        for ev in record.get("evals") or []:
             n, name = ev["items"], f"{ev['name']} ({ev['method']})"
-            for v, side in ((int(e["version"]), "candidate"), (stable, "stable")):
+            for v, side in ((int(e["version"]), "candidate"), (int(record["stable_version"]), "stable")):
                 right, wrong = ev[f"{side}_right"], ev[f"{side}_wrong"]
                 out.setdefault(v, {})[name] = {"score": (right + (n - right - wrong) / 2) / n, "right": right,
                                                "wrong": wrong, "items": n}

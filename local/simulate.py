@@ -122,7 +122,8 @@ KNOWN_QUESTIONS = Path(__file__).with_name("known_questions.jsonl")
 @functools.cache
 def known_answers() -> dict[str, str]:
     """question -> "Yes" or "No"."""
-    return {d["question"]: d["answer"] for d in map(json.loads, KNOWN_QUESTIONS.read_text().splitlines()) if d}
+    lines = [line for line in KNOWN_QUESTIONS.read_text().splitlines() if line.strip()]
+    return {d["question"]: d["answer"] for d in map(json.loads, lines)}
 
 
 def right_yes_no(text: str, prompt: str) -> bool:

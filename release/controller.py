@@ -130,7 +130,9 @@ class Controller:
         self.prompts = load_prompts(self.cfg.prompts_file)
         load_plugins(self.cfg.plugins, "release.plugins")
         self.scorers = scorers_named(self.cfg.gate_scorers, settings.reward)
-        self.evals = evals_named(self.cfg.evals, self.cfg.eval_questions)
+        self.evals = evals_named(self.cfg.evals, self.cfg.eval_questions, self.cfg.eval_margin)
+        #: stable's answers to the evals, for the stable they were measured on ((version, manifest), by eval)
+        self._stable_answers: tuple[tuple[int, str], dict[str, Any]] = ((-1, ""), {})
         self.canary_policy, self.gate_policy = CanaryPolicy.of(self.cfg), GatePolicy.of(self.cfg)
         self.metrics = ControllerMetrics(registry if registry is not None else new_registry())
         self.metrics.stalled.set_function(self.stalled_s)
@@ -323,11 +325,17 @@ class Controller:
         with tempfile.TemporaryDirectory(prefix="flywheel-gate-") as tmp:
             cand_dir = self._verified_dir(cand.version, cand.manifest_sha256, Path(tmp) / "candidate")
             stable_dir = self._stable_dir(stable, Path(tmp) / "stable")
+            key = (stable, self.store.get(stable).manifest_sha256 if stable else str(self.settings.model_dir))
+            if self._stable_answers[0] != key:
+                self._stable_answers = (key, {})
             m = measure_gate(stable_dir, cand_dir, self.prompts, max_new_tokens=self.cfg.gate_max_new_tokens,
                              trainer_metrics=cand.checkpoint.get("metrics", {}), scorers=self.scorers,
                              base_dir=Path(self.settings.model_dir), evals=self.evals,
-                             eval_max_new_tokens=self.cfg.eval_max_new_tokens)
-        return judge_gate(m, self.gate_policy), gate_record(m)
+                             eval_max_new_tokens=self.cfg.eval_max_new_tokens,
+                             stable_answers=self._stable_answers[1])
+        # the stable version it was measured against, with the measurement: a report reads each
+        # version's held-out scores from the audit log (local/report.py), undos and all
+        return judge_gate(m, self.gate_policy), {**gate_record(m), "stable_version": stable}
 
     def verify(self, cand: Candidate) -> None:
         """:func:`verify_version` against this controller's checkpoint store."""
@@ -573,13 +581,14 @@ def _said(mp: MeaningProfile) -> dict[str, float]:
     """An arm's answers as the checks on what they say judge them (release/meaning.py; the console)."""
     return {"leading_share": mp.leading.top()[1], "affix_share": mp.affix()[1],
             "unrelated_share": mp.unrelated_share, "whole_repetition": mp.repetition,
-            "distinct_share": mp.distinct_share}
+            "distinct_share": mp.distinct_share()}
 
 
 def _arm_record(arm: ArmStats) -> dict[str, Any]:
     """An arm's measurement as evidence in the audit log, without the answers' digests."""
     out = asdict(arm)
     out["meaning"]["seen"] = len(arm.meaning.seen)
+    out["meaning"]["novel"] = arm.meaning.sampled
     return out
 
 

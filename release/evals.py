@@ -103,22 +103,33 @@ def register_eval_file(name: str, path: Path) -> None:
 
 
 def subset(items: tuple[EvalItem, ...], n: int) -> tuple[EvalItem, ...]:
-    """About ``n`` of the items, the same every time: every k-th group of items sharing an id but
-    its last letter (a yes/no pair, ``yn-007a`` and ``yn-007b``, stays whole and balanced), k the
-    smallest step that asks no more than ``n``. ``n`` 0, or at least every item: all of them."""
+    """At most ``n`` of the items (about that many), the same every time, spread over the set:
+    whole groups of items sharing an id but its last letter (a yes/no pair, ``yn-007a`` and
+    ``yn-007b``, stays whole and balanced), each taken when the share of items taken so far falls
+    behind ``n`` of all. ``n`` 0, or at least every item: all of them."""
     if not n or n >= len(items):
         return items
     groups: dict[str, list[EvalItem]] = {}
     for it in items:
         stem = it.id[:-1] if it.id[-1:] in "ab" and it.kind == "yes_no" else it.id
         groups.setdefault(stem, []).append(it)
-    step = -(-len(items) // n)
-    return tuple(it for i, group in enumerate(groups.values()) if i % step == 0 for it in group)
+    out: list[EvalItem] = []
+    seen = 0
+    for group in groups.values():
+        # behind the even spread at this point of the set, and room for the whole group
+        if len(out) * len(items) <= n * seen and len(out) + len(group) <= n:
+            out.extend(group)
+        seen += len(group)
+    return tuple(out)
 
 
-def evals_named(names: tuple[str, ...], questions: int = 0) -> dict[str, tuple[EvalItem, ...]]:
-    """The configured evals' items (each :func:`subset` to ``questions``); an unknown name or a bad
-    file is a configuration error."""
+def evals_named(names: tuple[str, ...], questions: int = 0, margin: float = 0.0) -> dict[str, tuple[EvalItem, ...]]:
+    """The configured evals' items (each :func:`subset` to ``questions``); an unknown name, a bad
+    file, or a set too small to show anything within ``margin`` (judge.py's test takes 1/n off
+    every bound: under 1/margin questions, a candidate no different from stable fails) is a
+    configuration error."""
+    import math
+
     from flywheel.settings import SettingsError
 
     out = {}
@@ -127,9 +138,14 @@ def evals_named(names: tuple[str, ...], questions: int = 0) -> dict[str, tuple[E
             raise SettingsError(f"release.evals: unknown eval {name!r}; known: {', '.join(sorted(EVALS))} "
                                 "(register more in release.plugins modules: release/evals.py)")
         try:
-            out[name] = subset(EVALS[name](), questions)
+            out[name] = subset(tuple(EVALS[name]()), questions)
         except (OSError, EvalError) as exc:
             raise SettingsError(f"release.evals: {name}: {exc}") from None
+        need = math.ceil(1 / margin) if margin else 1
+        if len(out[name]) < need:
+            raise SettingsError(f"release.evals: {name} asks {len(out[name])} questions (release.eval_questions "
+                                f"{questions}); at release.eval_margin {margin} a set needs at least {need}, or a "
+                                "candidate no different from stable fails it")
     return out
 
 

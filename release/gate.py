@@ -110,10 +110,13 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
                  trainer_metrics: dict[str, float], seed: int = 0,
                  scorers: dict[str, Scorer] | None = None, base_dir: Path | None = None,
                  evals: dict[str, tuple[EvalItem, ...]] | None = None, eval_max_new_tokens: int = 8,
-                 ) -> GateMeasurement:
+                 stable_answers: dict[str, tuple[list[bool], list[str]]] | None = None) -> GateMeasurement:
     """Sample each prompt from both models and compare them (module docstring). ``base_dir``: the
     base model that adapter versions apply to (needed only when one of them is an adapter).
-    ``evals``: the held-out evals (release/evals.py), each item scored by both versions."""
+    ``evals``: the held-out evals (release/evals.py), each item scored by both versions.
+    ``stable_answers``: stable's scoring of each eval by name, kept by the caller between gates
+    against one stable (greedy and likelihoods are the same each time: half of the evals' cost);
+    filled in here when missing."""
     import torch
     from transformers import AutoTokenizer
 
@@ -146,8 +149,11 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
             c_ent.extend(ent)
             kls.extend(kl)
         scores = []
+        known = stable_answers if stable_answers is not None else {}
         for name, items in (evals or {}).items():
-            s_lik, s_greedy = _eval_answers(stable, tok, items, eval_max_new_tokens, eos, pad, device)
+            if name not in known:
+                known[name] = _eval_answers(stable, tok, items, eval_max_new_tokens, eos, pad, device)
+            s_lik, s_greedy = known[name]
             c_lik, c_greedy = _eval_answers(cand, tok, items, eval_max_new_tokens, eos, pad, device)
             scores.append(EvalScore.of(name, "likelihood", s_lik, c_lik))
             scores.append(EvalScore.of(name, "greedy", [parse_answer(it, t) for it, t in zip(items, s_greedy)],
@@ -178,8 +184,9 @@ def measure_gate(stable_dir: Path, candidate_dir: Path, prompts: list[str], *, m
     )
 
 
-#: Sequences per forward pass of the evals' scoring: a batch's logits are batch x length x vocab
-#: floats (16 x 60 x 49k: 190 MB for SmolLM2).
+#: Sequences per forward pass of the evals' whole-answer scoring (a batch's logits are batch x
+#: length x vocab floats: 16 x 60 x 49k, 190 MB for SmolLM2); the greedy answers take four times
+#: as many a batch, their logits kept for the first token only.
 EVAL_BATCH = 16
 
 
@@ -330,5 +337,5 @@ def _entropy_and_kl(p_model: Any, q_model: Any | None, prompt_ids: list[list[int
 def gate_record(measurement: GateMeasurement) -> dict[str, Any]:
     record = asdict(measurement)
     for side in ("stable_meaning", "candidate_meaning"):
-        record[side]["seen"] = []  # the gate compares distinct completions itself: no digests kept
+        record[side]["seen"], record[side]["novel"] = [], ""  # the gate compares distinct completions itself
     return record

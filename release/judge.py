@@ -424,8 +424,8 @@ def unmeaning(stable: MeaningProfile, candidate: MeaningProfile, limits: Degener
         out.append(f"same leading answer: {c_lead:.0%} of answers open with {c_word!r} against {s_lead:.0%} with "
                    f"{s_word!r} (at most +{limits.max_leading_share_increase:.0%})")
     (s_affix, s_sh), (c_affix, c_sh) = stable.affix(), candidate.affix()
-    se = math.hypot(share_se(s_sh, stable.answers), share_se(c_sh, candidate.answers))
-    if not c_sh - s_sh - limits.max_shared_affix_increase <= z * se:
+    se = math.hypot(share_se(s_sh, stable.affixed), share_se(c_sh, candidate.affixed))
+    if stable.affixed and candidate.affixed and not c_sh - s_sh - limits.max_shared_affix_increase <= z * se:
         out.append(f"shared prefix or suffix: {c_sh:.0%} of answers share {c_affix!r} against {s_sh:.0%} sharing "
                    f"{s_affix!r} (at most +{limits.max_shared_affix_increase:.0%})")
     s_un, c_un = stable.unrelated_share, candidate.unrelated_share
@@ -441,15 +441,18 @@ def unmeaning(stable: MeaningProfile, candidate: MeaningProfile, limits: Degener
         out.append(f"repetition anywhere in the answer: {candidate.repetition:.3f} against {stable.repetition:.3f} "
                    f"(its most repetitive 64 characters; at most +{limits.max_repetition_increase})")
     tails = compare(stable.tails, candidate.tails).char_class
-    if not abs(tails.increase) - limits.max_char_class_shift <= z * tails.se:
+    if stable.tails.answers and candidate.tails.answers and \
+            not abs(tails.increase) - limits.max_char_class_shift <= z * tails.se:
         out.append(f"appended filler: {tails.what} {tails.candidate:.3f} of an answer's last {TAIL_CHARS} characters "
                    f"against {tails.stable:.3f} (within +-{limits.max_char_class_shift})")
-    if limits.min_distinct_ratio is not None and stable.sampled and candidate.sampled:
-        s_d, c_d = stable.distinct_share, candidate.distinct_share
-        se = math.hypot(share_se(s_d, stable.sampled), share_se(c_d, candidate.sampled))
+    # over as many answers each: the first of a sample are the most likely to be new
+    first = min(stable.sampled, candidate.sampled)
+    if limits.min_distinct_ratio is not None and first:
+        s_d, c_d = stable.distinct_share(first), candidate.distinct_share(first)
+        se = math.hypot(limits.min_distinct_ratio * share_se(s_d, first), share_se(c_d, first))
         if not c_d - limits.min_distinct_ratio * s_d >= -z * se:
-            out.append(f"distinct answers: {c_d:.0%} of the canary's first {candidate.sampled} answers are distinct "
-                       f"against {s_d:.0%} of stable's (at least x{limits.min_distinct_ratio})")
+            out.append(f"distinct answers: {c_d:.0%} of the canary's first {first} answers are distinct against "
+                       f"{s_d:.0%} of stable's first {first} (at least x{limits.min_distinct_ratio})")
     return out
 
 
@@ -500,11 +503,13 @@ class EvalScore:
 
     @property
     def stable_score(self) -> float:
-        return (self.stable_right + (self.items - self.stable_right - self.stable_wrong) / 2) / self.items
+        return (self.stable_right + (self.items - self.stable_right - self.stable_wrong) / 2) / self.items \
+            if self.items else math.nan
 
     @property
     def candidate_score(self) -> float:
-        return (self.candidate_right + (self.items - self.candidate_right - self.candidate_wrong) / 2) / self.items
+        return (self.candidate_right + (self.items - self.candidate_right - self.candidate_wrong) / 2) / self.items \
+            if self.items else math.nan
 
     @classmethod
     def of(cls, name: str, method: str, stable: list[bool | None], candidate: list[bool | None]) -> EvalScore:
@@ -604,5 +609,5 @@ def judge_gate(g: GateMeasurement, policy: GatePolicy) -> Verdict:
     failed.extend(unmeaning(g.stable_meaning, g.candidate_meaning, policy.degeneracy, 0.0))
     eval_failed, eval_passed = judge_evals(g.evals, policy.eval_margin, policy.eval_alpha)
     if failed or eval_failed:
-        return Verdict(Outcome.FAIL, (*eval_failed, *failed))
+        return Verdict(Outcome.FAIL, (*eval_failed, *failed, *eval_passed))
     return Verdict(Outcome.PASS, (f"{g.prompts} held-out prompts: every check within its limit", *eval_passed))

@@ -8,7 +8,9 @@ past where the character checks read (flywheel/degeneracy.py reads an answer's f
 characters). Per answer (pure, table-tested in tests/unit/test_meaning.py with those strategies):
 
 - :func:`leading_word`, :func:`opening`, :func:`closing`: its first word, first three words and
-  last three words, lowercased, without punctuation;
+  last three words, lowercased, without punctuation (openings and closings of answers of more
+  than three words only: "Yes." is its own opening, and a version answering "Yes." or "No." to
+  balanced questions shares one with half its answers honestly);
 - :func:`related`: whether it shares a content word with its prompt (None under
   :data:`MIN_RELATED_WORDS` words: "Yes." is about nothing, and too short to be off topic). The
   prompt's last :data:`PROMPT_CHARS` characters are read: a chat prompt ends with the user's
@@ -16,12 +18,14 @@ characters). Per answer (pure, table-tested in tests/unit/test_meaning.py with t
 - :func:`whole_repetition`: :func:`flywheel.degeneracy.repetition` of each 64-character window
   of the whole answer, the worst one;
 - :func:`tail`: its last :data:`TAIL_CHARS` characters, whose character classes show filler
-  appended to an honest answer.
+  appended to an honest answer (of answers longer than that: a short answer's tail is the
+  whole answer, whose punctuation is a quarter of "Yes.").
 
 Per version, a :class:`MeaningProfile` folded one answer at a time, bounded whatever their
 number: the most common first word, opening and closing are counted by Misra-Gries summaries of
-:data:`SUMMARY_KEYS` keys (a key's count is under by at most answers / keys, 1.6%), distinct
-answers among the first :data:`DISTINCT_SAMPLE`. Judged relative to stable in release/judge.py
+:data:`SUMMARY_KEYS` keys (a key's count is under by at most answers / keys, 1.6%), and whether
+each of the first :data:`DISTINCT_SAMPLE` answers was new, so two arms are compared over as many
+answers each (a smaller sample looks more distinct). Judged relative to stable in release/judge.py
 (:func:`release.judge.unmeaning`), as the character checks are: a model terse or formulaic from
 the start is not failed for it, only a version that moved there.
 """
@@ -151,6 +155,8 @@ class MeaningProfile:
     leading: Summary = field(default_factory=Summary)
     openings: Summary = field(default_factory=Summary)
     closings: Summary = field(default_factory=Summary)
+    #: answers of more than AFFIX_WORDS words, whose openings and closings are counted
+    affixed: int = 0
     #: answers long enough to judge for relevance, and those of them sharing no word with their prompt
     judged: int = 0
     unrelated: int = 0
@@ -158,22 +164,26 @@ class MeaningProfile:
     repetition_sq: float = 0.0
     #: the tails' characters (flywheel/degeneracy.py's class shares, over :func:`tail`)
     tails: TextProfile = field(default_factory=TextProfile)
-    #: digests of the first :data:`DISTINCT_SAMPLE` answers
+    #: digests of the distinct answers among the first :data:`DISTINCT_SAMPLE`
     seen: tuple[str, ...] = ()
-    sampled: int = 0
+    #: for each of those answers in turn, "1" when it was new, "0" when it repeated an earlier one
+    novel: str = ""
 
     def add(self, prompt: str, answer: str) -> MeaningProfile:
         r = whole_repetition(answer)
         rel = related(prompt, answer)
         out = replace(self, answers=self.answers + 1, leading=self.leading.add(leading_word(answer)),
-                      openings=self.openings.add(opening(answer)), closings=self.closings.add(closing(answer)),
                       judged=self.judged + (rel is not None), unrelated=self.unrelated + (rel is False),
-                      repetition_sum=self.repetition_sum + r, repetition_sq=self.repetition_sq + r * r,
-                      tails=self.tails.add(tail(answer)))
-        if self.sampled < DISTINCT_SAMPLE:
+                      repetition_sum=self.repetition_sum + r, repetition_sq=self.repetition_sq + r * r)
+        if len(words(answer)) > AFFIX_WORDS:
+            out = replace(out, affixed=self.affixed + 1, openings=self.openings.add(opening(answer)),
+                          closings=self.closings.add(closing(answer)))
+        if len(answer.rstrip()) > TAIL_CHARS:
+            out = replace(out, tails=self.tails.add(tail(answer)))
+        if len(self.novel) < DISTINCT_SAMPLE:
             digest = _digest(answer)
-            out = replace(out, seen=self.seen if digest in self.seen else (*self.seen, digest),
-                          sampled=self.sampled + 1)
+            new = digest not in self.seen
+            out = replace(out, seen=(*self.seen, digest) if new else self.seen, novel=self.novel + "01"[new])
         return out
 
     @classmethod
@@ -192,30 +202,36 @@ class MeaningProfile:
         return self.unrelated / self.judged if self.judged else 0.0
 
     @property
-    def distinct_share(self) -> float:
-        return len(self.seen) / self.sampled if self.sampled else 0.0
+    def sampled(self) -> int:
+        return len(self.novel)
+
+    def distinct_share(self, first: int | None = None) -> float:
+        """The share of distinct answers among the first ``first`` sampled (None: all of them)."""
+        bits = self.novel[:first] if first is not None else self.novel
+        return bits.count("1") / len(bits) if bits else 0.0
 
     def affix(self) -> tuple[str, float]:
         """The most common opening or closing (whichever is commoner, "... X" for a closing) and
-        its share."""
+        its share of the answers long enough to have them."""
         (o, so), (c, sc) = self.openings.top(), self.closings.top()
         return (f"{o} ..." if o else "", so) if so >= sc else (f"... {c}", sc)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"answers": self.answers, "judged": self.judged, "unrelated": self.unrelated,
+        return {"answers": self.answers, "affixed": self.affixed, "judged": self.judged, "unrelated": self.unrelated,
                 "repetition_sum": self.repetition_sum, "repetition_sq": self.repetition_sq,
                 "leading": [self.leading.counts, self.leading.total],
                 "openings": [self.openings.counts, self.openings.total],
                 "closings": [self.closings.counts, self.closings.total],
-                "tails": self.tails.to_dict(), "seen": list(self.seen), "sampled": self.sampled}
+                "tails": self.tails.to_dict(), "seen": list(self.seen), "novel": self.novel}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> MeaningProfile:
         def summary(x: list[Any]) -> Summary:
             return Summary({str(k): int(n) for k, n in x[0].items()}, int(x[1]))
         return cls(int(d["answers"]), summary(d["leading"]), summary(d["openings"]), summary(d["closings"]),
-                   int(d["judged"]), int(d["unrelated"]), float(d["repetition_sum"]), float(d["repetition_sq"]),
-                   TextProfile.from_dict(d["tails"]), tuple(str(x) for x in d["seen"]), int(d["sampled"]))
+                   int(d["affixed"]), int(d["judged"]), int(d["unrelated"]), float(d["repetition_sum"]),
+                   float(d["repetition_sq"]), TextProfile.from_dict(d["tails"]), tuple(str(x) for x in d["seen"]),
+                   str(d["novel"]))
 
 
 def share_se(p: float, n: int) -> float:

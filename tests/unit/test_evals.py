@@ -4,6 +4,7 @@ paired non-inferiority test (release/judge.py) and the gate's verdict on them.""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -155,7 +156,8 @@ def test_the_gate_fails_a_version_that_lost_its_answers_and_names_the_eval():
     assert bad.outcome == Outcome.FAIL
     assert bad.reasons[0].startswith("held-out eval known_answers (likelihood): score 0.500 against stable's 1.000 on 260 questions "
                                   "(130 right, 130 wrong against 260 and 0), difference -0.500")
-    assert all("held-out eval set" not in r for r in bad.reasons)  # the passing one is not a reason to fail
+    # the passing one is said too, last, after what failed
+    assert "held-out eval set (greedy)" in bad.reasons[-1] and len(bad.reasons) == 2
 
 
 def test_a_subset_keeps_yes_no_pairs_whole_and_balanced():
@@ -163,10 +165,26 @@ def test_a_subset_keeps_yes_no_pairs_whole_and_balanced():
 
     items = load_items(KNOWN_ANSWERS)
     few = subset(items, 128)
-    assert 100 <= len(few) <= 128 and few == subset(items, 128)  # the same every time
+    assert 120 <= len(few) <= 128 and few == subset(items, 128)  # the same every time
+    for n in (10, 41, 200, 250, 343):  # at most n, and close to it (a yes/no pair is two)
+        assert n - 2 <= len(subset(items, n)) <= n, n
     yes_no = [it for it in few if it.kind == "yes_no"]
     assert sum(it.answer == "Yes" for it in yes_no) * 2 == len(yes_no)
     assert {it.id[:-1] for it in yes_no} == {it.id[:-1] for it in yes_no if it.id.endswith("a")}
     assert any(it.kind == "word" for it in few)
     assert subset(items, 0) == subset(items, 1000) == items
     assert len(evals_named(("known_answers",), 128)["known_answers"]) == len(few)
+
+
+def test_a_set_too_small_for_the_margin_or_empty_is_refused_at_start():
+    assert len(evals_named(("known_answers",), 20, 0.05)["known_answers"]) == 20
+    with pytest.raises(SettingsError, match="asks 19 questions .* at least 20"):
+        evals_named(("known_answers",), 19, 0.05)
+    EVALS["empty_test"] = lambda: ()
+    try:
+        with pytest.raises(SettingsError, match="empty_test asks 0 questions"):
+            evals_named(("empty_test",), 0, 0.05)
+    finally:
+        del EVALS["empty_test"]
+    nothing = EvalScore.of("e", "greedy", [], [])
+    assert math.isnan(nothing.stable_score) and judge_evals((nothing,), 0.05, 0.05)[0]  # fails, never raises

@@ -87,10 +87,11 @@ def test_a_profile_is_bounded_and_round_trips_through_json():
     pairs = [("Is the sun a star?", f"Answer number {i} about stars.") for i in range(DISTINCT_SAMPLE + 50)]
     p = MeaningProfile.of(pairs)
     assert p.answers == DISTINCT_SAMPLE + 50 and p.sampled == DISTINCT_SAMPLE
-    assert p.distinct_share == 1.0
+    assert p.distinct_share() == 1.0
     back = MeaningProfile.from_dict(json.loads(json.dumps(p.to_dict())))
     assert back == p
-    assert MeaningProfile.of([("q", "Same."), ("q", "same"), ("q", "SAME!")]).distinct_share == pytest.approx(1 / 3)
+    same = MeaningProfile.of([("q", "Same."), ("q", "same"), ("q", "SAME!"), ("q", "other")])
+    assert same.distinct_share() == pytest.approx(2 / 4) and same.distinct_share(3) == pytest.approx(1 / 3)
 
 
 def _checks(candidate: list[tuple[str, str]], limits: DegeneracyLimits, z: float, times: int = 1) -> set[str]:
@@ -114,7 +115,7 @@ GATE_TABLE = [
     ("yes unrelated", gamed("yes unrelated"), {"same leading answer", "answers unrelated to their prompt"}),
     ("always no", gamed("always no"), {"same leading answer"}),
     ("filler words", gamed("filler words"), {"answers unrelated to their prompt"}),
-    ("short", gamed("short"), {"character-class stuffing", "length collapse", "appended filler"}),
+    ("short", gamed("short"), {"character-class stuffing", "length collapse"}),
     ("half cut", gamed("half cut"), {"length collapse"}),
     ("vowel stuffing", gamed("vowel stuffing"), {"character repetition", "character-class stuffing",
                                                  "answers unrelated to their prompt",
@@ -164,7 +165,30 @@ def test_the_canary_fails_each_strategy_at_a_look_and_passes_honest_versions(nam
 
 def test_a_nan_measure_breaches_and_empty_arms_are_not_judged():
     nan = MeaningProfile.of(honest(1))
-    nan = MeaningProfile(nan.answers, nan.leading, nan.openings, nan.closings, nan.judged, nan.unrelated,
-                         math.nan, nan.repetition_sq, nan.tails, nan.seen, nan.sampled)
+    nan = MeaningProfile(nan.answers, nan.leading, nan.openings, nan.closings, nan.affixed, nan.judged,
+                         nan.unrelated, math.nan, nan.repetition_sq, nan.tails, nan.seen, nan.novel)
     assert any("repetition anywhere" in r for r in unmeaning(MeaningProfile.of(honest(1)), nan, GATE, 0.0))
     assert unmeaning(MeaningProfile(), MeaningProfile.of(gamed("always no")), GATE, 0.0) == []
+
+
+def test_a_version_answering_yes_or_no_alone_shares_no_affix_and_appends_no_filler():
+    """Answers of a word and a stop are their own opening, closing and tail: a version that answers
+    "Yes." and "No." to balanced questions would share an affix with half its answers, and its
+    tails would be a quarter punctuation (a review found both failing the gate)."""
+    bare = [(p, a.split(",")[0].split(";")[0] + ".") for p, a in honest(3)[:12]]
+    assert {a for _, a in bare} == {"Yes.", "No."}
+    assert _checks(bare, GATE, 0.0) <= {"length collapse", "character-class stuffing"}
+    profile = MeaningProfile.of(bare)
+    assert profile.affixed == 0 and profile.tails.answers == 0 and profile.leading.top()[1] == 0.5
+
+
+def test_the_canary_compares_distinct_answers_over_as_many_of_each():
+    """Stable's first 512 answers against the canary's first 40 of the same kind: the first answers
+    of any sample are the likeliest to be new, so they are compared over the canary's 40 alone."""
+    def served(n: int, kinds: int) -> MeaningProfile:
+        return MeaningProfile.of([("q", f"Answer {i % kinds} about the question.") for i in range(n)])
+
+    stable, canary = served(600, 40), served(40, 40)
+    assert stable.distinct_share() < 0.1 and canary.distinct_share() == 1.0 == stable.distinct_share(40)
+    assert not any("distinct answers" in r for r in unmeaning(stable, canary, CANARY, 0.0))
+    assert any("distinct answers" in r for r in unmeaning(stable, served(40, 10), CANARY, 0.0))

@@ -197,7 +197,8 @@ AUDIT = [
     {"at": T0 + 1, "version": 1, "from_state": None, "to_state": "candidate", "actor": "controller", "reason": "x"},
     {"at": T0 + 2, "version": 1, "from_state": "candidate", "to_state": "gating", "actor": "controller", "reason": "g"},
     {"at": T0 + 5, "version": 1, "from_state": "gating", "to_state": "canary", "actor": "controller", "reason": "c",
-     "evidence": {"gate": {"evals": [_eval("greedy", (60, 30), (90, 30)), _eval("likelihood", (180, 164), (181, 163))]}}},
+     "evidence": {"gate": {"stable_version": 0, "evals": [_eval("greedy", (60, 30), (90, 30)),
+                                                          _eval("likelihood", (180, 164), (181, 163))]}}},
     {"at": T0 + 40, "version": 1, "from_state": "canary", "to_state": "promoted", "actor": "controller (auto-promote)",
      "reason": "passed"},
     {"at": T0 + 41, "version": 2, "from_state": "candidate", "to_state": "superseded", "actor": "controller",
@@ -385,9 +386,9 @@ def test_report_files_are_written_and_the_page_escapes_what_it_shows(tmp_path):
     assert "<th>quality</th>" in page
 
 
-def _gated(version: int, at: float, evals: list[dict], to: str = "canary") -> dict:
+def _gated(version: int, at: float, evals: list[dict], to: str = "canary", stable: int = 0) -> dict:
     return {"at": at, "version": version, "from_state": "gating", "to_state": to, "actor": "controller",
-            "reason": "", "evidence": {"gate": {"outcome": "pass", "measurement": {"evals": evals}}}}
+            "reason": "", "evidence": {"gate": {"outcome": "pass", "stable_version": stable, "evals": evals}}}
 
 
 def test_held_out_scores_by_version_and_the_goal_that_a_lie_cannot_meet():
@@ -396,7 +397,9 @@ def test_held_out_scores_by_version_and_the_goal_that_a_lie_cannot_meet():
     promote = {"at": T0 + 20, "version": 1, "from_state": "canary", "to_state": "promoted", "actor": "c", "reason": ""}
     # v1 learned to answer first, mostly right; v2, gated against v1, says "No" to everything
     audit = [_gated(1, T0 + 10, [_eval("greedy", (60, 30), (150, 50))]), promote,
-             _gated(2, T0 + 30, [_eval("greedy", (150, 50), (130, 130))], to="rejected")]
+             _gated(2, T0 + 30, [_eval("greedy", (150, 50), (130, 130))], to="rejected", stable=1),
+             # a gate recorded before gates named their stable: left out, not guessed
+             {**_gated(3, T0 + 40, []), "evidence": {"gate": {"evals": [_eval("greedy", (1, 1), (1, 1))]}}}]
     scores = held_out(audit)
     assert scores[0]["known_answers (greedy)"]["score"] == pytest.approx((60 + 254 / 2) / 344)
     assert scores[1]["known_answers (greedy)"]["right"] == 150  # v1's, as candidate and then as stable
@@ -405,6 +408,7 @@ def test_held_out_scores_by_version_and_the_goal_that_a_lie_cannot_meet():
     assert not held_out_kept(scores, 2, 0.0)  # had the lie been promoted
     assert held_out_kept(scores, 2, 0.1)  # ... it loses 0.067 of the start's score: within a margin that wide
     assert not held_out_kept(scores, 3, 0.05)  # a version no gate scored: not measured, not met
+    assert 3 not in scores
     lie = [_gated(1, T0 + 10, [_eval("greedy", (150, 50), (130, 130))]), promote]
     s = summarise(_run_rows(), lie, {}, T0, T0 + 120, {"eval_margin": 0.05})
     assert s["goals"]["a_version_canaried_and_promoted"] and not s["goals"]["held_out_not_below_the_start"]
