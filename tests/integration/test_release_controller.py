@@ -77,11 +77,13 @@ def checkpoint_event(store, version: int) -> dict:
 
 
 def settings_for(kafka_settings, topics, model_dir, data_dir, db_url, **release) -> Settings:
-    # eight of the shipped held-out prompts keep the gate to seconds
+    # eight of the shipped held-out prompts and 20 of the held-out eval's questions (the fewest its
+    # margin allows; test_release_evals asks more) keep the gate to seconds
     prompts = data_dir / "prompts.jsonl"
     prompts.write_text("".join(DEFAULT_PROMPTS.read_text().splitlines(keepends=True)[:8]))
     cfg = {"database_url": db_url, "canary_share": 0.5, "min_events": 40, "alpha": 0.05, "promotion_interval_s": 0,
-               "gate_max_new_tokens": 12, "prompts_file": prompts, "tick_s": 0.1, "lease_ttl_s": 5, "deadline_s": 600}
+           "gate_max_new_tokens": 12, "prompts_file": prompts, "tick_s": 0.1, "lease_ttl_s": 5, "deadline_s": 600,
+           "eval_questions": 20}
     cfg.update(release)
     # each user's outcome is due 0.2 s after their first answer (outcome window, ingest's join
     # window and grace: release/outcomes.py), so a canary decides in seconds

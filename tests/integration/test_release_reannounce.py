@@ -65,7 +65,7 @@ def close(ctl: Controller) -> None:
 
 
 def settings_for(kafka_settings: KafkaSettings, prefix: str, model_dir, data_dir, db: str, **release) -> Settings:
-    cfg = {"database_url": db, "tick_s": 0.1, "lease_ttl_s": 30,
+    cfg = {"database_url": db, "tick_s": 0.1, "lease_ttl_s": 30, "eval_questions": 20,  # a gate of seconds
            "group_id": f"release-{prefix}", **release}
     return Settings(model_dir=model_dir, data_dir=data_dir, topic_prefix=prefix, kafka=kafka_settings,
                     serve=ServeSettings(api_keys=(KEY,), user_id_salt="test-salt", version_visible_keys=(KEY,)),
