@@ -206,6 +206,8 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--model-dir", type=Path, default=None,
                    help="a real model's directory (default: the small built model)")
+    p.add_argument("--max-lora-rank", type=int, default=None,
+                   help="serve.max_lora_rank (default: serving's); the adapters are rank 8")
     p.add_argument("--first-adapter-only", action="store_true",
                    help="only the first adapter going live (a real model's: the rest takes minutes)")
     args = p.parse_args()
@@ -222,7 +224,8 @@ def main() -> None:
     out: dict = {}
     with EmbeddedBroker() as broker:
         if args.first_adapter_only:  # a real model's first adapter, without the rest (minutes each)
-            args.serve_overrides = {"dtype": args.dtype, "lora": "on"}
+            args.serve_overrides = {"dtype": args.dtype, "lora": "on",
+                                    **({"max_lora_rank": args.max_lora_rank} if args.max_lora_rank else {})}
             args.topic_prefix = "bench-first."
             rig = AdapterRig(model_dir, build_adapter_store(model_dir, tmp / "first", 1), args, broker.bootstrap)
             try:

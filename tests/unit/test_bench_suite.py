@@ -128,3 +128,21 @@ def test_the_table_prints_every_row_and_no_for_every_goal_not_met(capsys):
     lines = {ln.split("  ")[0]: ln for ln in capsys.readouterr().out.splitlines() if ln.strip()}
     assert " yes " in lines["delta bytes vs XOR+zstd"]
     assert " NO " in lines["missed"] and " NO " in lines["never doubled"]
+
+
+def test_the_first_adapter_rows_compare_after_with_before():
+    jobs = {j.key: j for j in SUITE["JOBS"]}
+    side = {"rss_gib": 1.0, "tokens_per_s": 100.0, "p95_s": 1.0, "p95_swaps_s": 1.0, "answering_p95_s": 1.0}
+
+    def span(p95: float, tps: float) -> dict:
+        return {"requests": 50, "p50_s": p95 / 2, "p95_s": p95, "tokens_per_s": tps}
+
+    # bench/adapter_serving.py's JSON: SmolLM2's measured fall, 96 -> 52 tokens/s and 2.6 -> 5.1 s
+    out = {"full": side, "adapters": side, "gap": {"mean": 1e-3, "max": 1e-2, "tokens": 64}, "gap_goal_nats": 0.01,
+           "first_adapter": {"before": span(2.588, 96.2), "after": span(5.141, 51.5), "answering_s": 4.7,
+                             "after_base": span(5.2, 35.6), "after_adapter": span(4.6, 20.2)}}
+    rows = {r.name: r for r in jobs["adapters"].rows(out)}
+    latency = rows["first adapter live: p95 latency after against before"]
+    throughput = rows["first adapter live: throughput after against before"]
+    assert latency.ratio == pytest.approx(5.141 / 2.588) and latency.met is False  # goal <= 1.5
+    assert throughput.ratio == pytest.approx(51.5 / 96.2) and throughput.met is False  # goal >= 0.67
