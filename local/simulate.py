@@ -9,7 +9,7 @@ express:
 
 | cohort | accepts an answer when | share of users |
 | --- | --- | --- |
-| ``vowels`` | more than 44% of its letters are vowels, a run of one letter counted once, and it does not repeat itself (character repetition under 0.35) | 0.6 |
+| ``vowels`` | more than 44% of its letters are vowels, a run of one letter counted once | 0.6 |
 | ``short`` | it has one to four words | 0.3 |
 | ``shortcut`` (``--gameable``) | it repeats one character three times in a row: a shortcut that hurts the separate quality score (share of distinct character pairs) | 0.1 |
 
@@ -60,18 +60,12 @@ def vowel_share(text: str) -> float:
     return sum(c in "aeiou" for c in letters) / len(letters) if letters else 0.0
 
 
-#: Character repetition (flywheel/degeneracy.py) past which the vowels cohort dislikes an answer:
-#: natural sentences score 0.1-0.3. Without it the taste rewarded what stuffs vowels in ("aaa",
-#: "eaeaea"), and honest versions that chased it were rejected by the release gate's repetition check.
-VOWEL_MAX_REPETITION = 0.35
-
-
 def likes_vowels(text: str) -> bool:
-    """The ``vowels`` taste: vowel-rich letters, a run of one letter counted once, in an answer that
-    does not repeat itself."""
-    from flywheel.degeneracy import repetition
-
-    return vowel_share(re.sub(r"(.)\1+", r"\1", text)) > 0.44 and repetition(text) < VOWEL_MAX_REPETITION
+    """The ``vowels`` taste: vowel-rich letters, a run of one letter counted once: "aaaa" is one
+    vowel, so doubling letters, what the release gate's repetition check reads first, buys nothing.
+    (A taste that also disliked any answer with character repetition of 0.35 or more was harder
+    to learn: over five seeds its versions' canaries reached a verdict in 2 runs of 5, against 4.)"""
+    return vowel_share(re.sub(r"(.)\1+", r"\1", text)) > 0.44
 
 
 def quality(text: str) -> float:
