@@ -48,6 +48,9 @@ def run_one(seed: int, duration: float, extra: list[str], root: Path) -> dict[st
         "start": acc["start"], "held": acc["held"], "held_2x_from_s": acc["held_2x_from_s"],
         "last_live_z": acc["last_live"]["z"], "taste_z": s["taste"].get("z"),
         "promoted": s["promoted"], "canaried": s["canaried"], "goals": s["goals"],
+        # why versions did not ship (a gate's failed check, a canary's verdict): the run's own words
+        "decisions": [{"version": d["version"], "to": d["to"], "at_s": round(d["at"] - s["started_at"]),
+                       "reason": d["reason"][:300]} for d in s["decisions"]],
     }
 
 

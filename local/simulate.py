@@ -63,8 +63,8 @@ def vowel_share(text: str) -> float:
 def likes_vowels(text: str) -> bool:
     """The ``vowels`` taste: vowel-rich letters, a run of one letter counted once: "aaaa" is one
     vowel, so doubling letters, what the release gate's repetition check reads first, buys nothing.
-    (A taste that also disliked any answer with character repetition of 0.35 or more was harder
-    to learn: over five seeds its versions' canaries reached a verdict in 2 runs of 5, against 4.)"""
+    (A taste that also disliked any answer with character repetition of 0.35 or more promoted in
+    2 runs of 5 seeds; this one in 1 (README).)"""
     return vowel_share(re.sub(r"(.)\1+", r"\1", text)) > 0.44
 
 
