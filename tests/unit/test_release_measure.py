@@ -416,8 +416,7 @@ def test_a_degenerate_canary_is_rolled_back_on_what_it_served():
     assert v.outcome == Outcome.FAIL
     assert [r.split(" 0.")[0] for r in v.reasons] == ["guardrail character repetition",
                                                       "guardrail character-class stuffing: consonants",
-                                                      "guardrail repetition anywhere in the answer:",
-                                                      "guardrail appended filler: consonants"], v.reasons
+                                                      "guardrail repetition anywhere in the answer:"], v.reasons
 
 
 def test_the_profiles_are_saved_with_the_tally():
