@@ -69,7 +69,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,10 @@ class Preset:
     max_tokens: int
     #: Prompts whose answers the report shows by version (none on the built model: byte soup).
     fixed_prompts: tuple[str, ...] = ()
+    #: A real model's versions when ``--training`` names none: LoRA adapters or full weights.
+    training: str = "lora"
+    #: Settings laid over the overlay (before ``--training``'s), as a settings file's tables.
+    settings: dict[str, Any] = field(default_factory=dict)
 
 
 BUILT = Preset("built", "built", None, duration_s=210, rate=8.0, max_tokens=24)
@@ -112,13 +116,26 @@ REAL = Preset("real", "yes_no", DEMO_CONFIG.with_name("demo-real.toml"), duratio
               fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is coffee bad for you?",
                              "Is a whale a mammal?"))
 #: ``--knowing``: the real model's demo with users who know the answers (local/simulate.py's
-#: ``known`` taste): a direct answer is accepted only when right. The fixed prompts: three the users
-#: ask, and the gate's question no user asks. 15 minutes of traffic: each gate asks the held-out
-#: eval's 344 questions of the candidate (stable's answers are kept), minutes on a busy two-core
-#: machine, and a version must pass one and its canary within the run.
-KNOWING = replace(REAL, name="real-knowing", taste="known", duration_s=900,
+#: ``known`` taste): a direct answer is accepted only when right, and each question gets two
+#: answers, each judged. The fixed prompts: three the users ask, and the gate's question no user
+#: asks. 15 minutes of traffic: a version must pass a gate and its canary within the run.
+KNOWING = replace(REAL, name="real-knowing", taste="known", duration_s=900, rate=1.0,
                   fixed_prompts=("Is the sun a star?", "Can penguins fly?", "Is the moon bigger than the earth?",
-                                 "Is a whale a mammal?"))
+                                 "Is a whale a mammal?"),
+                  # Full weights: served by a second engine at full speed, where an adapter halved
+                  # the engine's throughput (vLLM's LoRA on the CPU) and stalled the last run's
+                  # canary at a median of 4.2 s.
+                  training="full",
+                  settings={
+                      # GRPO over the two answers to one question: its advantage is the right answer's
+                      # edge over the other, zero when both are right or both wrong (dropped, never a
+                      # step); REINFORCE's batch baseline rewarded whatever the accepted answers
+                      # shared, and the run learned "No." for every question.
+                      "trainer": {"loss": "grpo", "group_size": 2},
+                      # All 344 held-out questions: over 172 (gates of 80-140 s against 351 s), four
+                      # versions that answered more often at about stable's accuracy scored stable's
+                      # 0.547 and failed non-inferiority by 0.002-0.013 of bound.
+                      })
 #: Models ``--model`` names: where they come from.
 MODELS = ("built", "smollm2")
 #: ``--training full`` on a real model: every weight trained, at a step size for whole weights
@@ -176,7 +193,8 @@ def merged_config(preset: Preset, training: str | None, out: Path) -> Path:
     from local.simulate import TASTES
 
     data = tomllib.loads(DEMO_CONFIG.read_text())
-    layers = [tomllib.loads(preset.overlay.read_text())] + ([FULL_WEIGHTS] if training == "full" else [])
+    training = training or preset.training
+    layers = [tomllib.loads(preset.overlay.read_text()), preset.settings] + ([FULL_WEIGHTS] if training == "full" else [])
     held_out = TASTES[preset.taste].held_out
     if held_out:
         prompts = out.with_name("gate-prompts.jsonl")
@@ -468,7 +486,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     def f(x: Any, unit: str = "", d: int = 2) -> str:
         return "-" if x is None else f"{x:.{d}f}{unit}"
 
-    _say(f"{s['requests']} requests over {s['traffic_s']:.0f} s, {s['judged']} judged")
+    _say(f"{s['requests']} answers over {s['traffic_s']:.0f} s, {s['judged']} judged")
     _say(f"accept rate: {f(acc['start'])} before the first trained version went live, {f(acc['end'])} in the "
          f"last {acc['window_s']:.0f} s, best {f(acc['best'])}")
     _say(learning_line(acc))

@@ -630,7 +630,7 @@ table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;paddi
 .ok{{color:#060;font-weight:bold}}.no{{color:#a00;font-weight:bold}}img{{max-width:100%}}
 .liked{{background:#e4f5e4}}.answers td{{vertical-align:top;max-width:280px}}</style></head>
 <body><h1>Flywheel: the whole loop, one run</h1>
-<p>{summary['requests']} requests over {summary['traffic_s']:.0f} s of simulated traffic,
+<p>{summary['requests']} answers over {summary['traffic_s']:.0f} s of simulated traffic,
 {summary['judged']} judged. Accept rate {_fmt(acc['start'])} before the first trained version went
 live, {_fmt(acc['end'])} in the last {acc['window_s']:.0f} s. {e(learning_line(acc))}
 {e(taste_line(summary['taste']))}
@@ -639,7 +639,7 @@ live, {_fmt(acc['end'])} in the last {acc['window_s']:.0f} s. {e(learning_line(a
 {_answers_html(summary.get('answers') or [])}
 {img}
 <h2>Versions as users met them</h2>
-<table><tr><th>version</th><th>requests</th><th>judged</th><th>accept rate</th>{"".join(
+<table><tr><th>version</th><th>answers</th><th>judged</th><th>accept rate</th>{"".join(
     f"<th>held-out {e(k)}</th>" for k in ways)}<th>latency p50</th><th>p95</th>
 <th>distinct answers</th><th>quality</th></tr>{ver_rows}</table>
 <p>Held-out: questions no user asks whose answers are known, scored at the release gate (right 1,

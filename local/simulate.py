@@ -188,6 +188,10 @@ class Taste:
     chat: bool
     #: Prompts of the same kind that no user asks (the release gate's, in the demo); None: the gate's own.
     held_out: tuple[str, ...] | None = None
+    #: Answers per request (the API's ``n``), shown side by side and each judged: one group the
+    #: trainer's grouped losses compare (GRPO), so what is rewarded is the better of two answers to
+    #: the same question, not whatever most accepted answers share.
+    choices: int = 1
 
 
 TASTES = {
@@ -197,9 +201,12 @@ TASTES = {
     "yes_no": Taste("yes_no", (Cohort("direct", 1.0, "yes_no"),), YES_NO_PROMPTS, chat=True,
                     held_out=YES_NO_HELD_OUT),
     # one cohort that knows the answers: a direct "Yes" or "No" is accepted when right, rejected
-    # when wrong, and an answer that is no direct one is rejected as before
+    # when wrong, and an answer that is no direct one is rejected as before. Two answers a
+    # question: judged one at a time across questions, the accepts of the direct "No"s SmolLM2
+    # starts with taught a run to answer "No." to everything (v6 of `flywheel demo --knowing`,
+    # whose canary v1 drew no accept); compared within a question, only the right answer gains.
     "known": Taste("known", (Cohort("knowing", 1.0, "right_yes_no"),), tuple(known_answers()), chat=True,
-                   held_out=YES_NO_HELD_OUT),
+                   held_out=YES_NO_HELD_OUT, choices=2),
 }
 
 
@@ -352,10 +359,11 @@ class Simulator:
         start = time.monotonic()
         cohort = user.cohort.name if user.cohort else "abuser"
         ask = {"messages": [{"role": "user", "content": prompt}]} if self.taste.chat else {"prompt": prompt}
+        n = self.taste.choices
         try:
             resp = await http.post("/v1/chat/completions" if self.taste.chat else "/v1/completions", json={
                 "model": self.cfg.model, **ask, "max_tokens": self.cfg.max_tokens, "temperature": 1.0,
-                "user": user.uid})
+                "user": user.uid, **({"n": n} if n > 1 else {})})
         except httpx.HTTPError:  # a connection the server closed under us: the user saw an error
             self.rows.append(Row(start - t0, user.uid, cohort, None, TRANSPORT_ERROR, time.monotonic() - start,
                                  None, None, None, at))
@@ -365,19 +373,21 @@ class Simulator:
             self.rows.append(Row(start - t0, user.uid, cohort, None, resp.status_code, latency, None, None, None, at))
             return
         body = resp.json()
-        choice = body["choices"][0]
-        text = choice["message"]["content"] if self.taste.chat else choice["text"]
-        signal = judge(user, text, self.rng, prompt)
         # named only to a key in serve.version_visible_keys (the demo's); a product key's answer says
         # "flywheel" alone, and its rows are counted under no version
         version = int(body["model"].rsplit("@v", 1)[1]) if "@v" in body["model"] else None
-        row = Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), body["id"], at, text)
-        self.rows.append(row)
-        if signal is not None:
-            delay = self.rng.uniform(0, self.cfg.max_delay_s)
-            # the abuser's accepts are its behaviour, not a judgement of the answer: never shuffled
-            sent = self.shuffler.swap(signal) if self.shuffler is not None and user.cohort is not None else signal
-            self._feedback.append(asyncio.create_task(self._feedback_later(http, user, row, sent, delay)))
+        for choice in body["choices"]:  # a row each: an answer judged on its own
+            text = choice["message"]["content"] if self.taste.chat else choice["text"]
+            signal = judge(user, text, self.rng, prompt)
+            # each choice's own generation id (with n > 1 the response's id is the group's)
+            gen_id = choice.get("generation_id", body["id"])
+            row = Row(start - t0, user.uid, cohort, version, 200, latency, signal, quality(text), gen_id, at, text)
+            self.rows.append(row)
+            if signal is not None:
+                delay = self.rng.uniform(0, self.cfg.max_delay_s)
+                # the abuser's accepts are its behaviour, not a judgement of the answer: never shuffled
+                sent = self.shuffler.swap(signal) if self.shuffler is not None and user.cohort is not None else signal
+                self._feedback.append(asyncio.create_task(self._feedback_later(http, user, row, sent, delay)))
 
     async def _feedback_later(self, http: Any, user: User, row: Row, signal: str, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -77,3 +77,25 @@ def test_a_connection_dropped_by_the_server_is_an_error_row_not_a_crash(tmp_path
     assert not dropper.is_alive()
     assert rows and {r.status for r in rows} == {TRANSPORT_ERROR}
     assert summarise(rows)["refused"] == {TRANSPORT_ERROR: len(rows)}
+
+
+def test_users_shown_two_answers_judge_each_and_the_two_form_one_group(serve, broker, monkeypatch):
+    """A taste with ``choices=2`` (the knowing users'): each request asks ``n=2``, each answer is
+    a row judged on its own, and its feedback names that answer's generation, so the trainer's
+    grouped loss compares the two answers to one question."""
+    from local.simulate import DEFAULT_COHORTS, TASTES, Taste
+
+    monkeypatch.setitem(TASTES, "two", Taste("two", DEFAULT_COHORTS, None, chat=False, choices=2))
+    s = serve()
+    sim = Simulator(Config(url=s.url, key=KEY, duration_s=3, rate=4, users=12, max_tokens=8, max_delay_s=0.5,
+                           seed=5, taste="two", abuser=False))
+    ok = [r for r in sim.run() if r.status == 200]
+    assert ok and len(ok) % 2 == 0 and len({r.generation_id for r in ok}) == len(ok)
+    events = generations(broker, s, expect=len(ok))
+    groups: dict[str, list[int]] = {}
+    for r in ok:
+        groups.setdefault(events[r.generation_id].group_id, []).append(events[r.generation_id].choice_index)
+    assert all(sorted(ix) == [0, 1] for ix in groups.values()) and len(groups) == len(ok) // 2
+    judged = [r for r in ok if r.signal is not None]
+    fb = [decode(FeedbackEvent, r.value) for r in read_all(broker.bootstrap, s.topics.feedback, expect=len(judged))]
+    assert sorted(f.generation_id for f in fb) == sorted(r.generation_id for r in judged)

@@ -122,10 +122,19 @@ def test_knowing_users_run_on_a_real_model_only_with_the_same_settings(tmp_path)
     assert choose(load_settings(env={}, config_file=DEMO_CONFIG), args) == (KNOWING, tmp_path)
     with pytest.raises(SystemExit, match="--knowing is for a real model"):
         choose(load_settings(env={}, config_file=DEMO_CONFIG), SimpleNamespace(knowing=True, model="built"))
-    assert KNOWING.taste == "known" and KNOWING.overlay == REAL.overlay and KNOWING.rate == REAL.rate
+    assert KNOWING.taste == "known" and KNOWING.overlay == REAL.overlay
+    # two answers a question, each judged: GRPO compares them (a group of 2 per request)
+    assert TASTES["known"].choices == 2 and KNOWING.rate * 2 <= 2 * REAL.rate
     # the fixed prompts: three the users ask (with known answers), and the gate's question no user asks
     assert set(KNOWING.fixed_prompts[:-1]) <= set(known_answers()) and KNOWING.fixed_prompts[-1] in YES_NO_HELD_OUT
-    settings = load_settings(env={}, config_file=merged_config(KNOWING, "lora", tmp_path / "knowing.toml"))
-    assert settings == load_settings(env={}, config_file=merged_config(REAL, "lora", tmp_path / "real.toml")).model_copy(
-        update={"release": settings.release})
+    settings = load_settings(env={}, config_file=merged_config(KNOWING, None, tmp_path / "knowing.toml"))
+    real = load_settings(env={}, config_file=merged_config(REAL, "full", tmp_path / "real.toml"))
+    # whole weights by default; the grouped loss over full groups of two
+    assert settings.trainer.lora_rank == 0 and settings.trainer.lr == real.trainer.lr
+    assert (settings.trainer.loss, settings.trainer.group_size, settings.trainer.active_sampling) == ("grpo", 2, True)
+    assert settings == real.model_copy(update={"release": settings.release, "trainer": settings.trainer})
+    assert settings.release == real.release.model_copy(update={"prompts_file": settings.release.prompts_file})
+    # --training lora still trains an adapter, with the same grouped loss
+    lora = load_settings(env={}, config_file=merged_config(KNOWING, "lora", tmp_path / "knowing-lora.toml"))
+    assert lora.trainer.lora_rank == 8 and lora.trainer.loss == "grpo"
     assert not set(TASTES["known"].prompts) & set(YES_NO_HELD_OUT)
