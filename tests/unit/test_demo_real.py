@@ -130,10 +130,13 @@ def test_knowing_users_run_on_a_real_model_only_with_the_same_settings(tmp_path)
     settings = load_settings(env={}, config_file=merged_config(KNOWING, None, tmp_path / "knowing.toml"))
     real = load_settings(env={}, config_file=merged_config(REAL, "full", tmp_path / "real.toml"))
     # whole weights by default; the grouped loss over full groups of two
-    assert settings.trainer.lora_rank == 0 and settings.trainer.lr == real.trainer.lr
+    assert settings.trainer.lora_rank == 0 and settings.trainer.lr > real.trainer.lr
     assert (settings.trainer.loss, settings.trainer.group_size, settings.trainer.active_sampling) == ("grpo", 2, True)
     assert settings == real.model_copy(update={"release": settings.release, "trainer": settings.trainer})
-    assert settings.release == real.release.model_copy(update={"prompts_file": settings.release.prompts_file})
+    # a longer canary (a smaller lift to show); every held-out question still asked
+    assert settings.release.deadline_s > real.release.deadline_s and settings.release.eval_questions == 0
+    assert settings.release == real.release.model_copy(update={"prompts_file": settings.release.prompts_file,
+                                                               "deadline_s": settings.release.deadline_s})
     # --training lora still trains an adapter, with the same grouped loss
     lora = load_settings(env={}, config_file=merged_config(KNOWING, "lora", tmp_path / "knowing-lora.toml"))
     assert lora.trainer.lora_rank == 8 and lora.trainer.loss == "grpo"
