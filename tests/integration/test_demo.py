@@ -216,20 +216,23 @@ def test_users_who_reward_a_direct_answer_whatever_its_truth_get_no_version_that
 
 
 @pytest.mark.slow  # about 25 minutes on 2 cores: 900 s of traffic, gates of 344 questions
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "not reached on two CPU cores (issue 46): in three 900 s runs no version was promoted. The "
-    "versions answered more often at about stable's accuracy, or learned 'No.' for everything "
-    "(REINFORCE), and the held-out eval stopped them; a whole-weight gate of 344 questions takes "
-    "4-8 minutes of the busy cores, so one canary fits in a run"))
 @needs_smollm2
 def test_users_who_know_the_answers_get_a_direct_right_version_promoted(tmp_path):
-    """Users who accept a direct answer only when it is right: the loop promotes a version that
-    answers directly and rightly, whose held-out score is not below the start's. Strict: a run
-    that reaches it fails here until the marker comes off."""
+    """Users who accept a direct answer only when it is right: no version that lost held-out answers
+    ships, and (not reached on two CPU cores yet, issue 46: an expected failure until a run gets
+    there) the loop promotes a version that answers directly and rightly, whose held-out score is
+    not below the start's."""
     got = run_demo(tmp_path, "--model", "smollm2", "--knowing", "--seed", "1", timeout=3000)
     s = got["summary"]
-    assert s["promoted"], json.dumps(s["decisions"], indent=1)
-    assert s["goals"]["held_out_not_below_the_start"] and s["goals"]["a_version_canaried_and_promoted"], s["goals"]
+    assert s["goals"]["held_out_not_below_the_start"], json.dumps(s["held_out"], indent=1)
+    for col in s["answers"]:
+        if col["role"] == "promoted":
+            assert not _led_by_one_word([a["text"] for a in col["answers"]]), col
+    if not s["promoted"]:
+        pytest.xfail("no version promoted: in three 900 s runs on two cores SmolLM2's versions answered more "
+                     "often at about chance, or learned 'No.' for everything, and the held-out eval stopped them "
+                     "(README, 'With users who know the answers'); decisions: " + json.dumps(s["decisions"])[:2000])
+    assert s["goals"]["a_version_canaried_and_promoted"], s["goals"]
     last = str(s["promoted"][-1])
     for way in ("known_answers (greedy)", "known_answers (likelihood)"):
         assert s["held_out"][last][way]["score"] >= s["held_out"]["0"][way]["score"], s["held_out"]

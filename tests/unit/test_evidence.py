@@ -78,3 +78,8 @@ def test_each_user_counts_once_by_their_first_judgement():
             {"at": 2.0, "user": "b", "signal": "accept"}, {"at": 4.0, "user": "b", "signal": "accept"}]
     assert user_outcomes(rows) == (1, 2)  # a rejected first; b accepted
     assert user_outcomes([]) == (0, 0)
+    # two answers to one request (n=2) share its time: the one whose feedback was sent first counts,
+    # as the release controller counts the first feedback that arrives
+    pair = [{"at": 1.0, "user": "c", "signal": "accept", "feedback_at": 2.5},
+            {"at": 1.0, "user": "c", "signal": "reject", "feedback_at": 1.5}]
+    assert user_outcomes(pair) == (0, 1) and user_outcomes(pair[::-1]) == (0, 1)
