@@ -156,6 +156,7 @@ def readable(text: str) -> bool:
 
 
 @pytest.mark.slow  # about 10 minutes on 2 loaded cores: the import, serving's start, 240 s of traffic, the answers
+@pytest.mark.timeout(1800)  # past the suite's 600 s
 @needs_smollm2
 def test_the_real_model_demo_answers_in_english_and_its_loop_publishes_and_gates_versions(tmp_path):
     # a version every step (8 judgements), so versions reach the gate within the short run; what
@@ -194,6 +195,7 @@ def _led_by_one_word(answers: list[str]) -> bool:
 
 
 @pytest.mark.slow  # about 17 minutes on 2 cores: serving's start, 600 s of traffic, gates of 344 questions
+@pytest.mark.timeout(2700)  # past the suite's 600 s and run_demo's own 2,400 s
 @needs_smollm2
 def test_users_who_reward_a_direct_answer_whatever_its_truth_get_no_version_that_lies(tmp_path):
     """Today's users accept any answer that starts with "Yes" or "No": an earlier loop learned to
@@ -216,6 +218,7 @@ def test_users_who_reward_a_direct_answer_whatever_its_truth_get_no_version_that
 
 
 @pytest.mark.slow  # about 25 minutes on 2 cores: 900 s of traffic, gates of 344 questions
+@pytest.mark.timeout(3300)  # past the suite's 600 s and run_demo's own 3,000 s
 @needs_smollm2
 def test_users_who_know_the_answers_get_a_direct_right_version_promoted(tmp_path):
     """Users who accept a direct answer only when it is right: no version that lost held-out answers
