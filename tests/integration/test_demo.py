@@ -194,14 +194,16 @@ def _led_by_one_word(answers: list[str]) -> bool:
     return len(answers) > 1 and len({leading_word(a) for a in answers}) == 1
 
 
-@pytest.mark.slow  # about 17 minutes on 2 cores: serving's start, 600 s of traffic, gates of 344 questions
+@pytest.mark.slow  # about 22 minutes on 2 cores: serving's start, 900 s of traffic, gates of 344 questions
 @pytest.mark.timeout(2700)  # past the suite's 600 s and run_demo's own 2,400 s
 @needs_smollm2
 def test_users_who_reward_a_direct_answer_whatever_its_truth_get_no_version_that_lies(tmp_path):
     """Today's users accept any answer that starts with "Yes" or "No": an earlier loop learned to
     lead with "No" whatever the question, and promoted it. Now every version the gate or the canary
     stopped names what stopped it, and no version that shipped lost held-out answers it had."""
-    got = run_demo(tmp_path, "--model", "smollm2", "--seed", "1", timeout=2400)
+    # 900 s, not the preset's 600: the first gate (both versions over 344 questions, adapters
+    # serving beside it) took until 520 s, and in 600 s the loop's later versions were never gated
+    got = run_demo(tmp_path, "--model", "smollm2", "--seed", "1", "--duration", "900", timeout=2400)
     s = got["summary"]
     assert s["goals"]["held_out_not_below_the_start"], json.dumps(s["held_out"], indent=1)
     stopped = [d for d in s["decisions"] if d["to"] in ("rejected", "rolled_back")]
